@@ -1,0 +1,283 @@
+"""headlab.kernels: every path against a naive eager reference (float64, materialised scores).
+
+The Triton path is checked by tests/test_kernels_triton.py (TRITON_INTERPRET=1); this module checks the
+torch and sdpa paths and holds the shared reference and case generator.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from headlab.kernels import AttentionStats, attention
+
+
+# --------------------------------------------------------------------------- naive reference
+def reference(
+    q, k, v, *, scale, causal=True, key_padding_mask=None, attn_mask=None, q_scale=None, score_zero=None,
+    out_scale=None, key_spans=None, key_bias=None, probe_spans=None, softcap=None, window=None,
+):
+    """Independent float64 computation: materialise the scores, mask, softmax, read everything off A."""
+    B, H, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    G = H // Hkv
+    qd, kd, vd = q.double(), k.double(), v.double()
+    kd = kd.repeat_interleave(G, dim=1)
+    vd = vd.repeat_interleave(G, dim=1)
+    if q_scale is not None:
+        qd = qd * torch.as_tensor(q_scale).double().expand(B, H)[:, :, None, None]
+    s = torch.einsum("bhqd,bhkd->bhqk", qd, kd) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    if score_zero is not None:
+        s = torch.where(torch.as_tensor(score_zero).expand(B, H)[:, :, None, None], torch.zeros_like(s), s)
+    if key_spans is not None:
+        for b in range(B):
+            for si in range(key_spans.shape[1]):
+                st, en = int(key_spans[b, si, 0]), int(key_spans[b, si, 1])
+                for h in range(H):
+                    s[b, h, :, st:en] += float(key_bias[b, h, si])
+    vis = torch.ones(B, H, Nq, Nk, dtype=torch.bool)
+    for i in range(Nq):
+        ia = Nk - Nq + i
+        for j in range(Nk):
+            ok = True
+            if causal and j > ia:
+                ok = False
+            if window is not None and (ia - j >= window or (not causal and j - ia >= window)):
+                ok = False
+            if not ok:
+                vis[:, :, i, j] = False
+    if key_padding_mask is not None:
+        vis &= key_padding_mask[:, None, None, :]
+    if attn_mask is not None:
+        vis &= attn_mask
+    s = s.masked_fill(~vis, -math.inf)
+    a = torch.zeros_like(s)
+    rows = vis.any(-1)
+    a[rows] = torch.softmax(s[rows], dim=-1)
+    z = torch.einsum("bhqk,bhkd->bhqd", a, vd)
+    if out_scale is not None:
+        z = z * torch.as_tensor(out_scale).double().expand(B, H)[:, :, None, None]
+    argmax = torch.where(rows, s.argmax(-1), torch.full_like(rows, -1, dtype=torch.long))
+    argmax_prob = torch.where(rows, a.amax(-1), torch.zeros_like(a[..., 0]))
+    ent = -torch.where(a > 0, a * torch.log(a.clamp_min(1e-300)), torch.zeros_like(a)).sum(-1)
+    out = dict(z=z, pattern=a, argmax=argmax, argmax_prob=argmax_prob, entropy=ent)
+    if probe_spans is not None:
+        P = probe_spans.shape[1]
+        sm = torch.zeros(B, H, Nq, P, dtype=torch.float64)
+        for b in range(B):
+            for p in range(P):
+                st, en = int(probe_spans[b, p, 0]), int(probe_spans[b, p, 1])
+                sm[b, :, :, p] = a[b, :, :, st:en].sum(-1)
+        out["span_mass"] = sm
+    return out
+
+
+# --------------------------------------------------------------------------- case generator
+def make_case(B=2, H=4, Hkv=2, Nq=9, Nk=9, D=8, dtype=torch.float32, pad=(0, 3), seed=0, edits=True,
+              spans=True):
+    """Random q/k/v (distinct keys so argmax ties are rare), left padding, edits on some (row, head)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, Nq, D, generator=g).to(dtype)
+    k = torch.randn(B, Hkv, Nk, D, generator=g).to(dtype)
+    v = torch.randn(B, Hkv, Nk, D, generator=g).to(dtype)
+    kpm = None
+    if pad is not None and any(pad):
+        kpm = torch.ones(B, Nk, dtype=torch.bool)
+        for b in range(B):
+            kpm[b, : pad[b % len(pad)]] = False
+    kw = {}
+    if edits:
+        qs = torch.ones(B, H)
+        qs[0, 1] = 0.0
+        qs[B - 1, 0] = 1.7
+        sz = torch.zeros(B, H, dtype=torch.bool)
+        sz[B - 1, H - 1] = True
+        os_ = torch.ones(B, H)
+        os_[0, 0] = 0.0
+        os_[B - 1, 1] = 2.0
+        S = 3
+        ks = torch.zeros(B, S, 2, dtype=torch.long)
+        for b in range(B):
+            ks[b, 0] = torch.tensor([Nk // 4, Nk // 2])
+            ks[b, 1] = torch.tensor([Nk // 3, Nk - 1])  # overlaps span 0
+            ks[b, 2] = torch.tensor([0, 2])
+        kb = torch.randn(B, H, S, generator=g) * 2
+        kb[:, :, 2] = math.log(0.01)
+        kw.update(q_scale=qs, score_zero=sz, out_scale=os_, key_spans=ks, key_bias=kb)
+    if spans:
+        ps = torch.tensor([[0, 1], [Nk // 3, 2 * Nk // 3], [1, Nk], [Nk - 1, Nk]]).expand(B, 4, 2).clone()
+        kw["probe_spans"] = ps
+    return q, k, v, kpm, kw
+
+
+def check(out, stats: AttentionStats, ref, *, atol, rtol=0.0, valid_rows=None, pattern=True, argmax=True):
+    torch.testing.assert_close(out.double(), ref["z"], atol=atol, rtol=rtol)
+    torch.testing.assert_close(stats.entropy.double(), ref["entropy"], atol=atol * 10, rtol=rtol)
+    torch.testing.assert_close(stats.argmax_prob.double(), ref["argmax_prob"], atol=atol, rtol=rtol)
+    if argmax:
+        # the argmax may legitimately differ only where the top-2 probabilities tie at this precision
+        diff = stats.argmax != ref["argmax"]
+        if diff.any():
+            a = ref["pattern"]
+            alt = a.gather(-1, stats.argmax.clamp_min(0)[..., None]).squeeze(-1)
+            assert torch.allclose(alt[diff], ref["argmax_prob"][diff], atol=atol * 10), "argmax differs"
+    if "span_mass" in ref:
+        torch.testing.assert_close(stats.span_mass.double(), ref["span_mass"], atol=atol, rtol=rtol)
+    if pattern and stats.pattern is not None:
+        torch.testing.assert_close(stats.pattern.double(), ref["pattern"], atol=atol, rtol=rtol)
+
+
+ALL_PROBES = dict(probe_argmax=True, probe_entropy=True, return_pattern=True)
+
+SHAPES = [
+    # (B, H, Hkv, Nq, Nk, D)
+    (2, 4, 4, 9, 9, 8),  # MHA
+    (2, 4, 2, 9, 9, 8),  # GQA 2
+    (2, 8, 2, 13, 13, 16),  # GQA 4
+    (1, 4, 1, 7, 7, 8),  # MQA
+    (2, 4, 2, 1, 11, 8),  # decode step with past keys
+    (2, 4, 2, 3, 12, 8),  # chunked prefill / several queries with past
+]
+
+
+# --------------------------------------------------------------------------- torch path
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("edits", [False, True], ids=["plain", "edits"])
+def test_torch_path_matches_reference(shape, edits):
+    B, H, Hkv, Nq, Nk, D = shape
+    q, k, v, kpm, kw = make_case(B, H, Hkv, Nq, Nk, D, edits=edits, pad=(0, 3) if B > 1 else (2,))
+    scale = D**-0.5
+    out, st = attention(q, k, v, scale=scale, key_padding_mask=kpm, backend="torch", block_q=4, **ALL_PROBES, **kw)
+    assert st.backend == "torch"
+    ref = reference(q, k, v, scale=scale, key_padding_mask=kpm, **kw)
+    check(out, st, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("softcap,window,causal", [(5.0, None, True), (None, 4, True), (3.0, 3, True),
+                                                  (None, None, False), (None, 3, False)])
+def test_torch_softcap_window_noncausal(softcap, window, causal):
+    q, k, v, kpm, kw = make_case(2, 4, 2, 10, 10, 8, pad=(0, 2))
+    q = q * 3  # large scores so the softcap bites
+    out, st = attention(q, k, v, scale=0.5, causal=causal, key_padding_mask=kpm, softcap=softcap, window=window,
+                        backend="torch", block_q=3, **ALL_PROBES, **kw)
+    ref = reference(q, k, v, scale=0.5, causal=causal, key_padding_mask=kpm, softcap=softcap, window=window, **kw)
+    check(out, st, ref, atol=1e-5)
+
+
+def test_torch_window_decode_with_past():
+    q, k, v, kpm, kw = make_case(2, 4, 2, 2, 14, 8, pad=(0, 5))
+    out, st = attention(q, k, v, scale=0.3, key_padding_mask=kpm, window=5, backend="torch", **ALL_PROBES, **kw)
+    ref = reference(q, k, v, scale=0.3, key_padding_mask=kpm, window=5, **kw)
+    check(out, st, ref, atol=1e-5)
+
+
+def test_general_attn_mask():
+    q, k, v, kpm, kw = make_case(2, 4, 2, 8, 8, 8, pad=(0, 2))
+    am = torch.rand(2, 1, 8, 8, generator=torch.Generator().manual_seed(1)) > 0.3
+    am[:, :, :, 0] = True
+    for backend in ("torch", "sdpa"):
+        extra = ALL_PROBES | kw if backend == "torch" else {}
+        out, st = attention(q, k, v, scale=0.3, causal=False, key_padding_mask=kpm, attn_mask=am, backend=backend,
+                            **extra)
+        ref = reference(q, k, v, scale=0.3, causal=False, key_padding_mask=kpm, attn_mask=am,
+                        **(kw if backend == "torch" else {}))
+        if backend == "torch":
+            check(out, st, ref, atol=1e-5)
+        else:
+            torch.testing.assert_close(out.double(), ref["z"], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 2e-2), (torch.float16, 4e-3)])
+def test_torch_half_precision(dtype, atol):
+    q, k, v, kpm, kw = make_case(2, 4, 2, 9, 9, 16, dtype=dtype)
+    out, st = attention(q, k, v, scale=0.25, key_padding_mask=kpm, backend="torch", **ALL_PROBES, **kw)
+    assert out.dtype == dtype and st.entropy.dtype == torch.float32
+    ref = reference(q, k, v, scale=0.25, key_padding_mask=kpm, **kw)
+    check(out, st, ref, atol=atol)
+
+
+@pytest.mark.parametrize("shape", SHAPES[:5], ids=lambda s: "x".join(map(str, s)))
+def test_sdpa_path_matches_reference(shape):
+    B, H, Hkv, Nq, Nk, D = shape
+    q, k, v, kpm, _ = make_case(B, H, Hkv, Nq, Nk, D, edits=False, spans=False)
+    for window in (None, 3):
+        out, st = attention(q, k, v, scale=0.4, key_padding_mask=kpm, window=window)  # auto -> sdpa
+        assert st.backend == "sdpa"
+        ref = reference(q, k, v, scale=0.4, key_padding_mask=kpm, window=window)
+        torch.testing.assert_close(out.double(), ref["z"], atol=1e-5, rtol=0)
+        assert torch.isfinite(out).all()
+
+
+def test_padding_queries_are_zero_and_finite():
+    q, k, v, kpm, kw = make_case(2, 4, 2, 9, 9, 8, pad=(0, 4))
+    out, st = attention(q, k, v, scale=0.3, key_padding_mask=kpm, backend="torch", **ALL_PROBES, **kw)
+    assert torch.isfinite(out).all()
+    assert (out[1, :, :4] == 0).all()
+    assert (st.argmax[1, :, :4] == -1).all() and (st.entropy[1, :, :4] == 0).all()
+    assert (st.span_mass[1, :, :4] == 0).all()
+
+
+def test_edit_semantics():
+    """The edits do what METHODS.md says, read off the output directly."""
+    q, k, v, kpm, _ = make_case(1, 2, 1, 6, 6, 8, pad=None, edits=False, spans=False)
+    # query masking -> uniform over the causal prefix -> z = running mean of V
+    out, st = attention(q, k, v, scale=0.3, q_scale=torch.tensor([[0.0, 1.0]]), probe_entropy=True)
+    mean_v = v[0, 0].cumsum(0) / torch.arange(1, 7)[:, None]
+    torch.testing.assert_close(out[0, 0], mean_v, atol=1e-6, rtol=0)
+    torch.testing.assert_close(st.entropy[0, 0], torch.log(torch.arange(1, 7).float()), atol=1e-6, rtol=0)
+    # score zeroing is the same thing (no bias): uniform attention
+    out2, _ = attention(q, k, v, scale=0.3, score_zero=torch.tensor([[True, False]]), backend="torch")
+    torch.testing.assert_close(out2[0, 0], mean_v, atol=1e-6, rtol=0)
+    # output scale
+    base, _ = attention(q, k, v, scale=0.3, backend="torch")
+    out3, _ = attention(q, k, v, scale=0.3, out_scale=torch.tensor([[0.0, 2.5]]), backend="torch")
+    assert (out3[0, 0] == 0).all()
+    torch.testing.assert_close(out3[0, 1], 2.5 * base[0, 1], atol=1e-6, rtol=0)
+    # PASTA: log(alpha) on the complement of the emphasised span == post-softmax reweighting
+    alpha = 0.01
+    spans = torch.tensor([[[0, 2], [4, 6]]])  # complement of [2, 4)
+    bias = torch.full((1, 2, 2), math.log(alpha))
+    _, st_b = attention(q, k, v, scale=0.3, key_spans=spans, key_bias=bias, return_pattern=True)
+    _, st_0 = attention(q, k, v, scale=0.3, return_pattern=True, backend="torch")
+    a = st_0.pattern.clone()
+    w = torch.full((6,), alpha)
+    w[2:4] = 1.0
+    a = a * w
+    a = a / a.sum(-1, keepdim=True)
+    torch.testing.assert_close(st_b.pattern, a, atol=1e-6, rtol=0)
+
+
+def test_memory_is_blocked():
+    """The torch path never allocates a (B, H, Nq, Nk) score tensor without return_pattern."""
+    B, H, N, D = 1, 2, 512, 8
+    q, k, v = (torch.randn(B, H, N, D) for _ in range(3))
+    seen = []
+
+    class Spy(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            r = func(*args, **(kwargs or {}))
+            if isinstance(r, torch.Tensor):
+                seen.append(r.numel())
+            return r
+
+    with Spy():
+        attention(q, k, v, scale=0.3, probe_argmax=True, probe_entropy=True,
+                  probe_spans=torch.tensor([[[0, 10]]]), backend="torch", block_q=32)
+    assert max(seen) <= B * H * 32 * N
+    assert max(seen) < B * H * N * N // 4
+
+
+def test_validation_errors():
+    q, k, v = torch.randn(1, 3, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="multiple"):
+        attention(q, k, v, scale=1.0)
+    q = torch.randn(1, 4, 4, 8)
+    with pytest.raises(ValueError, match="sdpa"):
+        attention(q, k, v, scale=1.0, probe_argmax=True, backend="sdpa")
+    with pytest.raises(ValueError, match="key_spans"):
+        attention(q, k, v, scale=1.0, key_spans=torch.zeros(1, 1, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="queries"):
+        attention(torch.randn(1, 4, 5, 8), k, v, scale=1.0)
