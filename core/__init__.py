@@ -1,0 +1,29 @@
+"""headlab: a lab bench for the attention heads of transformer language models.
+
+Find the heads that do a job (detect), push on them (steer), decode with them (contrast) and
+measure the effect, from a YAML spec, the command line or a notebook.
+
+    >>> import headlab
+    >>> run = headlab.run("specs/quickstart.yaml")          # doctest: +SKIP
+    >>> run.results["induction"]["score"]                    # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from .context import Example, StepContext, TaskContext
+from .hookspecs import hookimpl
+from .results import Run, list_runs, open_run
+from .runner import run
+from .spec import ComponentConfig, HeadSelection, SpecError, json_schema, load_spec
+
+try:
+    __version__ = version("headlab")
+except PackageNotFoundError:  # running from a source tree without installation
+    __version__ = "0+unknown"
+
+__all__ = [
+    "ComponentConfig", "Example", "HeadSelection", "Run", "SpecError", "StepContext", "TaskContext",
+    "__version__", "hookimpl", "json_schema", "list_runs", "load_spec", "open_run", "run",
+]

@@ -1,0 +1,198 @@
+"""The ``headlab`` command: a thin layer over the Python API.
+
+    headlab run SPEC [--set path=value ...] [--out DIR] [--resume RUN]
+    headlab validate SPEC [SPEC ...]
+    headlab schema [-o FILE]
+    headlab plugins [--json]
+    headlab runs [DIR]
+    headlab show RUN
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .context import Reporter
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="headlab: find, steer and decode with the attention heads of language models.")
+console = Console()
+err = Console(stderr=True)
+
+
+class RichReporter(Reporter):
+    """Progress bars for cells and for the steps inside them."""
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+        self.tasks: dict[str, Any] = {}
+
+    def start(self, key: str, total: int | None, description: str) -> None:
+        self.tasks[key] = self.progress.add_task(description, total=total)
+
+    def advance(self, key: str, n: int = 1) -> None:
+        if key in self.tasks:
+            self.progress.advance(self.tasks[key], n)
+
+    def stop(self, key: str) -> None:
+        task = self.tasks.pop(key, None)
+        if task is not None and key != "cells":
+            self.progress.remove_task(task)
+
+
+def _parse_set(items: list[str]) -> dict[str, Any]:
+    from ruamel.yaml import YAML
+
+    from .spec import SpecError
+
+    out: dict[str, Any] = {}
+    yaml = YAML(typ="safe", pure=True)
+    for item in items:
+        if "=" not in item:
+            raise SpecError(f"--set {item!r}: write path=value, e.g. --set task.n=16", source="command line")
+        key, raw = item.split("=", 1)
+        out[key.strip()] = yaml.load(raw) if raw.strip() else ""
+    return out
+
+
+@app.command()
+def run(
+    spec: Annotated[Path | None, typer.Argument(help="spec YAML file")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="override: dotted.path=value")] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="store directory (default: the spec's `output`)")] = None,
+    resume: Annotated[Path | None, typer.Option("--resume", help="finish an interrupted run")] = None,
+) -> None:
+    """Run a spec: every step of every sweep cell, writing results to a zarr store."""
+    from . import runner
+    from .spec import SpecError
+
+    if spec is None and resume is None:
+        raise SpecError("give a spec file, or --resume RUN", source="command line")
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err, transient=False) as progress:
+        result = runner.run(spec, out=out, overrides=_parse_set(set_ or []), resume=resume,
+                            reporter=RichReporter(progress)) if resume is None else \
+            runner.run(None, resume=resume, reporter=RichReporter(progress))
+    _print_summary(result)
+    console.print(f"[bold]run stored at[/bold] {result.path}")
+
+
+@app.command()
+def validate(specs: Annotated[list[Path], typer.Argument(help="spec files")]) -> None:
+    """Check specs without running them."""
+    from .spec import load_spec
+
+    for path in specs:
+        loaded = load_spec(path)
+        console.print(f"{path}: ok ({len(loaded.spec.steps)} steps, {len(loaded.cells)} cells)")
+
+
+@app.command()
+def schema(output: Annotated[Path | None, typer.Option("-o", "--output", help="write to a file")] = None) -> None:
+    """Print the JSON Schema of specs (every installed plugin kind included)."""
+    from .spec import json_schema
+
+    text = json.dumps(json_schema(), indent=2)
+    if output is None:
+        sys.stdout.write(text + "\n")
+    else:
+        output.write_text(text + "\n")
+        console.print(f"schema written to {output}; add `# yaml-language-server: $schema={output}` to a spec")
+
+
+@app.command()
+def plugins(as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False) -> None:
+    """List plugins, where they come from, and the components they register."""
+    from .plugin_manager import get_manager
+
+    mgr = get_manager()
+    rows = [{"name": info.name, "source": info.source, "version": info.version, "error": info.error,
+             "components": [{"category": c.category, "kind": c.kind, "description": c.description}
+                            for c in info.components]} for info in mgr.infos.values()]
+    if as_json:
+        sys.stdout.write(json.dumps(rows, indent=2) + "\n")
+        return
+    table = Table("plugin", "source", "version", "components")
+    for r in rows:
+        comps = ", ".join(f"{c['category']}:{c['kind']}" for c in r["components"])
+        table.add_row(r["name"], r["source"], r["version"], f"[red]failed: {r['error']}[/red]" if r["error"] else comps)
+    console.print(table)
+
+
+@app.command()
+def runs(directory: Annotated[Path, typer.Argument(help="store directory")] = Path("./headlab-runs")) -> None:
+    """List the runs in a store directory."""
+    from .results import list_runs
+
+    table = Table("run", "name", "status", "cells", "created", "model")
+    for r in list_runs(directory):
+        a = r.attrs
+        table.add_row(r.path.name, r.name, r.status, f"{r.cells_done}/{r.cells_total}", str(a.get("created", "")),
+                      str(a.get("model", "")))
+    console.print(table)
+
+
+def _print_summary(result: Any) -> None:
+    for step, info in result.summary().items():
+        if info["kind"] == "detect":
+            table = Table("rank", "layer", "head", "score", title=f"{step}: top heads ({info['method']})")
+            for i, t in enumerate(info["top"], 1):
+                table.add_row(str(i), str(t["layer"]), str(t["head"]), f"{t['score']:.4f}")
+        else:
+            table = Table("metric", "mean", title=f"{step}: metrics")
+            for k, v in info["metrics"].items():
+                table.add_row(k, f"{v:.4f}")
+        console.print(table)
+
+
+@app.command()
+def show(run_path: Annotated[Path, typer.Argument(metavar="RUN", help="a run store directory")]) -> None:
+    """Print a run's summary: top heads of detect steps, metric means of generate steps."""
+    from .results import open_run
+
+    result = open_run(run_path)
+    console.print(f"[bold]{result.name}[/bold] {result.status}, {result.cells_done}/{result.cells_total} cells, "
+                  f"model {result.attrs.get('model')}")
+    _print_summary(result)
+
+
+def main() -> None:
+    """Entry point: run the app; known errors print one line and exit 2."""
+    from .heads import HeadSelectionError
+    from .model import ModelLoadError
+    from .plugin_manager import PluginError
+    from .results import RunNotFound
+    from .spec import SpecError
+
+    try:
+        app(standalone_mode=False)
+    except (SpecError, ModelLoadError, PluginError, RunNotFound, HeadSelectionError, FileExistsError) as e:
+        err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except (typer.Abort, KeyboardInterrupt):
+        err.print("interrupted: finished cells are stored; finish with `headlab run --resume RUN`")
+        sys.exit(130)
+    except Exception as e:  # click usage errors and task/plugin value errors
+        import click
+
+        if isinstance(e, click.exceptions.Exit):
+            sys.exit(e.exit_code)
+        if isinstance(e, click.ClickException):
+            e.show()
+            sys.exit(2)
+        if isinstance(e, ValueError):
+            err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+            sys.exit(2)
+        raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""What plugins receive: examples, the task context and the step context."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+import xarray as xr
+
+from .heads import Head, select_heads
+from .model import LoadedModel
+
+T = TypeVar("T")
+
+
+@dataclass
+class Example:
+    """One input of a task.
+
+    ``spans`` are character offsets ``[start, end)`` into ``prompt`` by name (``needle``,
+    ``emphasis``, ...). ``input_ids`` is set by tasks defined on token ids (then ``prompt`` is their
+    decoding). ``meta`` holds scalars (depth, context length, ...) stored as coordinates.
+    """
+
+    prompt: str
+    target: str | None = None
+    choices: list[str] | None = None
+    label: int | None = None
+    spans: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    input_ids: list[int] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TaskContext:
+    """What a task builder receives: the tokenizer (None for random models without one) and seed."""
+
+    tokenizer: Any
+    seed: int
+    vocab_size: int
+
+    def require_tokenizer(self, task: str) -> Any:
+        """The tokenizer, or a clear error for tasks that need text."""
+        if self.tokenizer is None:
+            raise ValueError(f"task '{task}' needs a tokenizer; this model has none "
+                             "(set model.config.tokenizer to a checkpoint or registered name)")
+        return self.tokenizer
+
+
+class Reporter:
+    """Progress reporting. The default does nothing; the CLI and widgets pass their own."""
+
+    def start(self, key: str, total: int | None, description: str) -> None:
+        """A unit of work named ``key`` with ``total`` items begins."""
+
+    def advance(self, key: str, n: int = 1) -> None:
+        """``n`` more items of ``key`` are done."""
+
+    def stop(self, key: str) -> None:
+        """``key`` is finished."""
+
+
+@dataclass
+class StepContext:
+    """What a step's plugin receives.
+
+    ``results`` are the datasets of earlier steps of the same cell, by step id.
+    """
+
+    model: LoadedModel
+    examples: list[Example]
+    results: Mapping[str, xr.Dataset]
+    seed: int
+    step_id: str = ""
+    reporter: Reporter = field(default_factory=Reporter)
+    cancel: Callable[[], bool] = field(default=lambda: False)
+
+    def heads(self, selection: Any) -> list[Head]:
+        """Resolve a spec head selection against earlier results and the model's geometry."""
+        rng = np.random.default_rng(self.seed)
+        return select_heads(selection, self.results, self.model.geometry, rng=rng)
+
+    def progress(self, items: Iterable[T], description: str, total: int | None = None) -> Iterator[T]:
+        """Iterate ``items`` while reporting progress under this step's id."""
+        key = f"step:{self.step_id}"
+        if total is None and hasattr(items, "__len__"):
+            total = len(items)  # type: ignore[arg-type]
+        self.reporter.start(key, total, description)
+        try:
+            for item in items:
+                if self.cancel():
+                    raise KeyboardInterrupt
+                yield item
+                self.reporter.advance(key)
+        finally:
+            self.reporter.stop(key)

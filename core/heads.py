@@ -1,0 +1,124 @@
+"""Head lists: resolving spec selections, and the published JSON formats.
+
+Heads are ``(layer, query_head)`` pairs, 0-based. Two interchange formats are supported:
+
+- retrieval-head format (Wu et al. 2024; DeCoRe ships lists in it): ``{"<layer>-<head>": [score, ...]}``,
+  ranked by the mean score;
+- PASTA format (Zhang et al. 2023): ``{"<layer>": [head, ...]}`` or a list of layers (all heads).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import xarray as xr
+
+if TYPE_CHECKING:
+    from .model import Geometry
+
+Head = tuple[int, int]
+
+
+class HeadSelectionError(ValueError):
+    """A head selection cannot be resolved (unknown step, no score, out-of-range head)."""
+
+
+def ranked(score: xr.DataArray) -> list[tuple[Head, float]]:
+    """Heads of a ``(layer, head)`` score array, highest first (NaN last; ties by layer, head)."""
+    values = np.nan_to_num(score.transpose("layer", "head").values.astype(float), nan=-np.inf)
+    order = sorted(np.ndindex(values.shape), key=lambda lh: (-values[lh], lh))
+    return [((int(l_), int(h)), float(values[l_, h])) for l_, h in order]
+
+
+def _check(heads: Iterable[Head], geometry: Geometry | None) -> list[Head]:
+    out = [(int(l_), int(h)) for l_, h in heads]
+    if geometry is not None:
+        for l_, h in out:
+            if not (0 <= l_ < geometry.n_layers and 0 <= h < geometry.n_heads):
+                raise HeadSelectionError(
+                    f"head ({l_}, {h}) is outside this model ({geometry.n_layers} layers x {geometry.n_heads} heads)")
+    return out
+
+
+def read_heads_file(path: str | Path, geometry: Geometry | None = None, top: int | None = None) -> list[Head]:
+    """Heads from a retrieval-head or PASTA JSON file (see module docs)."""
+    p = Path(path)
+    if not p.is_file():
+        raise HeadSelectionError(f"heads file '{path}' does not exist")
+    data = json.loads(p.read_text())
+    if isinstance(data, Mapping) and data and all("-" in str(k) for k in data):
+        scores = from_retrieval_json(data)
+        heads = [h for h, _ in sorted(scores.items(), key=lambda kv: (-kv[1], kv[0]))]
+        return _check(heads[:top] if top else heads, geometry)
+    heads = from_pasta_json(data, geometry)
+    return _check(heads[:top] if top else heads, geometry)
+
+
+def from_retrieval_json(data: Mapping[str, Any]) -> dict[Head, float]:
+    """``{"<layer>-<head>": [scores]}`` -> mean score per head."""
+    out: dict[Head, float] = {}
+    for key, scores in data.items():
+        layer, head = (int(x) for x in str(key).split("-"))
+        vals = scores if isinstance(scores, list) else [scores]
+        out[(layer, head)] = float(np.mean(vals)) if vals else 0.0
+    return out
+
+
+def to_retrieval_json(per_instance: xr.DataArray) -> dict[str, list[float]]:
+    """A ``(example, layer, head)`` (or ``(layer, head)``) score array in the retrieval-head format."""
+    arr = per_instance if "example" in per_instance.dims else per_instance.expand_dims("example")
+    arr = arr.transpose("example", "layer", "head")
+    return {f"{l_}-{h}": [float(x) for x in arr.values[:, l_, h]]
+            for l_ in range(arr.sizes["layer"]) for h in range(arr.sizes["head"])}
+
+
+def from_pasta_json(data: Any, geometry: Geometry | None = None) -> list[Head]:
+    """PASTA's ``{"<layer>": [heads]}`` or ``[layers]`` (every head of those layers)."""
+    if isinstance(data, Mapping):
+        return [(int(layer), int(h)) for layer, hs in data.items() for h in hs]
+    if isinstance(data, list):
+        if geometry is None:
+            raise HeadSelectionError("a list of layers needs the model's head count")
+        return [(int(layer), h) for layer in data for h in range(geometry.n_heads)]
+    raise HeadSelectionError("PASTA heads must be a mapping {layer: [heads]} or a list of layers")
+
+
+def to_pasta_json(heads: Iterable[Head]) -> dict[str, list[int]]:
+    """Heads in PASTA's ``{"<layer>": [heads]}`` format."""
+    out: dict[str, list[int]] = {}
+    for layer, head in sorted(heads):
+        out.setdefault(str(layer), []).append(int(head))
+    return out
+
+
+def select_heads(selection: Any, results: Mapping[str, xr.Dataset], geometry: Geometry | None = None,
+                 *, rng: np.random.Generator | None = None) -> list[Head]:
+    """Resolve a spec head selection (``HeadsFrom``, ``HeadsFile``, list of pairs, PASTA mapping)."""
+    if selection is None:
+        return []
+    if hasattr(selection, "file"):
+        return read_heads_file(selection.file, geometry, selection.top)
+    if hasattr(selection, "from_"):
+        if selection.from_ not in results:
+            raise HeadSelectionError(f"step '{selection.from_}' has no result in this cell")
+        ds = results[selection.from_]
+        if "score" not in ds:
+            raise HeadSelectionError(f"step '{selection.from_}' produced no `score` to rank heads by")
+        order = ranked(ds["score"])
+        if selection.top is not None:
+            chosen = [h for h, _ in order[: selection.top]]
+        else:
+            chosen = [h for h, s in order if s >= selection.threshold]
+        if selection.random:
+            rng = rng or np.random.default_rng(0)
+            all_heads = [h for h, _ in order]
+            idx = rng.choice(len(all_heads), size=len(chosen), replace=False)
+            chosen = sorted(all_heads[i] for i in idx)
+        return _check(chosen, geometry)
+    if isinstance(selection, Mapping):
+        return _check(from_pasta_json(selection, geometry), geometry)
+    return _check(selection, geometry)

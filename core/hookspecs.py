@@ -1,0 +1,100 @@
+"""The plugin contract: pluggy hook specifications.
+
+Every hook registers components. A plugin implements a hook and calls ``register`` once per
+component it provides. Built-in plugins in ``headlab.plugins`` use exactly these hooks, so a
+third-party package installed with pip (entry-point group ``headlab``) is indistinguishable from a
+built-in one.
+
+A component is a pydantic *config model* (a subclass of :class:`headlab.spec.ComponentConfig`
+with a ``kind: Literal["name"]`` field) plus an *implementation* callable. The config model joins
+the spec's discriminated union for its category, so it is validated, documented in the JSON
+Schema and listed by ``headlab plugins`` like every built-in kind.
+
+Example (a complete plugin module)::
+
+    from typing import Literal
+    import xarray as xr
+    from headlab import hookimpl, ComponentConfig
+
+    class MyDetector(ComponentConfig):
+        \"\"\"Scores every head by ...\"\"\"
+        kind: Literal["my_detector"] = "my_detector"
+        threshold: float = 0.5
+
+    def detect(config: MyDetector, ctx) -> xr.Dataset:
+        ...
+
+    @hookimpl
+    def headlab_register_detectors(register):
+        register(MyDetector, detect)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("headlab")
+hookimpl = pluggy.HookimplMarker("headlab")
+
+Register = Callable[..., Any]
+
+
+@hookspec
+def headlab_register_tasks(register: Register) -> None:
+    """Register task kinds: ``register(ConfigModel, build)``.
+
+    ``build(config, ctx: headlab.TaskContext) -> list[headlab.Example]`` produces the examples a
+    run works on (prompts, targets, choices, marked spans). ``ctx`` carries the tokenizer and seed.
+    """
+
+
+@hookspec
+def headlab_register_detectors(register: Register) -> None:
+    """Register detector kinds: ``register(ConfigModel, detect)``.
+
+    ``detect(config, ctx: headlab.StepContext) -> xarray.Dataset`` scores heads. The dataset has a
+    variable ``score`` with dims ``("layer", "head")`` and may add per-example variables with an
+    ``example`` dim. A later step can select heads from it with ``heads: {from: <step id>, top: k}``.
+    """
+
+
+@hookspec
+def headlab_register_steering(register: Register) -> None:
+    """Register steering method kinds: ``register(ConfigModel, steer)``.
+
+    ``steer(config, ctx: headlab.StepContext, batch: headlab.generation.Batch, plan) -> None``
+    adds edits for the rows of ``batch`` to the instrumentation ``plan`` (a
+    :class:`headlab.instrument.Plan`) before generation starts.
+    """
+
+
+@hookspec
+def headlab_register_decoders(register: Register) -> None:
+    """Register decoding strategy kinds: ``register(ConfigModel, decode)``.
+
+    ``decode(config, request: headlab.generation.DecodeRequest) -> headlab.generation.Decoded``
+    generates continuations for a batch of prompts (the request carries the model, the tokenized
+    batch, the steering plan, ``max_new_tokens``, stop strings and the seed).
+    """
+
+
+@hookspec
+def headlab_register_metrics(register: Register) -> None:
+    """Register metric kinds: ``register(ConfigModel, compute)``.
+
+    ``compute(config, examples: list[headlab.Example], outputs: list[str]) -> numpy.ndarray`` returns
+    one float per example; the run summary shows the mean.
+    """
+
+
+@hookspec
+def headlab_register_models(register: Register) -> None:
+    """Register named models: ``register(name, load, description="")``.
+
+    ``load(spec: headlab.spec.ModelSpec) -> headlab.model.LoadedModel``. A spec whose ``model`` is
+    ``name`` is loaded by ``load`` instead of the Hugging Face loader; the embedded default model
+    is registered this way.
+    """

@@ -1,0 +1,184 @@
+"""Loading models and tokenizers with headlab's attention implementation; head geometry.
+
+Any Hugging Face decoder-only model id or local checkpoint loads through transformers; a registered
+name (the embedded default model) loads through its plugin; a ``config`` mapping builds a model with
+random weights (tests, benchmarks). Geometry is always read from the loaded model's config.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .spec import ModelSpec
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(Exception):
+    """The model could not be loaded; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Head geometry of a decoder: layers, query heads, key/value heads, head dimension."""
+
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+
+    @property
+    def n_total_heads(self) -> int:
+        return self.n_layers * self.n_heads
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for headlab: the torch module, its tokenizer and provenance."""
+
+    model: Any
+    tokenizer: Any
+    name: str
+    geometry: Geometry
+    revision: str | None = None
+    digest: str | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    def provenance(self) -> dict[str, Any]:
+        """Model facts recorded in every run's attributes."""
+        return {"model": self.name, "model_revision": self.revision or "", "model_digest": self.digest or "",
+                "device": self.device, "dtype": self.dtype, "n_layers": self.geometry.n_layers,
+                "n_heads": self.geometry.n_heads, "n_kv_heads": self.geometry.n_kv_heads,
+                "head_dim": self.geometry.head_dim}
+
+
+def geometry_of(model: Any) -> Geometry:
+    """Read the head geometry from a transformers model's (text) config."""
+    config = model.config
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+    if not layers or not heads:
+        raise ModelLoadError(f"cannot read layers/heads from {type(config).__name__}; is this a decoder model?")
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    return Geometry(int(layers), int(heads), int(kv), int(head_dim))
+
+
+def resolve_device(device: str) -> str:
+    """'auto' -> 'cuda' when available, else 'cpu'."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def weights_digest(path: Path) -> str:
+    """sha256 over the checkpoint's weight files (safetensors or bin), in name order."""
+    h = hashlib.sha256()
+    files = sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".bin"))
+    for f in files:
+        with f.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 22), b""):
+                h.update(chunk)
+    return "sha256:" + h.hexdigest() if files else ""
+
+
+def state_digest(model: torch.nn.Module) -> str:
+    """sha256 over a model's parameters (for models built in memory)."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return "sha256:" + h.hexdigest()
+
+
+def from_pretrained(path_or_id: str, spec: ModelSpec, *, name: str | None = None) -> LoadedModel:
+    """Load a Hugging Face checkpoint (directory or hub id) with headlab's attention."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .instrument import ATTN_IMPLEMENTATION, register
+
+    register()
+    device = resolve_device(spec.device)
+    kwargs: dict[str, Any] = {"trust_remote_code": spec.trust_remote_code, "revision": spec.revision}
+    dtype = "auto" if spec.dtype == "auto" else DTYPES[spec.dtype]
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path_or_id, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=dtype,
+                                                     attn_implementation=ATTN_IMPLEMENTATION, **kwargs)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"cannot load model '{path_or_id}': {first}. Give a local checkpoint directory, "
+                             "a registered name (see `headlab plugins`), or a reachable hub id") from None
+    model.to(device).eval()
+    local = Path(path_or_id)
+    digest = weights_digest(local) if local.is_dir() else _hub_commit(model)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name or path_or_id, geometry=geometry_of(model),
+                       revision=spec.revision or _hub_commit(model), digest=digest, device=device,
+                       dtype=str(model.dtype).removeprefix("torch."))
+
+
+def _hub_commit(model: Any) -> str | None:
+    return getattr(model.config, "_commit_hash", None)
+
+
+def from_config(spec: ModelSpec, seed: int = 0) -> LoadedModel:
+    """Build a model with random weights from a transformers config mapping."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from .instrument import ATTN_IMPLEMENTATION, register
+
+    register()
+    cfg = dict(spec.config or {})
+    model_type = cfg.pop("model_type", None)
+    tokenizer_ref = cfg.pop("tokenizer", None)
+    if not model_type:
+        raise ModelLoadError("model.config needs a `model_type` (e.g. llama, mistral, qwen2, gpt2)")
+    try:
+        config = AutoConfig.for_model(model_type, **cfg)
+    except (ValueError, KeyError) as e:
+        raise ModelLoadError(f"model.config: {e}") from None
+    torch.manual_seed(seed)
+    device = resolve_device(spec.device)
+    dtype = DTYPES.get(spec.dtype, torch.float32)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTN_IMPLEMENTATION, dtype=dtype)
+    model.to(device).eval()
+    tokenizer = None
+    if tokenizer_ref:
+        tokenizer = load_model_by_name_tokenizer(str(tokenizer_ref)) or AutoTokenizer.from_pretrained(tokenizer_ref)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=spec.name, geometry=geometry_of(model),
+                       digest=state_digest(model), device=device, dtype=spec.dtype)
+
+
+def load_model_by_name_tokenizer(name: str) -> Any | None:
+    """The tokenizer of a registered model name, or None if ``name`` is not registered."""
+    from .plugin_manager import get_manager
+
+    comp = get_manager().components["models"].get(name)
+    if comp is None:
+        return None
+    return comp.impl(ModelSpec(id=name, device="cpu")).tokenizer
+
+
+def load_model(spec: ModelSpec, seed: int = 0) -> LoadedModel:
+    """Load the model a spec names: registered name, local path, hub id, or random from config."""
+    from .plugin_manager import get_manager
+
+    if spec.config is not None:
+        return from_config(spec, seed)
+    ref = spec.path or spec.id
+    assert ref is not None
+    comp = get_manager().components["models"].get(ref)
+    if comp is not None:
+        return comp.impl(spec)
+    if spec.path is not None and not Path(spec.path).exists():
+        raise ModelLoadError(f"model path '{spec.path}' does not exist")
+    return from_pretrained(ref, spec)

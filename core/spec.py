@@ -1,0 +1,611 @@
+"""The spec DSL: pydantic models for experiment files, their JSON Schema, and located errors.
+
+A spec is YAML (loaded safely: no tags, no duplicate keys, never any code) validated by one
+pydantic model. Plugin config models join discriminated unions keyed by ``kind`` when the model is
+built, so third-party kinds are validated and documented exactly like built-ins.
+
+Example::
+
+    name: quickstart
+    model: headlab-tiny
+    task: {kind: repeated_tokens, n: 8, length: 24}
+    steps:
+      - id: induction
+        detect: {kind: induction}
+    sweep:
+      task.length: [16, 32]
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import io
+import itertools
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+DEFAULT_MODEL = "headlab-tiny"
+CATEGORIES = ("tasks", "detectors", "steering", "decoders", "metrics")
+
+
+class SpecError(Exception):
+    """A spec problem, located: ``file:line:col: key.path: message``. One line, no traceback."""
+
+    def __init__(self, message: str, *, source: str = "<spec>", line: int | None = None,
+                 col: int | None = None, path: str = "") -> None:
+        self.message, self.source, self.line, self.col, self.path = message, source, line, col, path
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        where = self.source
+        if self.line is not None:
+            where += f":{self.line}:{self.col or 1}"
+        return f"{where}: {self.path + ': ' if self.path else ''}{self.message}"
+
+
+def _suggest(word: str, options: Iterable[str]) -> str:
+    match = difflib.get_close_matches(str(word), list(options), n=1, cutoff=0.6)
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+class StrictModel(BaseModel):
+    """Base of every spec model: unknown keys are errors with a "did you mean" suggestion."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unknown_keys(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            known = set(cls.model_fields)
+            known |= {f.alias for f in cls.model_fields.values() if f.alias}
+            for key in data:
+                if key not in known:
+                    raise PydanticCustomError(
+                        "unknown_key", "unknown key '{key}'{hint}",
+                        {"key": str(key), "hint": _suggest(key, sorted(known))},
+                    )
+        return data
+
+
+class ComponentConfig(StrictModel):
+    """Base of plugin config models. Subclasses declare ``kind: Literal["name"] = "name"``."""
+
+    kind: str
+
+    @classmethod
+    def kind_name(cls) -> str:
+        """The literal ``kind`` this config model is registered under."""
+        return cls.model_fields["kind"].default
+
+
+# --- head selections -----------------------------------------------------------------------------
+
+class HeadsFrom(StrictModel):
+    """Heads taken from an earlier step's ``score``: the ``top`` highest, or all above ``threshold``."""
+
+    from_: str = Field(alias="from", description="id of an earlier step whose result has a `score`")
+    top: int | None = Field(None, ge=1, description="take the k highest-scoring heads")
+    threshold: float | None = Field(None, description="take heads whose score is >= threshold")
+    random: bool = Field(False, description="draw the same number of heads at random instead (control)")
+
+    @model_validator(mode="after")
+    def _one_rule(self) -> HeadsFrom:
+        if self.top is None and self.threshold is None:
+            raise ValueError("give `top` or `threshold`")
+        return self
+
+
+class HeadsFile(StrictModel):
+    """Heads from a JSON file: retrieval-head format ``{"<layer>-<head>": [scores]}`` (ranked by mean,
+    with ``top``) or PASTA format ``{"<layer>": [heads]}`` / ``[layers]``."""
+
+    file: str
+    top: int | None = Field(None, ge=1)
+
+
+HeadSelection = HeadsFrom | HeadsFile | list[tuple[int, int]] | dict[str, list[int]]
+"""How a spec names heads: ``{from: step, top: k}``, ``[[layer, head], ...]``, ``{"<layer>": [heads]}``
+or ``{file: heads.json}``."""
+
+
+# --- fixed parts of the spec ---------------------------------------------------------------------
+
+class ModelSpec(StrictModel):
+    """Which model to load and how. A bare string in the spec is the ``id``."""
+
+    id: str | None = Field(None, description="Hugging Face id, local directory, or registered name")
+    path: str | None = Field(None, description="local directory with a Hugging Face checkpoint")
+    config: dict[str, Any] | None = Field(
+        None, description="build from a transformers config mapping (needs `model_type`) with random weights")
+    revision: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    device: str = Field("auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', ...")
+    trust_remote_code: bool = False
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSpec:
+        given = [k for k in ("id", "path", "config") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give only one of id, path, config (got {', '.join(given)})")
+        if not given:
+            self.id = DEFAULT_MODEL
+        return self
+
+    @property
+    def name(self) -> str:
+        """A short human-readable name for the model."""
+        if self.config is not None:
+            return f"random-{self.config.get('model_type', 'model')}"
+        return str(self.path or self.id)
+
+
+def _coerce_model(value: Any) -> Any:
+    return {"id": value} if isinstance(value, str) else value
+
+
+def _coerce_metric(value: Any) -> Any:
+    return {"kind": value} if isinstance(value, str) else value
+
+
+@dataclass
+class Registry:
+    """Component config models by category and kind (filled by the plugin manager)."""
+
+    configs: dict[str, dict[str, type[ComponentConfig]]] = field(
+        default_factory=lambda: {c: {} for c in CATEGORIES})
+
+
+def _union(category: str, models: dict[str, type[ComponentConfig]]) -> Any:
+    if not models:
+        return Annotated[dict, Field(json_schema_extra={"description": f"no {category} plugins installed"})]
+    members = tuple(models.values())
+    if len(members) == 1:
+        return members[0]
+    return Annotated[Union[members], Field(discriminator="kind")]  # noqa: UP007
+
+
+def _check_kind(category: str, kinds: list[str]):
+    def check(value: Any) -> Any:
+        if isinstance(value, Mapping):
+            kind = value.get("kind")
+            if kind is None:
+                raise PydanticCustomError("missing_kind", "missing `kind` (one of: {kinds})",
+                                          {"kinds": ", ".join(kinds) or "none installed"})
+            if kind not in kinds:
+                raise PydanticCustomError(
+                    "unknown_kind", "unknown {category} kind '{kind}'{hint}; installed: {kinds}",
+                    {"category": category.rstrip("s"), "kind": str(kind), "hint": _suggest(kind, kinds),
+                     "kinds": ", ".join(kinds) or "none (install a plugin that provides one)"})
+        return value
+    return check
+
+
+def build_spec_model(registry: Registry) -> type[BaseModel]:
+    """Build the ``Spec`` pydantic model whose unions hold every registered component kind."""
+    from pydantic import BeforeValidator
+
+    def typed(category: str) -> Any:
+        models = registry.configs[category]
+        return Annotated[_union(category, models), BeforeValidator(_check_kind(category, sorted(models)))]
+
+    Task, Detector, Steer, Decoder, Metric = (typed(c) for c in CATEGORIES)
+
+    class Generate(StrictModel):
+        """Generate continuations for every example, optionally steered and with a decoding strategy."""
+
+        decode: Decoder = Field(description="decoding strategy (default: greedy)")
+        steer: list[Steer] = Field(default_factory=list, description="steering methods applied together")
+        metrics: list[Annotated[Metric, BeforeValidator(_coerce_metric)]] = Field(default_factory=list)
+        max_new_tokens: int = Field(16, ge=1)
+        stop: list[str] = Field(default_factory=list, description="stop strings")
+        batch_size: int = Field(8, ge=1)
+
+        @model_validator(mode="before")
+        @classmethod
+        def _default_decoder(cls, data: Any) -> Any:
+            if isinstance(data, Mapping) and data.get("decode") is None:
+                data = {**data, "decode": {"kind": "greedy"}}
+            return data
+
+    class Step(StrictModel):
+        """One step of the experiment: exactly one action."""
+
+        id: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_-]*$")
+        detect: Detector | None = Field(None, description="score heads")
+        generate: Generate | None = Field(None, description="generate outputs and metrics")
+        task: Task | None = Field(None, description="use another task for this step instead of the spec's")
+
+        @model_validator(mode="before")
+        @classmethod
+        def _one_action(cls, data: Any) -> Any:
+            if isinstance(data, Mapping) and set(data) <= set(cls.model_fields):
+                actions = [a for a in ("detect", "generate") if data.get(a) is not None]
+                if len(actions) != 1:
+                    raise PydanticCustomError(
+                        "step_action", "a step needs exactly one action: detect or generate (got {got})",
+                        {"got": ", ".join(actions) or "none"})
+            return data
+
+        @property
+        def action(self) -> str:
+            return "detect" if self.detect is not None else "generate"
+
+    class Spec(StrictModel):
+        """A headlab experiment."""
+
+        name: str = Field("experiment", description="experiment name (used for the run directory)")
+        description: str = ""
+        model: Annotated[ModelSpec, BeforeValidator(_coerce_model)] = Field(default_factory=ModelSpec)
+        task: Task = Field(description="where the examples come from")
+        steps: list[Step] = Field(min_length=1)
+        sweep: dict[str, list[Any]] = Field(default_factory=dict,
+                                            description="dotted spec path -> values; a grid of cells")
+        seed: int = 0
+        output: str = Field("./headlab-runs", description="directory holding run stores")
+
+        @field_validator("steps")
+        @classmethod
+        def _unique_ids(cls, steps: list[Step]) -> list[Step]:
+            seen: set[str] = set()
+            for i, step in enumerate(steps):
+                if step.id in seen:
+                    raise PydanticCustomError("duplicate_step", "duplicate step id '{id}' (step {i})",
+                                              {"id": step.id, "i": i})
+                seen.add(step.id)
+            return steps
+
+    Spec.__name__ = "Spec"
+    return Spec
+
+
+# --- loading --------------------------------------------------------------------------------------
+
+SAFE_TAGS = re.compile(r"^tag:yaml\.org,2002:(str|int|float|bool|null|map|seq|timestamp)$")
+
+
+def _plain(node: Any, source: str) -> Any:
+    """Convert ruamel round-trip nodes to plain Python, refusing explicit tags."""
+    tag = getattr(getattr(node, "tag", None), "value", None) or getattr(node, "tag", None)
+    if isinstance(tag, str) and tag.startswith("!") or (isinstance(tag, str) and not SAFE_TAGS.match(tag)
+                                                         and tag.startswith("tag:")):
+        raise SpecError(f"YAML tag {tag} is not allowed: a spec holds data only", source=source)
+    if isinstance(node, Mapping):
+        return {str(k) if not isinstance(k, (int, float, bool)) else k: _plain(v, source) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_plain(v, source) for v in node]
+    if hasattr(node, "value") and tag is not None:
+        raise SpecError(f"YAML tag {tag} is not allowed: a spec holds data only", source=source)
+    if type(node).__name__ in ("ScalarFloat", "ScalarInt", "ScalarBoolean"):
+        return {"ScalarFloat": float, "ScalarInt": int, "ScalarBoolean": bool}[type(node).__name__](node)
+    if isinstance(node, str):
+        return str(node)
+    return node
+
+
+def _locate_tag(node: Any, path: list[Any] | None = None) -> tuple[Any, list[Any]] | None:
+    path = path or []
+    if isinstance(node, Mapping):
+        for k, v in node.items():
+            t = getattr(v, "tag", None)
+            tv = getattr(t, "value", t)
+            if isinstance(tv, str) and (tv.startswith("!") or (tv.startswith("tag:") and not SAFE_TAGS.match(tv))):
+                return node, path + [k]
+            found = _locate_tag(v, path + [k])
+            if found:
+                return found
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            found = _locate_tag(v, path + [i])
+            if found:
+                return found
+    return None
+
+
+def parse_yaml(text: str, source: str = "<spec>") -> tuple[dict[str, Any], Any]:
+    """Parse spec YAML safely. Returns (plain data, round-trip tree for locating errors)."""
+    from ruamel.yaml import YAML
+    from ruamel.yaml.error import MarkedYAMLError, YAMLError
+
+    yaml = YAML(typ="rt")
+    yaml.allow_duplicate_keys = False
+    try:
+        tree = yaml.load(io.StringIO(text))
+    except MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        problem = (e.problem or e.context or "invalid YAML").strip()
+        if "duplicate key" in problem:
+            problem = problem.split(" with value")[0].replace("found duplicate key", "duplicate key")
+        raise SpecError(problem, source=source, line=mark.line + 1 if mark else None,
+                        col=mark.column + 1 if mark else None) from None
+    except YAMLError as e:
+        raise SpecError(f"invalid YAML: {str(e).splitlines()[0]}", source=source) from None
+    if tree is None:
+        raise SpecError("the spec is empty", source=source)
+    if not isinstance(tree, Mapping):
+        raise SpecError("a spec is a mapping of keys (name, model, task, steps, ...)", source=source, line=1, col=1)
+    tagged = _locate_tag(tree)
+    if tagged:
+        parent, path = tagged
+        line, col = _position(tree, path)
+        tag = getattr(parent[path[-1]], "tag", None)
+        raise SpecError(f"YAML tag {getattr(tag, 'value', tag)} is not allowed: a spec holds data only",
+                        source=source, line=line, col=col, path=format_path(path))
+    return _plain(tree, source), tree
+
+
+def _position(tree: Any, path: list[Any]) -> tuple[int | None, int | None]:
+    """1-based (line, col) of the deepest node of ``path`` present in the round-trip tree."""
+    node, line, col = tree, None, None
+    for part in path:
+        try:
+            if isinstance(node, Mapping) and part in node:
+                line, col = node.lc.key(part)
+                node = node[part]
+            elif isinstance(node, list) and isinstance(part, int) and part < len(node):
+                line, col = node.lc.item(part)
+                node = node[part]
+            elif isinstance(node, Mapping) and node.get("kind") == part:
+                continue  # discriminator tag in pydantic's location
+            else:
+                break
+        except (AttributeError, KeyError, TypeError):
+            break
+    if line is None:
+        return (1, 1) if path else (None, None)
+    return line + 1, col + 1
+
+
+def format_path(path: Iterable[Any]) -> str:
+    """``['steps', 0, 'detect', 'kind']`` -> ``steps[0].detect.kind``."""
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def _clean_loc(loc: tuple[Any, ...], data: Any) -> list[Any]:
+    """Drop pydantic's union-member markers from an error location, keeping real keys."""
+    out: list[Any] = []
+    node = data
+    for part in loc:
+        if isinstance(node, Mapping) and part not in node and isinstance(part, str) and (
+                node.get("kind") == part or "[" in part or part.startswith("function-")
+                or part in ("list", "dict", "str", "int", "float")):
+            continue
+        if isinstance(node, list) and isinstance(part, str):
+            continue
+        out.append(part)
+        if isinstance(node, Mapping):
+            node = node.get(part)
+        elif isinstance(node, list) and isinstance(part, int) and part < len(node):
+            node = node[part]
+        else:
+            node = None
+    return out
+
+
+def first_error(exc: ValidationError, data: Any, tree: Any, source: str) -> SpecError:
+    """Turn pydantic's first (most specific) error into a located one-line SpecError."""
+    errors = exc.errors(include_url=False)
+    rank = {"unknown_key": 0, "unknown_kind": 0, "missing_kind": 0, "step_action": 1}
+    errors.sort(key=lambda e: (rank.get(e["type"], 2), -len(e["loc"])))
+    err = errors[0]
+    path = _clean_loc(err["loc"], data)
+    msg = err["msg"]
+    if err["type"] == "unknown_key":
+        path.append(err["ctx"]["key"])
+    elif err["type"] == "missing":
+        msg = f"missing required key '{path[-1]}'" if path else msg
+    elif err["type"] in ("union_tag_invalid", "literal_error") and path and path[-1] != "kind":
+        pass
+    msg = msg.replace("Value error, ", "")
+    line, col = _position(tree, path) if tree is not None else (None, None)
+    return SpecError(msg, source=source, line=line, col=col, path=format_path(path))
+
+
+# --- sweeps ---------------------------------------------------------------------------------------
+
+def set_path(data: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
+    """Return a copy of raw spec data with ``dotted`` set to ``value``.
+
+    The first segment is a top-level key (``task``, ``model``, ``seed``) or a step id; the rest walk
+    into that step's action (``answer.decode.alpha``) or the mapping. Raises KeyError with a message.
+    """
+    data = copy.deepcopy(data)
+    parts = dotted.split(".")
+    head, rest = parts[0], parts[1:]
+    steps = {s.get("id"): s for s in data.get("steps", []) if isinstance(s, Mapping)}
+    if head in steps:
+        node: Any = steps[head]
+        action = next((a for a in ("detect", "generate") if a in node), None)
+        if rest and rest[0] not in ("detect", "generate", "task") and action:
+            node = node[action]
+    elif head in data or head in ("seed", "model", "task", "name", "output"):
+        if not rest:
+            data[head] = value
+            return data
+        if head == "model" and isinstance(data.get("model"), str):
+            data["model"] = {"id": data["model"]}
+        node = data.setdefault(head, {})
+        head, rest = rest[0], rest[1:]
+        rest = [head, *rest]
+    else:
+        raise KeyError(f"'{dotted}': '{head}' is neither a top-level key nor a step id"
+                       f"{_suggest(head, [*data, *steps])}")
+    if not rest:
+        raise KeyError(f"'{dotted}': name a key inside step '{head}', e.g. {head}.decode.alpha")
+    for part in rest[:-1]:
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        elif isinstance(node, Mapping) and isinstance(node.get(part), (Mapping, list)):
+            node = node[part]
+        elif isinstance(node, Mapping) and part in ("decode",) and part not in node:
+            node = node.setdefault(part, {"kind": "greedy"})
+        else:
+            raise KeyError(f"'{dotted}': no mapping at '{part}'")
+    last = rest[-1]
+    if isinstance(node, list) and last.isdigit():
+        node[int(last)] = value
+    elif isinstance(node, dict):
+        node[last] = value
+    else:
+        raise KeyError(f"'{dotted}': cannot set '{last}'")
+    return data
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One point of the sweep grid: its index and the value of each sweep key."""
+
+    index: int
+    values: tuple[tuple[str, Any], ...]
+
+    @property
+    def name(self) -> str:
+        return f"c{self.index:04d}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.values)
+
+
+# --- the loaded spec ------------------------------------------------------------------------------
+
+@dataclass
+class LoadedSpec:
+    """A validated spec: the pydantic object, the raw data it came from, and its text."""
+
+    spec: Any
+    data: dict[str, Any]
+    text: str
+    source: str
+    tree: Any = None
+
+    @property
+    def cells(self) -> list[Cell]:
+        """The sweep grid in row-major order of the sweep keys (one cell when there is no sweep)."""
+        keys = list(self.spec.sweep)
+        grid = itertools.product(*(self.spec.sweep[k] for k in keys))
+        return [Cell(i, tuple(zip(keys, combo, strict=True))) for i, combo in enumerate(grid)]
+
+    def for_cell(self, cell: Cell) -> Any:
+        """The spec object with the cell's sweep values applied."""
+        data = self.data
+        for key, value in cell.values:
+            data = set_path(data, key, value)
+        data = {k: v for k, v in data.items() if k != "sweep"}
+        return self.spec.__class__.model_validate(data)
+
+    def with_overrides(self, overrides: Mapping[str, Any]) -> LoadedSpec:
+        """A new loaded spec with ``--set path=value`` overrides applied to its data."""
+        data = self.data
+        for key, value in overrides.items():
+            try:
+                data = set_path(data, key, value)
+            except KeyError as e:
+                raise SpecError(f"--set {e.args[0]}", source=self.source) from None
+        return validate_data(data, text=self.text, source=self.source, tree=None)
+
+
+def validate_data(data: dict[str, Any], *, text: str = "", source: str = "<spec>", tree: Any = None,
+                  registry: Registry | None = None) -> LoadedSpec:
+    """Validate raw spec data, sweep included; raise SpecError located in the YAML."""
+    from .plugin_manager import get_manager
+
+    registry = registry or get_manager().registry
+    Spec = build_spec_model(registry)
+    try:
+        spec = Spec.model_validate(data)
+    except ValidationError as e:
+        raise first_error(e, data, tree, source) from None
+    _check_references(spec, tree, source)
+    loaded = LoadedSpec(spec=spec, data=data, text=text, source=source, tree=tree)
+    for key, values in spec.sweep.items():
+        line, col = _position(tree, ["sweep", key]) if tree is not None else (None, None)
+        if not values:
+            raise SpecError("a sweep key needs at least one value", source=source, line=line, col=col,
+                            path=f"sweep.{key}")
+        for value in values:
+            try:
+                swept = set_path(data, key, value)
+            except KeyError as e:
+                raise SpecError(f"bad sweep path {e.args[0]}", source=source, line=line, col=col,
+                                path=f"sweep.{key}") from None
+            swept.pop("sweep", None)
+            try:
+                Spec.model_validate(swept)
+            except ValidationError as e:
+                inner = first_error(e, swept, None, source)
+                raise SpecError(f"value {value!r} is invalid at {inner.path}: {inner.message}",
+                                source=source, line=line, col=col, path=f"sweep.{key}") from None
+    return loaded
+
+
+def _check_references(spec: Any, tree: Any, source: str) -> None:
+    """Every ``heads: {from: id}`` names an earlier step that produces scores."""
+    earlier: dict[str, str] = {}
+    for i, step in enumerate(spec.steps):
+        for path, ref in _find_refs(step.model_dump(by_alias=True), ["steps", i]):
+            if ref not in earlier:
+                line, col = _position(tree, path) if tree is not None else (None, None)
+                hint = _suggest(ref, earlier)
+                where = "a later step" if ref in {s.id for s in spec.steps} else "no step"
+                raise SpecError(f"'{ref}' is {where}; heads can only come from an earlier step{hint}",
+                                source=source, line=line, col=col, path=format_path(path))
+        earlier[step.id] = step.action
+
+
+def _find_refs(node: Any, path: list[Any]) -> Iterable[tuple[list[Any], str]]:
+    if isinstance(node, Mapping):
+        if isinstance(node.get("from"), str):
+            yield [*path, "from"], node["from"]
+        for k, v in node.items():
+            if v is not None:
+                yield from _find_refs(v, [*path, k])
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _find_refs(v, [*path, i])
+
+
+def load_spec(source: str | Path | Mapping[str, Any], *, registry: Registry | None = None) -> LoadedSpec:
+    """Load and validate a spec from a path, a YAML string, or a mapping.
+
+    Raises :class:`SpecError` with ``file:line:col: key.path: message`` on any problem.
+    """
+    if isinstance(source, Mapping):
+        return validate_data(copy.deepcopy(dict(source)), source="<dict>", registry=registry)
+    if isinstance(source, Path) or (isinstance(source, str) and "\n" not in source
+                                    and source.endswith((".yaml", ".yml"))):
+        path = Path(source)
+        if not path.is_file():
+            raise SpecError(f"no such spec file; check the path{' (it is a directory)' if path.is_dir() else ''}",
+                            source=str(path))
+        text, name = path.read_text(encoding="utf-8"), str(path)
+    else:
+        text, name = str(source), "<spec>"
+    data, tree = parse_yaml(text, name)
+    return validate_data(data, text=text, source=name, tree=tree, registry=registry)
+
+
+def json_schema(registry: Registry | None = None) -> dict[str, Any]:
+    """The JSON Schema of specs, every installed plugin kind included."""
+    from .plugin_manager import get_manager
+
+    schema = build_spec_model(registry or get_manager().registry).model_json_schema(by_alias=True)
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "headlab spec"
+    return schema

@@ -1,0 +1,61 @@
+"""``greedy`` and ``sample``: the baselines every decoding comparison needs."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from headlab import ComponentConfig, hookimpl
+from headlab.generation import Decoded, DecodeRequest, decode_loop
+from pydantic import Field
+
+
+class Greedy(ComponentConfig):
+    """Pick the most likely next token."""
+
+    kind: Literal["greedy"] = "greedy"
+
+
+class Sample(ComponentConfig):
+    """Sample the next token with temperature, top-k and top-p (nucleus) filtering."""
+
+    kind: Literal["sample"] = "sample"
+    temperature: float = Field(1.0, gt=0)
+    top_k: int | None = Field(None, ge=1)
+    top_p: float | None = Field(None, gt=0, le=1)
+
+
+def greedy(config: Greedy, request: DecodeRequest) -> Decoded:
+    """Greedy decoding through the shared KV-cache loop."""
+    return decode_loop(request, lambda out, _: out.logits[:, -1].argmax(-1))
+
+
+def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
+    """Mask logits outside the top-k and outside the smallest set with cumulative probability >= top_p."""
+    logits = logits.clone()
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits[logits < kth] = -torch.inf
+    if top_p is not None and top_p < 1:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) >= top_p
+        logits.scatter_(-1, order, sorted_logits.masked_fill(drop, -torch.inf))
+    return logits
+
+
+def sample(config: Sample, request: DecodeRequest) -> Decoded:
+    """Seeded sampling through the shared KV-cache loop."""
+    gen = torch.Generator(device=request.lm.device).manual_seed(request.seed)
+
+    def choose(out, _):
+        logits = filter_logits(out.logits[:, -1].float() / config.temperature, config.top_k, config.top_p)
+        return torch.multinomial(logits.softmax(-1), 1, generator=gen)[:, 0]
+
+    return decode_loop(request, choose)
+
+
+@hookimpl
+def headlab_register_decoders(register):
+    register(Greedy, greedy)
+    register(Sample, sample)
