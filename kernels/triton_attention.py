@@ -39,7 +39,7 @@ def _scores(
         mask=kmask[None, :] & (offs_d[:, None] < D), other=0.0,
     )
     if IEEE:
-        s = tl.dot(q, kt, input_precision="ieee")
+        s = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
     else:
         s = tl.dot(q, kt)
     s = s * qmul
@@ -106,6 +106,8 @@ def _attn_fwd(
         Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
         mask=mrow[:, None] & (offs_d[None, :] < D), other=0.0,
     )
+    if IEEE:
+        q = q.to(tl.float32)
     qmul = tl.load(QMUL + b * H + h)
     sz = 0
     if HAS_SZ:
@@ -301,7 +303,9 @@ def triton_attention(
     G = H // Hkv
     dev = q.device
     f32 = torch.float32
-    ieee = q.dtype == torch.float32
+    # float32 dots in IEEE precision for float32 inputs (no TF32), and for every dtype under the CPU
+    # interpreter, whose bfloat16 tl.dot is wrong (triton 3.x); half inputs on CUDA use native dots
+    ieee = q.dtype == torch.float32 or not q.is_cuda
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError("triton path: q, k, v must share a dtype")
     BLOCK_M = block_m or (16 if Nq <= 16 else 64)

@@ -1,0 +1,111 @@
+"""The Triton path against the naive reference, on CPU under TRITON_INTERPRET=1.
+
+TRITON_INTERPRET is read when a kernel is decorated with ``triton.jit``, i.e. when
+``headlab.kernels.triton_attention`` is imported; this module sets it first and (re)imports that module so
+it works whatever was imported before. On a CUDA machine the same tests run compiled kernels when
+``HEADLAB_TRITON_CUDA=1`` (benchmarks/gpu_check.py does that).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+ON_CUDA = os.environ.get("HEADLAB_TRITON_CUDA") == "1" and torch.cuda.is_available()
+if not ON_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+triton = pytest.importorskip("triton")
+
+from headlab.kernels import attention  # noqa: E402
+
+if "headlab.kernels.triton_attention" in sys.modules and not ON_CUDA:
+    importlib.reload(sys.modules["headlab.kernels.triton_attention"])
+from headlab.kernels import triton_attention as ta  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_kernels import ALL_PROBES, check, make_case, reference  # noqa: E402
+
+pytestmark = pytest.mark.triton
+DEV = "cuda" if ON_CUDA else "cpu"
+
+
+def run(q, k, v, kpm, kw, **extra):
+    to = lambda x: x.to(DEV) if isinstance(x, torch.Tensor) else x  # noqa: E731
+    out, st = attention(to(q), to(k), to(v), key_padding_mask=to(kpm), backend="triton",
+                        **{n: to(x) for n, x in kw.items()}, **extra)
+    assert st.backend == "triton"
+    for name in ("argmax", "argmax_prob", "entropy", "span_mass", "pattern"):
+        if getattr(st, name) is not None:
+            setattr(st, name, getattr(st, name).cpu())
+    return out.cpu(), st
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 4, 2, 20, 20, 16), (1, 4, 1, 9, 9, 16), (2, 4, 4, 1, 37, 16), (2, 4, 2, 3, 21, 8)],
+    ids=["gqa2-prefill", "mqa", "decode", "chunk-with-past"],
+)
+def test_triton_matches_reference(shape):
+    B, H, Hkv, Nq, Nk, D = shape
+    q, k, v, kpm, kw = make_case(B, H, Hkv, Nq, Nk, D, pad=(0, 5) if B > 1 else (2,))
+    out, st = run(q, k, v, kpm, kw, scale=D**-0.5, **ALL_PROBES)
+    ref = reference(q, k, v, scale=D**-0.5, key_padding_mask=kpm, **kw)
+    check(out, st, ref, atol=1e-5)
+
+
+def test_triton_softcap_window_gqa4():
+    q, k, v, kpm, kw = make_case(2, 8, 2, 19, 19, 16, pad=(0, 3))
+    q = q * 3
+    out, st = run(q, k, v, kpm, kw, scale=0.5, softcap=4.0, window=6, **ALL_PROBES)
+    ref = reference(q, k, v, scale=0.5, key_padding_mask=kpm, softcap=4.0, window=6, **kw)
+    check(out, st, ref, atol=1e-5)
+
+
+def test_triton_split_decode_and_general_mask():
+    """Flash-decoding split of the key axis (merged in torch) and a general attn_mask."""
+    q, k, v, kpm, kw = make_case(2, 4, 2, 1, 70, 16, pad=(0, 9))
+    dev = lambda x: x.to(DEV)  # noqa: E731
+    out, st = ta.triton_attention(
+        dev(q), dev(k), dev(v), scale=0.25, causal=True, key_padding_mask=dev(kpm), attn_mask=None,
+        probe_argmax=True, probe_entropy=True, return_pattern=False, softcap=None, window=None,
+        num_splits=3, **{n: dev(x) for n, x in kw.items()},
+    )
+    st.argmax, st.argmax_prob, st.entropy, st.span_mass = (
+        st.argmax.cpu(), st.argmax_prob.cpu(), st.entropy.cpu(), st.span_mass.cpu())
+    ref = reference(q, k, v, scale=0.25, key_padding_mask=kpm, **kw)
+    check(out.cpu(), st, ref, atol=1e-5)
+    # general mask (not causal), no padding
+    q, k, v, _, kw = make_case(2, 4, 2, 16, 16, 16, pad=None)
+    am = torch.rand(2, 1, 16, 16, generator=torch.Generator().manual_seed(3)) > 0.4
+    out, st = run(q, k, v, None, kw, scale=0.25, causal=False, attn_mask=am, **ALL_PROBES)
+    ref = reference(q, k, v, scale=0.25, causal=False, attn_mask=am, **kw)
+    check(out, st, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
+def test_triton_half(dtype, atol):
+    q, k, v, kpm, kw = make_case(2, 4, 2, 17, 17, 16, dtype=dtype, pad=(0, 4))
+    out, st = run(q, k, v, kpm, kw, scale=0.25, **ALL_PROBES)
+    assert out.dtype == dtype
+    ref = reference(q, k, v, scale=0.25, key_padding_mask=kpm, **kw)
+    check(out, st, ref, atol=atol, argmax=False)
+
+
+def test_triton_pasta_equals_reweighting():
+    q, k, v, _, _ = make_case(1, 2, 1, 16, 16, 16, pad=None, edits=False, spans=False)
+    alpha = 0.05
+    spans = torch.tensor([[[0, 5], [9, 16]]])
+    _, st_b = run(q, k, v, None, dict(key_spans=spans, key_bias=torch.full((1, 2, 2), math.log(alpha))),
+                  scale=0.3, return_pattern=True)
+    ref = reference(q, k, v, scale=0.3)["pattern"].float()
+    w = torch.full((16,), alpha)
+    w[5:9] = 1
+    a = ref * w
+    a = a / a.sum(-1, keepdim=True)
+    torch.testing.assert_close(st_b.pattern, a, atol=1e-5, rtol=0)
