@@ -1,0 +1,33 @@
+"""Shared fixtures: tiny random models built from configs (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 97, "max_position_embeddings": 256}
+
+
+@pytest.fixture
+def tiny_llama() -> dict:
+    """A config mapping for a 2-layer, 4-head (2 kv heads) Llama with random weights."""
+    return dict(TINY_LLAMA)
+
+
+def spec_text(steps: str, *, sweep: str = "", task: str = "{kind: repeated_tokens, n: 4, length: 8}",
+              model: dict | None = None, out: str = "") -> str:
+    """A spec YAML string on the tiny random Llama."""
+    import json
+
+    text = (f"name: test\nmodel: {{config: {json.dumps(model or TINY_LLAMA)}}}\ntask: {task}\n"
+            f"steps:\n{steps}")
+    if sweep:
+        text += f"sweep:\n{sweep}"
+    if out:
+        text += f"output: {out}\n"
+    return text

@@ -1,0 +1,107 @@
+"""The runner and the zarr store: results, provenance, sweeps, interruption and resume."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import xarray as xr
+from conftest import spec_text
+
+import headlab
+
+STEPS = """  - id: prev
+    detect: {kind: previous_token}
+  - id: ind
+    detect: {kind: induction, exclude_bos: true}
+"""
+
+
+def test_run_writes_a_store_that_xarray_reads(tmp_path):
+    run = headlab.run(spec_text(STEPS), out=tmp_path)
+    assert run.status == "complete" and run.cells_done == run.cells_total == 1
+    score = run.results["ind"]["score"]
+    assert score.dims == ("layer", "head") and score.shape == (2, 4)
+    assert run.results["ind"]["example_score"].dims == ("example", "layer", "head")
+    direct = xr.open_zarr(str(run.path), group="cells/c0000/ind", consolidated=False)
+    np.testing.assert_allclose(direct["score"].values, score.values)
+    # examples are stored with their token ids so every number traces back to its input
+    ds = run.results["prev"]
+    assert ds["input_ids"].dims == ("example", "token") and ds.sizes["example"] == 4
+    assert (ds["input_ids"].values[:, 1:9] == ds["input_ids"].values[:, 9:17]).all()
+    reopened = headlab.open_run(run.path)
+    xr.testing.assert_identical(reopened.results["ind"], run.results["ind"])
+
+
+def test_provenance_attributes(tmp_path):
+    run = headlab.run(spec_text(STEPS), out=tmp_path)
+    attrs = run.attrs
+    for key in ("spec_text", "resolved", "headlab_version", "torch_version", "transformers_version",
+                "model", "model_digest", "device", "dtype", "seed", "created", "finished"):
+        assert key in attrs, key
+    assert attrs["model_digest"].startswith("sha256:")
+    assert "previous_token" in attrs["spec_text"]
+    assert json.loads(attrs["resolved"])["steps"][0]["id"] == "prev"
+
+
+def test_sweep_becomes_dimensions(tmp_path):
+    sweep = "  task.length: [4, 6]\n  ind.error_measure: [mul, abs]\n"
+    run = headlab.run(spec_text(STEPS, sweep=sweep), out=tmp_path)
+    score = run.results["ind"]["score"]
+    assert set(score.dims) == {"layer", "head", "task.length", "ind.error_measure"}
+    assert list(score["task.length"].values) == [4, 6]
+    one = headlab.run(spec_text(STEPS).replace("length: 8", "length: 6").replace(
+        "{kind: induction, exclude_bos: true}", "{kind: induction, exclude_bos: true, error_measure: abs}"),
+        out=tmp_path)
+    np.testing.assert_allclose(score.sel({"task.length": 6, "ind.error_measure": "abs"}).values,
+                               one.results["ind"]["score"].values)
+
+
+def test_interrupt_then_resume_equals_uninterrupted(tmp_path):
+    text = spec_text(STEPS, sweep="  task.length: [3, 4, 5, 6]\n")
+    full = headlab.run(text, out=tmp_path / "full")
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_two(cell):
+        if cell.index == 1:
+            raise Stop
+
+    with pytest.raises(Stop):
+        headlab.run(text, out=tmp_path / "part", on_cell=stop_after_two)
+    (partial_path,) = (tmp_path / "part").iterdir()
+    partial = headlab.open_run(partial_path)
+    assert partial.status == "interrupted" and partial.cells_done == 2
+    assert partial.results["ind"].sizes["task.length"] == 2  # finished cells are usable
+    seen = []
+    resumed = headlab.run(None, resume=partial_path, on_cell=lambda c: seen.append(c.index))
+    assert seen == [2, 3]  # finished cells are not redone
+    assert resumed.status == "complete"
+    for step in ("prev", "ind"):
+        xr.testing.assert_allclose(resumed.results[step], full.results[step])
+
+
+def test_generate_step_outputs_and_metrics(tmp_path):
+    steps = """  - id: gen
+    generate:
+      max_new_tokens: 3
+      metrics: [exact_match, contains]
+"""
+    run = headlab.run(spec_text(steps), out=tmp_path)
+    ds = run.results["gen"]
+    assert ds["output"].dims == ("example",) and ds.sizes["example"] == 4
+    assert set(ds.attrs["metrics"]) == {"exact_match", "contains"}
+    # targets are empty for repeated_tokens: contains("") is 1, exact match of a non-empty output is 0
+    assert ds["contains"].values.tolist() == [1.0] * 4
+    summary = run.summary()["gen"]
+    assert summary["metrics"]["contains"] == 1.0
+
+
+def test_list_runs(tmp_path):
+    headlab.run(spec_text(STEPS), out=tmp_path)
+    headlab.run(spec_text(STEPS), out=tmp_path)
+    runs = headlab.list_runs(tmp_path)
+    assert len(runs) == 2 and all(r.status == "complete" for r in runs)
+    assert "headlab run" in runs[0]._repr_html_()
