@@ -1,0 +1,324 @@
+"""headlab.instrument on tiny random-weight models built from transformers configs (no downloads).
+
+Independent checks: SDPA / eager models with the same weights, eager ``output_attentions`` patterns,
+forward pre-hooks on the output projection, full-sequence forwards vs ``generate`` steps.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import transformers
+from headlab import instrument as ins
+
+ins.register()
+
+V = 97
+N = 12
+PAD = 4
+
+
+def _cfg(arch: str):
+    common = dict(vocab_size=V, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64)
+    if arch == "llama":
+        return transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_key_value_heads=2, **common)
+    if arch == "mistral":  # GQA 4 + sliding window shorter than the sequence
+        return transformers.MistralConfig(hidden_size=64, intermediate_size=96, num_key_value_heads=1,
+                                          sliding_window=5, head_dim=16, **common)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(hidden_size=64, intermediate_size=96, num_key_value_heads=2, **common)
+    if arch == "gemma2":  # softcap, query_pre_attn_scalar, alternating sliding / full layers
+        return transformers.Gemma2Config(hidden_size=64, intermediate_size=96, num_key_value_heads=2, head_dim=16,
+                                         sliding_window=5, query_pre_attn_scalar=16, attn_logit_softcapping=2.0,
+                                         **common)
+    if arch == "gpt2":
+        return transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=V, n_positions=64)
+    if arch == "olmo2":
+        return transformers.Olmo2Config(hidden_size=64, intermediate_size=96, num_key_value_heads=4, **common)
+    if arch == "phi3":
+        return transformers.Phi3Config(hidden_size=64, intermediate_size=96, num_key_value_heads=2,
+                                       pad_token_id=0, **common)
+    raise KeyError(arch)
+
+
+ARCHS = ["llama", "mistral", "qwen2", "gemma2", "gpt2", "olmo2", "phi3"]
+_MODELS: dict = {}
+
+
+def load(arch: str, impl: str):
+    """The same random weights under attention implementation ``impl`` (cached per module)."""
+    key = (arch, impl)
+    if key not in _MODELS:
+        cfg = _cfg(arch)
+        cls = transformers.AutoModelForCausalLM
+        torch.manual_seed(0)
+        base = cls.from_config(copy.deepcopy(cfg), attn_implementation="eager").eval()
+        if impl == "eager":
+            m = base
+        else:
+            m = cls.from_config(copy.deepcopy(cfg), attn_implementation=impl).eval()
+            m.load_state_dict(base.state_dict())
+        _MODELS[key] = m
+    return _MODELS[key]
+
+
+def batch(B=2, n=N, pad=PAD, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, V, (B, n), generator=g)
+    am = torch.ones(B, n, dtype=torch.long)
+    if B > 1 and pad:
+        am[1, :pad] = 0
+        ids[1, :pad] = 0
+    return ids, am
+
+
+def logits(model, ids, am, **kw):
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=am, **kw).logits
+
+
+def real(x, am):
+    """Positions of real tokens only: (rows concatenated)."""
+    return x[am.bool()]
+
+
+def sdpa_or_eager(arch):
+    # Gemma 2's softcap is not available under SDPA; eager is its reference
+    return "eager" if arch == "gemma2" else "sdpa"
+
+
+# --------------------------------------------------------------------------- parity
+@pytest.mark.parametrize("arch", ARCHS)
+def test_empty_plan_identical_to_reference(arch):
+    ids, am = batch()
+    ref = logits(load(arch, sdpa_or_eager(arch)), ids, am)
+    m = load(arch, "headlab")
+    out_free = logits(m, ids, am)
+    with ins.instrument(m, ins.Plan()):
+        out_ctx = logits(m, ids, am)
+    if arch == "gemma2":
+        torch.testing.assert_close(real(out_free, am), real(ref, am), atol=1e-5, rtol=0)
+    else:
+        assert torch.equal(out_free, ref), "outside any context: must be exactly SDPA"
+    assert torch.equal(out_ctx, out_free), "empty plan: must be exactly the uninstrumented path"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_probes_parity_and_patterns(arch):
+    """Probes only: logits agree with SDPA at least as closely as eager does; the recorded pattern,
+    argmax and entropy equal eager's output_attentions on real query rows."""
+    ids, am = batch()
+    ref = logits(load(arch, sdpa_or_eager(arch)), ids, am)
+    eager = load(arch, "eager")
+    with torch.no_grad():
+        eo = eager(input_ids=ids, attention_mask=am, output_attentions=True)
+    eager_gap = (real(eo.logits, am) - real(ref, am)).abs().max().item()
+    m = load(arch, "headlab")
+    probes = ins.Probes(argmax=True, entropy=True, spans=[(0, 3), (3, 8), (8, N)], pattern=True,
+                        z_positions="last")
+    with ins.instrument(m, ins.Plan(probes=probes)) as rec:
+        out = logits(m, ids, am)
+    gap = (real(out, am) - real(ref, am)).abs().max().item()
+    assert gap <= max(eager_gap, 2e-5), (gap, eager_gap)
+    L, H = 2, 4
+    assert rec.argmax.shape == (2, L, H, N) and rec.argmax.dtype == torch.long
+    assert rec.span_mass.shape == (2, L, H, N, 3)
+    assert rec.pattern.shape == (2, L, H, N, N)
+    assert rec.z.shape[:4] == (2, L, H, 1) and rec.z_positions == [N - 1]
+    assert rec.dims["span_mass"] == ("batch", "layer", "head", "query", "span")
+    pat_e = torch.stack(list(eo.attentions), dim=1).float()  # (B, L, H, Nq, Nk)
+    rows = am.bool()  # real query rows
+    for b in range(2):
+        pe, po = pat_e[b][:, :, rows[b]], rec.pattern[b][:, :, rows[b]]
+        torch.testing.assert_close(po, pe, atol=2e-5, rtol=0)
+        torch.testing.assert_close(rec.span_mass[b, :, :, rows[b], 1], pe[..., 3:8].sum(-1), atol=2e-5, rtol=0)
+        ent = -(pe * pe.clamp_min(1e-30).log()).sum(-1)
+        torch.testing.assert_close(rec.entropy[b][:, :, rows[b]], ent, atol=1e-4, rtol=0)
+        top = pe.amax(-1)
+        picked = pe.gather(-1, rec.argmax[b][:, :, rows[b]][..., None]).squeeze(-1)
+        torch.testing.assert_close(picked, top, atol=2e-5, rtol=0)
+    assert (rec.argmax[1, :, :, :PAD] == -1).all()
+
+
+def test_pasta_bias_equals_reweighting():
+    """log(alpha) on the non-emphasised keys of one head == eager pattern reweighted by hand."""
+    ids, am = batch()
+    eager = load("llama", "eager")
+    with torch.no_grad():
+        pe = eager(input_ids=ids, attention_mask=am, output_attentions=True).attentions[0].float()
+    m = load("llama", "headlab")
+    alpha = 0.05
+    emph = (6, 9)
+    plan = ins.Plan(probes=ins.Probes(pattern=True, layers=[0]))
+    plan.bias_keys([(0, 1)], [(0, emph[0]), (emph[1], N)], math.log(alpha))
+    with ins.instrument(m, plan) as rec:
+        logits(m, ids, am)
+    w = torch.full((N,), alpha)
+    w[emph[0]:emph[1]] = 1
+    want = pe.clone()
+    want[:, 1] = want[:, 1] * w
+    want[:, 1] = want[:, 1] / want[:, 1].sum(-1, keepdim=True).clamp_min(1e-30)
+    got = rec.pattern[:, 0]
+    for b in range(2):
+        r = am[b].bool()
+        torch.testing.assert_close(got[b][:, r], want[b][:, r], atol=2e-5, rtol=0)
+    assert not torch.allclose(got[0, 1], pe[0, 1], atol=1e-3)
+
+
+def _oproj(model, arch, layer):
+    if arch == "gpt2":
+        return model.transformer.h[layer].attn.c_proj
+    return model.model.layers[layer].self_attn.o_proj
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gemma2"])
+def test_output_gate_zero_equals_oproj_prehook(arch):
+    """Gate 0 on (layer 1, head 2) in row 1 only == zeroing that head's slice of o_proj's input."""
+    ids, am = batch()
+    ref_model = load(arch, sdpa_or_eager(arch))
+    D = 16
+    h = 2
+
+    def hook(mod, args):
+        x = args[0].clone()
+        x[1, :, h * D:(h + 1) * D] = 0
+        return (x,)
+
+    handle = _oproj(ref_model, arch, 1).register_forward_pre_hook(hook)
+    try:
+        want = logits(ref_model, ids, am)
+    finally:
+        handle.remove()
+    base = logits(ref_model, ids, am)
+    m = load(arch, "headlab")
+    plan = ins.Plan().mask_heads([(1, h)], rows=[1], mode="output")
+    with ins.instrument(m, plan):
+        got = logits(m, ids, am)
+    torch.testing.assert_close(real(got, am), real(want, am), atol=2e-5, rtol=0)
+    torch.testing.assert_close(got[0], base[0], atol=2e-5, rtol=0)  # row 0 untouched
+    assert (got[1] - base[1]).abs().max() > 1e-4
+
+
+def test_rows_in_one_batch_equal_separate_runs():
+    """Base row + query-masked row in one batched forward == each run on its own."""
+    ids, _ = batch(B=1, pad=0)
+    two = ids.repeat(2, 1)
+    m = load("qwen2", "headlab")
+    heads = [(0, 1), (1, 3)]
+    with ins.instrument(m, ins.Plan().mask_heads(heads, rows=[1], mode="query")):
+        both = logits(m, two, torch.ones_like(two))
+    with ins.instrument(m, ins.Plan().mask_heads(heads, mode="query")):
+        masked = logits(m, ids, torch.ones_like(ids))
+    plain = logits(m, ids, torch.ones_like(ids))
+    torch.testing.assert_close(both[1], masked[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(both[0], plain[0], atol=1e-5, rtol=0)
+    # score masking with no bias is the same uniform attention as query masking
+    with ins.instrument(m, ins.Plan().mask_heads(heads, mode="score")):
+        score_masked = logits(m, ids, torch.ones_like(ids))
+    torch.testing.assert_close(score_masked, masked, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2"])
+def test_generate_probes_match_full_forward(arch):
+    """argmax per generated step (KV cache, left padding) == a full-sequence forward's argmax."""
+    ids, am = batch()
+    m = load(arch, "headlab")
+    new = 5
+    plan = ins.Plan(probes=ins.Probes(argmax=True, spans=[(0, 6)]))
+    with ins.instrument(m, plan) as rec, torch.no_grad():
+        out = m.generate(input_ids=ids, attention_mask=am, max_new_tokens=new, min_new_tokens=new,
+                         do_sample=False, pad_token_id=0)
+    assert rec.argmax.shape == (2, 2, 4, N + new - 1)
+    seq = out[:, :-1]
+    am_full = torch.cat([am, torch.ones(2, new - 1, dtype=am.dtype)], dim=1)
+    with ins.instrument(m, ins.Plan(probes=ins.Probes(argmax=True, spans=[(0, 6)]))) as full:
+        logits(m, seq, am_full)
+    r = am_full.bool()
+    for b in range(2):
+        assert torch.equal(rec.argmax[b][..., r[b]], full.argmax[b][..., r[b]])
+        torch.testing.assert_close(rec.span_mass[b][..., r[b], :], full.span_mass[b][..., r[b], :],
+                                   atol=1e-5, rtol=0)
+
+
+def test_on_layer_callback_sets_scale_for_later_calls():
+    """A callback choosing heads at the first call (VHR-style) == the same heads scaled statically."""
+    ids, am = batch()
+    m = load("llama", "headlab")
+    seen, store = [], {}
+
+    def pick(layer, z, ctx):
+        seen.append((layer, ctx.call, ctx.q_start, tuple(z.shape)))
+        if ctx.call == 0:
+            norms = z[:, :, -1].float().norm(dim=-1)  # (B, H) at the last prompt position
+            store[layer] = norms > norms.median(dim=1, keepdim=True).values
+            return torch.where(store[layer], 2.0, 1.0)
+        return None
+
+    kw = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0, output_logits=True,
+              return_dict_in_generate=True)
+    with ins.instrument(m, ins.Plan().on_layer(pick)), torch.no_grad():
+        out_cb = m.generate(input_ids=ids, attention_mask=am, **kw)
+    dense = torch.ones(2, 2, 4)
+    for layer, c in store.items():
+        dense[:, layer] = torch.where(c, 2.0, 1.0)
+    with ins.instrument(m, ins.Plan(out_scale=dense)), torch.no_grad():
+        out_st = m.generate(input_ids=ids, attention_mask=am, **kw)
+    for a, b in zip(out_cb.logits, out_st.logits, strict=True):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=0)
+    assert (0, 0, 0, (2, 4, N, 16)) in seen and (1, 2, N + 1, (2, 4, 1, 16)) in seen
+
+
+def test_refusals():
+    m = load("llama", "sdpa")
+    with pytest.raises(ins.UnsupportedModelError, match="attn_implementation"):
+        with ins.instrument(m, ins.Plan()):
+            pass
+    mh = load("llama", "headlab")
+    with pytest.raises(ValueError, match="out of range"):
+        with ins.instrument(mh, ins.Plan().mask_heads([(7, 0)])):
+            pass
+
+    class Fake(torch.nn.Module):
+        layer_idx = 0
+        is_causal = True
+
+    q = torch.randn(1, 4, 3, 16)
+    with pytest.raises(ins.UnsupportedModelError, match="position_bias"):
+        ins.attention_forward(Fake(), q, q, q, None, position_bias=torch.zeros(1, 4, 3, 3))
+    assert ins.register() == "headlab"  # idempotent
+
+
+def test_llava_vlm():
+    """A tiny LLaVA (CLIP vision tower + Llama text model): the vision tower passes through, the language
+    model's layers are instrumented; empty plan identical to SDPA, probes parity."""
+    vc = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=2, image_size=16, patch_size=8, projection_dim=32)
+    tc = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, vocab_size=V + 3, max_position_embeddings=64)
+    cfg = transformers.LlavaConfig(vision_config=vc, text_config=tc, image_token_index=V + 1,
+                                   vision_feature_layer=-1, vision_feature_select_strategy="default")
+    torch.manual_seed(0)
+    cls = transformers.LlavaForConditionalGeneration
+    ms = cls._from_config(copy.deepcopy(cfg), attn_implementation="sdpa").eval()
+    mh = cls._from_config(copy.deepcopy(cfg), attn_implementation="headlab").eval()
+    mh.load_state_dict(ms.state_dict())
+    n_img = (16 // 8) ** 2
+    n = N + n_img
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, V, (2, n), generator=g)
+    am = torch.ones(2, n, dtype=torch.long)
+    ids[0, 2:2 + n_img] = V + 1
+    ids[1, :PAD], am[1, :PAD] = 0, 0  # left padding, then the image block
+    ids[1, PAD + 1:PAD + 1 + n_img] = V + 1
+    pix = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        ref = ms(input_ids=ids, attention_mask=am, pixel_values=pix).logits
+        free = mh(input_ids=ids, attention_mask=am, pixel_values=pix).logits
+        assert torch.equal(free, ref)
+        with ins.instrument(mh, ins.Plan(probes=ins.Probes(argmax=True, spans=[(2, 2 + n_img)]))) as rec:
+            out = mh(input_ids=ids, attention_mask=am, pixel_values=pix).logits
+    torch.testing.assert_close(real(out, am), real(ref, am), atol=2e-5, rtol=0)
+    assert rec.argmax.shape == (2, 2, 4, ids.shape[1])
