@@ -1,0 +1,148 @@
+"""One script for a CUDA machine (written for an H200): Triton correctness, then Triton vs SDPA ratios.
+
+    python benchmarks/gpu_check.py [--lengths 4096 8192 16384 32768] [--skip-model]
+
+1. Correctness: the Triton path against the torch path (itself tested against a naive reference) on CUDA,
+   fp32 / bf16 / fp16, GQA, left padding, edits, probes, softcap, window, decode with split keys.
+2. Kernel timings per length (B=1, H=32, Hkv=8, D=128, bf16): SDPA vs Triton without probes, with
+   argmax + span mass on every query, and with a PASTA span bias; decode (1 query vs the whole cache).
+3. Model-level ratios through benchmarks/bench_kernels.py --device cuda (unless --skip-model).
+Without CUDA it runs only a tiny CPU smoke check of the same code (torch path vs SDPA) and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+
+
+def case(B, H, Hkv, Nq, Nk, D, dtype, device, pad=0, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q = torch.randn(B, H, Nq, D, generator=g).to(device, dtype)
+    k = torch.randn(B, Hkv, Nk, D, generator=g).to(device, dtype)
+    v = torch.randn(B, Hkv, Nk, D, generator=g).to(device, dtype)
+    kpm = None
+    if pad:
+        kpm = torch.ones(B, Nk, dtype=torch.bool, device=device)
+        kpm[-1, :pad] = False
+    qs = torch.ones(B, H, device=device)
+    qs[0, 1] = 0
+    sz = torch.zeros(B, H, dtype=torch.bool, device=device)
+    sz[-1, -1] = True
+    os_ = torch.ones(B, H, device=device)
+    os_[0, 0] = 0
+    spans = torch.tensor([[0, Nk // 3], [Nk // 2, Nk - 1]], device=device).expand(B, 2, 2).contiguous()
+    bias = torch.full((B, H, 2), math.log(0.05), device=device)
+    edits = dict(q_scale=qs, score_zero=sz, out_scale=os_, key_spans=spans, key_bias=bias)
+    probes = dict(probe_argmax=True, probe_entropy=True, probe_spans=spans)
+    return q, k, v, kpm, edits, probes
+
+
+def maxdiff(a, b):
+    return (a.double() - b.double()).abs().max().item() if a is not None and a.numel() else 0.0
+
+
+def correctness(device: str) -> bool:
+    from headlab.kernels import attention
+
+    ok = True
+    shapes = [(2, 8, 2, 300, 300, 64), (2, 8, 8, 1, 4100, 128), (1, 4, 1, 5, 2000, 64), (2, 8, 2, 257, 257, 128)]
+    for dtype, tol in ((torch.float32, 2e-5), (torch.bfloat16, 3e-2), (torch.float16, 5e-3)):
+        for B, H, Hkv, Nq, Nk, D in shapes:
+            for extra in (dict(), dict(softcap=20.0, window=97)):
+                q, k, v, kpm, edits, probes = case(B, H, Hkv, Nq, Nk, D, dtype, device, pad=7)
+                kw = dict(scale=D**-0.5, key_padding_mask=kpm, **edits, **probes, **extra)
+                ref_o, ref = attention(q.float(), k.float(), v.float(), backend="torch", **kw)
+                out, st = attention(q, k, v, backend="triton" if device == "cuda" else "torch", **kw)
+                diffs = {
+                    "z": maxdiff(out, ref_o), "argmax_prob": maxdiff(st.argmax_prob, ref.argmax_prob),
+                    "entropy": maxdiff(st.entropy, ref.entropy), "span": maxdiff(st.span_mass, ref.span_mass),
+                }
+                agree = (st.argmax == ref.argmax).float().mean().item()
+                good = all(d <= tol * (10 if n == "entropy" else 1) for n, d in diffs.items()) and agree > 0.97
+                ok &= good
+                print(f"  {'ok ' if good else 'BAD'} {str(dtype):15s} {(B, H, Hkv, Nq, Nk, D)} {extra or ''} "
+                      + " ".join(f"{n}={d:.1e}" for n, d in diffs.items()) + f" argmax_agree={agree:.3f}")
+    return ok
+
+
+def bench(fn, reps=5):
+    fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t)
+    return min(ts)
+
+
+def kernel_timings(lengths):
+    from headlab.kernels import attention
+
+    B, H, Hkv, D = 1, 32, 8, 128
+    print(f"\nkernel timings, B={B} H={H} Hkv={Hkv} D={D} bf16 (ratios vs SDPA)")
+    for n in lengths:
+        q, k, v, _, edits, probes = case(B, H, Hkv, n, n, D, torch.bfloat16, "cuda")
+        sc = D**-0.5
+        t_sdpa = bench(lambda: attention(q, k, v, scale=sc, backend="sdpa"))  # noqa: B023
+        t_plain = bench(lambda: attention(q, k, v, scale=sc, backend="triton"))  # noqa: B023
+        t_probe = bench(lambda: attention(q, k, v, scale=sc, backend="triton", probe_argmax=True,  # noqa: B023
+                                          probe_spans=probes["probe_spans"]))  # noqa: B023
+        t_pasta = bench(lambda: attention(q, k, v, scale=sc, backend="triton", key_spans=edits["key_spans"],  # noqa: B023
+                                          key_bias=edits["key_bias"]))  # noqa: B023
+        torch.cuda.reset_peak_memory_stats()
+        attention(q, k, v, scale=sc, backend="triton", probe_argmax=True, probe_spans=probes["probe_spans"])
+        mem = torch.cuda.max_memory_allocated() / 2**20
+        qd = q[:, :, -1:].contiguous()
+        t_dsdpa = bench(lambda: attention(qd, k, v, scale=sc, backend="sdpa"))  # noqa: B023
+        t_dec = bench(lambda: attention(qd, k, v, scale=sc, backend="triton", probe_argmax=True,  # noqa: B023
+                                        probe_spans=probes["probe_spans"]))  # noqa: B023
+        print(f"  {n:6d}: sdpa {t_sdpa * 1e3:8.2f} ms | triton plain {t_plain / t_sdpa:5.2f}x | "
+              f"argmax+span {t_probe / t_sdpa:5.2f}x (peak {mem:.0f} MiB) | PASTA {t_pasta / t_sdpa:5.2f}x | "
+              f"decode sdpa {t_dsdpa * 1e3:.3f} ms, triton+probes {t_dec / t_dsdpa:5.2f}x")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
+    p.add_argument("--skip-model", action="store_true")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device: running the CPU smoke check only (torch path), skipping Triton and timings")
+        from headlab.kernels import attention
+
+        q, k, v, kpm, _, _ = case(2, 4, 2, 33, 33, 16, torch.float32, "cpu", pad=3)
+        a, _ = attention(q, k, v, scale=0.25, key_padding_mask=kpm, backend="sdpa")
+        b, _ = attention(q, k, v, scale=0.25, key_padding_mask=kpm, backend="torch")
+        print(f"  torch vs sdpa max diff {maxdiff(a, b):.1e}")
+        sys.exit(0)
+    print(f"device: {torch.cuda.get_device_name()}")
+    print("correctness: triton vs torch path")
+    ok = correctness("cuda")
+    env = dict(os.environ, HEADLAB_TRITON_CUDA="1")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "triton",
+                        os.path.join(os.path.dirname(__file__), "..", "tests", "test_kernels_triton.py")],
+                       env=env, capture_output=True, text=True)
+    print("  pytest tests/test_kernels_triton.py on CUDA:", (r.stdout.strip().splitlines() or ["?"])[-1])
+    ok &= r.returncode == 0
+    kernel_timings(args.lengths)
+    if not args.skip_model:
+        subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "bench_kernels.py"),
+                        "--device", "cuda", "--dtype", "bfloat16", "--reps", "3", "--lengths",
+                        *map(str, args.lengths), "--eager-max", "16384", "--pasta-length", "8192"])
+    print("\nCORRECTNESS", "OK" if ok else "FAILED")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
