@@ -148,7 +148,7 @@ def decode_loop(request: DecodeRequest, choose: Callable[[Any, torch.Tensor], to
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             pos = pos[:, -1:] + 1
             out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos,
-                        past_key_values=out.past_key_values, use_cache=True, **kwargs)
+                        cache=out.cache, use_cache=True, **kwargs)
     tokens = [_trim(row.tolist(), eos.tolist()) for row in generated]
     texts = [_cut_stop(tok.decode(t, skip_special_tokens=True), request.stop) if tok is not None else
              " ".join(map(str, t)) for t in tokens]

@@ -21,9 +21,14 @@ from .spec import CATEGORIES, ComponentConfig, Registry
 
 BUILTIN_PLUGINS = (
     "headlab.plugins.tasks.repeated_tokens",
+    "headlab.plugins.tasks.synthetic_tasks",
+    "headlab.plugins.tasks.files",
+    "headlab.plugins.tasks.benchmarks",
     "headlab.plugins.detectors.patterns",
     "headlab.plugins.decoding.greedy",
     "headlab.plugins.metrics.text",
+    "headlab.plugins.metrics.rouge",
+    "headlab.plugins.metrics.answers",
     "headlab.plugins.models.embedded",
 )
 

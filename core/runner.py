@@ -80,7 +80,7 @@ def examples_dataset(examples: list[Example], lm: LoadedModel) -> xr.Dataset:
         if all(isinstance(v, (int, float, str, bool, np.generic)) for v in values):
             ds = ds.assign_coords({key: ("example", np.array(values, dtype=object if
                                                              isinstance(values[0], str) else None))})
-    return ds.assign_coords(example=np.arange(len(examples)))
+    return ds.assign_coords(example=np.arange(len(examples)), token=np.arange(n))
 
 
 def run_generate(action: Any, ctx: StepContext) -> xr.Dataset:

@@ -32,7 +32,7 @@ def test_bad_spec_is_one_line_exit_2(tmp_path):
     assert res.returncode == 2
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, res.stderr
-    assert f"{bad}:5:5: steps[0].detect: unknown detector kind 'inductoin'" in lines[0]
+    assert f"{bad}:6:5: steps[0].detect: unknown detector kind 'inductoin'" in lines[0]
     assert "Traceback" not in res.stderr
     res = headlab("run", str(tmp_path / "nope.yaml"))
     assert res.returncode == 2 and "no such spec file" in res.stderr and "Traceback" not in res.stderr

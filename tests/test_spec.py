@@ -45,25 +45,25 @@ def test_model_string_and_default_model():
 
 
 @pytest.mark.parametrize("mutate, where, message", [
-    (lambda t: t.replace("exclude_bos", "exclude_bso"), "<spec>:7:7: steps[0].detect.exclude_bso",
+    (lambda t: t.replace("exclude_bos", "exclude_bso"), "<spec>:8:7: steps[0].detect.exclude_bso",
      "did you mean 'exclude_bos'"),
-    (lambda t: t.replace("exclude_bos: true", "exclude_bos: maybe"), "<spec>:7:7: steps[0].detect.exclude_bos",
+    (lambda t: t.replace("exclude_bos: true", "exclude_bos: maybe"), "<spec>:8:7: steps[0].detect.exclude_bos",
      "valid boolean"),
-    (lambda t: t.replace("kind: induction", "kind: inductoin"), "<spec>:5:5: steps[0].detect",
+    (lambda t: t.replace("kind: induction", "kind: inductoin"), "<spec>:6:5: steps[0].detect",
      "unknown detector kind 'inductoin' (did you mean 'induction'?)"),
     (lambda t: t.replace("n: 4,", "n: [4,"), "<spec>:3:", "expected ',' or ']'"),
     (lambda t: t.replace("name: test\n", "name: test\nname: again\n"), "<spec>:2:1", 'duplicate key "name"'),
     (lambda t: t.replace("name: test", "nmae: test"), "<spec>:1:1: nmae", "did you mean 'name'"),
-    (lambda t: t.replace("[exact_match]", "[exact_mtch]"), "<spec>:11:17: steps[1].generate.metrics[0]",
+    (lambda t: t.replace("[exact_match]", "[exact_mtch]"), "<spec>:12:17: steps[1].generate.metrics[0]",
      "unknown metric kind"),
-    (lambda t: t + "sweep:\n  gen.decode.temprature: [1]\n", "<spec>:13:3: sweep.gen.decode.temprature",
+    (lambda t: t + "sweep:\n  gen.decode.temprature: [1]\n", "<spec>:14:3: sweep.gen.decode.temprature",
      "unknown key 'temprature'"),
-    (lambda t: t + "sweep:\n  nostep.x: [1]\n", "<spec>:13:3: sweep.nostep.x", "bad sweep path"),
-    (lambda t: t + "sweep:\n  task.n: [1, abc]\n", "<spec>:13:3: sweep.task.n", "valid integer"),
+    (lambda t: t + "sweep:\n  nostep.x: [1]\n", "<spec>:14:3: sweep.nostep.x", "bad sweep path"),
+    (lambda t: t + "sweep:\n  task.n: [1, abc]\n", "<spec>:14:3: sweep.task.n", "valid integer"),
     (lambda t: t.replace("name: test", "name: !!python/object/apply:os.system [ls]"), "<spec>:1:1: name",
      "not allowed"),
     (lambda t: t.replace("max_new_tokens: 4", "max_new_tokens: -4"),
-     "<spec>:10:7: steps[1].generate.max_new_tokens", "greater than or equal to 1"),
+     "<spec>:11:7: steps[1].generate.max_new_tokens", "greater than or equal to 1"),
     (lambda t: t.replace("  - id: gen\n", "  - id: ind\n"), "<spec>:4:1: steps", "duplicate step id 'ind'"),
 ])
 def test_malformed_specs_give_one_located_line(mutate, where, message):
@@ -102,7 +102,7 @@ def test_bad_reference_to_step_id_is_located():
 def test_spec_file_errors_name_the_file(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text(BASE.replace("exclude_bos", "exclude_bso"))
-    assert str(error_of(path)).startswith(f"{path}:7:7:")
+    assert str(error_of(path)).startswith(f"{path}:8:7:")
     assert "no such spec file" in str(error_of(tmp_path / "missing.yaml"))
 
 
