@@ -1,0 +1,483 @@
+"""``jsonl`` and ``csv`` tasks: examples from local files through Jinja2 templates.
+
+A row of the file is the template context::
+
+    task:
+      kind: jsonl
+      path: data/questions.jsonl
+      prompt: "Q: {{ question }}\\nA:"
+      target: "{{ answer }}"
+
+Templates are Jinja2 with ``StrictUndefined`` in a sandboxed, immutable environment (a spec never
+runs code). Mistakes are caught early and named:
+
+- a template written with single braces (``"Q: {question}"``, the Python/lm-eval habit) is refused
+  when the spec is validated, with the fix (``{{ question }}``);
+- a row that lacks a variable a template uses is an error naming the file, the row (and line) and
+  the variable;
+- a missing file, invalid JSON, a label that is not a choice, span offsets outside the prompt: one
+  clear error each.
+
+``target`` and every choice are *continuations* of the prompt: ``target_delimiter`` (default
+``" "``, as in lm-eval) is put in front of each, so ``prompt + target`` is the full text.
+
+This module also holds the helpers the benchmark loaders share (file reading, ``datasets`` loading,
+templates, inline span tags).
+"""
+
+from __future__ import annotations
+
+import ast
+import csv
+import json
+import random
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from headlab import ComponentConfig, Example, TaskContext, hookimpl
+from jinja2 import StrictUndefined, TemplateSyntaxError, UndefinedError
+from jinja2 import meta as jinja_meta
+from jinja2.exceptions import SecurityError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from pydantic import Field, field_validator, model_validator
+
+__all__ = [
+    "TaskDataError", "Row", "Template", "lint_template", "strip_tags", "read_rows", "load_hf",
+    "resolve_path", "parse_list", "resolve_label", "select_rows", "DataSource", "JsonlTask", "CsvTask",
+    "build_file_task",
+]
+
+
+class TaskDataError(ValueError):
+    """A task's data file, template or row is wrong; the message names where and how to fix it."""
+
+
+ENV = ImmutableSandboxedEnvironment(undefined=StrictUndefined, keep_trailing_newline=True, autoescape=False)
+
+# `{name}` not part of `{{ name }}`: the single-brace mistake.
+_SINGLE = re.compile(r"(?<!\{)\{\s*([A-Za-z_][A-Za-z0-9_.]*)\s*\}(?!\})")
+
+
+def _is_jinja(source: str) -> bool:
+    return "{{" in source or "{%" in source
+
+
+def lint_template(source: str, name: str) -> str:
+    """Check a template: single-brace placeholders without any Jinja syntax, and Jinja syntax errors.
+
+    Returns ``source`` unchanged; raises ``ValueError`` naming the template and the fix.
+    """
+    singles = _SINGLE.findall(source)
+    if singles and not _is_jinja(source):
+        fixed = _SINGLE.sub(lambda m: "{{ " + m.group(1) + " }}", source)
+        names = ", ".join("{" + s + "}" for s in dict.fromkeys(singles))
+        raise ValueError(
+            f"template `{name}` {source!r} uses single braces ({names}); templates are Jinja2, "
+            f"write double braces: {fixed!r}")
+    try:
+        ENV.parse(source)
+    except TemplateSyntaxError as e:
+        raise ValueError(f"template `{name}` {source!r}: Jinja2 syntax error: {e.message}") from None
+    return source
+
+
+@dataclass
+class Row:
+    """One record of a data file: its 1-based number, the file line it starts on, and its fields."""
+
+    number: int
+    data: dict[str, Any]
+    source: str
+    line: int | None = None
+
+    def where(self) -> str:
+        """``file row N (line L)``, for error messages."""
+        line = f" (line {self.line})" if self.line is not None and self.line != self.number else ""
+        return f"{self.source} row {self.number}{line}"
+
+
+class Template:
+    """A compiled, linted Jinja2 template with clear per-row errors."""
+
+    def __init__(self, source: str, name: str, task: str) -> None:
+        self.source, self.name, self.task = lint_template(source, name), name, task
+        self.template = ENV.from_string(source)
+        self.variables = sorted(jinja_meta.find_undeclared_variables(ENV.parse(source)))
+        self._checked_singles = False
+
+    def render(self, row: Row) -> str:
+        """Render with the row's fields; a missing variable names the row and the variable."""
+        fields = row.data
+        if not self._checked_singles and _is_jinja(self.source):
+            # `{{ context }} Q: {question}`: single braces around a field of the data are a mistake too
+            bad = [s for s in _SINGLE.findall(self.source) if s.split(".")[0] in fields]
+            if bad:
+                raise TaskDataError(
+                    f"{self.task} task: template `{self.name}` {self.source!r} has single-brace "
+                    f"{{{bad[0]}}}, a field of the data; write {{{{ {bad[0]} }}}}")
+            self._checked_singles = True
+        for var in self.variables:
+            if var not in fields:
+                raise TaskDataError(
+                    f"{self.task} task: {row.where()}: template `{self.name}` uses variable '{var}', "
+                    f"which this row does not have (fields: {', '.join(map(str, fields)) or 'none'})")
+            if fields[var] is None:
+                raise TaskDataError(
+                    f"{self.task} task: {row.where()}: template `{self.name}` uses variable '{var}', "
+                    "which is null in this row")
+        try:
+            return self.template.render(fields)
+        except UndefinedError as e:
+            raise TaskDataError(f"{self.task} task: {row.where()}: template `{self.name}`: {e.message}") from None
+        except SecurityError as e:
+            raise TaskDataError(f"{self.task} task: template `{self.name}` is not allowed: {e}") from None
+
+
+# --- inline span tags -----------------------------------------------------------------------------
+
+def strip_tags(text: str, tags: Mapping[str, str]) -> tuple[str, dict[str, list[tuple[int, int]]]]:
+    """Remove ``<tag>...</tag>`` markers from ``text`` and return the plain text and the marked spans.
+
+    ``tags`` maps a span name to a tag name (``{"emphasis": "em"}``). Spans are ``[start, end)``
+    character offsets into the returned text. Tags may not nest in themselves; unbalanced tags are an
+    error.
+    """
+    if not tags:
+        return text, {}
+    by_tag = {tag: name for name, tag in tags.items()}
+    pattern = re.compile("|".join(rf"</?{re.escape(t)}>" for t in by_tag))
+    out: list[str] = []
+    spans: dict[str, list[tuple[int, int]]] = {name: [] for name in tags}
+    open_at: dict[str, int] = {}
+    pos = 0
+    length = 0
+    for m in pattern.finditer(text):
+        piece = text[pos:m.start()]
+        out.append(piece)
+        length += len(piece)
+        pos = m.end()
+        closing = m.group(0).startswith("</")
+        tag = m.group(0).strip("</>")
+        if not closing:
+            if tag in open_at:
+                raise TaskDataError(f"nested <{tag}> in {text[:80]!r}")
+            open_at[tag] = length
+        else:
+            if tag not in open_at:
+                raise TaskDataError(f"</{tag}> without <{tag}> in {text[:80]!r}")
+            spans[by_tag[tag]].append((open_at.pop(tag), length))
+    if open_at:
+        tag = next(iter(open_at))
+        raise TaskDataError(f"<{tag}> is never closed in {text[:80]!r}")
+    out.append(text[pos:])
+    return "".join(out), {k: v for k, v in spans.items() if v}
+
+
+# --- reading data -----------------------------------------------------------------------------------
+
+def resolve_path(path: str | Path, task: str) -> Path:
+    """The file at ``path`` (relative to the working directory), or a clear error."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise TaskDataError(f"{task} task: file not found: {str(path)!r} (looked at {p.resolve()}; "
+                            "relative paths are relative to the working directory)")
+    if not p.is_file():
+        raise TaskDataError(f"{task} task: {str(path)!r} is not a file")
+    return p
+
+
+def _read_jsonl(p: Path, task: str) -> list[Row]:
+    rows = []
+    with p.open(encoding="utf-8-sig") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                data = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TaskDataError(f"{task} task: {p.name} line {line_no}: invalid JSON: {e.msg}") from None
+            if not isinstance(data, dict):
+                raise TaskDataError(f"{task} task: {p.name} line {line_no}: expected a JSON object, "
+                                    f"got {type(data).__name__}")
+            rows.append(Row(len(rows) + 1, data, p.name, line_no))
+    return rows
+
+
+def _read_json(p: Path, task: str) -> list[Row]:
+    try:
+        data = json.loads(p.read_text(encoding="utf-8-sig"))
+    except json.JSONDecodeError as e:
+        raise TaskDataError(f"{task} task: {p.name} line {e.lineno}: invalid JSON: {e.msg}") from None
+    if isinstance(data, dict):  # {"data": [...]} and similar single-key wrappers
+        lists = [v for v in data.values() if isinstance(v, list)]
+        if len(lists) == 1:
+            data = lists[0]
+    if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
+        raise TaskDataError(f"{task} task: {p.name}: expected a JSON array of objects")
+    return [Row(i + 1, r, p.name) for i, r in enumerate(data)]
+
+
+def _read_csv(p: Path, task: str, delimiter: str) -> list[Row]:
+    rows = []
+    with p.open(encoding="utf-8-sig", newline="") as f:
+        reader = csv.DictReader(f, delimiter=delimiter)
+        if reader.fieldnames is None:
+            raise TaskDataError(f"{task} task: {p.name} is empty (a CSV file needs a header row)")
+        line = reader.line_num + 1
+        for rec in reader:
+            if None in rec:
+                raise TaskDataError(f"{task} task: {p.name} line {line}: more cells than header columns")
+            rows.append(Row(len(rows) + 1, {k: v for k, v in rec.items()}, p.name, line))
+            line = reader.line_num + 1
+    return rows
+
+
+def read_rows(path: str | Path, task: str, *, fmt: str | None = None, delimiter: str = ",") -> list[Row]:
+    """Rows of a JSON Lines, JSON array or CSV/TSV file (``fmt``, else by extension; JSON Lines default)."""
+    p = resolve_path(path, task)
+    if fmt is None:
+        suffix = p.suffix.lower()
+        fmt = {".csv": "csv", ".tsv": "csv", ".json": "json"}.get(suffix, "jsonl")
+        if suffix == ".tsv" and delimiter == ",":
+            delimiter = "\t"
+    if fmt == "csv":
+        return _read_csv(p, task, delimiter)
+    if fmt == "json" or (fmt == "jsonl" and p.read_text(encoding="utf-8-sig").lstrip().startswith("[")):
+        return _read_json(p, task)
+    return _read_jsonl(p, task)
+
+
+def load_hf(task: str, name: str, config: str | None, split: str) -> list[Row]:
+    """Rows of a Hugging Face dataset through the ``datasets`` library (imported only here)."""
+    try:
+        import datasets  # noqa: PLC0415 - optional dependency, imported lazily
+    except ImportError:
+        raise TaskDataError(f"{task} task: hf_dataset needs the `datasets` package (pip install datasets); "
+                            "or download the file once and give `path:`") from None
+    ds = datasets.load_dataset(name, config, split=split)
+    return [Row(i + 1, dict(r), f"{name}[{split}]") for i, r in enumerate(ds)]
+
+
+def select_rows(rows: list[Row], n: int | None, shuffle: bool, seed: int) -> list[Row]:
+    """The first ``n`` rows, after a seeded shuffle when asked."""
+    if shuffle:
+        rows = list(rows)
+        random.Random(seed).shuffle(rows)
+    return rows[:n] if n is not None else rows
+
+
+# --- field values -----------------------------------------------------------------------------------
+
+def parse_list(value: Any, what: str, row: Row, task: str) -> list[Any]:
+    """A list field: a JSON list, or (CSV cells) a string holding a JSON or Python list literal."""
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            for parse in (json.loads, ast.literal_eval):
+                try:
+                    parsed = parse(text)
+                except (ValueError, SyntaxError):
+                    continue
+                if isinstance(parsed, list):
+                    return parsed
+    raise TaskDataError(f"{task} task: {row.where()}: {what} must be a list (or a cell holding a JSON "
+                        f"list such as [\"a\", \"b\"]), got {str(value)[:60]!r}")
+
+
+def resolve_label(value: Any, choices: Sequence[str], row: Row, task: str, delimiter: str = "") -> int:
+    """The index of the correct choice: an index (int or digits), the text of a choice, or a letter."""
+    if isinstance(value, bool):
+        value = int(value)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, str):
+        text = value.strip()
+        stripped = [c[len(delimiter):] if delimiter and c.startswith(delimiter) else c for c in choices]
+        for cand in (text, value):
+            if cand in stripped:
+                return stripped.index(cand)
+        if re.fullmatch(r"-?\d+", text):
+            value = int(text)
+        elif re.fullmatch(r"[A-Z]", text):
+            value = ord(text) - ord("A")
+    if isinstance(value, int) and 0 <= value < len(choices):
+        return value
+    raise TaskDataError(f"{task} task: {row.where()}: label {value!r} is not a choice index "
+                        f"0..{len(choices) - 1}, a choice's text or a letter A..{chr(ord('A') + len(choices) - 1)}")
+
+
+def parse_spans(value: Any, name: str, prompt: str, row: Row, task: str) -> list[tuple[int, int]]:
+    """``[start, end]`` or a list of them (JSON, or a cell holding JSON), checked against the prompt."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            value = None
+    pairs: Any = value
+    if isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(v, int) for v in value):
+        pairs = [value]
+    ok = isinstance(pairs, (list, tuple)) and all(
+        isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(v, int) for v in p) for p in pairs)
+    if not ok:
+        raise TaskDataError(f"{task} task: {row.where()}: span '{name}' must be [start, end] or a list of "
+                            f"them (character offsets into the prompt), got {value!r}")
+    out = []
+    for s, e in pairs:
+        if not 0 <= s <= e <= len(prompt):
+            raise TaskDataError(f"{task} task: {row.where()}: span '{name}' [{s}, {e}) is outside the "
+                                f"prompt (length {len(prompt)})")
+        out.append((int(s), int(e)))
+    return out
+
+
+# --- the jsonl and csv tasks ---------------------------------------------------------------------
+
+class DataSource(ComponentConfig):
+    """Fields shared by tasks that read records: a local file or a Hugging Face dataset."""
+
+    kind: str
+    path: str | None = Field(None, description="local data file (relative to the working directory)")
+    hf_dataset: str | None = Field(None, description="load through the `datasets` library instead "
+                                   "(only when it is installed); e.g. 'truthfulqa/truthful_qa'")
+    hf_config: str | None = Field(None, description="dataset configuration name for hf_dataset")
+    split: str = Field("validation", description="split for hf_dataset")
+    n: int | None = Field(None, ge=1, description="use only the first n records (all when unset)")
+    shuffle: bool = Field(False, description="shuffle the records (seeded) before taking n")
+    seed: int = Field(0, description="offset added to the run seed for shuffling")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataSource:
+        if (self.path is None) == (self.hf_dataset is None):
+            raise ValueError(f"{self.kind}: give exactly one of `path` (a local file) or `hf_dataset`")
+        return self
+
+    def rows(self, ctx: TaskContext, *, fmt: str | None = None, delimiter: str = ",") -> list[Row]:
+        """The selected records."""
+        if self.path is not None:
+            rows = read_rows(self.path, self.kind, fmt=fmt, delimiter=delimiter)
+        else:
+            rows = load_hf(self.kind, self.hf_dataset or "", self.hf_config, self.split)
+        if not rows:
+            raise TaskDataError(f"{self.kind} task: {self.path or self.hf_dataset} holds no records")
+        return select_rows(rows, self.n, self.shuffle, ctx.seed + self.seed)
+
+
+class _FileTask(DataSource):
+    prompt: str = Field(description="Jinja2 template of the prompt, e.g. 'Q: {{ question }}\\nA:'")
+    target: str | None = Field(None, description="Jinja2 template of the expected continuation")
+    choices: str | list[str] | None = Field(
+        None, description="multiple choice: a field holding a list, a template rendering a list "
+        "literal, or a list of templates (one per choice)")
+    label: str | None = Field(None, description="field holding the correct choice (index, text or letter)")
+    target_delimiter: str = Field(" ", description="put in front of the target and each choice")
+    spans: dict[str, str] = Field(default_factory=dict, description="span name -> field holding "
+                                  "[start, end] character offsets (or a list of them) into the prompt")
+    span_tags: dict[str, str] = Field(default_factory=dict, description="span name -> tag: "
+                                      "<tag>...</tag> in the rendered prompt is removed and recorded as "
+                                      "that span, e.g. {emphasis: em}")
+    meta: list[str] = Field(default_factory=list, description="fields copied into each example's meta")
+
+    @field_validator("prompt", "target")
+    @classmethod
+    def _lint(cls, v: str | None, info: Any) -> str | None:
+        return v if v is None else lint_template(v, info.field_name)
+
+    @field_validator("choices")
+    @classmethod
+    def _lint_choices(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list):
+            for i, t in enumerate(v):
+                lint_template(t, f"choices[{i}]")
+        elif isinstance(v, str) and ("{" in v or "}" in v):
+            lint_template(v, "choices")
+        return v
+
+    @model_validator(mode="after")
+    def _label_needs_choices(self) -> _FileTask:
+        if self.label is not None and self.choices is None:
+            raise ValueError("`label` needs `choices`")
+        return self
+
+
+class JsonlTask(_FileTask):
+    """Examples from a JSON Lines file through Jinja2 templates."""
+
+    kind: Literal["jsonl"] = "jsonl"
+
+
+class CsvTask(_FileTask):
+    """Examples from a CSV file (header row) through Jinja2 templates."""
+
+    kind: Literal["csv"] = "csv"
+    delimiter: str = Field(",", min_length=1, max_length=1, description="cell delimiter ('\\t' for TSV)")
+
+
+def _choices(config: _FileTask, templates: dict[str, Template], row: Row) -> list[str] | None:
+    spec = config.choices
+    if spec is None:
+        return None
+    if isinstance(spec, list):
+        values: list[Any] = [templates[f"choices[{i}]"].render(row) for i in range(len(spec))]
+    elif "choices" in templates:
+        rendered = templates["choices"].render(row)
+        values = parse_list(rendered, "the rendered `choices` template", row, config.kind)
+    else:
+        if spec not in row.data:
+            raise TaskDataError(f"{config.kind} task: {row.where()}: choices field '{spec}' is missing "
+                                f"(fields: {', '.join(map(str, row.data))})")
+        values = parse_list(row.data[spec], f"choices field '{spec}'", row, config.kind)
+    if not values:
+        raise TaskDataError(f"{config.kind} task: {row.where()}: no choices")
+    return [config.target_delimiter + str(v) for v in values]
+
+
+def build_file_task(config: _FileTask, ctx: TaskContext) -> list[Example]:
+    """Render every selected row into an Example."""
+    kind = config.kind
+    templates = {"prompt": Template(config.prompt, "prompt", kind)}
+    if config.target is not None:
+        templates["target"] = Template(config.target, "target", kind)
+    if isinstance(config.choices, list):
+        for i, t in enumerate(config.choices):
+            templates[f"choices[{i}]"] = Template(t, f"choices[{i}]", kind)
+    elif isinstance(config.choices, str) and _is_jinja(config.choices):
+        templates["choices"] = Template(config.choices, "choices", kind)
+    rows = config.rows(ctx, fmt="csv" if kind == "csv" else None, delimiter=getattr(config, "delimiter", ","))
+    examples = []
+    for row in rows:
+        prompt, spans = strip_tags(templates["prompt"].render(row), config.span_tags)
+        for name, field in config.spans.items():
+            if field not in row.data:
+                raise TaskDataError(f"{kind} task: {row.where()}: span field '{field}' is missing")
+            spans.setdefault(name, []).extend(parse_spans(row.data[field], name, prompt, row, kind))
+        choices = _choices(config, templates, row)
+        label = None
+        if config.label is not None:
+            if config.label not in row.data:
+                raise TaskDataError(f"{kind} task: {row.where()}: label field '{config.label}' is missing")
+            label = resolve_label(row.data[config.label], choices or [], row, kind, config.target_delimiter)
+        if "target" in templates:
+            target = config.target_delimiter + templates["target"].render(row)
+        elif choices is not None and label is not None:
+            target = choices[label]
+        else:
+            target = None
+        meta: dict[str, Any] = {"row": row.number}
+        for field in config.meta:
+            if field not in row.data:
+                raise TaskDataError(f"{kind} task: {row.where()}: meta field '{field}' is missing")
+            meta[field] = row.data[field]
+        examples.append(Example(prompt=prompt, target=target, choices=choices, label=label, spans=spans,
+                                meta=meta))
+    return examples
+
+
+@hookimpl
+def headlab_register_tasks(register):
+    register(JsonlTask, build_file_task)
+    register(CsvTask, build_file_task)
