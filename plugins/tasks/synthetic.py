@@ -232,7 +232,7 @@ _FILLER_FUNCTION_WORDS = (
 ).split()
 _PROMPT_WORDS = (
     "Question : What is the capital of ? Answer Where does live lives in Mia . The first statement is "
-    "correct second one right Remember Note According to new report , latest news says moved Data Query"
+    "correct second one right Remember Note According to new report , latest news says moved Data Query not"
 ).split()
 
 
@@ -389,24 +389,30 @@ def niah(
 
 def _cut(hay: str, spans: list[tuple[int, int]], start_tok: int, n_tok: int,
          length_fn: Callable[[str], int]) -> str:
-    """About ``n_tok`` tokens of haystack starting at token ``start_tok`` (wrapping around)."""
+    """Haystack text starting at token ``start_tok`` that measures ``n_tok`` tokens by ``length_fn``
+    (exactly for :func:`count_tokens`; the longest word-boundary cut not over ``n_tok`` otherwise)."""
     if n_tok <= 0:
         return ""
-    if n_tok > len(spans):
-        reps = n_tok // len(spans) + 2
+    need = n_tok if length_fn is count_tokens else 3 * n_tok + 8
+    if need + 1 > len(spans):
+        reps = need // max(1, len(spans)) + 2
         hay = " ".join([hay] * reps)
         spans = _token_spans(hay)
-    start_tok = start_tok % max(1, len(spans) - n_tok)
-    end_tok = start_tok + n_tok
-    text = hay[spans[start_tok][0]: spans[end_tok - 1][1]]
-    if length_fn is not count_tokens:  # adjust for a foreign tokenizer: trim/extend word by word
-        lo, hi = start_tok, end_tok
-        n = length_fn(text)
-        while n > n_tok and hi - 1 > lo:
-            hi -= 1
-            text = hay[spans[lo][0]: spans[hi - 1][1]]
-            n = length_fn(text)
-    return text
+    start_tok = start_tok % max(1, len(spans) - need)
+
+    def text_of(k: int) -> str:
+        return hay[spans[start_tok][0]: spans[start_tok + k - 1][1]]
+
+    if length_fn is count_tokens:
+        return text_of(n_tok)
+    lo, hi = 1, need  # largest k with length_fn(text_of(k)) <= n_tok
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if length_fn(text_of(mid)) <= n_tok:
+            lo = mid
+        else:
+            hi = mid - 1
+    return text_of(lo)
 
 
 def _niah_one(hay, spans, L, depth, needle, question, answer, length_fn, rng, distractors,

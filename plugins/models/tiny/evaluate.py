@@ -1,0 +1,380 @@
+"""Measure what ``headlab-tiny`` can do, and which of its heads do it.
+
+Standalone (transformers + torch only, no headlab engine). Usage::
+
+    python plugins/models/tiny/evaluate.py [--model DIR] [--quick] [--out DIR/eval.json]
+
+Measures and prints (and writes ``eval.json`` next to the checkpoint):
+
+- needle recall by context length x depth (greedy decoding; an answer counts when the ROUGE-1 recall of
+  the generated text against the expected answer is > 0.5), including lengths beyond training;
+- accuracy per task: key-value retrieval by number of pairs, repeated-sequence copying by length
+  (continue the second copy), closed-book facts, context-faithful rate on counterfactual contexts under
+  greedy decoding (plus the same rate under CAD, alpha 0.5, to show the room contrastive decoding has),
+  emphasis task (recency answer on the plain prompt; first-statement answer when the emphasis is said in
+  plain text; first-statement answer under PASTA on the best layer);
+- induction score per head on random words repeated twice, several lengths, from eager attention:
+  ``induction`` = mean attention of second-copy queries on the token after the previous occurrence
+  (the classic score), and ``induction_tl`` = TransformerLens ``head_detector`` "mul" score
+  ``sum(A * D) / sum(A)`` over the whole sequence (at most about 0.5 for a sequence repeated twice);
+- retrieval score per head (METHODS.md, Wu et al. 2024): at each greedy decode step, the top-1 key of
+  each head's attention row lands in the needle span and the attended prompt token equals the generated
+  token -> +1/(needle length in tokens); mean over instances where the needle was retrieved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_MODEL = HERE / "headlab-tiny"
+
+
+def load_synthetic():
+    try:
+        from headlab.plugins.tasks import synthetic  # type: ignore
+
+        return synthetic
+    except Exception:  # noqa: BLE001
+        path = HERE.parent.parent / "tasks" / "synthetic.py"
+        spec = importlib.util.spec_from_file_location("headlab_synthetic", path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["headlab_synthetic"] = mod
+        spec.loader.exec_module(mod)
+        return mod
+
+
+S = load_synthetic()
+
+
+def load(model_dir: Path, attn: str = "eager"):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=attn)
+    model.eval()
+    return model, tok
+
+
+# ----------------------------------------------------------------------------------------------------
+# Greedy decoding with per-step attention rows
+# ----------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def greedy(model, ids: list[int], max_new: int = 16, eos: int = 2, want_attn: bool = False,
+           bias_fn=None):
+    """Greedy decode one prompt. Returns (generated ids, per step [L, H, keys] top-1 key indices or None).
+
+    The prompt minus its last token is prefilled without attention outputs; each decode step feeds one
+    token and reads that query's attention row in every layer and head.
+    """
+    from transformers import DynamicCache
+
+    inp = torch.tensor([ids])
+    cache = DynamicCache()
+    if inp.shape[1] > 1:
+        model(input_ids=inp[:, :-1], past_key_values=cache, use_cache=True)
+    cur = inp[:, -1:]
+    out, tops = [], []
+    for _ in range(max_new):
+        o = model(input_ids=cur, past_key_values=cache, use_cache=True, output_attentions=want_attn)
+        nxt = int(o.logits[0, -1].argmax())
+        if want_attn:
+            tops.append(torch.stack([a[0, :, -1].argmax(-1) for a in o.attentions]))  # [L, H]
+        if nxt == eos:
+            break
+        out.append(nxt)
+        cur = torch.tensor([[nxt]])
+    return out, tops
+
+
+def span_to_tokens(offsets, span) -> tuple[int, int]:
+    """Token range [s, e) of the tokens lying inside the character span (BOS, offset (0,0), skipped)."""
+    s, e = span
+    idx = [i for i, (a, b) in enumerate(offsets) if b > a and a >= s and b <= e]
+    return (idx[0], idx[-1] + 1) if idx else (0, 0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Needle in a haystack + retrieval score
+# ----------------------------------------------------------------------------------------------------
+
+
+def eval_niah(model, tok, lengths, depths, seed=0):
+    L, H = model.config.num_hidden_layers, model.config.num_attention_heads
+    examples = S.niah(lengths, depths, seed=seed, length_fn=lambda s: len(tok(s, add_special_tokens=False).input_ids))
+    grid: dict = {}
+    score_sum = torch.zeros(L, H)
+    counted = 0
+    per_instance = []
+    for ex in examples:
+        enc = tok(ex["prompt"], return_offsets_mapping=True)
+        ids = enc["input_ids"]
+        s, e = span_to_tokens(enc["offset_mapping"], ex["needle_span"])
+        gen, tops = greedy(model, ids, max_new=16, want_attn=True)
+        text = tok.decode(gen, skip_special_tokens=True)
+        rec = S.rouge1_recall(text, ex["answer"])
+        ok = rec > 0.5
+        key = (ex["context_length"], round(ex["depth"], 3))
+        grid.setdefault(key, []).append(ok)
+        if ok:
+            sc = torch.zeros(L, H)
+            for t, top in enumerate(tops[: len(gen)]):
+                w = gen[t]
+                hit = (top >= s) & (top < e)
+                tok_ok = torch.tensor(ids)[top.clamp(max=len(ids) - 1)] == w
+                sc += (hit & tok_ok & (top < len(ids))).float() / max(1, e - s)
+            score_sum += sc
+            counted += 1
+            per_instance.append(sc)
+    recall_by_len = {}
+    for (Lc, _d), oks in grid.items():
+        recall_by_len.setdefault(Lc, []).extend(oks)
+    table = {
+        str(Lc): {str(d): sum(grid[(Lc, d)]) / len(grid[(Lc, d)]) for (L2, d) in grid if L2 == Lc}
+        for Lc in sorted(recall_by_len)
+    }
+    retrieval = score_sum / max(1, counted)
+    return {
+        "recall_by_length": {str(k): sum(v) / len(v) for k, v in sorted(recall_by_len.items())},
+        "recall_by_length_depth": table,
+        "recall_overall": sum(sum(v) for v in recall_by_len.values()) / len(examples),
+        "n_examples": len(examples),
+        "retrieval_counted_instances": counted,
+        "retrieval_scores": retrieval.tolist(),
+    }
+
+
+# ----------------------------------------------------------------------------------------------------
+# Other tasks
+# ----------------------------------------------------------------------------------------------------
+
+
+def gen_text(model, tok, prompt, max_new=12):
+    gen, _ = greedy(model, tok(prompt)["input_ids"], max_new=max_new)
+    return tok.decode(gen, skip_special_tokens=True).strip()
+
+
+def eval_kv(model, tok, sizes, n=30, seed=1):
+    res = {}
+    for m in sizes:
+        exs = S.kv_retrieval(n, [m], seed=seed + m)
+        res[str(m)] = sum(gen_text(model, tok, ex["prompt"], 4) == ex["answer"] for ex in exs) / len(exs)
+    return res
+
+
+def eval_copy(model, tok, lengths, n=10, seed=2):
+    """Give the first copy and the first token of the second; exact match of the continued copy."""
+    res = {}
+    for length in lengths:
+        exs = S.repeated_tokens([length], n, seed=seed + length)
+        ok = 0
+        tokacc = 0.0
+        for ex in exs:
+            w = ex["words"]
+            prompt = " ".join(w[: length + 1])
+            ids = tok(prompt)["input_ids"]
+            gen, _ = greedy(model, ids, max_new=length - 1 + 1)
+            ref = tok(" ".join(w[length + 1:]), add_special_tokens=False)["input_ids"]
+            m = sum(int(a == b) for a, b in zip(gen, ref, strict=False))
+            tokacc += m / len(ref)
+            ok += int(gen[: len(ref)] == ref)
+        res[str(length)] = {"exact": ok / n, "token_acc": tokacc / n}
+    return res
+
+
+@torch.no_grad()
+def first_logits(model, tok, prompt):
+    return model(input_ids=torch.tensor([tok(prompt)["input_ids"]])).logits[0, -1]
+
+
+def eval_facts(model, tok, alpha=0.5):
+    cb = S.closed_book()
+    closed = sum(gen_text(model, tok, ex["prompt"], 3) == ex["answer"] for ex in cb) / len(cb)
+    out = {"closed_book_accuracy": closed}
+    for conflict in (True, False):
+        exs = S.counterfact(2 * len(S.FACTS), conflict=conflict, seed=7 if conflict else 8)
+        stats = {"all": [0, 0, 0, 0], "strong": [0, 0, 0, 0], "weak": [0, 0, 0, 0]}
+        for ex in exs:
+            lc = first_logits(model, tok, ex["prompt"])
+            g = tok.decode([int(lc.argmax())]).strip()
+            ln = first_logits(model, tok, ex["question"])
+            cad = (1 + alpha) * lc.log_softmax(-1) - alpha * ln.log_softmax(-1)
+            gc = tok.decode([int(cad.argmax())]).strip()
+            for k in ("all", ex["strength"]):
+                stats[k][0] += int(g == ex["context_answer"])
+                stats[k][1] += int(g == ex["memory_answer"])
+                stats[k][2] += int(gc == ex["context_answer"])
+                stats[k][3] += 1
+        name = "conflict" if conflict else "agreeing"
+        out[name] = {
+            k: {"context_faithful_greedy": v[0] / v[3], "memory_greedy": v[1] / v[3],
+                "context_faithful_cad": v[2] / v[3], "n": v[3]}
+            for k, v in stats.items() if v[3]
+        }
+    return out
+
+
+def eval_emphasis(model, tok, n=60, pasta=True):
+    exs = S.emphasis(n, seed=11)
+    rec = sum(gen_text(model, tok, ex["prompt"], 3) == ex["default_answer"] for ex in exs) / n
+    plain = sum(gen_text(model, tok, ex["plain_emphasis_prompt"], 3) == ex["emphasis_answer"] for ex in exs) / n
+    out = {"recency_accuracy_plain_prompt": rec, "first_statement_rate_plain_text_emphasis": plain}
+    if pasta:
+        out["pasta"] = eval_pasta(model, tok, exs)
+    return out
+
+
+# A minimal PASTA for this evaluation only (METHODS.md: add log(alpha) to the pre-softmax scores of the
+# non-emphasised prompt keys, on the steered heads). headlab's steering plugin is the real implementation.
+_PASTA: dict = {}
+
+
+def _pasta_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    bias = _PASTA.get("bias")
+    heads = _PASTA.get("heads", {}).get(module.layer_idx)
+    if bias is not None and heads:
+        Lk = key.shape[2]
+        b = torch.zeros(1, query.shape[1], 1, Lk)
+        n = min(Lk, bias.shape[0])
+        for h in heads:
+            b[0, h, 0, :n] = bias[:n]
+        attention_mask = b if attention_mask is None else attention_mask + b
+    return eager_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                   dropout=dropout, **kwargs)
+
+
+def eval_pasta(model, tok, exs, alpha=0.01):
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("pasta_eval", _pasta_attention)
+    prev = model.config._attn_implementation
+    model.set_attn_implementation("pasta_eval")
+    L, H = model.config.num_hidden_layers, model.config.num_attention_heads
+    res = {}
+    try:
+        configs = {f"layer{li}": {li: list(range(H))} for li in range(L)}
+        configs["all"] = {li: list(range(H)) for li in range(L)}
+        for name, heads in configs.items():
+            first = rec = 0
+            for ex in exs:
+                enc = tok(ex["prompt"], return_offsets_mapping=True)
+                ids = enc["input_ids"]
+                s, e = span_to_tokens(enc["offset_mapping"], ex["emphasis_spans"][0])
+                bias = torch.full((len(ids),), math.log(alpha))
+                bias[s:e] = 0.0
+                _PASTA.update(bias=bias, heads=heads)
+                gen, _ = greedy(model, ids, max_new=3)
+                _PASTA.clear()
+                g = tok.decode(gen, skip_special_tokens=True).strip()
+                first += int(g == ex["emphasis_answer"])
+                rec += int(g == ex["default_answer"])
+            res[name] = {"first_statement_rate": first / len(exs), "recency_rate": rec / len(exs)}
+    finally:
+        _PASTA.clear()
+        model.set_attn_implementation(prev)
+    return res
+
+
+# ----------------------------------------------------------------------------------------------------
+# Induction scores
+# ----------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def induction_scores(model, tok, lengths, n=4, seed=3):
+    L, H = model.config.num_hidden_layers, model.config.num_attention_heads
+    res = {}
+    for length in lengths:
+        classic = torch.zeros(L, H)
+        tl = torch.zeros(L, H)
+        for ex in S.repeated_tokens([length], n, seed=seed + length):
+            ids = tok(ex["text"])["input_ids"]
+            T = len(ids)
+            att = model(input_ids=torch.tensor([ids]), output_attentions=True).attentions
+            A = torch.stack([a[0] for a in att])  # [L, H, T, T]
+            t = torch.tensor(ids)
+            # TransformerLens induction pattern: D[i, j] = 1 iff tok[j-1] == tok[i], j-1 < i
+            dup = (t[:, None] == t[None, :]) & (torch.arange(T)[None, :] < torch.arange(T)[:, None])
+            D = torch.zeros(T, T)
+            D[:, 1:] = dup[:, :-1].float()
+            D = torch.tril(D)
+            tl += (A * D).sum((-1, -2)) / A.sum((-1, -2))
+            # classic: second-copy queries i (token positions 1+length .. 2*length) attend i - length + 1
+            q = torch.arange(1 + length, 1 + 2 * length)
+            k = q - length + 1
+            classic += A[:, :, q, k].mean(-1)
+        res[str(length)] = {"induction": (classic / n).tolist(), "induction_tl": (tl / n).tolist()}
+    return res
+
+
+# ----------------------------------------------------------------------------------------------------
+
+
+def fmt_heads(mat, thr, top=8):
+    t = torch.tensor(mat)
+    H = t.shape[1]
+    order = t.flatten().argsort(descending=True)[:top]
+    return ", ".join(f"{int(i) // H}-{int(i) % H}:{float(t.flatten()[i]):.2f}" for i in order) + \
+        f"  (>= {thr}: {int((t >= thr).sum())}/{t.numel()})"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    ap.add_argument("--out", type=Path, default=None, help="default: <model>/eval.json")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model, tok = load(args.model)
+    t0 = time.time()
+    if args.quick:
+        lengths, depths = [256, 1024], [0.0, 0.5, 1.0]
+        kv_sizes, copy_lens, ind_lens = [8, 32], [20, 100], [20, 100]
+    else:
+        lengths = [128, 256, 512, 1024, 1536, 2048, 3072]
+        depths = [i / 9 for i in range(10)]
+        kv_sizes = [4, 8, 16, 32, 64, 96]
+        copy_lens = [10, 50, 200, 800, 1500]
+        ind_lens = [10, 50, 200, 500, 1000]
+    res: dict = {"model": str(args.model), "trained_max_length": 2048}
+
+    def show(name, obj):
+        print(f"== {name} ({time.time() - t0:.0f}s)\n{json.dumps(obj, indent=1)[:3000]}", flush=True)
+
+    res["niah"] = eval_niah(model, tok, lengths, depths)
+    show("niah recall by length", res["niah"]["recall_by_length"])
+    res["kv_accuracy_by_pairs"] = eval_kv(model, tok, kv_sizes)
+    show("kv accuracy by number of pairs", res["kv_accuracy_by_pairs"])
+    res["copy_by_length"] = eval_copy(model, tok, copy_lens)
+    show("copy (second copy) by length", res["copy_by_length"])
+    res["facts"] = eval_facts(model, tok)
+    show("facts / counterfact", res["facts"])
+    res["emphasis"] = eval_emphasis(model, tok)
+    show("emphasis", res["emphasis"])
+    res["induction"] = induction_scores(model, tok, ind_lens)
+    for length, v in res["induction"].items():
+        print(f"induction (classic) len {length}: {fmt_heads(v['induction'], 0.3)}")
+        print(f"induction (TL mul)  len {length}: {fmt_heads(v['induction_tl'], 0.2)}")
+    print(f"retrieval: {fmt_heads(res['niah']['retrieval_scores'], 0.1)}")
+    res["seconds"] = round(time.time() - t0, 1)
+    out = args.out or (args.model / "eval.json")
+    out.write_text(json.dumps(res, indent=1) + "\n")
+    print(f"wrote {out} ({res['seconds']}s)")
+
+
+if __name__ == "__main__":
+    main()
