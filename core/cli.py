@@ -6,6 +6,7 @@
     headlab plugins [--json]
     headlab runs [DIR]
     headlab show RUN
+    headlab report RUN [-o FILE]
 """
 
 from __future__ import annotations
@@ -162,6 +163,19 @@ def show(run_path: Annotated[Path, typer.Argument(metavar="RUN", help="a run sto
     console.print(f"[bold]{result.name}[/bold] {result.status}, {result.cells_done}/{result.cells_total} cells, "
                   f"model {result.attrs.get('model')}")
     _print_summary(result)
+
+
+@app.command()
+def report(
+    run_path: Annotated[Path, typer.Argument(metavar="RUN", help="a run store directory")],
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="HTML file (default: RUN.html)")] = None,
+    examples: Annotated[int, typer.Option("--examples", help="generations shown per step")] = 8,
+) -> None:
+    """Write a static HTML report of a run: head heatmaps, metric tables, sweep plots."""
+    from .report import write_report
+
+    path = write_report(run_path, output, n_examples=examples)
+    console.print(f"report written to {path}")
 
 
 def main() -> None:
