@@ -26,6 +26,7 @@ LAYERS, HEADS, HEAD_DIM = 4, 8, 64
 def build(impl: str, device: str, dtype: str):
     import torch
     import transformers
+
     from headlab import instrument as ins
 
     ins.register()
@@ -43,6 +44,7 @@ def measure(case: str, n: int, device: str, dtype: str, reps: int, threads: int 
     import resource
 
     import torch
+
     from headlab import instrument as ins
 
     if device == "cpu" and threads:

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 import transformers
+
 from headlab import instrument as ins
 
 ins.register()

@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+
 from headlab.kernels import AttentionStats, attention
 
 

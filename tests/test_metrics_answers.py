@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+
 from headlab import Example
 from headlab.plugins.metrics.answers import AnyAnswer, ContextMemory, any_answer, context_memory
 

@@ -7,6 +7,7 @@ import random
 
 import numpy as np
 import pytest
+
 from headlab import Example
 from headlab.plugins.metrics.rouge import (
     NeedleRecall,

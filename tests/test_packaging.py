@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).parent.parent
 ROOTS = {"headlab": "core", "headlab.plugins": "plugins", "headlab.kernels": "kernels"}

@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_LLAMA, spec_text
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import headlab
+
+from conftest import TINY_LLAMA, spec_text
 
 
 def eager_patterns(ids: torch.Tensor) -> np.ndarray:

@@ -12,10 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import spec_text
 
 from headlab import hookspecs
 from headlab.plugin_manager import HOOK_FOR, get_manager
+
+from conftest import spec_text
 
 ROOT = Path(__file__).parent.parent
 EXAMPLE = ROOT / "examples" / "headlab-plugin-example"

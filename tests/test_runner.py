@@ -7,9 +7,10 @@ import json
 import numpy as np
 import pytest
 import xarray as xr
-from conftest import spec_text
 
 import headlab
+
+from conftest import spec_text
 
 STEPS = """  - id: prev
     detect: {kind: previous_token}

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from conftest import spec_text
 
 import headlab
 from headlab.spec import SpecError, format_path, set_path
+
+from conftest import spec_text
 
 STEPS = """  - id: ind
     detect:

@@ -8,6 +8,8 @@ import sys
 import types
 
 import pytest
+from pydantic import ValidationError
+
 from headlab import TaskContext
 from headlab.plugins.tasks.benchmarks import (
     QA_PRIMER,
@@ -23,7 +25,6 @@ from headlab.plugins.tasks.benchmarks import (
     build_xsum,
 )
 from headlab.plugins.tasks.files import TaskDataError
-from pydantic import ValidationError
 
 CTX = TaskContext(tokenizer=None, seed=0, vocab_size=0)
 

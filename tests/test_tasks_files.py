@@ -9,6 +9,8 @@ import sys
 import types
 
 import pytest
+from pydantic import ValidationError
+
 from headlab import SpecError, TaskContext, load_spec
 from headlab.plugins.tasks.files import (
     CsvTask,
@@ -18,7 +20,6 @@ from headlab.plugins.tasks.files import (
     lint_template,
     strip_tags,
 )
-from pydantic import ValidationError
 
 CTX = TaskContext(tokenizer=None, seed=0, vocab_size=0)
 

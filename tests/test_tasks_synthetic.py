@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from headlab import SpecError, TaskContext, load_spec
 from headlab.plugins.tasks import synthetic as S
 from headlab.plugins.tasks.files import TaskDataError

@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+from pydantic import Field
+
 from headlab import ComponentConfig, hookimpl
 from headlab.generation import Decoded, DecodeRequest, decode_loop
-from pydantic import Field
 
 
 class Greedy(ComponentConfig):

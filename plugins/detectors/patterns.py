@@ -13,9 +13,10 @@ from typing import Literal
 import numpy as np
 import torch
 import xarray as xr
+from pydantic import Field
+
 from headlab import ComponentConfig, StepContext, hookimpl
 from headlab.generation import tokenize
-from pydantic import Field
 
 
 class _Pattern(ComponentConfig):

@@ -25,8 +25,9 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
-from headlab import ComponentConfig, Example, hookimpl
 from pydantic import Field
+
+from headlab import ComponentConfig, Example, hookimpl
 
 from .text import normalize
 

@@ -22,8 +22,9 @@ from collections.abc import Sequence
 from typing import Literal
 
 import numpy as np
-from headlab import ComponentConfig, Example, hookimpl
 from pydantic import Field
+
+from headlab import ComponentConfig, Example, hookimpl
 
 _NON_ALNUM = re.compile(r"[^a-z0-9]+")
 

@@ -7,8 +7,9 @@ import string
 from typing import Literal
 
 import numpy as np
-from headlab import ComponentConfig, Example, hookimpl
 from pydantic import Field
+
+from headlab import ComponentConfig, Example, hookimpl
 
 
 def normalize(text: str) -> str:

@@ -29,8 +29,9 @@ from __future__ import annotations
 import functools
 from typing import Any, Literal
 
-from headlab import Example, TaskContext, hookimpl
 from pydantic import Field, field_validator
+
+from headlab import Example, TaskContext, hookimpl
 
 from .files import DataSource, Row, TaskDataError, Template, lint_template, parse_list
 

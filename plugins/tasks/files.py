@@ -37,12 +37,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from headlab import ComponentConfig, Example, TaskContext, hookimpl
 from jinja2 import StrictUndefined, TemplateSyntaxError, UndefinedError
 from jinja2 import meta as jinja_meta
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from pydantic import Field, field_validator, model_validator
+
+from headlab import ComponentConfig, Example, TaskContext, hookimpl
 
 __all__ = [
     "TaskDataError", "Row", "Template", "lint_template", "strip_tags", "read_rows", "load_hf",

@@ -10,8 +10,9 @@ from __future__ import annotations
 import random
 from typing import Literal
 
-from headlab import ComponentConfig, Example, TaskContext, hookimpl
 from pydantic import Field
+
+from headlab import ComponentConfig, Example, TaskContext, hookimpl
 
 
 class RepeatedTokens(ComponentConfig):

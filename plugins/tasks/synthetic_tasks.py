@@ -23,9 +23,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal
 
+from pydantic import Field, field_validator, model_validator
+
 from headlab import ComponentConfig, Example, TaskContext, hookimpl
 from headlab.spec import StrictModel
-from pydantic import Field, field_validator, model_validator
 
 from . import synthetic as S
 from .files import TaskDataError, resolve_path, strip_tags
