@@ -1,0 +1,32 @@
+"""Notebook widgets over headlab's runs, specs and instrumentation (``pip install 'headlab[notebook]'``).
+
+- :class:`HeadMap`: (layer x head) heatmap of any score array; hover values, click/drag selection
+  as a head list, a spec fragment (``heads: [[l, h], ...]``) and PASTA JSON.
+- :class:`AttentionView`: tokens coloured by one head's attention from one query (or the attention
+  mass on named spans), through the instrumentation probes, paged for long inputs.
+- :class:`SpecRunner`: edit/load a spec, validate with inline errors, run with live progress,
+  cancel into a resumable run, result tables.
+- :class:`RunBrowser` / :class:`Compare`: runs of a store, metric tables across sweep cells and runs,
+  generations side by side with differences highlighted.
+
+Everything renders offline in JupyterLab (the JavaScript is inline; nothing is fetched).
+"""
+
+from __future__ import annotations
+
+try:
+    import anywidget  # noqa: F401
+    import ipywidgets  # noqa: F401
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError("headlab.widgets needs the notebook extras: pip install 'headlab[notebook]'") from e
+
+from .attention import AttentionView, TokenView
+from .browser import Compare, RunBrowser, diff_html, generation_table, metric_table, top_heads_table
+from .headmap import HeadMap, as_head_scores, spec_fragment
+from .runner import SpecRunner, WidgetReporter, error_html
+
+__all__ = [
+    "AttentionView", "Compare", "HeadMap", "RunBrowser", "SpecRunner", "TokenView", "WidgetReporter",
+    "as_head_scores", "diff_html", "error_html", "generation_table", "metric_table", "spec_fragment",
+    "top_heads_table",
+]

@@ -1,0 +1,363 @@
+"""``AttentionView``: the tokens of a prompt coloured by one head's attention from one query.
+
+Attention is read through headlab's instrumentation probes, never by patching the model:
+
+- ``mode="pattern"`` (inputs up to ``pattern_limit`` tokens): one forward with
+  ``Probes(pattern=True)`` records every layer's full pattern once; changing layer, head or query is
+  then instant.
+- ``mode="query"`` (longer inputs): the prompt up to the query is prefilled with plain SDPA into a KV
+  cache, then the query token alone runs inside :func:`headlab.instrument.instrument` with
+  ``Probes(pattern=True)``: one attention row per (layer, head), memory linear in the input length.
+  Rows are cached per query.
+
+Attention mass on named spans (``spans={"needle": [(start, end)]}`` in characters, like
+:class:`headlab.Example` spans) is recorded with ``Probes(spans=...)`` for every layer and head
+(:meth:`AttentionView.span_mass`). Long inputs are shown a page of ``page_size`` tokens at a time.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import anywidget
+import ipywidgets as w
+import numpy as np
+import torch
+import traitlets
+import xarray as xr
+
+from ..context import Example
+from ..model import LoadedModel
+from ..report import NAN_COLOR, PALETTE, color
+
+_ESM = """
+const PALETTE = %PALETTE%;
+function colour(v, hi) {
+  if (v === null || v === undefined || !isFinite(v)) return null;
+  const t = hi > 0 ? Math.min(1, Math.max(0, v / hi)) : 0;
+  const x = t * (PALETTE.length - 1), i = Math.min(Math.floor(x), PALETTE.length - 2), f = x - i;
+  const a = PALETTE[i], b = PALETTE[i + 1];
+  return [0, 1, 2].map(k => Math.round(a[k] + (b[k] - a[k]) * f));
+}
+export default {
+  render({ model, el }) {
+    const root = document.createElement("div");
+    root.className = "headlab-attention";
+    el.appendChild(root);
+    function draw() {
+      const tokens = model.get("tokens"), weights = model.get("weights"), offset = model.get("offset");
+      const query = model.get("query"), spans = model.get("spans") || [];
+      const finite = weights.filter(v => v !== null && isFinite(v));
+      const hi = model.get("vmax") > 0 ? model.get("vmax") : (finite.length ? Math.max(...finite) : 1);
+      root.innerHTML = "";
+      const head = document.createElement("div");
+      head.className = "hl-caption";
+      head.textContent = model.get("caption");
+      root.appendChild(head);
+      const box = document.createElement("div");
+      box.className = "hl-tokens";
+      tokens.forEach((t, i) => {
+        const pos = offset + i, v = weights[i];
+        const s = document.createElement("span");
+        s.className = "hl-tok" + (pos === query ? " hl-query" : "") + (v === null ? " hl-future" : "");
+        const inSpan = spans.find(([a, b]) => pos >= a && pos < b);
+        if (inSpan) { s.classList.add("hl-span"); s.dataset.span = inSpan[2]; }
+        const c = colour(v, hi);
+        if (c) {
+          s.style.background = `rgb(${c})`;
+          s.style.color = (0.299 * c[0] + 0.587 * c[1] + 0.114 * c[2]) > 140 ? "#000" : "#fff";
+        }
+        s.textContent = t;
+        s.dataset.pos = pos;
+        s.dataset.weight = v === null ? "" : Number(v).toPrecision(4);
+        s.title = `#${pos} ${JSON.stringify(t)}` + (v === null ? " (after the query)" : `: ${Number(v).toPrecision(4)}`)
+          + (inSpan ? ` [${inSpan[2]}]` : "");
+        s.addEventListener("click", () => { model.set("query", pos); model.save_changes(); });
+        box.appendChild(s);
+      });
+      root.appendChild(box);
+    }
+    for (const name of ["tokens", "weights", "offset", "query", "spans", "caption", "vmax"])
+      model.on("change:" + name, draw);
+    draw();
+  }
+};
+""".replace("%PALETTE%", str([list(c) for c in PALETTE]))
+
+_CSS = """
+.headlab-attention { font-family: sans-serif; font-size: 12px; }
+.headlab-attention .hl-caption { color: #444; margin-bottom: 4px; }
+.headlab-attention .hl-tokens { line-height: 1.9; max-width: 900px; }
+.headlab-attention .hl-tok { display: inline-block; padding: 0 3px; margin: 1px; border-radius: 2px;
+  white-space: pre; cursor: pointer; font-family: monospace; border: 1px solid transparent; }
+.headlab-attention .hl-future { color: #aaa; }
+.headlab-attention .hl-span { border-bottom: 2px solid #e4002b; }
+.headlab-attention .hl-query { border: 2px solid #e4002b; font-weight: bold; }
+"""
+
+
+class TokenView(anywidget.AnyWidget):
+    """Tokens coloured by one weight each; clicking a token sets ``query`` to its position."""
+
+    _esm = _ESM
+    _css = _CSS
+    tokens = traitlets.List().tag(sync=True)
+    weights = traitlets.List().tag(sync=True)
+    offset = traitlets.Int(0).tag(sync=True)
+    query = traitlets.Int(0).tag(sync=True)
+    spans = traitlets.List(help="[start, end, name] token spans (absolute positions)").tag(sync=True)
+    caption = traitlets.Unicode("").tag(sync=True)
+    vmax = traitlets.Float(0.0, help="top of the colour scale; 0 = the page's maximum").tag(sync=True)
+
+
+def _token_text(tokenizer: Any, ids: Sequence[int]) -> list[str]:
+    if tokenizer is None:
+        return [str(i) for i in ids]
+    out = []
+    for i in ids:
+        t = tokenizer.decode([int(i)])
+        out.append(t if t != "" else tokenizer.convert_ids_to_tokens(int(i)))
+    return out
+
+
+def _load(model: LoadedModel | str) -> LoadedModel:
+    if isinstance(model, LoadedModel):
+        return model
+    from ..model import load_model
+    from ..spec import ModelSpec
+
+    return load_model(ModelSpec(id=model, device="cpu"))
+
+
+class AttentionView(w.VBox):
+    """Tokens of a prompt coloured by a chosen head's attention from a chosen query.
+
+    ``AttentionView(lm, prompt, layer=2, head=5)`` with ``lm`` a :class:`headlab.model.LoadedModel`
+    (or a registered model name such as ``"headlab-tiny"``); or ``input_ids=[...]`` for token-id
+    inputs. ``spans`` are named character spans of the prompt. The query defaults to the last token.
+    Controls: layer, head, query (or click a token), page; "colour by" switches between per-token
+    attention and the attention mass on each span.
+    """
+
+    def __init__(self, model: LoadedModel | str, prompt: str | None = None, *,
+                 input_ids: Sequence[int] | None = None, layer: int = 0, head: int = 0,
+                 query: int | None = None, spans: Mapping[str, Sequence[tuple[int, int]]] | None = None,
+                 page_size: int = 64, pattern_limit: int = 256,
+                 mode: Literal["auto", "pattern", "query"] = "auto") -> None:
+        from ..generation import tokenize
+
+        self.lm = _load(model)
+        if prompt is None and input_ids is None:
+            raise ValueError("give a prompt or input_ids")
+        example = Example(prompt=prompt or "", input_ids=list(input_ids) if input_ids is not None else None,
+                          spans={k: [tuple(s) for s in v] for k, v in (spans or {}).items()})
+        self.batch = tokenize(self.lm, [example], device=self.lm.device)
+        self.input_ids = self.batch.input_ids
+        self.n_tokens = int(self.input_ids.shape[1])
+        self.tokens = _token_text(self.lm.tokenizer, self.input_ids[0].tolist())
+        self.token_spans: dict[str, list[tuple[int, int]]] = {
+            name: [tuple(s) for s in self.batch.spans(name)[0]] for name in example.spans}
+        self.mode = ("pattern" if self.n_tokens <= pattern_limit else "query") if mode == "auto" else mode
+        self.page_size = int(page_size)
+        self._pattern: np.ndarray | None = None
+        self._rows: dict[int, np.ndarray] = {}
+        self._mass: dict[int, np.ndarray] = {}
+        geo = self.lm.geometry
+        q = self.n_tokens - 1 if query is None else int(query)
+        if not 0 <= q < self.n_tokens:
+            raise ValueError(f"query {q} outside 0..{self.n_tokens - 1}")
+
+        self.layer_slider = w.IntSlider(value=layer, min=0, max=geo.n_layers - 1, description="layer")
+        self.head_slider = w.IntSlider(value=head, min=0, max=geo.n_heads - 1, description="head")
+        self.query_slider = w.IntSlider(value=q, min=0, max=self.n_tokens - 1, description="query")
+        self.page_slider = w.IntSlider(value=q // self.page_size, min=0, max=self.n_pages - 1, description="page")
+        self.colour_by = w.ToggleButtons(options=["tokens", "spans"] if self.token_spans else ["tokens"],
+                                         value="tokens", description="colour by")
+        self.view = TokenView(spans=[[a, b, name] for name, ss in self.token_spans.items() for a, b in ss])
+        self.info = w.HTML()
+        for ctl in (self.layer_slider, self.head_slider, self.page_slider, self.colour_by):
+            ctl.observe(lambda _: self.refresh(), names="value")
+        self.query_slider.observe(self._query_changed, names="value")
+        self.view.observe(lambda ch: setattr(self.query_slider, "value", ch["new"]), names="query")
+        controls = w.HBox([self.layer_slider, self.head_slider, self.query_slider])
+        pager = w.HBox([self.page_slider, self.colour_by]) if self.n_pages > 1 or self.token_spans else w.HBox([])
+        super().__init__([controls, pager, self.view, self.info])
+        self.add_class("headlab-attention-view")
+        self.refresh()
+
+    # ---- state
+    @property
+    def layer(self) -> int:
+        return int(self.layer_slider.value)
+
+    @property
+    def head(self) -> int:
+        return int(self.head_slider.value)
+
+    @property
+    def query(self) -> int:
+        return int(self.query_slider.value)
+
+    @property
+    def page(self) -> int:
+        return int(self.page_slider.value)
+
+    @property
+    def n_pages(self) -> int:
+        return max(1, -(-self.n_tokens // self.page_size))
+
+    def set(self, *, layer: int | None = None, head: int | None = None, query: int | None = None,
+            page: int | None = None) -> AttentionView:
+        """Change the shown layer, head, query or page (as the controls do)."""
+        with self.hold_trait_notifications():
+            if layer is not None:
+                self.layer_slider.value = layer
+            if head is not None:
+                self.head_slider.value = head
+            if query is not None:
+                self.query_slider.value = query
+            if page is not None:
+                self.page_slider.value = page
+        self.refresh()
+        return self
+
+    def _query_changed(self, change: dict[str, Any]) -> None:
+        page = int(change["new"]) // self.page_size
+        if page != self.page:
+            self.page_slider.value = page  # refreshes
+        else:
+            self.refresh()
+
+    # ---- computation through the probes
+    def _compute_pattern(self) -> np.ndarray:
+        from ..instrument import Plan, Probes, instrument
+
+        if self._pattern is None:
+            with torch.no_grad(), instrument(self.lm.model, Plan(probes=Probes(pattern=True))) as rec:
+                self.lm.model(input_ids=self.input_ids, attention_mask=self.batch.attention_mask)
+            self._pattern = rec.pattern[0].float().cpu().numpy()  # (layer, head, query, key)
+        return self._pattern
+
+    def _single_query(self, q: int, probes: Any) -> Any:
+        """Prefill tokens ``[0, q)`` with plain attention, then run token ``q`` under ``probes``."""
+        from ..instrument import Plan, instrument
+
+        model = self.lm.model
+        ids = self.input_ids
+        cache = None
+        with torch.no_grad():
+            if q > 0:
+                pre = model(input_ids=ids[:, :q], attention_mask=torch.ones_like(ids[:, :q]),
+                            position_ids=torch.arange(q, device=ids.device)[None], use_cache=True)
+                cache = pre.cache
+            kwargs: dict[str, Any] = {"cache": cache} if cache is not None else {}
+            with instrument(model, Plan(probes=probes)) as rec:
+                model(input_ids=ids[:, q: q + 1], attention_mask=torch.ones_like(ids[:, : q + 1]),
+                      position_ids=torch.tensor([[q]], device=ids.device), use_cache=cache is not None, **kwargs)
+        return rec
+
+    def rows(self, query: int | None = None) -> np.ndarray:
+        """Attention of every (layer, head) from ``query`` over keys ``0..query``: ``(layer, head, query+1)``."""
+        from ..instrument import Probes
+
+        q = self.query if query is None else int(query)
+        if self.mode == "pattern":
+            return self._compute_pattern()[:, :, q, : q + 1]
+        if q not in self._rows:
+            rec = self._single_query(q, Probes(pattern=True))
+            self._rows[q] = rec.pattern[0, :, :, -1, : q + 1].float().cpu().numpy()
+        return self._rows[q]
+
+    def row(self, layer: int | None = None, head: int | None = None, query: int | None = None) -> np.ndarray:
+        """Attention of one head from ``query`` over keys ``0..query``."""
+        layer = self.layer if layer is None else int(layer)
+        head = self.head if head is None else int(head)
+        return self.rows(query)[layer, head]
+
+    def span_mass(self, query: int | None = None) -> xr.DataArray:
+        """Attention mass from ``query`` on each named span, for every head: ``(span, layer, head)``.
+
+        Recorded with ``Probes(spans=...)`` on the query token (spans after the query get 0).
+        """
+        from ..instrument import Probes
+
+        if not self.token_spans:
+            raise ValueError("this view has no spans; pass spans={'name': [(start, end)]} in characters")
+        q = self.query if query is None else int(query)
+        names = [n for n, ss in self.token_spans.items() for _ in ss]
+        flat = [s for ss in self.token_spans.values() for s in ss]
+        if q not in self._mass:
+            rec = self._single_query(q, Probes(spans=flat))
+            self._mass[q] = rec.span_mass[0, :, :, -1, :].float().cpu().numpy()  # (layer, head, span)
+        arr = self._mass[q]
+        geo = self.lm.geometry
+        per_name = {n: arr[:, :, [i for i, m in enumerate(names) if m == n]].sum(-1) for n in self.token_spans}
+        return xr.DataArray(np.stack(list(per_name.values())), dims=("span", "layer", "head"),
+                            coords={"span": list(per_name), "layer": np.arange(geo.n_layers),
+                                    "head": np.arange(geo.n_heads)}, name="span_mass")
+
+    def top_keys(self, k: int = 5) -> list[tuple[int, str, float]]:
+        """The ``k`` most attended keys of the current head and query: ``(position, token, weight)``."""
+        r = self.row()
+        order = np.argsort(-r, kind="stable")[:k]
+        return [(int(i), self.tokens[i], float(r[i])) for i in order]
+
+    # ---- display
+    def page_range(self, page: int | None = None) -> tuple[int, int]:
+        """Token positions ``[start, end)`` of a page."""
+        p = self.page if page is None else int(page)
+        return p * self.page_size, min(self.n_tokens, (p + 1) * self.page_size)
+
+    def refresh(self) -> None:
+        """Recompute the shown row (or span masses) and update the view."""
+        start, end = self.page_range()
+        q = self.query
+        weights: list[float | None] = [None] * (end - start)
+        if self.colour_by.value == "spans" and self.token_spans:
+            mass = self.span_mass(q).sel(layer=self.layer, head=self.head)
+            for name, ss in self.token_spans.items():
+                for a, b in ss:
+                    for pos in range(max(a, start), min(b, end)):
+                        weights[pos - start] = float(mass.sel(span=name))
+            caption = f"attention mass on spans, layer {self.layer} head {self.head}, query #{q}"
+            vmax = 1.0
+        else:
+            r = self.row()
+            for pos in range(start, min(end, q + 1)):
+                weights[pos - start] = float(r[pos])
+            caption = (f"layer {self.layer} head {self.head}, query #{q} {self.tokens[q]!r}; "
+                       f"tokens {start}..{end - 1} of {self.n_tokens} ({self.mode} mode)")
+            vmax = float(r.max()) if r.size else 1.0
+        with self.view.hold_sync():
+            self.view.tokens = self.tokens[start:end]
+            self.view.weights = weights
+            self.view.offset = start
+            self.view.query = q
+            self.view.caption = caption
+            self.view.vmax = vmax
+        self.weights = weights
+        self.info.value = self._info_html()
+
+    def _info_html(self) -> str:
+        rows = "".join(
+            f"<tr><td>#{p}</td><td><code>{html.escape(repr(t))}</code></td>"
+            f'<td style="background:{color(v, 0, max(1e-9, self.top_keys(1)[0][2]))}">&nbsp;&nbsp;</td>'
+            f"<td>{v:.4f}</td></tr>" for p, t, v in self.top_keys(5))
+        out = f'<table class="hl-topkeys"><tr><th colspan="4">most attended keys</th></tr>{rows}</table>'
+        if self.token_spans:
+            mass = self.span_mass().sel(layer=self.layer, head=self.head)
+            out += "<div>mass on spans: " + ", ".join(
+                f"{html.escape(str(n))} {float(mass.sel(span=n)):.4f}" for n in mass["span"].values) + "</div>"
+        return out
+
+    def _repr_html_(self) -> str:  # static fallback (nbconvert, GitHub)
+        start, end = self.page_range()
+        hi = max((x for x in self.weights if x is not None), default=1.0) or 1.0
+        toks = "".join(
+            f'<span style="background:{NAN_COLOR if x is None else color(x, 0, hi)};padding:0 2px;'
+            f'margin:1px;white-space:pre" title="{x}">{html.escape(t)}</span>'
+            for t, x in zip(self.tokens[start:end], self.weights, strict=True))
+        return f"<div>{html.escape(self.view.caption)}<br>{toks}</div>"
+
