@@ -1,0 +1,308 @@
+"""Retrieval heads: Wu et al.'s retrieval score, batched, through the streaming argmax probe.
+
+METHODS.md, "Retrieval score (Wu et al. 2024, 'Retrieval Head Mechanistically Explains Long-Context
+Factuality')". For every example with a needle span ``[s, e)`` (token positions of the needle in the
+prompt) the model decodes greedily. At decode step ``t`` with generated token ``w_t`` every head
+``(l, h)`` takes its top-1 key ``i* = argmax A[l,h][t]`` of the single decode query; when
+``s <= i* < e`` and ``prompt_ids[i*] == w_t`` (the head copy-pastes the token it attends to) the head's
+score for this instance grows by ``1 / (e - s)``. An instance counts only if the model retrieved the
+needle (ROUGE-1 recall of the output > 0.5); the score of a head is the mean over counted instances,
+and heads with score >= 0.1 are retrieval heads.
+
+As in the reference code, the prompt minus its last token is prefilled with fast attention (here:
+plain SDPA, nothing recorded), and decoding starts by feeding the last prompt token, so the first
+scored query is the last prompt token and every generated token is scored with the attention of the
+query that produced it. Decoding runs for a whole batch at once (left padding; position ids follow
+the mask) inside one :func:`headlab.instrument.instrument` context whose only probe is ``argmax``:
+no attention matrix is ever stored, a decode step costs one streaming pass over the keys.
+
+Outputs (``xarray.Dataset``): ``score (layer, head)``; ``example_score (example, layer, head)``
+(every instance, retrieved or not); ``retrieved (example)``; ``recall (example)`` (ROUGE-1 recall
+that decides it); ``output (example)`` (the generated text); ``retrieval_head (layer, head)``
+(``score >= threshold``). Import/export of the reference JSON format ``{"<layer>-<head>": [score per
+retrieved instance]}``: :func:`write_retrieval_json`, :func:`read_retrieval_json`, and the config
+options ``export`` and ``load``.
+
+The needle-retrieved test: the reference code computes ``rouge_scorer(['rouge1'], use_stemmer=True)
+.score(needle, response).recall > 0.5`` against the whole needle sentence because its prompts ask
+the model to repeat it; headlab's ``niah`` prompts ask a question whose answer is a phrase of the
+needle, so the default reference text is the answer (``meta["answer"]``, else the target);
+``reference: needle`` reproduces the reference code exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import xarray as xr
+from pydantic import Field
+
+from headlab import ComponentConfig, Example, StepContext, hookimpl
+from headlab.generation import Batch, _cut_stop, _eos_ids, _pad_id, _trim, tokenize
+from headlab.heads import from_retrieval_json, to_retrieval_json
+from headlab.model import Geometry, LoadedModel
+
+__all__ = [
+    "ProbeDecode",
+    "Retrieval",
+    "detect",
+    "probe_decode",
+    "read_retrieval_json",
+    "retrieval_scores",
+    "write_retrieval_json",
+]
+
+
+class Retrieval(ComponentConfig):
+    """Retrieval heads (Wu et al. 2024): heads that copy the needle token they attend to."""
+
+    kind: Literal["retrieval"] = "retrieval"
+    span: str = Field("needle", description="name of the examples' character span holding the needle")
+    max_new_tokens: int = Field(50, ge=1, description="greedy decoding length (reference: 50)")
+    stop: list[str] = Field(default_factory=list, description="stop strings (the reference stops at a newline)")
+    batch_size: int = Field(16, ge=1, description="examples decoded together (sorted by length)")
+    threshold: float = Field(0.1, description="heads with score >= threshold are retrieval heads (paper: 0.1)")
+    recall_threshold: float = Field(0.5, ge=0, le=1,
+                                    description="an instance counts when ROUGE-1 recall > this (reference: 0.5)")
+    reference: Literal["answer", "needle", "target"] = Field(
+        "answer", description="text the output's ROUGE-1 recall is measured against: the answer "
+        "(meta['answer'], else target), the needle sentence (the reference code), or the target")
+    stemmer: bool = Field(True, description="Porter stemming in ROUGE (reference: use_stemmer=True)")
+    export: str | None = Field(None, description="write the scores to this JSON file in the reference "
+                               "format {\"<layer>-<head>\": [score per retrieved instance]}")
+    load: str | None = Field(None, description="read scores from a reference-format JSON file instead of "
+                             "detecting (published head lists); example_score then has no example axis")
+
+
+# --------------------------------------------------------------------------- decoding with probes
+@dataclass
+class ProbeDecode:
+    """What :func:`probe_decode` returns.
+
+    ``generated`` (B, T) token ids (pad after a row finished); ``active`` (B, T) bool, True for the steps
+    a row really generated (the step that produced EOS or completed a stop string included);
+    ``recording`` the :class:`headlab.instrument.Recording` of the decode steps, whose query axis ``t``
+    is decode step ``t`` (query at absolute position ``N - 1 + t`` for a prompt of padded length ``N``);
+    ``texts`` the decoded outputs (special tokens skipped, cut at stop strings); ``tokens`` the
+    generated ids per row up to EOS.
+    """
+
+    generated: torch.Tensor
+    active: torch.Tensor
+    recording: Any
+    texts: list[str]
+    tokens: list[list[int]]
+
+
+def probe_decode(lm: LoadedModel, batch: Batch, probes: Any, max_new_tokens: int,
+                 stop: Sequence[str] = ()) -> ProbeDecode:
+    """Greedy decoding of a batch with ``probes`` recorded at every decode query, none at the prefill.
+
+    The prompt minus its last token is prefilled outside any instrumentation (SDPA), then the last
+    prompt token and each generated token are fed one at a time inside one ``instrument`` context with
+    ``Plan(probes=probes)``. Key positions in the recording are absolute (left-padded) positions: the
+    first forward inside the context already sees the whole prompt cache.
+    """
+    from headlab.instrument import Plan, instrument
+
+    if batch.length < 2:
+        raise ValueError("probe_decode needs prompts of at least 2 tokens")
+    model, tok = lm.model, lm.tokenizer
+    eos = _eos_ids(lm)
+    ids, mask = batch.input_ids, batch.attention_mask
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    B = batch.size
+    generated = torch.empty((B, 0), dtype=torch.long, device=ids.device)
+    active_steps = []
+    finished = torch.zeros(B, dtype=torch.bool, device=ids.device)
+    texts = [""] * B
+    with torch.no_grad():
+        out = model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=pos[:, :-1], use_cache=True)
+        cache = out.cache
+        inp, cur_pos, cur_mask = ids[:, -1:], pos[:, -1:], mask
+        with instrument(model, Plan(probes=probes)) as rec:
+            for _ in range(max_new_tokens):
+                out = model(input_ids=inp, attention_mask=cur_mask, position_ids=cur_pos, cache=cache,
+                            use_cache=True)
+                cache = out.cache
+                nxt = out.logits[:, -1].argmax(-1)
+                nxt = torch.where(finished, torch.full_like(nxt, _pad_id(tok)), nxt)
+                active_steps.append(~finished)
+                generated = torch.cat([generated, nxt[:, None]], dim=1)
+                finished = finished | (torch.isin(nxt, eos) if eos.numel() else torch.zeros_like(finished))
+                if stop and tok is not None:
+                    for r in range(B):
+                        if not finished[r]:
+                            texts[r] = tok.decode(generated[r], skip_special_tokens=True)
+                            finished[r] = any(s in texts[r] for s in stop)
+                if bool(finished.all()):
+                    break
+                cur_mask = torch.cat([cur_mask, torch.ones_like(cur_mask[:, :1])], dim=1)
+                cur_pos = cur_pos + 1
+                inp = nxt[:, None]
+    active = torch.stack(active_steps, dim=1)
+    tokens = [_trim(row.tolist(), eos.tolist()) for row in generated]
+    texts = [_cut_stop(tok.decode(t, skip_special_tokens=True), list(stop)) if tok is not None
+             else " ".join(map(str, t)) for t in tokens]
+    return ProbeDecode(generated, active, rec, texts, tokens)
+
+
+# --------------------------------------------------------------------------- the score
+def copy_paste_hits(argmax: torch.Tensor, sequence: torch.Tensor, generated: torch.Tensor,
+                    active: torch.Tensor, spans: torch.Tensor) -> torch.Tensor:
+    """Per (row, layer, head, step): the top-1 key is inside the needle span and holds the generated token.
+
+    ``argmax`` (B, L, H, T) absolute key positions of the decode queries; ``sequence`` (B, >= max key + 1)
+    token ids by absolute position (prompt, then generated); ``generated`` (B, T); ``active`` (B, T);
+    ``spans`` (B, 2) needle ``[s, e)``. Returns a bool tensor (B, L, H, T).
+    """
+    B, L, H, T = argmax.shape
+    key = argmax.clamp(min=0)
+    at_key = sequence.gather(1, key.reshape(B, -1)).reshape(B, L, H, T)
+    s = spans[:, 0].view(B, 1, 1, 1)
+    e = spans[:, 1].view(B, 1, 1, 1)
+    in_span = (argmax >= s) & (argmax < e)
+    return in_span & (at_key == generated[:, None, None, :]) & active[:, None, None, :]
+
+
+def retrieval_scores(lm: LoadedModel, examples: Sequence[Example], *, span: str = "needle",
+                     max_new_tokens: int = 50, stop: Sequence[str] = (), batch_size: int = 16,
+                     progress: Any = None) -> tuple[np.ndarray, list[str]]:
+    """Per-instance retrieval scores ``(example, layer, head)`` and the generated texts.
+
+    Examples are decoded ``batch_size`` at a time, grouped by prompt length (results come back in the
+    examples' order). ``progress(iterable, description)`` wraps the batch loop when given.
+    """
+    from headlab.instrument import Probes
+
+    geo = lm.geometry
+    for i, ex in enumerate(examples):
+        if not ex.spans.get(span):
+            raise ValueError(f"retrieval: example {i} has no '{span}' span (use a task whose examples mark "
+                             f"the needle, e.g. niah, or set `span:`)")
+    lengths = [len(ex.input_ids) if ex.input_ids is not None else
+               len(lm.tokenizer(ex.prompt)["input_ids"]) for ex in examples]
+    order = sorted(range(len(examples)), key=lambda i: (lengths[i], i))
+    chunks = [order[j: j + batch_size] for j in range(0, len(order), batch_size)]
+    scores = np.zeros((len(examples), geo.n_layers, geo.n_heads))
+    texts = [""] * len(examples)
+    it = progress(chunks, "retrieval heads") if progress is not None else chunks
+    for idx in it:
+        batch = tokenize(lm, [examples[i] for i in idx])
+        needle = torch.tensor([batch.token_span(r, *examples[i].spans[span][0]) for r, i in enumerate(idx)],
+                              dtype=torch.long, device=batch.input_ids.device)
+        dec = probe_decode(lm, batch, Probes(argmax=True), max_new_tokens, stop)
+        sequence = torch.cat([batch.input_ids, dec.generated], dim=1)
+        hits = copy_paste_hits(dec.recording.argmax, sequence, dec.generated, dec.active, needle)
+        per = hits.sum(-1).double() / (needle[:, 1] - needle[:, 0]).double().view(-1, 1, 1)
+        per = per.cpu().numpy()
+        for r, i in enumerate(idx):
+            scores[i] = per[r]
+            texts[i] = dec.texts[r]
+    return scores, texts
+
+
+def _reference_text(ex: Example, which: str, span: str, i: int) -> str:
+    if which == "needle":
+        s, e = ex.spans[span][0]
+        return ex.prompt[s:e]
+    if which == "answer" and isinstance(ex.meta.get("answer"), str):
+        return ex.meta["answer"]
+    if ex.target is None:
+        raise ValueError(f"retrieval: example {i} has no target to measure retrieval against")
+    return ex.target
+
+
+def _dataset(per_example: np.ndarray, retrieved: np.ndarray, geo: Geometry) -> xr.Dataset:
+    coords = {"layer": np.arange(geo.n_layers), "head": np.arange(geo.n_heads)}
+    ex = xr.DataArray(per_example, dims=("example", "layer", "head"), coords=coords)
+    kept = per_example[retrieved]
+    mean = kept.mean(0) if len(kept) else np.zeros(per_example.shape[1:])
+    return xr.Dataset({"score": xr.DataArray(mean, dims=("layer", "head"), coords=coords),
+                       "example_score": ex,
+                       "retrieved": ("example", retrieved.astype(bool))})
+
+
+def detect(config: Retrieval, ctx: StepContext) -> xr.Dataset:
+    """The ``retrieval`` detector (see the module docstring)."""
+    from headlab.plugins.metrics.rouge import rouge1
+
+    geo = ctx.model.geometry
+    if config.load is not None:
+        ds = read_retrieval_json(config.load, geo)
+    else:
+        scores, texts = retrieval_scores(ctx.model, ctx.examples, span=config.span,
+                                         max_new_tokens=config.max_new_tokens, stop=config.stop,
+                                         batch_size=config.batch_size, progress=ctx.progress)
+        recall = np.array([rouge1(_reference_text(ex, config.reference, config.span, i), out.strip(),
+                                  config.stemmer)[1] for i, (ex, out) in enumerate(zip(ctx.examples, texts,
+                                                                                       strict=True))])
+        retrieved = recall > config.recall_threshold
+        if not retrieved.any():
+            warnings.warn("retrieval: the model retrieved no needle; every score is 0", stacklevel=2)
+        ds = _dataset(scores, retrieved, geo)
+        ds["recall"] = ("example", recall)
+        ds["output"] = ("example", np.array(texts, dtype=object))
+        ds.attrs["n_retrieved"] = int(retrieved.sum())
+    ds["retrieval_head"] = ds["score"] >= config.threshold
+    ds.attrs.update(method="retrieval", model=ctx.model.name, threshold=config.threshold,
+                    n_retrieval_heads=int(ds["retrieval_head"].sum()),
+                    reference="METHODS.md#retrieval-score-wu-et-al-2024")
+    if config.export is not None:
+        write_retrieval_json(ds, config.export)
+    return ds
+
+
+# --------------------------------------------------------------------------- reference JSON format
+def write_retrieval_json(ds: xr.Dataset, path: str | Path) -> Path:
+    """Write a retrieval result in the reference format ``{"<layer>-<head>": [score per instance]}``.
+
+    As in the reference code, only retrieved instances are listed (``retrieved`` when the dataset has
+    it). A dataset with only ``score (layer, head)`` is written with one value per head.
+    """
+    if "example_score" in ds and "example" in ds["example_score"].dims:
+        per = ds["example_score"]
+        if "retrieved" in ds:
+            per = per.isel(example=np.asarray(ds["retrieved"].values, dtype=bool))
+    else:
+        per = ds["score"]
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(to_retrieval_json(per)))
+    return p
+
+
+def read_retrieval_json(path: str | Path, geometry: Geometry | None = None) -> xr.Dataset:
+    """A reference-format JSON file as a dataset: ``score (layer, head)`` = mean per head.
+
+    Heads missing from the file score 0. ``geometry`` (the model's) fixes the array shape and checks
+    that every head of the file exists; without it the shape is the largest layer/head in the file.
+    """
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict) or not all("-" in str(k) for k in data):
+        raise ValueError(f"{path}: not a retrieval-head JSON file ({{\"<layer>-<head>\": [scores]}})")
+    means = from_retrieval_json(data)
+    n_layers = geometry.n_layers if geometry else 1 + max(layer for layer, _ in means)
+    n_heads = geometry.n_heads if geometry else 1 + max(head for _, head in means)
+    score = np.zeros((n_layers, n_heads))
+    for (layer, head), value in means.items():
+        if not (0 <= layer < n_layers and 0 <= head < n_heads):
+            raise ValueError(f"{path}: head {layer}-{head} is outside this model ({n_layers} layers x "
+                             f"{n_heads} heads)")
+        score[layer, head] = value
+    coords = {"layer": np.arange(n_layers), "head": np.arange(n_heads)}
+    ds = xr.Dataset({"score": xr.DataArray(score, dims=("layer", "head"), coords=coords)})
+    ds.attrs["source"] = str(path)
+    return ds
+
+
+@hookimpl
+def headlab_register_detectors(register):
+    register(Retrieval, detect)
