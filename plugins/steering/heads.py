@@ -1,0 +1,95 @@
+"""``head_mask`` and ``head_scale``: switch heads off or turn them up or down.
+
+METHODS.md, "Steering / Head masking and scaling".
+
+``head_mask`` modes:
+
+- ``query`` (default; DeCoRe and Retrieval_Head "flash" mode): the query is zeroed, so the head attends
+  uniformly over its causal prefix and outputs the mean of the visible values;
+- ``score`` (their "torch" mode): the pre-softmax scores are set to 0 (the same uniform attention);
+- ``output``: the head output ``z`` is zeroed before ``o_proj`` (ablation).
+
+``head_scale`` targets:
+
+- ``output``: ``z[l, h] *= factor``;
+- ``values``: the value vectors of the key/value head that query head ``h`` reads are multiplied by
+  ``factor``. Attention is linear in V, so this is ``z *= factor`` for every query head sharing that kv
+  head: the same as ``output`` under multi-head attention, the whole GQA group under GQA/MQA;
+- ``queries``: ``q[l, h] *= factor`` (a temperature on that head's scores: sharper above 1, flatter below).
+
+Both act on every row of the batch and every position, prompt and generated tokens alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from headlab import ComponentConfig, StepContext, hookimpl
+from headlab.generation import Batch
+from headlab.spec import HeadSelection
+
+from .common import claim, resolve_heads
+
+
+class HeadMask(ComponentConfig):
+    """Mask heads: zero their query (uniform attention), their scores, or their output."""
+
+    kind: Literal["head_mask"] = "head_mask"
+    heads: HeadSelection | list[int] = Field(
+        description="heads to mask: {from: step, top: k} (random: true for the control), [[layer, head], ...], "
+        "{\"<layer>\": [heads]}, a list of layers, or {file: heads.json}")
+    mode: Literal["query", "score", "output"] = Field(
+        "query", description="query: zero the query (mean of V); score: zero the scores; output: zero z")
+
+
+class HeadScale(ComponentConfig):
+    """Scale heads: multiply their output, their value vectors or their query by a factor."""
+
+    kind: Literal["head_scale"] = "head_scale"
+    heads: HeadSelection | list[int] = Field(description="heads to scale (same forms as head_mask)")
+    factor: float = Field(description="multiplier")
+    target: Literal["output", "values", "queries"] = Field(
+        "output", description="output: z *= factor; values: V of the head's kv head *= factor (its whole GQA "
+        "group); queries: q *= factor")
+
+
+_MASK_KIND = {"query": "q_scale", "score": "score_zero", "output": "out_scale"}
+
+
+def kv_group(heads: list[tuple[int, int]], n_heads: int, n_kv_heads: int) -> list[tuple[int, int]]:
+    """Every query head that reads the same key/value head as one of ``heads`` (sorted, unique)."""
+    group = n_heads // n_kv_heads
+    out = {(layer, (h // group) * group + i) for layer, h in heads for i in range(group)}
+    return sorted(out)
+
+
+def steer_mask(config: HeadMask, ctx: StepContext, batch: Batch, plan: Any) -> None:
+    """Add the mask to ``plan`` for every row."""
+    heads = resolve_heads(ctx, config.heads)
+    claim(plan, config, _MASK_KIND[config.mode], heads)
+    if heads:
+        plan.mask_heads(heads, mode=config.mode)
+
+
+def steer_scale(config: HeadScale, ctx: StepContext, batch: Batch, plan: Any) -> None:
+    """Add the scale to ``plan`` for every row."""
+    heads = resolve_heads(ctx, config.heads)
+    if config.target == "values":
+        geo = ctx.model.geometry
+        heads = kv_group(heads, geo.n_heads, geo.n_kv_heads)
+    kind = "q_scale" if config.target == "queries" else "out_scale"
+    claim(plan, config, kind, heads)
+    if not heads:
+        return
+    if config.target == "queries":
+        plan.scale_queries(heads, config.factor)
+    else:
+        plan.scale_heads(heads, config.factor)
+
+
+@hookimpl
+def headlab_register_steering(register):
+    register(HeadMask, steer_mask)
+    register(HeadScale, steer_scale)

@@ -1,0 +1,357 @@
+"""PASTA (plugins/steering/pasta.py) against independent computations.
+
+- the bias equals post-softmax reweighting and renormalisation of eager attention (``output_attentions``)
+  on every touched row, prefill and decode queries, for every ``scale_position`` and several sections;
+  the per-key weights are computed here from the examples' character spans and the tokenizer's offsets;
+- greedy generation under PASTA gives the same tokens as a naive implementation written here: an eager
+  model with forward pre-hooks that add log(alpha) to the dense 4-D attention mask (the reference code's
+  mechanism) inside transformers' own ``generate``;
+- spec level: every form of ``heads`` resolves to the same steering; errors are clear.
+
+The helpers at the top (word-level tokenizer over the synthetic vocabulary, tiny random Llama, the eager
+hook implementation) are shared with the other tests/test_steering_*.py modules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+
+import pytest
+import torch
+import transformers
+
+from headlab import instrument as ins
+from headlab.context import Example, StepContext, TaskContext
+from headlab.generation import DecodeRequest, decode_loop, tokenize
+from headlab.model import LoadedModel, geometry_of
+from headlab.plugins.steering import pasta as P
+from headlab.plugins.tasks import synthetic as S
+from headlab.plugins.tasks.synthetic_tasks import Emphasis, build_emphasis
+
+ins.register()
+
+SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+_CACHE: dict = {}
+
+
+# --------------------------------------------------------------------------- shared helpers
+def build_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """A word-level fast tokenizer over the synthetic vocabulary; BOS prepended (built here, no download)."""
+    if "tok" in _CACHE:
+        return _CACHE["tok"]
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+    words = SPECIALS + [w for w in S.vocabulary() if w not in SPECIALS]
+    vocab = {w: i for i, w in enumerate(words)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=True)
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
+        padding_side="left", clean_up_tokenization_spaces=False)
+    _CACHE["tok"] = fast
+    return fast
+
+
+def llama_config(layers: int = 2, heads: int = 4, kv: int = 2, hidden: int = 64) -> transformers.LlamaConfig:
+    tok = build_tokenizer()
+    return transformers.LlamaConfig(
+        hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv, vocab_size=len(tok), max_position_embeddings=512, initializer_range=0.25,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def tiny(impl: str, layers: int = 2, heads: int = 4, kv: int = 2, seed: int = 0) -> torch.nn.Module:
+    """The same random tiny Llama under attention implementation ``impl`` (cached)."""
+    key = (impl, layers, heads, kv, seed)
+    if key not in _CACHE:
+        cfg = llama_config(layers, heads, kv)
+        torch.manual_seed(seed)
+        base = transformers.LlamaForCausalLM(copy.deepcopy(cfg)).eval()
+        m = transformers.LlamaForCausalLM._from_config(copy.deepcopy(cfg), attn_implementation=impl).eval()
+        m.load_state_dict(base.state_dict())
+        m.generation_config.eos_token_id = None  # random weights: decode a fixed number of tokens
+        _CACHE[key] = m
+    return _CACHE[key]
+
+
+def loaded(model: torch.nn.Module) -> LoadedModel:
+    return LoadedModel(model=model, tokenizer=build_tokenizer(), name="tiny-test", geometry=geometry_of(model),
+                       device="cpu")
+
+
+def step_ctx(model: torch.nn.Module, examples: list[Example] | None = None, results=None) -> StepContext:
+    return StepContext(model=loaded(model), examples=examples or [], results=results or {}, seed=0)
+
+
+def emphasis_examples(n: int = 3, seed: int = 0, mode: str = "span") -> list[Example]:
+    """Examples of the ``emphasis`` task plugin (markers stripped, spans recorded)."""
+    ctx = TaskContext(tokenizer=build_tokenizer(), seed=seed, vocab_size=len(build_tokenizer()))
+    return build_emphasis(Emphasis(n=n, emphasis=mode, filler_sentences=(0, 3)), ctx)
+
+
+def two_section_example() -> Example:
+    """An example with two emphasised sections."""
+    prompt = "Sara lives in Paris. Sara lives in Rome. Tom lives in Oslo. Question: Where does Sara live? Answer:"
+    a = prompt.index("Sara lives in Paris.")
+    b = prompt.index("Tom lives in Oslo.")
+    return Example(prompt=prompt, target=" Paris",
+                   spans={"emphasis": [(a, a + len("Sara lives in Paris.")), (b, b + len("Tom lives in Oslo."))]})
+
+
+def key_weights(tok, example: Example, pad: int, n_prompt_padded: int, n_keys: int, alpha: float,
+                mode: str) -> torch.Tensor:
+    """Per-key attention multipliers of one row, computed from character spans and offsets directly.
+
+    A prompt key j (BOS included) inside ``c`` of the ``k`` emphasised sections is multiplied by
+    alpha ** (k - c) (exclude), alpha ** (c - 1) (include), alpha ** k (generation); generated keys by 1.
+    """
+    offsets = tok(example.prompt, return_offsets_mapping=True)["offset_mapping"]
+    sections = example.spans["emphasis"]
+    k = len(sections)
+    w = torch.ones(n_keys, dtype=torch.float64)
+    for i, (a, b) in enumerate(offsets):
+        c = sum(1 for s, e in sections if b > a and b > s and a < e)  # token overlaps the section
+        power = {"exclude": k - c, "include": c - 1, "generation": k}[mode]
+        w[pad + i] = alpha ** power
+    assert pad + len(offsets) == n_prompt_padded
+    return w
+
+
+@contextlib.contextmanager
+def eager_pasta(model: torch.nn.Module, heads: list[tuple[int, int]], bias: torch.Tensor):
+    """The reference mechanism, naively: forward pre-hooks on the attention modules of an eager model add
+    ``bias[b, j]`` (per row, per key; keys beyond ``bias`` get 0) to the dense 4-D additive mask of the
+    steered heads, for every forward (prefill and each decode step)."""
+    hooks = []
+    layers = model.model.layers
+    H = model.config.num_attention_heads
+    for layer in sorted({ly for ly, _ in heads}):
+        hs = [h for ly, h in heads if ly == layer]
+
+        def pre(mod, args, kwargs, hs=hs):
+            mask = kwargs["attention_mask"]
+            assert mask is not None and mask.dtype.is_floating_point
+            B, _, Nq, Nk = mask.shape
+            mask = mask.expand(B, H, Nq, Nk).clone()
+            n = min(Nk, bias.shape[1])
+            for b in range(B):
+                for h in hs:
+                    mask[b, h, :, :n] += bias[b, :n].to(mask.dtype)
+            kwargs["attention_mask"] = mask
+            return args, kwargs
+
+        hooks.append(layers[layer].self_attn.register_forward_pre_hook(pre, with_kwargs=True))
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def hf_generate(model, batch, n_new: int) -> torch.Tensor:
+    """transformers' own greedy generate (left-padded batch); returns the new tokens."""
+    with torch.no_grad():
+        out = model.generate(input_ids=batch.input_ids, attention_mask=batch.attention_mask, max_new_tokens=n_new,
+                             min_new_tokens=n_new, do_sample=False, pad_token_id=0)
+    return out[:, batch.length:]
+
+
+def headlab_generate(model, batch, plan, n_new: int) -> list[list[int]]:
+    request = DecodeRequest(loaded(model), batch, n_new, [], plan, 0)
+    return decode_loop(request, lambda out, _: out.logits[:, -1].argmax(-1)).tokens
+
+
+def pasta_plan(model, batch, heads, alpha=0.01, mode="exclude", **plan_kw) -> ins.Plan:
+    plan = ins.Plan(**plan_kw)
+    cfg = P.Pasta(heads=[list(h) for h in heads], alpha=alpha, scale_position=mode)
+    P.steer(cfg, step_ctx(model, batch.examples), batch, plan)
+    return plan
+
+
+def bias_matrix(tok, batch, alpha, mode) -> torch.Tensor:
+    """log of :func:`key_weights` for every row (prompt keys only)."""
+    rows = [key_weights(tok, ex, batch.pad[r], batch.length, batch.length, alpha, mode).log()
+            for r, ex in enumerate(batch.examples)]
+    return torch.stack(rows).float()
+
+
+# --------------------------------------------------------------------------- the bias = reweighting
+@pytest.mark.parametrize("mode", ["exclude", "include", "generation"])
+def test_bias_equals_reweighting_on_every_touched_row(mode):
+    tok = build_tokenizer()
+    examples = emphasis_examples(3) + [two_section_example()]
+    mh, me = tiny("headlab"), tiny("eager")
+    batch = tokenize(loaded(mh), examples)
+    assert len(set(batch.pad)) > 1  # left padding differs between rows
+    heads = [(0, 1), (1, 0), (1, 3)]
+    alpha = 0.05
+    n_new = 4
+    plan = pasta_plan(mh, batch, heads, alpha, mode, probes=ins.Probes(pattern=True))
+    with ins.instrument(mh, plan) as rec, torch.no_grad():
+        new = hf_generate(mh, batch, n_new)
+    # eager attention of layer l over prompt + generated tokens from one full forward, unsteered in layer l
+    # (the naive hooks steer the layers below l, so layer l sees the same inputs as in the steered run)
+    full = torch.cat([batch.input_ids, new], 1)
+    am = torch.cat([batch.attention_mask, torch.ones_like(new)], 1)
+    bias = bias_matrix(tok, batch, alpha, mode)
+    eager = []
+    for layer in range(2):
+        with eager_pasta(me, [h for h in heads if h[0] < layer], bias), torch.no_grad():
+            eager.append(me(input_ids=full, attention_mask=am, position_ids=(am.cumsum(-1) - 1).clamp(min=0),
+                            output_attentions=True).attentions[layer])
+    got = rec.pattern  # (batch, layer, head, query, key) over prompt + steps (the last token is never fed)
+    N = batch.length
+    n_q = N + n_new - 1
+    assert got.shape[3] == n_q
+    for b, ex in enumerate(examples):
+        w = key_weights(tok, ex, batch.pad[b], N, n_q, alpha, mode)
+        real = am[b, :n_q].bool()
+        for layer in range(2):
+            for h in range(4):
+                A = eager[layer][b, h, :n_q, :n_q].double()
+                if (layer, h) in heads:
+                    want = A * w
+                    want = want / want.sum(-1, keepdim=True)
+                else:
+                    want = A
+                torch.testing.assert_close(got[b, layer, h][real].double(), want[real], atol=3e-5, rtol=0)
+    # the steering is not a no-op on touched heads, and decode rows (queries >= N) are covered
+    touched = got[0, 0, 1, N:].double()
+    assert not torch.allclose(touched, eager[0][0, 1, N:n_q, :n_q].double(), atol=1e-3)
+
+
+def test_generation_matches_naive_eager_hooks():
+    tok = build_tokenizer()
+    examples = emphasis_examples(4, seed=3) + [two_section_example()]
+    mh, me = tiny("headlab"), tiny("eager")
+    batch = tokenize(loaded(mh), examples)
+    heads = [(0, 0), (0, 2), (1, 1), (1, 2), (1, 3)]
+    for mode, alpha in (("exclude", 0.01), ("include", 0.2), ("generation", 0.05)):
+        plan = pasta_plan(mh, batch, heads, alpha, mode)
+        ours = headlab_generate(mh, batch, plan, 8)
+        with eager_pasta(me, heads, bias_matrix(tok, batch, alpha, mode)):
+            ref = hf_generate(me, batch, 8).tolist()
+        assert ours == ref, mode
+    plain = hf_generate(me, batch, 8).tolist()
+    with eager_pasta(me, heads, bias_matrix(tok, batch, 0.01, "exclude")):
+        assert hf_generate(me, batch, 8).tolist() != plain  # steering changes what is generated
+
+
+def test_pasta_bias_spans_follow_the_reference_additions():
+    # exclude: each section's complement within the prompt [p0, n)
+    assert P.pasta_bias([(3, 5)], (1, 10), 0.5, "exclude") == [((1, 3), math.log(0.5)), ((5, 10), math.log(0.5))]
+    assert P.pasta_bias([(3, 5), (7, 8)], (0, 10), 0.5, "include") == [
+        ((3, 5), math.log(0.5)), ((7, 8), math.log(0.5)), ((0, 10), -math.log(0.5))]
+    assert P.pasta_bias([(3, 5), (7, 8)], (0, 10), 0.5, "generation") == [((0, 10), math.log(0.5))] * 2
+    with pytest.raises(ValueError, match="scale_position"):
+        P.pasta_bias([(3, 5)], (0, 10), 0.5, "everywhere")
+
+
+def test_missing_emphasis_is_an_error_or_skipped():
+    mh = tiny("headlab")
+    exs = emphasis_examples(2) + [Example(prompt="Sara lives in Rome . Question: Where does Sara live? Answer:")]
+    batch = tokenize(loaded(mh), exs)
+    with pytest.raises(ValueError, match="no 'emphasis' span"):
+        P.steer(P.Pasta(heads=[[0, 0]]), step_ctx(mh), batch, ins.Plan())
+    plan = ins.Plan(probes=ins.Probes(pattern=True, layers=[0]))
+    P.steer(P.Pasta(heads=[[0, 0]], missing="skip"), step_ctx(mh), batch, plan)
+    with ins.instrument(mh, plan) as rec, torch.no_grad():
+        mh(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+    free = ins.Plan(probes=ins.Probes(pattern=True, layers=[0]))
+    with ins.instrument(mh, free) as rec0, torch.no_grad():
+        mh(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+    assert torch.equal(rec.pattern[2], rec0.pattern[2])  # the unmarked row is untouched
+    assert not torch.allclose(rec.pattern[0, 0, 0], rec0.pattern[0, 0, 0])
+
+
+# --------------------------------------------------------------------------- heads from every source
+def _run_spec(tmp_path, steps: str, n: int = 3) -> dict:
+    from headlab.runner import run
+
+    tok_dir = tmp_path / "tok"
+    if not tok_dir.exists():
+        build_tokenizer().save_pretrained(tok_dir)
+    cfg = llama_config().to_dict()
+    cfg = {k: cfg[k] for k in ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads", "num_key_value_heads", "vocab_size",
+                               "max_position_embeddings", "initializer_range", "bos_token_id", "pad_token_id")}
+    cfg["tokenizer"] = str(tok_dir)
+    text = (f"name: t\nmodel: {{config: {json.dumps(cfg)}}}\n"
+            f"task: {{kind: emphasis, n: {n}}}\nsteps:\n{steps}output: {tmp_path / 'runs'}\n")
+    r = run(text)
+    return {k: r.results[k] for k in r.results}
+
+
+def test_spec_head_forms_are_equivalent(tmp_path):
+    (tmp_path / "pasta.json").write_text(json.dumps({"0": [1, 3], "1": [0]}))
+    (tmp_path / "layers.json").write_text(json.dumps([1]))
+    gen = "max_new_tokens: 4, metrics: [exact_match]"
+    steps = f"""  - id: none
+    generate: {{{gen}}}
+  - id: pairs
+    generate: {{{gen}, steer: [{{kind: pasta, heads: [[0, 1], [0, 3], [1, 0]], alpha: 0.001}}]}}
+  - id: mapping
+    generate: {{{gen}, steer: [{{kind: pasta, heads: {{"0": [1, 3], "1": [0]}}, alpha: 0.001}}]}}
+  - id: file
+    generate: {{{gen}, steer: [{{kind: pasta, heads: {{file: {tmp_path / 'pasta.json'}}}, alpha: 0.001}}]}}
+  - id: layer_list
+    generate: {{{gen}, steer: [{{kind: pasta, heads: [1], alpha: 0.001}}]}}
+  - id: layer_file
+    generate: {{{gen}, steer: [{{kind: pasta, heads: {{file: {tmp_path / 'layers.json'}}}, alpha: 0.001}}]}}
+  - id: layer_pairs
+    generate: {{{gen}, steer: [{{kind: pasta, heads: [[1, 0], [1, 1], [1, 2], [1, 3]], alpha: 0.001}}]}}
+"""
+    res = _run_spec(tmp_path, steps, n=4)
+    out = {k: [str(x) for x in v["output"].values.ravel()] for k, v in res.items()}
+    assert out["pairs"] == out["mapping"] == out["file"]
+    assert out["layer_list"] == out["layer_file"] == out["layer_pairs"]
+    assert out["pairs"] != out["none"] or out["layer_list"] != out["none"]
+    assert res["pairs"].attrs["steer"] == ["pasta"]
+
+
+def test_spec_runs_the_plugin_like_the_api(tmp_path):
+    """A steered generate step of a spec == decode_loop with the plugin's plan built by hand."""
+    steps = """  - id: steered
+    generate: {max_new_tokens: 5, steer: [{kind: pasta, heads: [[0, 0], [1, 2]], alpha: 0.01}]}
+"""
+    res = _run_spec(tmp_path, steps, n=3)
+    from headlab.runner import ModelCache
+    from headlab.spec import load_spec
+
+    cfg = json.loads(res["steered"].attrs["config"])
+    assert cfg["steer"][0]["kind"] == "pasta"
+    # rebuild the same random model through the runner's loader and steer by hand
+    loaded_spec = load_spec(_spec_text_for(tmp_path))
+    lm = ModelCache(0).get(loaded_spec.spec.model)
+    exs = build_emphasis(Emphasis(n=3), TaskContext(tokenizer=lm.tokenizer, seed=0, vocab_size=len(lm.tokenizer)))
+    batch = tokenize(lm, exs)
+    plan = ins.Plan()
+    P.steer(P.Pasta(heads=[[0, 0], [1, 2]], alpha=0.01), StepContext(lm, exs, {}, 0), batch, plan)
+    texts = decode_loop(DecodeRequest(lm, batch, 5, [], plan, 0), lambda o, _: o.logits[:, -1].argmax(-1)).texts
+    assert [str(x) for x in res["steered"]["output"].values] == texts
+
+
+def _spec_text_for(tmp_path) -> str:
+    cfg = llama_config().to_dict()
+    cfg = {k: cfg[k] for k in ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads", "num_key_value_heads", "vocab_size",
+                               "max_position_embeddings", "initializer_range", "bos_token_id", "pad_token_id")}
+    cfg["tokenizer"] = str(tmp_path / "tok")
+    return (f"name: t\nmodel: {{config: {json.dumps(cfg)}}}\ntask: {{kind: emphasis, n: 3}}\n"
+            "steps:\n  - id: x\n    generate: {max_new_tokens: 2}\n")
+
+
+def test_spec_errors_are_clear(tmp_path):
+    from headlab.spec import SpecError, load_spec
+
+    with pytest.raises(SpecError, match="alpha"):
+        load_spec(_spec_text_for(tmp_path).replace("generate: {max_new_tokens: 2}",
+                                                   "generate: {steer: [{kind: pasta, heads: [0], alpha: 0}]}"))
+    with pytest.raises(SpecError, match="scale_positon"):
+        load_spec(_spec_text_for(tmp_path).replace(
+            "generate: {max_new_tokens: 2}", "generate: {steer: [{kind: pasta, heads: [0], scale_positon: include}]}"))
