@@ -123,7 +123,10 @@ class LayerContext:
 
     ``call``: how many times this layer ran before in this context (0 = prefill / first forward, then one per
     generation step); ``q_start``: absolute position of the first query; ``n_queries``; ``store``: a dict
-    shared by all calls of all layers in this context (for the callback's own state).
+    shared by all calls of all layers in this context (for the callback's own state). ``attend(key_spans,
+    key_bias)``: recompute this call's head outputs ``z`` (B, H, Nq, D) with the same inputs, masks and plan
+    edits plus extra pre-softmax key biases (``key_spans`` (B, S, 2) absolute positions, ``key_bias``
+    broadcastable to (B, H, S)); VHR uses it for the head outputs without a segment (a large negative bias).
     """
 
     layer: int
@@ -131,6 +134,7 @@ class LayerContext:
     q_start: int
     n_queries: int
     store: dict
+    attend: Callable[..., Tensor] | None = None
 
 
 LayerCallback = Callable[[int, Tensor, LayerContext], "Tensor | None"]
@@ -556,7 +560,19 @@ def attention_forward(
         probe_spans=pspans, return_pattern=probed and probes.pattern, backend=plan.backend,
     )
     if plan._callbacks:
-        ctx = LayerContext(layer=layer, call=call, q_start=q_start, n_queries=Nq, store=sess.store)
+        def attend(key_spans: Tensor, key_bias: Tensor) -> Tensor:
+            ks = (torch.as_tensor(key_spans, device=query.device).long() - key_offset).clamp(0, Nk)
+            kb = torch.broadcast_to(torch.as_tensor(key_bias, device=query.device, dtype=torch.float32),
+                                    (B, H, ks.shape[1]))
+            ed = dict(edits)
+            if ed.get("key_spans") is not None:
+                ks, kb = torch.cat([ed["key_spans"], ks], 1), torch.cat([ed["key_bias"], kb], 2)
+            ed.update(key_spans=ks, key_bias=kb)
+            return kernel_attention(query, key, value, scale=scaling, softcap=softcap, **margs, **ed,
+                                    backend=plan.backend)[0]
+
+        ctx = LayerContext(layer=layer, call=call, q_start=q_start, n_queries=Nq, store=sess.store,
+                           attend=attend)
         for fn in plan._callbacks:
             scale = fn(layer, z, ctx)
             if scale is not None:
