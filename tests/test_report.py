@@ -1,0 +1,136 @@
+"""`headlab report RUN`: a self-contained HTML file whose heatmaps, tables and plots carry the run's
+numbers."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from html.parser import HTMLParser
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import headlab
+from headlab.heads import ranked
+from headlab.report import color, heatmap_svg, line_plot_svg, render_report, write_report
+
+from conftest import spec_text
+
+STEPS = ("  - id: ind\n    detect: {kind: induction}\n"
+         "  - id: prev\n    detect: {kind: previous_token}\n"
+         "  - id: gen\n    generate: {max_new_tokens: 3, metrics: [exact_match, contains]}\n")
+
+
+class Collect(HTMLParser):
+    """Every start tag with its attributes, and the text."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: list[tuple[str, dict[str, str | None]]] = []
+        self.text: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append((tag, dict(attrs)))
+
+    def handle_data(self, data):
+        self.text.append(data)
+
+
+def parse(html: str) -> Collect:
+    c = Collect()
+    c.feed(html)
+    return c
+
+
+@pytest.fixture(scope="module")
+def sweep_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs")
+    return headlab.run(spec_text(STEPS, sweep="  task.length: [5, 9]\n", task="{kind: repeated_tokens, n: 3, length: 5}",
+                                 out=str(out)))
+
+
+def test_color_scale_endpoints_and_nan():
+    assert color(0.0) == "#440154" and color(1.0) == "#fde725"
+    assert color(5.0, 0, 10) == color(0.5) and color(-1) == color(0) and color(2) == color(1)
+    assert color(float("nan")) == color(None) == "#dddddd"
+
+
+def test_heatmap_cells_carry_values():
+    values = np.array([[0.1, 0.9], [np.nan, 0.5]])
+    svg = heatmap_svg(values, title="t", highlight=[(0, 1)])
+    rects = [a for t, a in parse(svg).tags if t == "rect" and "data-layer" in a]
+    assert len(rects) == 4
+    by_pos = {(int(a["data-layer"]), int(a["data-head"])): a for a in rects}
+    assert by_pos[(0, 1)]["data-value"] == "0.9" and by_pos[(0, 1)]["fill"] == color(0.9, 0.1, 0.9)
+    assert by_pos[(1, 0)]["data-value"] == "nan" and by_pos[(1, 0)]["fill"] == "#dddddd"
+    assert by_pos[(0, 1)].get("stroke") == "#e4002b" and "stroke" not in by_pos[(0, 0)]
+
+
+def test_line_plot_points():
+    svg = line_plot_svg([1, 2, 4], {"a": [0.0, 0.5, 1.0], "b": [1.0, float("nan"), 0.0]}, xlabel="x")
+    pts = [a for t, a in parse(svg).tags if t == "circle"]
+    assert [(p["data-series"], float(p["data-y"])) for p in pts] == [("a", 0.0), ("a", 0.5), ("a", 1.0),
+                                                                      ("b", 1.0), ("b", 0.0)]
+    xs = [float(p["cx"]) for p in pts[:3]]
+    assert (xs[2] - xs[1]) == pytest.approx(2 * (xs[1] - xs[0]), abs=0.2)  # numeric x placed proportionally
+
+
+def test_report_contents_match_the_run(sweep_run, tmp_path):
+    html = render_report(sweep_run)
+    doc = parse(html)
+    # nothing external: no scripts, no links, no remote sources
+    assert not [t for t, _ in doc.tags if t in ("script", "link", "iframe", "img")]
+    assert not re.search(r"(src|href)=\"(https?:)?//", html)
+    # the mean heatmap of each detect step carries the run's scores
+    for step in ("ind", "prev"):
+        section = html.split(f'id="step-{step}"')[1].split("</section>")[0]
+        mean = sweep_run.results[step]["score"].mean("task.length")
+        cells = [a for t, a in parse(section).tags if t == "rect" and "data-layer" in a]
+        first_map = {(int(a["data-layer"]), int(a["data-head"])): float(a["data-value"]) for a in cells[:8]}
+        for (layer, head), v in first_map.items():
+            assert v == pytest.approx(float(mean.sel(layer=layer, head=head)), rel=1e-3)
+        # one map per sweep cell after the mean map
+        assert len(cells) == 8 * 3
+        (best, score), *_ = ranked(mean)
+        assert f"<td class=\"num\">{best[0]}</td><td class=\"num\">{best[1]}</td><td class=\"num\">{score:.4g}</td>" in section
+        assert "score vs task.length" in section
+    # metric table per sweep cell and sweep plot
+    gen = html.split('id="step-gen"')[1].split("</section>")[0]
+    ds = sweep_run.results["gen"]
+    for length in (5, 9):
+        em = float(ds["exact_match"].sel({"task.length": length}).mean())
+        co = float(ds["contains"].sel({"task.length": length}).mean())
+        assert f"<td>task.length={length}</td><td class=\"num\">{em:.4g}</td><td class=\"num\">{co:.4g}</td>" in gen
+    plot_points = [a for t, a in parse(gen).tags if t == "circle" and a.get("data-series") == "contains"]
+    assert [float(p["data-y"]) for p in plot_points] == pytest.approx(
+        [float(ds["contains"].sel({"task.length": v}).mean()) for v in (5, 9)])
+    out0 = str(ds["output"].sel({"task.length": 9}).isel(example=0).values)
+    assert out0 in "".join(parse(gen).text)
+    assert "name: test" in html and "random-llama" in html
+
+
+def test_write_report_default_path_and_cli(sweep_run, tmp_path):
+    path = write_report(sweep_run)
+    assert path == sweep_run.path.with_name(sweep_run.path.name + ".html") and path.stat().st_size > 1000
+    assert headlab.open_run(sweep_run.path).status == "complete"  # the store is untouched
+    out = tmp_path / "r" / "report.html"
+    res = subprocess.run([sys.executable, "-m", "headlab.cli", "report", str(sweep_run.path), "-o", str(out),
+                          "--examples", "1"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert out.is_file() and "report written to" in res.stdout
+    assert "generations (first 1)" in out.read_text()
+    res = subprocess.run([sys.executable, "-m", "headlab.cli", "report", str(tmp_path)], capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 2 and "no headlab run" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_report_of_run_without_sweep(tmp_path):
+    run = headlab.run(spec_text("  - id: ind\n    detect: {kind: induction}\n", out=str(tmp_path)))
+    html = render_report(run)
+    cells = [a for t, a in parse(html).tags if t == "rect" and "data-layer" in a]
+    assert len(cells) == 8 and "per sweep cell" not in html
+    np.testing.assert_allclose(sorted(float(a["data-value"]) for a in cells),
+                               sorted(run.results["ind"]["score"].values.ravel()), rtol=1e-3)
+    assert Path(write_report(run, tmp_path / "x.html")).is_file()
