@@ -26,6 +26,7 @@ BUILTIN_PLUGINS = (
     "headlab.plugins.tasks.benchmarks",
     "headlab.plugins.detectors.patterns",
     "headlab.plugins.detectors.retrieval",
+    "headlab.plugins.detectors.ablation",
     "headlab.plugins.steering.pasta",
     "headlab.plugins.steering.pasta_profile",
     "headlab.plugins.steering.vhr",

@@ -1,0 +1,186 @@
+"""The causal check: mask the top-k detected heads vs k random heads and measure a task metric.
+
+METHODS.md, "Causal check by ablation (used by the retrieval-head paper and its follow-ups)", with the
+masks of "Head masking and scaling". The heads come from any head selection, in rank order
+(``{from: retrieval, threshold: 0.1}``, ``{from: retrieval, top: 16}``, ``{file: heads.json}``, an
+explicit list); for every ``k`` the first ``k`` of them are masked, and for every random draw ``k``
+heads drawn at random are masked instead (drawn from the heads outside those top ``k``; with
+``match_layers`` the same number per layer as the top ``k``). Every condition decodes the task's
+examples greedily and scores the outputs with a metric plugin (default ``needle_recall``).
+
+All conditions of an example run as rows of one batched forward with per-row edits
+(:meth:`headlab.instrument.Plan.mask_heads` with ``rows``): the unmasked base, each top-``k`` mask and
+each random draw are different rows of the same batch.
+
+Outputs: ``base`` and ``base_example (example)``; ``top (k)``, ``top_example (k, example)``;
+``random (k, draw)``, ``random_example (k, draw, example)``; the generated texts ``output_base``,
+``output_top``, ``output_random``; the masked heads ``top_layer/top_head (rank)`` and
+``random_layer/random_head (k, draw, slot)`` (-1 pads slots beyond ``k``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import numpy as np
+import xarray as xr
+from pydantic import Field, model_validator
+
+from headlab import ComponentConfig, Example, HeadSelection, StepContext, hookimpl
+from headlab.generation import DecodeRequest, decode_loop, tokenize
+from headlab.model import Geometry, LoadedModel
+
+__all__ = ["Ablation", "ablate", "detect", "draw_random_heads"]
+
+Head = tuple[int, int]
+
+
+class Ablation(ComponentConfig):
+    """Causal check: a metric with the top-k heads masked vs k random heads (several draws)."""
+
+    kind: Literal["ablation"] = "ablation"
+    heads: HeadSelection = Field(description="ranked heads to mask, e.g. {from: retrieval, threshold: 0.1}")
+    k: list[int] | None = Field(None, description="numbers of heads to mask (default: all selected heads)")
+    draws: int = Field(3, ge=0, description="random draws per k")
+    match_layers: bool = Field(False, description="random heads: as many per layer as the top k")
+    exclude_selected: bool = Field(True, description="random heads are drawn from heads outside the top k")
+    mode: Literal["query", "score", "output"] = Field(
+        "query", description="mask: zero the query (reference), the scores, or the head output")
+    metric: str | dict[str, Any] = Field("needle_recall", description="metric kind, or {kind, ...options}")
+    max_new_tokens: int = Field(16, ge=1)
+    stop: list[str] = Field(default_factory=list, description="stop strings")
+    batch_size: int = Field(32, ge=1, description="rows per forward (conditions x examples)")
+    seed: int = Field(0, description="offset added to the run seed for the random draws")
+
+    @model_validator(mode="after")
+    def _check(self) -> Ablation:
+        if self.k is not None and (not self.k or any(k < 1 for k in self.k)):
+            raise ValueError("k: a list of positive head counts")
+        metric_config(self.metric)
+        return self
+
+
+def metric_config(metric: str | dict[str, Any]) -> Any:
+    """The validated config model of a metric given as a kind or ``{kind, ...options}``."""
+    from headlab.plugin_manager import PluginError, get_manager
+
+    data = {"kind": metric} if isinstance(metric, str) else dict(metric)
+    try:
+        comp = get_manager().get("metrics", str(data.get("kind")))
+    except PluginError as e:
+        raise ValueError(f"metric: {e}") from None
+    return comp.config.model_validate(data)
+
+
+def draw_random_heads(top: list[Head], geometry: Geometry, rng: np.random.Generator, *,
+                      match_layers: bool = False, exclude: bool = True) -> list[Head]:
+    """``len(top)`` heads drawn without replacement (per layer as in ``top`` with ``match_layers``)."""
+    taken = set(top) if exclude else set()
+    all_heads = [(layer, h) for layer in range(geometry.n_layers) for h in range(geometry.n_heads)]
+    if not match_layers:
+        pool = [x for x in all_heads if x not in taken]
+        if len(pool) < len(top):
+            raise ValueError(f"cannot draw {len(top)} random heads from {len(pool)} heads outside the top k")
+        idx = rng.choice(len(pool), size=len(top), replace=False)
+        return sorted(pool[i] for i in idx)
+    out: list[Head] = []
+    for layer in sorted({ly for ly, _ in top}):
+        need = sum(1 for ly, _ in top if ly == layer)
+        pool = [x for x in all_heads if x[0] == layer and x not in taken]
+        if len(pool) < need:
+            raise ValueError(f"match_layers: layer {layer} has {len(pool)} heads outside the top k, "
+                             f"{need} needed")
+        idx = rng.choice(len(pool), size=need, replace=False)
+        out.extend(pool[i] for i in idx)
+    return sorted(out)
+
+
+def ablate(lm: LoadedModel, examples: list[Example], conditions: list[list[Head]], *, mode: str = "query",
+           max_new_tokens: int = 16, stop: list[str] | None = None, batch_size: int = 32,
+           progress: Any = None) -> list[list[str]]:
+    """Greedy outputs of every example under every condition (a list of heads to mask; [] = none).
+
+    Returns ``outputs[condition][example]``. Rows are (example, condition) pairs, batched ``batch_size``
+    rows at a time with per-row masks; examples are grouped by prompt length.
+    """
+    from headlab.instrument import Plan
+
+    lengths = [len(ex.input_ids) if ex.input_ids is not None else len(lm.tokenizer(ex.prompt)["input_ids"])
+               for ex in examples]
+    order = sorted(range(len(examples)), key=lambda i: (lengths[i], i))
+    rows = [(i, c) for i in order for c in range(len(conditions))]
+    chunks = [rows[j: j + batch_size] for j in range(0, len(rows), batch_size)]
+    outputs = [[""] * len(examples) for _ in conditions]
+    it = progress(chunks, "ablation") if progress is not None else chunks
+    for chunk in it:
+        batch = tokenize(lm, [examples[i] for i, _ in chunk])
+        plan = Plan()
+        for r, (_, c) in enumerate(chunk):
+            if conditions[c]:
+                plan.mask_heads(conditions[c], rows=[r], mode=mode)
+        request = DecodeRequest(lm, batch, max_new_tokens, list(stop or []), None if plan.is_empty() else plan)
+        texts = decode_loop(request, lambda out, _: out.logits[:, -1].argmax(-1)).texts
+        for (i, c), text in zip(chunk, texts, strict=True):
+            outputs[c][i] = text
+    return outputs
+
+
+def detect(config: Ablation, ctx: StepContext) -> xr.Dataset:
+    """The ``ablation`` step (see the module docstring)."""
+    from headlab.plugin_manager import get_manager
+
+    geo = ctx.model.geometry
+    ranked_heads = ctx.heads(config.heads)
+    if not ranked_heads:
+        raise ValueError("ablation: the head selection is empty (no head passed the threshold?)")
+    ks = list(config.k) if config.k is not None else [len(ranked_heads)]
+    if max(ks) > len(ranked_heads):
+        raise ValueError(f"ablation: k={max(ks)} but the selection has {len(ranked_heads)} heads")
+    rng = np.random.default_rng(ctx.seed + config.seed)
+    draws = [[draw_random_heads(ranked_heads[:k], geo, rng, match_layers=config.match_layers,
+                                exclude=config.exclude_selected) for _ in range(config.draws)] for k in ks]
+    conditions: list[list[Head]] = [[]] + [ranked_heads[:k] for k in ks] + [d for per_k in draws for d in per_k]
+    outputs = ablate(ctx.model, ctx.examples, conditions, mode=config.mode, max_new_tokens=config.max_new_tokens,
+                     stop=config.stop, batch_size=config.batch_size, progress=ctx.progress)
+    mcfg = metric_config(config.metric)
+    compute = get_manager().get("metrics", mcfg.kind).impl
+    values = [np.asarray(compute(mcfg, ctx.examples, out), dtype=float) for out in outputs]
+    n_ex, n_k, n_d = len(ctx.examples), len(ks), config.draws
+    top_v = np.stack(values[1: 1 + n_k]) if n_k else np.zeros((0, n_ex))
+    rand_v = np.stack(values[1 + n_k:]).reshape(n_k, n_d, n_ex) if n_d else np.zeros((n_k, 0, n_ex))
+    out_arr = np.array(outputs, dtype=object)
+    slots = max(ks)
+    r_layer = np.full((n_k, n_d, slots), -1, dtype=np.int64)
+    r_head = np.full((n_k, n_d, slots), -1, dtype=np.int64)
+    for a, per_k in enumerate(draws):
+        for d, heads in enumerate(per_k):
+            r_layer[a, d, : len(heads)] = [x for x, _ in heads]
+            r_head[a, d, : len(heads)] = [h for _, h in heads]
+    coords = {"k": ks, "draw": np.arange(n_d)}
+    ds = xr.Dataset(
+        {
+            "base": ((), float(np.nanmean(values[0]))),
+            "base_example": ("example", values[0]),
+            "top": ("k", np.nanmean(top_v, axis=-1)),
+            "top_example": (("k", "example"), top_v),
+            "random": (("k", "draw"), np.nanmean(rand_v, axis=-1) if n_d else np.zeros((n_k, 0))),
+            "random_example": (("k", "draw", "example"), rand_v),
+            "output_base": ("example", out_arr[0]),
+            "output_top": (("k", "example"), out_arr[1: 1 + n_k].reshape(n_k, n_ex)),
+            "output_random": (("k", "draw", "example"), out_arr[1 + n_k:].reshape(n_k, n_d, n_ex)),
+            "top_layer": ("rank", np.array([x for x, _ in ranked_heads], dtype=np.int64)),
+            "top_head": ("rank", np.array([h for _, h in ranked_heads], dtype=np.int64)),
+            "random_layer": (("k", "draw", "slot"), r_layer),
+            "random_head": (("k", "draw", "slot"), r_head),
+        },
+        coords=coords,
+    )
+    ds.attrs.update(method="ablation", metric=mcfg.kind, mode=config.mode, metrics=["base", "top", "random"],
+                    match_layers=config.match_layers, model=ctx.model.name,
+                    reference="METHODS.md#causal-check-by-ablation")
+    return ds
+
+
+@hookimpl
+def headlab_register_detectors(register):
+    register(Ablation, detect)
