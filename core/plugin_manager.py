@@ -27,6 +27,7 @@ BUILTIN_PLUGINS = (
     "headlab.plugins.detectors.patterns",
     "headlab.plugins.detectors.retrieval",
     "headlab.plugins.detectors.ablation",
+    "headlab.plugins.detectors.segment_divergence",
     "headlab.plugins.steering.pasta",
     "headlab.plugins.steering.pasta_profile",
     "headlab.plugins.steering.vhr",

@@ -1,0 +1,140 @@
+"""Segment divergence: how much each head's output depends on a marked span of the input (VHD, generalised).
+
+METHODS.md, "Vision/segment-aware head divergence (VHD, He et al. 2025, used by VHR)":
+``VHD[l,h] = || z[l,h](x with segment) - z[l,h](x without segment) ||_2`` at the current generation
+position (the last input position), where ``z[l,h]`` is the head's output ``A·V`` before ``o_proj``. In
+a vision-language model the segment is the image tokens; here it is any marked span: the examples'
+character spans called ``span`` (several spans of one example are removed together).
+
+Two forwards per batch, both through :func:`headlab.instrument.instrument` with
+``Probes(z_positions="last")`` (nothing else recorded): the input as is, and the input without the
+segment. ``method: remove`` (default, VHR's text-only forward) deletes the segment's tokens and re-pads
+(positions of the later tokens shift down); ``method: mask`` keeps the tokens and their positions but
+hides them from every query through the attention mask.
+
+Outputs: ``score (layer, head)`` (mean over examples), ``example_score (example, layer, head)`` and
+``norm_without (example, layer, head)`` ``= ||z[l,h](x without segment)||^2`` (VHR's ``TA``, used by its
+outlier filter). For a VLM call :func:`segment_divergence` with the image-token positions as spans,
+``forward_kwargs={"pixel_values": ...}`` and nothing for the forward without the image.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import xarray as xr
+from pydantic import Field
+
+from headlab import ComponentConfig, StepContext, hookimpl
+from headlab.generation import _pad_id, tokenize
+
+__all__ = ["SegmentDivergence", "detect", "last_z", "remove_spans", "segment_divergence"]
+
+Spans = Sequence[Sequence[tuple[int, int]]]
+
+
+class SegmentDivergence(ComponentConfig):
+    """Per-head L2 distance of the output with vs without a marked span, at the generation position (VHD)."""
+
+    kind: Literal["segment_divergence"] = "segment_divergence"
+    span: str = Field("context", description="name of the examples' character span(s) to take away")
+    method: Literal["remove", "mask"] = Field(
+        "remove", description="remove: delete the span's tokens (VHR's text-only forward); "
+        "mask: keep them and their positions but hide them from attention")
+    batch_size: int = Field(8, ge=1)
+
+
+def last_z(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
+           position_ids: torch.Tensor | None = None, **forward_kwargs: Any) -> torch.Tensor:
+    """Head outputs ``z`` at the last position of one forward: (batch, layer, head, head_dim), float32."""
+    from headlab.instrument import Plan, Probes, instrument
+
+    if position_ids is None:
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad(), instrument(model, Plan(probes=Probes(z_positions="last"))) as rec:
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **forward_kwargs)
+    return rec.z[:, :, :, -1].float()
+
+
+def remove_spans(input_ids: torch.Tensor, attention_mask: torch.Tensor, spans: Spans,
+                 pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch without the tokens of ``spans`` (absolute positions per row), left-padded again."""
+    rows = []
+    for r in range(input_ids.shape[0]):
+        keep = attention_mask[r].bool().clone()
+        for s, e in spans[r]:
+            keep[s:e] = False
+        rows.append(input_ids[r][keep])
+    n = max(len(x) for x in rows)
+    ids = torch.full((len(rows), n), pad_id, dtype=input_ids.dtype, device=input_ids.device)
+    mask = torch.zeros((len(rows), n), dtype=attention_mask.dtype, device=attention_mask.device)
+    for r, x in enumerate(rows):
+        ids[r, n - len(x):] = x
+        mask[r, n - len(x):] = 1
+    return ids, mask
+
+
+def segment_divergence(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, spans: Spans, *,
+                       method: Literal["remove", "mask"] = "remove", pad_id: int = 0,
+                       forward_kwargs: dict[str, Any] | None = None,
+                       forward_kwargs_without: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """VHD per (row, layer, head) and ``||z_without||^2``, both (batch, layer, head) float32.
+
+    ``spans``: per row, ``[start, end)`` token positions (padded coordinates) of the segment; the last
+    position (the generation position) must stay outside. ``forward_kwargs`` go to the forward with the
+    segment (e.g. ``pixel_values``), ``forward_kwargs_without`` to the one without it.
+    """
+    n = input_ids.shape[1]
+    for r, row in enumerate(spans):
+        if not row:
+            raise ValueError(f"row {r} has no segment span")
+        if any(e >= n for _, e in row):
+            raise ValueError(f"row {r}: the segment covers the last (generation) position")
+    z_with = last_z(model, input_ids, attention_mask, **(forward_kwargs or {}))
+    if method == "remove":
+        ids, mask = remove_spans(input_ids, attention_mask, spans, pad_id)
+        z_without = last_z(model, ids, mask, **(forward_kwargs_without or {}))
+    elif method == "mask":
+        pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        mask = attention_mask.clone()
+        for r, row in enumerate(spans):
+            for s, e in row:
+                mask[r, s:e] = 0
+        z_without = last_z(model, input_ids, mask, position_ids=pos, **(forward_kwargs_without or {}))
+    else:
+        raise ValueError(f"method must be 'remove' or 'mask', got {method!r}")
+    return (z_with - z_without).norm(dim=-1), z_without.pow(2).sum(-1)
+
+
+def detect(config: SegmentDivergence, ctx: StepContext) -> xr.Dataset:
+    """The ``segment_divergence`` detector over the task's examples."""
+    geo = ctx.model.geometry
+    for i, ex in enumerate(ctx.examples):
+        if not ex.spans.get(config.span):
+            raise ValueError(f"segment_divergence: example {i} has no '{config.span}' span")
+    vhd = np.zeros((len(ctx.examples), geo.n_layers, geo.n_heads))
+    norm = np.zeros_like(vhd)
+    idx_all = list(range(len(ctx.examples)))
+    chunks = [idx_all[j: j + config.batch_size] for j in range(0, len(idx_all), config.batch_size)]
+    for idx in ctx.progress(chunks, "segment divergence"):
+        batch = tokenize(ctx.model, [ctx.examples[i] for i in idx])
+        spans = batch.spans(config.span)
+        d, t = segment_divergence(ctx.model.model, batch.input_ids, batch.attention_mask, spans,
+                                  method=config.method, pad_id=_pad_id(ctx.model.tokenizer))
+        vhd[idx] = d.double().cpu().numpy()
+        norm[idx] = t.double().cpu().numpy()
+    coords = {"layer": np.arange(geo.n_layers), "head": np.arange(geo.n_heads)}
+    per = xr.DataArray(vhd, dims=("example", "layer", "head"), coords=coords)
+    ds = xr.Dataset({"score": per.mean("example"), "example_score": per,
+                     "norm_without": xr.DataArray(norm, dims=("example", "layer", "head"), coords=coords)})
+    ds.attrs.update(method="segment_divergence", span=config.span, removal=config.method, model=ctx.model.name,
+                    reference="METHODS.md#visionsegment-aware-head-divergence-vhd-he-et-al-2025-used-by-vhr")
+    return ds
+
+
+@hookimpl
+def headlab_register_detectors(register):
+    register(SegmentDivergence, detect)
