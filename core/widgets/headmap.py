@@ -331,6 +331,10 @@ class HeadMap(anywidget.AnyWidget):
         vals = self.scores.values
         return sorted(((h, float(vals[h])) for h in self.heads), key=lambda t: (-t[1], t[0]))
 
+    def __repr__(self) -> str:
+        return (f"HeadMap({self.title!r}, {self.n_layers} layers x {self.n_heads} heads, "
+                f"selected: {self.spec_fragment.removeprefix('heads: ')})")
+
     def _repr_html_(self) -> str:  # static fallback (nbconvert, GitHub); JupyterLab shows the widget
         from ..report import heatmap_svg
 
