@@ -95,14 +95,31 @@ class DecodeRequest:
     stop: list[str] = field(default_factory=list)
     plan: Any = None
     seed: int = 0
+    ctx: Any = None
+
+    def heads(self, selection: Any) -> list[tuple[int, int]]:
+        """Resolve a spec head selection (``{from: step, top: k}``, a list, a file, PASTA format).
+
+        Inside a run this is ``ctx.heads`` of the step (``ctx``: the :class:`~headlab.context.StepContext`,
+        so ``from:`` sees earlier steps); without a step context only explicit lists and files resolve.
+        """
+        if self.ctx is not None:
+            return self.ctx.heads(selection)
+        from .heads import select_heads
+
+        return select_heads(selection, {}, self.lm.geometry)
 
 
 @dataclass
 class Decoded:
-    """Generated token ids (without prompt) and their text, per row."""
+    """Generated token ids (without prompt) and their text, per row.
+
+    ``info`` holds optional per-step diagnostics of a strategy (DoLa's chosen layers, DeCoRe's alphas).
+    """
 
     tokens: list[list[int]]
     texts: list[str]
+    info: dict[str, Any] = field(default_factory=dict)
 
 
 def instrumented(lm: LoadedModel, plan: Any) -> contextlib.AbstractContextManager[Any]:
@@ -115,24 +132,51 @@ def instrumented(lm: LoadedModel, plan: Any) -> contextlib.AbstractContextManage
 
 
 def decode_loop(request: DecodeRequest, choose: Callable[[Any, torch.Tensor], torch.Tensor], *,
-                forward_kwargs: dict[str, Any] | None = None) -> Decoded:
+                forward_kwargs: dict[str, Any] | None = None,
+                rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+                forward: Callable[..., Any] | None = None,
+                split_prompt: Callable[[], None] | None = None) -> Decoded:
     """Run the KV-cache loop: prefill, then one token per step chosen by ``choose(outputs, generated)``.
 
     ``choose`` receives the model outputs of the step (logits of the last position at
     ``outputs.logits[:, -1]``) and the tokens generated so far ``(batch, t)``; it returns ``(batch,)``
     token ids. Rows stop at EOS or a stop string; the loop stops when every row has.
+
+    Options for strategies that contrast several forwards of one prompt in one batched forward:
+
+    - ``rows``: ``(input_ids, attention_mask)`` of the forward batch when it is not the request's batch:
+      ``k * B`` left-padded rows for ``B`` prompts; forward row ``i`` continues prompt ``i % B`` (the token
+      chosen for prompt ``r`` is fed to rows ``r, r + B, ...``). ``outputs`` then has ``k * B`` rows and
+      ``choose`` still returns ``B`` tokens.
+    - ``forward``: called instead of the model with the same keyword arguments (``input_ids``,
+      ``attention_mask``, ``position_ids``, ``use_cache``, ``cache`` after the prefill, and
+      ``forward_kwargs``); it returns an object with ``.logits`` and ``.cache`` (e.g. an expert and an
+      amateur model run together).
+    - ``split_prompt``: prefill the prompt without its last token, call ``split_prompt()`` (e.g. to add
+      edits to the plan), then run the last prompt token as its own step (DeCoRe's reference prefix).
     """
     lm, batch = request.lm, request.batch
     model, tok = lm.model, lm.tokenizer
+    run = forward or model
     eos = _eos_ids(lm)
     kwargs = dict(forward_kwargs or {})
-    mask = batch.attention_mask
+    input_ids, mask = rows if rows is not None else (batch.input_ids, batch.attention_mask)
+    if input_ids.shape[0] % batch.size:
+        raise ValueError(f"rows: {input_ids.shape[0]} forward rows is not a multiple of {batch.size} prompts")
+    copies = input_ids.shape[0] // batch.size
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     generated = torch.empty((batch.size, 0), dtype=torch.long, device=mask.device)
     finished = torch.zeros(batch.size, dtype=torch.bool, device=mask.device)
     texts = [""] * batch.size
     with torch.no_grad(), instrumented(lm, request.plan):
-        out = model(input_ids=batch.input_ids, attention_mask=mask, position_ids=pos, use_cache=True, **kwargs)
+        if split_prompt is not None and input_ids.shape[1] > 1:
+            out = run(input_ids=input_ids[:, :-1], attention_mask=mask[:, :-1], position_ids=pos[:, :-1],
+                      use_cache=True, **kwargs)
+            split_prompt()
+            out = run(input_ids=input_ids[:, -1:], attention_mask=mask, position_ids=pos[:, -1:],
+                      cache=out.cache, use_cache=True, **kwargs)
+        else:
+            out = run(input_ids=input_ids, attention_mask=mask, position_ids=pos, use_cache=True, **kwargs)
         for _ in range(request.max_new_tokens):
             nxt = choose(out, generated).to(generated.device)
             nxt = torch.where(finished, torch.full_like(nxt, _pad_id(tok)), nxt)
@@ -147,8 +191,9 @@ def decode_loop(request: DecodeRequest, choose: Callable[[Any, torch.Tensor], to
                 break
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             pos = pos[:, -1:] + 1
-            out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos,
-                        cache=out.cache, use_cache=True, **kwargs)
+            feed = nxt.repeat(copies) if copies > 1 else nxt
+            out = run(input_ids=feed[:, None], attention_mask=mask, position_ids=pos,
+                      cache=out.cache, use_cache=True, **kwargs)
     tokens = [_trim(row.tolist(), eos.tolist()) for row in generated]
     texts = [_cut_stop(tok.decode(t, skip_special_tokens=True), request.stop) if tok is not None else
              " ".join(map(str, t)) for t in tokens]
@@ -176,3 +221,78 @@ def _trim(tokens: list[int], eos: list[int]) -> list[int]:
 def _cut_stop(text: str, stop: list[str]) -> str:
     cut = min((text.index(s) for s in stop if s in text), default=len(text))
     return text[:cut]
+
+
+# --------------------------------------------------------------------------- scoring
+@dataclass
+class ScoreRequest:
+    """Rows to score under a decoding strategy: each row is a prompt followed by a continuation.
+
+    ``batch`` holds the full texts ``prompt + continuation`` (left-padded; ``batch.examples[r]`` keeps the
+    source example's spans and meta, so steering applies as in ``generate``); the last ``n_tokens[r]``
+    tokens of row ``r`` are the continuation. ``sources[r]`` is the original example and
+    ``continuations[r]`` the continuation text (CAD rebuilds the row without the context from them).
+    """
+
+    lm: LoadedModel
+    batch: Batch
+    n_tokens: list[int]
+    sources: list[Example]
+    continuations: list[str]
+    plan: Any = None
+    seed: int = 0
+    ctx: Any = None
+
+    heads = DecodeRequest.heads
+
+    @property
+    def width(self) -> int:
+        """``C``: the longest continuation in tokens (the scored positions are the last ``C``)."""
+        return max(self.n_tokens)
+
+    def targets(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(targets, valid)``, both (rows, C): the continuation tokens (the last C positions of each row)
+        and which of them belong to the row's continuation (shorter continuations are right-aligned)."""
+        C = self.width
+        ids = self.batch.input_ids[:, -C:]
+        n = torch.tensor(self.n_tokens, device=ids.device)
+        valid = torch.arange(C, device=ids.device)[None, :] >= (C - n)[:, None]
+        return ids, valid
+
+
+@dataclass
+class Scored:
+    """Per row: the summed score of the continuation tokens, and the per-token scores."""
+
+    logprobs: list[float]
+    tokens: list[list[float]] = field(default_factory=list)
+
+
+def continuation_batch(lm: LoadedModel, pairs: list[tuple[Example, str]], device: str | None = None,
+                       ) -> tuple[Batch, list[int]]:
+    """Tokenize ``prompt + continuation`` rows; the continuation is what follows the prompt's own tokens.
+
+    As in the DoLa and DeCoRe reference code, the continuation tokens of a row are the tokens of the full
+    text after the first ``len(tokenize(prompt))`` ones.
+    """
+    tok = lm.tokenizer
+    if tok is None:
+        raise ValueError("scoring needs a tokenizer (the model has none)")
+    rows = [Example(prompt=ex.prompt + cont, spans=ex.spans, meta=ex.meta) for ex, cont in pairs]
+    n_tokens = []
+    for (ex, _), row in zip(pairs, rows, strict=True):
+        full = len(tok(row.prompt, add_special_tokens=True)["input_ids"])
+        prefix = len(tok(ex.prompt, add_special_tokens=True)["input_ids"])
+        if full - prefix < 1:
+            raise ValueError(f"continuation adds no token to the prompt {ex.prompt[-40:]!r}")
+        n_tokens.append(full - prefix)
+    return tokenize(lm, rows, device), n_tokens
+
+
+def sum_continuation(scores: torch.Tensor, request: ScoreRequest) -> Scored:
+    """Gather ``scores`` (rows, C, V), the strategy's per-token scores at the C positions that predict the
+    continuation (``logits[:, -C-1:-1]``), at the continuation tokens, and sum each row's own tokens."""
+    ids, valid = request.targets()
+    picked = scores.float().gather(-1, ids[..., None])[..., 0]
+    per_token = [picked[r][valid[r]].tolist() for r in range(picked.shape[0])]
+    return Scored([float(sum(t)) for t in per_token], per_token)

@@ -19,7 +19,7 @@ import torch
 import xarray as xr
 
 from .context import Example, Reporter, StepContext, TaskContext
-from .generation import DecodeRequest, tokenize
+from .generation import DecodeRequest, ScoreRequest, continuation_batch, tokenize
 from .model import LoadedModel, load_model
 from .plugin_manager import get_manager
 from .results import Run, RunWriter, now, open_run
@@ -98,7 +98,7 @@ def run_generate(action: Any, ctx: StepContext) -> xr.Dataset:
             plan = Plan()
             for cfg in action.steer:
                 mgr.get("steering", cfg.kind).impl(cfg, ctx, batch, plan)
-        request = DecodeRequest(ctx.model, batch, action.max_new_tokens, list(action.stop), plan, ctx.seed)
+        request = DecodeRequest(ctx.model, batch, action.max_new_tokens, list(action.stop), plan, ctx.seed, ctx)
         outputs.extend(decoder.impl(action.decode, request).texts)
     ds = xr.Dataset({"output": ("example", np.array(outputs, dtype=object))})
     names = []
@@ -107,6 +107,86 @@ def run_generate(action: Any, ctx: StepContext) -> xr.Dataset:
         values = np.asarray(comp.impl(cfg, ctx.examples, outputs), dtype=float)
         ds[cfg.kind] = ("example", values)
         names.append(cfg.kind)
+    ds.attrs.update(decode=action.decode.kind, steer=[c.kind for c in action.steer], metrics=names)
+    return ds
+
+
+def mc_metrics(logprobs: np.ndarray, examples: list[Example]) -> dict[str, np.ndarray]:
+    """TruthfulQA's multiple-choice metrics from per-choice scores ``(example, choice)`` (NaN = no choice).
+
+    The true choices are ``meta["labels"]`` (1 = true) when given, else ``label`` alone. MC1: the labelled
+    choice scores above every false one; MC2: the normalised probability mass ``sum_true exp(s) /
+    sum_all exp(s)``; MC3: the fraction of true choices scoring above every false one; accuracy: the
+    best-scoring choice is true. ``predicted`` is the best-scoring choice.
+    """
+    n = len(examples)
+    out = {k: np.full(n, np.nan) for k in ("mc1", "mc2", "mc3", "accuracy")}
+    out["predicted"] = np.full(n, -1, dtype=np.int64)
+    for i, ex in enumerate(examples):
+        k = len(ex.choices or [])
+        s = logprobs[i, :k]
+        labels = np.asarray(ex.meta.get("labels") or [int(j == ex.label) for j in range(k)], dtype=bool)
+        best = int(np.argmax(s))
+        out["predicted"][i] = best
+        out["accuracy"][i] = float(labels[best])
+        if not labels.any() or labels.all():
+            continue
+        true, false = s[labels], s[~labels]
+        label = ex.label if ex.label is not None and labels[ex.label] else int(np.flatnonzero(labels)[0])
+        out["mc1"][i] = float(s[label] > false.max())
+        out["mc3"][i] = float(np.mean(true > false.max()))
+        shifted = np.exp(s - s.max())
+        out["mc2"][i] = float(shifted[labels].sum() / shifted.sum())
+    return out
+
+
+def run_score(action: Any, ctx: StepContext) -> xr.Dataset:
+    """The ``score`` action: every (example, choice) row scored under the decoder's ``score``.
+
+    A decoder supports scoring when its implementation carries a ``score`` attribute:
+    ``decode.score(config, request: ScoreRequest) -> Scored`` (see docs/plugins.md).
+    """
+    from .instrument import Plan
+
+    mgr = get_manager()
+    decoder = mgr.get("decoders", action.decode.kind)
+    scorer = getattr(decoder.impl, "score", None)
+    if scorer is None:
+        raise ValueError(f"decoder '{action.decode.kind}' does not support scoring (its implementation has no "
+                         "`score` attribute)")
+    missing = [i for i, ex in enumerate(ctx.examples) if not ex.choices]
+    if missing:
+        raise ValueError(f"the score action needs examples with `choices` (example {missing[0]} has none)")
+    pairs = [(i, j) for i, ex in enumerate(ctx.examples) for j in range(len(ex.choices or []))]
+    width = max(len(ex.choices or []) for ex in ctx.examples)
+    logprobs = np.full((len(ctx.examples), width), np.nan)
+    n_tok = np.zeros((len(ctx.examples), width), dtype=np.int64)
+    chunks = [pairs[i: i + action.batch_size] for i in range(0, len(pairs), action.batch_size)]
+    for chunk in ctx.progress(chunks, "scoring", total=len(chunks)):
+        sources = [ctx.examples[i] for i, _ in chunk]
+        conts = [ctx.examples[i].choices[j] for i, j in chunk]
+        batch, n_tokens = continuation_batch(ctx.model, list(zip(sources, conts, strict=True)))
+        plan = None
+        if action.steer:
+            plan = Plan()
+            for cfg in action.steer:
+                mgr.get("steering", cfg.kind).impl(cfg, ctx, batch, plan)
+        request = ScoreRequest(ctx.model, batch, n_tokens, sources, conts, plan, ctx.seed, ctx)
+        scored = scorer(action.decode, request)
+        for (i, j), value, n in zip(chunk, scored.logprobs, n_tokens, strict=True):
+            logprobs[i, j], n_tok[i, j] = value, n
+    metrics = mc_metrics(logprobs, ctx.examples)
+    choices = np.full((len(ctx.examples), width), "", dtype=object)
+    for i, ex in enumerate(ctx.examples):
+        choices[i, : len(ex.choices or [])] = ex.choices
+    ds = xr.Dataset({
+        "logprob": (("example", "choice"), logprobs),
+        "choice_tokens": (("example", "choice"), n_tok),
+        "choice_text": (("example", "choice"), choices),
+        "label": ("example", np.array([-1 if ex.label is None else ex.label for ex in ctx.examples])),
+        **{k: ("example", v) for k, v in metrics.items()},
+    }).assign_coords(choice=np.arange(width))
+    names = ["mc1", "mc2", "mc3", "accuracy"]
     ds.attrs.update(decode=action.decode.kind, steer=[c.kind for c in action.steer], metrics=names)
     return ds
 
@@ -133,6 +213,9 @@ def run_cell(loaded: LoadedSpec, cell: Cell, models: ModelCache, reporter: Repor
             ds = get_manager().get("detectors", step.detect.kind).impl(step.detect, ctx)
             ds.attrs.setdefault("method", step.detect.kind)
             config = step.detect.model_dump(mode="json", by_alias=True)
+        elif step.score is not None:
+            ds = run_score(step.score, ctx)
+            config = step.score.model_dump(mode="json", by_alias=True)
         else:
             ds = run_generate(step.generate, ctx)
             config = step.generate.model_dump(mode="json", by_alias=True)

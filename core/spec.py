@@ -222,28 +222,45 @@ def build_spec_model(registry: Registry) -> type[BaseModel]:
                 data = {**data, "decode": {"kind": "greedy"}}
             return data
 
+    class Score(StrictModel):
+        """Score every example's choices (``prompt + choice``, summed over the choice's tokens) under a
+        decoding strategy; multiple-choice metrics MC1, MC2, MC3 and accuracy."""
+
+        decode: Decoder = Field(description="decoding strategy whose per-token scores rank the choices "
+                                "(default: greedy, the model's log-likelihood)")
+        steer: list[Steer] = Field(default_factory=list, description="steering methods applied together")
+        batch_size: int = Field(8, ge=1, description="rows (one per example and choice) per forward")
+
+        @model_validator(mode="before")
+        @classmethod
+        def _default_decoder(cls, data: Any) -> Any:
+            if isinstance(data, Mapping) and data.get("decode") is None:
+                data = {**data, "decode": {"kind": "greedy"}}
+            return data
+
     class Step(StrictModel):
         """One step of the experiment: exactly one action."""
 
         id: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_-]*$")
         detect: Detector | None = Field(None, description="score heads")
         generate: Generate | None = Field(None, description="generate outputs and metrics")
+        score: Score | None = Field(None, description="score multiple-choice answers under a decoding strategy")
         task: Task | None = Field(None, description="use another task for this step instead of the spec's")
 
         @model_validator(mode="before")
         @classmethod
         def _one_action(cls, data: Any) -> Any:
             if isinstance(data, Mapping) and set(data) <= set(cls.model_fields):
-                actions = [a for a in ("detect", "generate") if data.get(a) is not None]
+                actions = [a for a in ("detect", "generate", "score") if data.get(a) is not None]
                 if len(actions) != 1:
                     raise PydanticCustomError(
-                        "step_action", "a step needs exactly one action: detect or generate (got {got})",
+                        "step_action", "a step needs exactly one action: detect, generate or score (got {got})",
                         {"got": ", ".join(actions) or "none"})
             return data
 
         @property
         def action(self) -> str:
-            return "detect" if self.detect is not None else "generate"
+            return next(a for a in ("detect", "generate", "score") if getattr(self, a) is not None)
 
     class Spec(StrictModel):
         """A headlab experiment."""
@@ -432,8 +449,8 @@ def set_path(data: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
     steps = {s.get("id"): s for s in data.get("steps", []) if isinstance(s, Mapping)}
     if head in steps:
         node: Any = steps[head]
-        action = next((a for a in ("detect", "generate") if a in node), None)
-        if rest and rest[0] not in ("detect", "generate", "task") and action:
+        action = next((a for a in ("detect", "generate", "score") if a in node), None)
+        if rest and rest[0] not in ("detect", "generate", "score", "task") and action:
             node = node[action]
     elif head in data or head in ("seed", "model", "task", "name", "output"):
         if not rest:

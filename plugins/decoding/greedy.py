@@ -1,4 +1,8 @@
-"""``greedy`` and ``sample``: the baselines every decoding comparison needs."""
+"""``greedy`` and ``sample``: the baselines every decoding comparison needs.
+
+Both score choices (the ``score`` action) by the model's log-likelihood of the continuation tokens
+(``sample``: of the temperature-scaled distribution), as the TruthfulQA / DoLa baseline does.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import torch
 from pydantic import Field
 
 from headlab import ComponentConfig, hookimpl
-from headlab.generation import Decoded, DecodeRequest, decode_loop
+from headlab.generation import Decoded, DecodeRequest, Scored, ScoreRequest, decode_loop, sum_continuation
 
 
 class Greedy(ComponentConfig):
@@ -54,6 +58,26 @@ def sample(config: Sample, request: DecodeRequest) -> Decoded:
         return torch.multinomial(logits.softmax(-1), 1, generator=gen)[:, 0]
 
     return decode_loop(request, choose)
+
+
+def score_loglik(config: Greedy, request: ScoreRequest) -> Scored:
+    """Sum of ``log p(token)`` over each row's continuation (one forward, steering plan applied)."""
+    from .common import predicting, score_forward
+
+    logits = predicting(score_forward(request).logits, request)
+    return sum_continuation(logits.float().log_softmax(-1), request)
+
+
+def score_sample(config: Sample, request: ScoreRequest) -> Scored:
+    """Sum of ``log softmax(logits / temperature)`` over each row's continuation (no top-k/top-p cut)."""
+    from .common import predicting, score_forward
+
+    logits = predicting(score_forward(request).logits, request)
+    return sum_continuation((logits.float() / config.temperature).log_softmax(-1), request)
+
+
+greedy.score = score_loglik  # type: ignore[attr-defined]
+sample.score = score_sample  # type: ignore[attr-defined]
 
 
 @hookimpl

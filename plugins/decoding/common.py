@@ -1,0 +1,217 @@
+"""Pieces the decoding strategies share: token selection, repetition penalty, early-exit heads, plans
+copied over the rows of a batched contrast, and the forwards of the ``score`` action.
+
+Contrastive strategies run several versions of one prompt in one batched forward: ``k`` copies of a
+batch of ``B`` prompts are rows ``0..B-1`` (copy 0), ``B..2B-1`` (copy 1), ... A steering plan written
+for the ``B`` rows of the request is carried over to the copies with :func:`expand_plan`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from pydantic import Field
+
+from headlab import ComponentConfig
+from headlab.generation import Batch, ScoreRequest, instrumented
+from headlab.instrument import LayerContext, Plan, _BiasEdit, _HeadEdit, _per_row_spans
+
+
+class Selection(ComponentConfig):
+    """How the next token is picked from a strategy's scores: argmax (default) or sampling."""
+
+    kind: str
+    do_sample: bool = Field(False, description="sample from softmax(scores) instead of taking the argmax")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature (with do_sample)")
+    top_k: int | None = Field(None, ge=1, description="sample among the top-k scores (with do_sample)")
+    top_p: float | None = Field(None, gt=0, le=1, description="nucleus sampling mass (with do_sample)")
+
+
+def pick(scores: torch.Tensor, config: Selection, generator: torch.Generator | None) -> torch.Tensor:
+    """Argmax of ``scores`` (batch, V), or a sample after temperature, top-k and top-p (in HF's order)."""
+    if not config.do_sample:
+        return scores.argmax(-1)
+    from .greedy import filter_logits
+
+    logits = filter_logits(scores.float() / config.temperature, config.top_k, config.top_p)
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
+
+
+def generator_for(request: Any, config: Selection) -> torch.Generator | None:
+    """A generator seeded with the request's seed when the strategy samples."""
+    if not config.do_sample:
+        return None
+    return torch.Generator(device=request.lm.device).manual_seed(int(request.seed))
+
+
+def repetition_penalty(scores: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, penalty: float) -> torch.Tensor:
+    """HF's ``RepetitionPenaltyLogitsProcessor``: every token present in ``ids`` (batch, T) where ``mask``
+    is true has its score divided by ``penalty`` if positive, multiplied if negative. Padding (mask 0) is
+    not counted, so a padded row is penalised exactly like the same prompt alone."""
+    if penalty == 1.0 or ids.shape[1] == 0:
+        return scores
+    counts = torch.zeros(scores.shape, dtype=torch.float32, device=scores.device)
+    counts.scatter_add_(1, ids.to(scores.device), mask.to(scores.device, torch.float32))
+    penalised = torch.where(scores < 0, scores * penalty, scores / penalty)
+    return torch.where(counts > 0, penalised, scores)
+
+
+def entropy_alpha(logits: torch.Tensor, *, scale: bool = False, cap: float | None = None) -> torch.Tensor:
+    """DeCoRe's entropy alpha (METHODS.md "DeCoRe"): ``H(softmax(logits))`` in nats, as the reference
+    computes it (``-sum p log(p + 1e-12)``), optionally divided by ``log |V|`` and capped at ``cap``."""
+    p = logits.float().softmax(-1)
+    h = -(p * torch.log(p + 1e-12)).sum(-1)
+    if scale:
+        h = h / math.log(logits.shape[-1])
+    if cap is not None:
+        h = torch.clamp(h, max=cap)
+    return h
+
+
+# --------------------------------------------------------------------------- model parts
+def output_head(model: Any) -> torch.nn.Module:
+    """The language-model head (``get_output_embeddings()``)."""
+    head = model.get_output_embeddings()
+    if head is None:
+        raise ValueError("this model has no output embeddings (lm_head); DoLa needs one")
+    return head
+
+
+def final_norm(model: Any) -> torch.nn.Module:
+    """The final normalisation applied before the LM head (``norm``, ``ln_f``, ``final_layer_norm``...)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    for owner in (decoder, getattr(model, "model", None), getattr(model, "transformer", None)):
+        for name in ("norm", "ln_f", "final_layer_norm", "final_layernorm"):
+            mod = getattr(owner, name, None) if owner is not None else None
+            if isinstance(mod, torch.nn.Module):
+                return mod
+    raise ValueError(f"cannot find the final norm of {type(model).__name__}; use final_norm: false")
+
+
+def tied_embeddings(model: Any) -> bool:
+    """Whether input and output embeddings are tied (HF's DoLa reads ``config.tie_word_embeddings``)."""
+    cfg = model.config
+    value = getattr(cfg, "tie_word_embeddings", None)
+    if value is None and hasattr(cfg, "get_text_config"):
+        value = getattr(cfg.get_text_config(), "tie_word_embeddings", False)
+    return bool(value)
+
+
+# --------------------------------------------------------------------------- batches of copies
+def stack_left(parts: Sequence[tuple[torch.Tensor, torch.Tensor]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenate left-padded ``(input_ids, attention_mask)`` blocks along the batch, padding each on the
+    left to the longest."""
+    n = max(ids.shape[1] for ids, _ in parts)
+    ids_out, mask_out = [], []
+    for ids, mask in parts:
+        extra = n - ids.shape[1]
+        ids_out.append(torch.nn.functional.pad(ids, (extra, 0), value=pad_id))
+        mask_out.append(torch.nn.functional.pad(mask, (extra, 0), value=0))
+    return torch.cat(ids_out), torch.cat(mask_out)
+
+
+def pad_id_of(lm: Any) -> int:
+    """The id used for padding (pad, else eos, else unk, else 0)."""
+    from headlab.generation import _pad_id
+
+    return _pad_id(lm.tokenizer)
+
+
+def expand_plan(plan: Plan | None, B: int, k: int, *, mirror: bool = True) -> Plan:
+    """A plan for ``k * B`` rows from a steering plan for ``B`` rows.
+
+    ``mirror=True``: every copy gets the edits of its source row (DeCoRe: the masked copy of a prompt is
+    steered like the base row). ``mirror=False``: only copy 0 (rows ``0..B-1``) is edited; the other copies
+    run unedited (CAD: the prompt without the context has other positions, so steering spans written for
+    the full prompt do not apply to it). ``on_layer`` callbacks see the ``z`` of copy 0 only; the scale
+    they return is applied to every copy (``mirror``) or to copy 0.
+    """
+    out = Plan()
+    if plan is None:
+        return out
+    if k == 1:
+        return plan
+    rows_for = (lambda r: [r + c * B for c in range(k)]) if mirror else (lambda r: [r])
+    out.backend = plan.backend
+    out.probes = plan.probes
+    if plan.probes.spans is not None and not isinstance(plan.probes.spans, torch.Tensor):
+        per_row = _per_row_spans(plan.probes.spans, B)
+        out.probes = type(plan.probes)(**{**vars(plan.probes), "spans": per_row * k})
+
+    def dense(t: torch.Tensor | None, fill: float | bool) -> torch.Tensor | None:
+        if t is None:
+            return None
+        t = torch.as_tensor(t)
+        if t.dim() == 2 and mirror:
+            return t
+        t = t if t.dim() == 3 else t[None].expand(B, *t.shape)
+        rest = t.repeat(k - 1, 1, 1) if mirror else torch.full_like(t, fill).repeat(k - 1, 1, 1)
+        return torch.cat([t, rest])
+
+    out.q_scale = dense(plan.q_scale, 1.0)
+    out.out_scale = dense(plan.out_scale, 1.0)
+    out.score_zero = dense(plan.score_zero, False)
+    if plan.key_spans is not None:
+        ks = torch.as_tensor(plan.key_spans)
+        ks = ks if ks.dim() == 3 else ks[None]
+        ks = ks.expand(B, *ks.shape[1:])
+        kb = torch.as_tensor(plan.key_bias)
+        kb = kb if kb.dim() == 4 else kb[None]
+        kb = kb.expand(B, *kb.shape[1:])
+        out.key_spans = torch.cat([ks] * k) if mirror else torch.cat([ks, torch.zeros_like(ks).repeat(k - 1, 1, 1)])
+        out.key_bias = torch.cat([kb] * k) if mirror else torch.cat([kb, torch.zeros_like(kb).repeat(k - 1, 1, 1, 1)])
+    for e in plan._edits:
+        src = list(range(B)) if e.rows is None else list(e.rows)
+        rows = [r2 for r in src for r2 in rows_for(r)]
+        if isinstance(e, _HeadEdit):
+            out._edits.append(_HeadEdit(e.kind, list(e.heads), e.value, None if (e.rows is None and mirror) else rows))
+        else:
+            per_row = _per_row_spans(e.spans, len(src))
+            spans = [per_row[i] for i, r in enumerate(src) for _ in rows_for(r)]
+            out._edits.append(_BiasEdit(list(e.heads), spans, e.bias, rows))
+    for fn in plan._callbacks:
+        out._callbacks.append(_copy0_callback(fn, B, k, mirror))
+    return out
+
+
+def _copy0_callback(fn: Any, B: int, k: int, mirror: bool) -> Any:
+    def wrapped(layer: int, z: torch.Tensor, ctx: LayerContext) -> torch.Tensor | None:
+        scale = fn(layer, z[:B], ctx)
+        if scale is None:
+            return None
+        scale = torch.broadcast_to(torch.as_tensor(scale, device=z.device, dtype=torch.float32), (B, z.shape[1]))
+        rest = scale.repeat(k - 1, 1) if mirror else torch.ones_like(scale).repeat(k - 1, 1)
+        return torch.cat([scale, rest])
+
+    return wrapped
+
+
+# --------------------------------------------------------------------------- scoring forwards
+REQUEST_PLAN: Any = object()
+
+
+def score_forward(request: ScoreRequest, plan: Any = REQUEST_PLAN,
+                  rows: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs: Any) -> Any:
+    """One forward over the rows to score (or ``rows``), under ``plan`` (default: the request's plan;
+    ``None``: no plan), keeping the logits of the last ``C + 1`` positions (``C``: the longest
+    continuation)."""
+    ids, mask = rows if rows is not None else (request.batch.input_ids, request.batch.attention_mask)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    plan = request.plan if plan is REQUEST_PLAN else plan
+    with torch.no_grad(), instrumented(request.lm, plan):
+        return request.lm.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False,
+                                logits_to_keep=request.width + 1, **kwargs)
+
+
+def predicting(logits: torch.Tensor, request: ScoreRequest) -> torch.Tensor:
+    """The logits at the ``C`` positions that predict the continuation tokens (from ``C + 1`` kept)."""
+    C = request.width
+    return logits[:, -C - 1:-1]
+
+
+def batch_rows(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)`` of a batch."""
+    return batch.input_ids, batch.attention_mask

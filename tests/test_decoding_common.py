@@ -1,0 +1,159 @@
+"""Shared helpers of the decoding tests (a word-level tokenizer and tiny random models built here), and
+tests of the pieces the strategies share: repetition penalty, plan expansion, the loop's options."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from headlab.context import Example
+from headlab.generation import DecodeRequest, decode_loop, tokenize
+from headlab.instrument import Plan, instrument
+from headlab.model import LoadedModel, load_model
+from headlab.spec import ModelSpec
+
+WORDS = ("<pad> <bos> <eos> <unk> the capital of is in paris rome berlin madrid lisbon vienna question what "
+         "answer : ? . , france italy germany spain portugal austria a b c d e f g h i j k l m n o p q r s t "
+         "u v w x y z").split()
+
+
+def word_tokenizer():
+    """A word-level fast tokenizer (BOS prepended) over :data:`WORDS`, built in memory."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
+    tk.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                   unk_token="<unk>")
+
+
+def model_config(layers: int = 4, tied: bool = False, init: float = 0.25, **extra) -> dict:
+    """A tiny Llama config over the word vocabulary; a large init range gives peaked, varied outputs."""
+    return {"model_type": "llama", "hidden_size": 32, "num_hidden_layers": layers, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": len(WORDS),
+            "max_position_embeddings": 256, "tie_word_embeddings": tied, "initializer_range": init,
+            "eos_token_id": 2, "bos_token_id": 1, "pad_token_id": 0, **extra}
+
+
+def word_model(layers: int = 4, tied: bool = False, seed: int = 0, **extra) -> LoadedModel:
+    """A random tiny Llama (headlab attention) with the word tokenizer."""
+    lm = load_model(ModelSpec(config=model_config(layers, tied, **extra), device="cpu"), seed)
+    lm.tokenizer = word_tokenizer()
+    return lm
+
+
+def eager_twin(lm: LoadedModel):
+    """The same weights in a model with transformers' eager attention (an independent forward)."""
+    from transformers import AutoModelForCausalLM
+
+    twin = AutoModelForCausalLM.from_config(copy.deepcopy(lm.model.config), attn_implementation="eager")
+    twin.load_state_dict(lm.model.state_dict())
+    return twin.eval()
+
+
+def random_prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 9) -> list[str]:
+    """Prompts of random lengths from the plain words of the vocabulary."""
+    rng = random.Random(seed)
+    pool = WORDS[4:]
+    return [" ".join(rng.choice(pool) for _ in range(rng.randint(lo, hi))) for _ in range(n)]
+
+
+def ids_of(lm: LoadedModel, text: str) -> torch.Tensor:
+    return torch.tensor([lm.tokenizer(text)["input_ids"]])
+
+
+def request_for(lm: LoadedModel, prompts: list[str], max_new: int = 8, **kw) -> DecodeRequest:
+    return DecodeRequest(lm, tokenize(lm, [Example(prompt=p) for p in prompts]), max_new, **kw)
+
+
+@pytest.fixture(scope="module")
+def lm() -> LoadedModel:
+    return word_model()
+
+
+# --------------------------------------------------------------------------- tests
+def test_repetition_penalty_matches_transformers_and_ignores_padding():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    from headlab.plugins.decoding.common import repetition_penalty
+
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(3, 20, generator=g)
+    ids = torch.randint(0, 20, (3, 7), generator=g)
+    ref = RepetitionPenaltyLogitsProcessor(1.3)(ids, scores.clone())
+    ours = repetition_penalty(scores, ids, torch.ones_like(ids), 1.3)
+    torch.testing.assert_close(ours, ref)
+    # a left-padded row is penalised like the same tokens without padding (the pad id is not penalised)
+    pad = next(v for v in range(20) if not bool((ids == v).any()))
+    padded = torch.cat([torch.full((3, 2), pad), ids], dim=1)
+    mask = torch.cat([torch.zeros(3, 2, dtype=torch.long), torch.ones_like(ids)], dim=1)
+    torch.testing.assert_close(repetition_penalty(scores, padded, mask, 1.3), ref)
+    assert not torch.equal(repetition_penalty(scores, padded, torch.ones_like(padded), 1.3), ref)
+
+
+def test_expand_plan_mirror_and_copy0(lm):
+    from headlab.plugins.decoding.common import expand_plan
+
+    batch = tokenize(lm, [Example(prompt=p) for p in random_prompts(3, seed=1)])
+    B = batch.size
+    plan = Plan().mask_heads([(1, 0), (2, 3)], rows=[1]).scale_heads([(0, 2)], 0.5)
+    plan.bias_keys([(3, 1)], [[(1, 3)], [(2, 4)], [(0, 2)]], -2.0)
+    pos = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+    def logits(p, ids, mask, position):
+        with torch.no_grad(), instrument(lm.model, p):
+            return lm.model(input_ids=ids, attention_mask=mask, position_ids=position).logits
+
+    edited = logits(plan, batch.input_ids, batch.attention_mask, pos)
+    plain = logits(Plan(), batch.input_ids, batch.attention_mask, pos)
+    assert (edited - plain).abs().max() > 1e-3
+    two = (batch.input_ids.repeat(2, 1), batch.attention_mask.repeat(2, 1), pos.repeat(2, 1))
+    mirrored = logits(expand_plan(plan, B, 2, mirror=True), *two)
+    torch.testing.assert_close(mirrored[:B], edited, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mirrored[B:], edited, atol=1e-5, rtol=1e-5)
+    first = logits(expand_plan(plan, B, 2, mirror=False), *two)
+    torch.testing.assert_close(first[:B], edited, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(first[B:], plain, atol=1e-5, rtol=1e-5)
+    # dense per-row tensors and callbacks follow the same rule
+    dense = Plan(out_scale=torch.rand(B, 4, 4, generator=torch.Generator().manual_seed(3)))
+    dense.on_layer(lambda layer, z, ctx: torch.full((z.shape[0], z.shape[1]), 0.7) if layer == 2 else None)
+    ref = logits(dense, batch.input_ids, batch.attention_mask, pos)
+    out = logits(expand_plan(dense, B, 2, mirror=True), *two)
+    torch.testing.assert_close(out[B:], ref, atol=1e-5, rtol=1e-5)
+    out = logits(expand_plan(dense, B, 2, mirror=False), *two)
+    torch.testing.assert_close(out[:B], ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[B:], plain, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_loop_copies_and_split_prompt_keep_greedy(lm):
+    req = request_for(lm, random_prompts(3, seed=2), max_new=6)
+    B = req.batch.size
+
+    def greedy(out, _):
+        return out.logits[:B, -1].argmax(-1)
+
+    plain = decode_loop(req, greedy)
+    rows = (req.batch.input_ids.repeat(3, 1), req.batch.attention_mask.repeat(3, 1))
+    calls = []
+    copies = decode_loop(req, greedy, rows=rows, split_prompt=lambda: calls.append(1))
+    assert copies.tokens == plain.tokens and calls == [1]
+    assert len({tuple(t) for t in plain.tokens}) > 1  # the model is not degenerate
+    with pytest.raises(ValueError, match="multiple"):
+        decode_loop(req, greedy, rows=(rows[0][:4], rows[1][:4]))
+
+
+def test_sampling_selection_is_seeded(lm):
+    from headlab.plugins.decoding.decore import DeCoRe, decore
+
+    req = request_for(lm, random_prompts(2, seed=3), max_new=8, seed=5)
+    cfg = DeCoRe(heads=[[1, 0]], do_sample=True, temperature=1.5, top_k=10)
+    a, b = decore(cfg, req).tokens, decore(cfg, req).tokens
+    assert a == b
+    other = decore(cfg, request_for(lm, random_prompts(2, seed=3), max_new=8, seed=6)).tokens
+    greedy = decore(DeCoRe(heads=[[1, 0]]), req).tokens
+    assert other != a or greedy != a
