@@ -149,3 +149,15 @@ def test_every_example_spec_validates():
     assert specs
     for path in specs:
         headlab.load_spec(path)
+
+
+def test_published_schema_is_current():
+    """docs/spec.schema.json (used by the specs' yaml-language-server modeline) matches the code."""
+    import json
+    from pathlib import Path
+
+    from headlab.plugin_manager import Manager
+
+    published = json.loads((Path(__file__).parent.parent / "docs" / "spec.schema.json").read_text())
+    current = headlab.json_schema(Manager(entry_points=False).registry)
+    assert published == json.loads(json.dumps(current)), "run: HEADLAB_PLUGINS=none headlab schema -o docs/spec.schema.json"
