@@ -75,29 +75,13 @@ def test_malformed_specs_give_one_located_line(mutate, where, message):
 
 
 def test_bad_reference_to_step_id_is_located():
-    text = BASE.replace("  - id: gen\n", "  - id: other\n    detect: {kind: previous_token}\n  - id: gen\n")
-    assert headlab.load_spec(text)
-    data = headlab.load_spec(BASE).data
-    data["steps"][1]["generate"]["decode"] = {"kind": "greedy"}
-    data["steps"][0]["detect"] = {"kind": "induction"}
-    # a head reference inside a plugin config: use a mapping the built-in HeadsFrom model parses
-    from headlab.spec import _check_references
-
-    class Fake:
-        def __init__(self, sid, payload):
-            self.id, self.action, self.payload = sid, "detect", payload
-
-        def model_dump(self, by_alias=True):
-            return self.payload
-
-    class FakeSpec:
-        steps = [Fake("a", {"detect": {"heads": {"from": "b", "top": 2}}}), Fake("b", {})]
-
-    with pytest.raises(SpecError, match="'b' is a later step"):
-        _check_references(FakeSpec(), None, "<spec>")
-    FakeSpec.steps = [Fake("a", {"detect": {"heads": {"from": "retreival", "top": 2}}})]
-    with pytest.raises(SpecError, match="no step"):
-        _check_references(FakeSpec(), None, "<spec>")
+    steer = "      steer: [{kind: head_mask, heads: {from: %s, top: 2}}]\n"
+    assert headlab.load_spec(BASE + steer % "ind")
+    err = str(error_of(BASE + steer % "indd"))
+    assert err.startswith("<spec>:13:41: steps[1].generate.steer[0].heads.from"), err
+    assert "'indd' is no step" in err and "did you mean 'ind'" in err
+    later = BASE + steer % "gen"
+    assert "'gen' is a later step" in str(error_of(later))
 
 
 def test_spec_file_errors_name_the_file(tmp_path):
