@@ -1,0 +1,133 @@
+"""head_mask and head_scale (plugins/steering/heads.py) against forward hooks on an eager model.
+
+Independent references: zeroing / scaling a head's slice of the ``q_proj`` output (query masking and
+scaling; with RoPE, scaling before the rotation equals scaling after), of the ``v_proj`` output (value
+scaling of one key/value head, which every query head of its GQA group reads), and of the ``o_proj`` input
+(output ablation and scaling).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+import pytest
+import torch
+
+from headlab import instrument as ins
+from headlab.plugins.steering import heads as HS
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_steering_pasta import step_ctx, tiny  # noqa: E402
+
+D = 16  # head dim of the tiny model (64 / 4)
+G = 2  # query heads per kv head (4 / 2)
+
+
+def batch(B=3, n=14, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, 800, (B, n), generator=g)
+    am = torch.ones(B, n, dtype=torch.long)
+    am[1, :3] = 0
+    am[2, :6] = 0
+    ids[am == 0] = 0
+    ids[:, 0] = torch.where(am[:, 0].bool(), 1, 0)
+    return ids, am
+
+
+@contextlib.contextmanager
+def hooked(model, heads, where: str, factor: float):
+    """Scale head slices of q_proj / v_proj outputs or of the o_proj input by ``factor`` (0 = zero)."""
+    hooks = []
+    for layer in sorted({ly for ly, _ in heads}):
+        attn = model.model.layers[layer].self_attn
+        hs = [h for ly, h in heads if ly == layer]
+        if where in ("q", "v"):
+            def fwd(mod, args, out, hs=hs):
+                out = out.clone()
+                for h in hs:
+                    out[..., h * D:(h + 1) * D] *= factor
+                return out
+            mod = attn.q_proj if where == "q" else attn.v_proj
+            hooks.append(mod.register_forward_hook(fwd))
+        else:
+            def pre(mod, args, hs=hs):
+                x = args[0].clone()
+                for h in hs:
+                    x[..., h * D:(h + 1) * D] *= factor
+                return (x,)
+            hooks.append(attn.o_proj.register_forward_pre_hook(pre))
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def logits(model, ids, am, plan=None):
+    with torch.no_grad(), (ins.instrument(model, plan) if plan is not None else contextlib.nullcontext()):
+        return model(input_ids=ids, attention_mask=am, position_ids=(am.cumsum(-1) - 1).clamp(min=0)).logits
+
+
+HEADS = [(0, 1), (1, 0), (1, 3)]
+
+
+@pytest.mark.parametrize("config,where,factor", [
+    (HS.HeadMask(heads=[list(h) for h in HEADS], mode="query"), "q", 0.0),
+    (HS.HeadMask(heads=[list(h) for h in HEADS], mode="score"), "q", 0.0),
+    (HS.HeadMask(heads=[list(h) for h in HEADS], mode="output"), "o", 0.0),
+    (HS.HeadScale(heads=[list(h) for h in HEADS], factor=2.5, target="output"), "o", 2.5),
+    (HS.HeadScale(heads=[list(h) for h in HEADS], factor=0.3, target="queries"), "q", 0.3),
+], ids=["mask-query", "mask-score", "mask-output", "scale-output", "scale-queries"])
+def test_mask_and_scale_equal_hooks(config, where, factor):
+    ids, am = batch()
+    mh, me = tiny("headlab"), tiny("eager")
+    plan = ins.Plan()
+    impl = HS.steer_mask if isinstance(config, HS.HeadMask) else HS.steer_scale
+    impl(config, step_ctx(mh), None, plan)
+    got = logits(mh, ids, am, plan)
+    with hooked(me, HEADS, where, factor):
+        want = logits(me, ids, am)
+    real = am.bool()
+    torch.testing.assert_close(got[real], want[real], atol=3e-5, rtol=0)
+    assert not torch.allclose(got[real], logits(me, ids, am)[real], atol=1e-3)
+
+
+def test_value_scaling_is_the_kv_group():
+    """target: values on query head h == scaling the kv head h // G in v_proj (every head of the group)."""
+    ids, am = batch(seed=2)
+    mh, me = tiny("headlab"), tiny("eager")
+    plan = ins.Plan()
+    HS.steer_scale(HS.HeadScale(heads=[[0, 1], [1, 2]], factor=3.0, target="values"), step_ctx(mh), None, plan)
+    got = logits(mh, ids, am, plan)
+    kv_heads = [(0, 1 // G), (1, 2 // G)]  # v_proj slices are per kv head
+    with hooked(me, kv_heads, "v", 3.0):
+        want = logits(me, ids, am)
+    real = am.bool()
+    torch.testing.assert_close(got[real], want[real], atol=3e-5, rtol=0)
+    # and it differs from scaling only the named query heads' outputs
+    only = ins.Plan()
+    HS.steer_scale(HS.HeadScale(heads=[[0, 1], [1, 2]], factor=3.0), step_ctx(mh), None, only)
+    assert not torch.allclose(logits(mh, ids, am, only)[real], want[real], atol=1e-3)
+    assert HS.kv_group([(0, 1), (1, 2)], 4, 2) == [(0, 0), (0, 1), (1, 2), (1, 3)]
+    assert HS.kv_group([(0, 1)], 4, 4) == [(0, 1)]
+
+
+def test_mask_from_a_detect_step_with_random_control():
+    """heads: {from: step, top: k} and its random control resolve through ctx.heads."""
+    import numpy as np
+    import xarray as xr
+
+    from headlab.spec import HeadsFrom
+
+    score = xr.DataArray(np.arange(8.0).reshape(2, 4), dims=("layer", "head"))
+    mh = tiny("headlab")
+    ctx = step_ctx(mh, results={"det": xr.Dataset({"score": score})})
+    plan = ins.Plan()
+    HS.steer_mask(HS.HeadMask(heads=HeadsFrom.model_validate({"from": "det", "top": 2})), ctx, None, plan)
+    assert plan._edits[0].heads == [(1, 3), (1, 2)]
+    rnd = ins.Plan()
+    HS.steer_mask(HS.HeadMask(heads=HeadsFrom.model_validate({"from": "det", "top": 2, "random": True})),
+                  ctx, None, rnd)
+    assert len(rnd._edits[0].heads) == 2
