@@ -28,6 +28,7 @@ BUILTIN_PLUGINS = (
     "headlab.plugins.detectors.retrieval",
     "headlab.plugins.detectors.ablation",
     "headlab.plugins.detectors.segment_divergence",
+    "headlab.plugins.detectors.lookback",
     "headlab.plugins.steering.pasta",
     "headlab.plugins.steering.pasta_profile",
     "headlab.plugins.steering.vhr",

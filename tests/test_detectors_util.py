@@ -19,7 +19,8 @@ def word_tokenizer(words: list[str] | None = None) -> PreTrainedTokenizerFast:
 
     vocab = {t: i for i, t in enumerate(SPECIALS + list(words or WORDS) + [".", "?", ":", "Q", "A"])}
     tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex(r"\w+|[^\w\s]+"), behavior="isolated")
+    tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
+                                               pre_tokenizers.Split(Regex(r"\w+|[^\w\s]+"), behavior="isolated")])
     tk.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
     from tokenizers import decoders
 
