@@ -112,7 +112,7 @@ def test_generation_metric_matches_hf_generate():
     for layer, h in cands:
         assert ds["steered"].values[0, layer, h] == pytest.approx(run((layer, h)))
     assert np.nanmin(ds["steered"].values[0]) < 1.0  # some head's steering changes an output
-    assert np.isnan(ds["score"].values[0, 0])  # not a candidate
+    assert np.isnan(ds["score"].values[1, 0]) and not np.isnan(ds["score"].values[0, 0])  # (1, 0): not a candidate
 
 
 def test_profile_in_a_spec_feeds_pasta_and_writes_the_json(tmp_path):
