@@ -77,7 +77,12 @@ def headlab_register_decoders(register: Register) -> None:
 
     ``decode(config, request: headlab.generation.DecodeRequest) -> headlab.generation.Decoded``
     generates continuations for a batch of prompts (the request carries the model, the tokenized
-    batch, the steering plan, ``max_new_tokens``, stop strings and the seed).
+    batch, the steering plan, ``max_new_tokens``, stop strings, the seed and the step context).
+
+    A decoder that can also score choices (the ``score`` action) carries the scorer as an attribute of
+    its implementation: ``decode.score = score`` with ``score(config, request:
+    headlab.generation.ScoreRequest) -> headlab.generation.Scored`` (one summed score per row, a row
+    being an example's prompt followed by one of its choices).
     """
 
 
