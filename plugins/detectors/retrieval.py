@@ -124,7 +124,11 @@ def probe_decode(lm: LoadedModel, batch: Batch, probes: Any, max_new_tokens: int
     finished = torch.zeros(B, dtype=torch.bool, device=ids.device)
     texts = [""] * B
     with torch.no_grad():
-        out = model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=pos[:, :-1], use_cache=True)
+        prefill = dict(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=pos[:, :-1], use_cache=True)
+        try:  # the prefill's logits are not needed: keep one position where the model allows it
+            out = model(**prefill, logits_to_keep=1)
+        except TypeError:
+            out = model(**prefill)
         cache = out.cache
         inp, cur_pos, cur_mask = ids[:, -1:], pos[:, -1:], mask
         with instrument(model, Plan(probes=probes)) as rec:
