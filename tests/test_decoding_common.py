@@ -96,6 +96,27 @@ def test_repetition_penalty_matches_transformers_and_ignores_padding():
     assert not torch.equal(repetition_penalty(scores, padded, torch.ones_like(padded), 1.3), ref)
 
 
+def test_seen_tokens_equal_penalty_over_the_growing_sequence():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    from headlab.plugins.decoding.common import SeenTokens
+
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 30, (2, 6), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    ids[1, :2] = 0  # padding: not counted
+    seen = SeenTokens(ids, mask, 30)
+    generated = torch.empty((2, 0), dtype=torch.long)
+    for _ in range(5):
+        scores = torch.randn(2, 30, generator=g)
+        ours = seen.penalise(scores, generated, 1.5)
+        for r in range(2):
+            seq = torch.cat([ids[r, mask[r].bool()], generated[r]])[None]
+            torch.testing.assert_close(ours[r], RepetitionPenaltyLogitsProcessor(1.5)(seq, scores[r: r + 1].clone())[0])
+        generated = torch.cat([generated, torch.randint(0, 30, (2, 1), generator=g)], dim=1)
+
+
 def test_expand_plan_mirror_and_copy0(lm):
     from headlab.plugins.decoding.common import expand_plan
 

@@ -59,6 +59,26 @@ def repetition_penalty(scores: torch.Tensor, ids: torch.Tensor, mask: torch.Tens
     return torch.where(counts > 0, penalised, scores)
 
 
+class SeenTokens:
+    """The set of tokens of each row so far (prompt without padding, then every generated token), kept
+    incrementally for the repetition penalty: ``penalise(scores, generated)`` equals
+    :func:`repetition_penalty` over ``prompt + generated`` without rescanning the sequence each step."""
+
+    def __init__(self, ids: torch.Tensor, mask: torch.Tensor, vocab: int) -> None:
+        self.seen = torch.zeros((ids.shape[0], vocab), dtype=torch.bool, device=ids.device)
+        counts = torch.zeros((ids.shape[0], vocab), dtype=torch.float32, device=ids.device)
+        self.seen |= counts.scatter_add_(1, ids, mask.to(torch.float32)) > 0
+        self.n = 0
+
+    def penalise(self, scores: torch.Tensor, generated: torch.Tensor, penalty: float) -> torch.Tensor:
+        while self.n < generated.shape[1]:
+            self.seen.scatter_(1, generated[:, self.n: self.n + 1].to(self.seen.device), True)
+            self.n += 1
+        if penalty == 1.0:
+            return scores
+        return torch.where(self.seen, torch.where(scores < 0, scores * penalty, scores / penalty), scores)
+
+
 def entropy_alpha(logits: torch.Tensor, *, scale: bool = False, cap: float | None = None) -> torch.Tensor:
     """DeCoRe's entropy alpha (METHODS.md "DeCoRe"): ``H(softmax(logits))`` in nats, as the reference
     computes it (``-sum p log(p + 1e-12)``), optionally divided by ``log |V|`` and capped at ``cap``."""

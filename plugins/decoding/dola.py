@@ -37,13 +37,13 @@ from headlab import hookimpl
 from headlab.generation import Decoded, DecodeRequest, Scored, ScoreRequest, decode_loop, sum_continuation
 
 from .common import (
+    SeenTokens,
     Selection,
     final_norm,
     generator_for,
     output_head,
     pick,
     predicting,
-    repetition_penalty,
     score_forward,
     tied_embeddings,
 )
@@ -148,6 +148,7 @@ class _Contrast:
         self.norm = final_norm(model) if config.final_norm else None
         n_layers = int(model.config.get_text_config().num_hidden_layers)
         self.layers = candidate_layers(n_layers, tied_embeddings(model), config.layers)
+        self.vocab = int(self.head.weight.shape[0])
 
     def premature(self, hidden_states, index) -> torch.Tensor:
         """(J, ..., V) float logits of the candidate layers at ``hidden_states[j][index]``."""
@@ -173,7 +174,7 @@ def dola(config: DoLa, request: DecodeRequest) -> Decoded:
     """Generate with DoLa through the shared KV-cache loop (steering plan applied)."""
     contrast = _Contrast(config, request.lm.model)
     gen = generator_for(request, config)
-    prompt_ids, prompt_mask = request.batch.input_ids, request.batch.attention_mask
+    seen = SeenTokens(request.batch.input_ids, request.batch.attention_mask, contrast.vocab)
     chosen: list[list[int]] = []
 
     def choose(out, generated: torch.Tensor) -> torch.Tensor:
@@ -184,9 +185,7 @@ def dola(config: DoLa, request: DecodeRequest) -> Decoded:
         base = prem.gather(0, idx[None, :, None].expand(1, *prem.shape[1:]))[0]
         logp = final.log_softmax(-1)
         scores = torch.where(plausible(logp, config.relative_top), logp - base.log_softmax(-1), -torch.inf)
-        ids = torch.cat([prompt_ids, generated], dim=1)
-        mask = torch.cat([prompt_mask, torch.ones_like(generated)], dim=1)
-        scores = repetition_penalty(scores, ids, mask, config.repetition_penalty)
+        scores = seen.penalise(scores, generated, config.repetition_penalty)
         return pick(scores, config, gen)
 
     result = decode_loop(request, choose, forward_kwargs={"output_hidden_states": True})

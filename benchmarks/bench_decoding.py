@@ -1,0 +1,163 @@
+"""Per-token cost of each decoding strategy relative to greedy, measured side by side in one run, and
+DeCoRe's batched forward against the reference-style loop (batch size 1, two forwards per token).
+
+    python benchmarks/bench_decoding.py [--model tiny|random|big] [--batch 8] [--new 32] [--reps 5] [--threads 1]
+
+Per strategy: the decode cost per token = (time of a call generating ``--new`` tokens - time of a call
+generating 1 token) / (new - 1), so the prefill is not counted; the minimum over ``--reps`` alternating
+repetitions (the least disturbed one on a shared machine). EOS is disabled so every row generates exactly ``--new`` tokens. Prompts are the counterfact
+task's (context + question), ``--batch`` of them per call.
+
+Models: ``tiny`` = the embedded ``headlab-tiny`` (when its checkpoint exists), ``random`` = the same
+architecture with random weights (4 layers, 8 heads over 4 kv heads, hidden 128), ``big`` = a random
+Llama with hidden 1024, 8 layers, 16 heads (costs dominated by the model, as on real models).
+
+Targets (issue [decoding]): DoLa <= 1.2x greedy, DeCoRe <= 1.3x greedy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+
+def load(which: str):
+    import torch
+
+    from headlab.model import load_model
+    from headlab.plugin_manager import get_manager
+    from headlab.plugins.models.tiny.train import MODEL_CONFIG, build_tokenizer
+    from headlab.spec import ModelSpec
+
+    if which == "tiny":
+        if "headlab-tiny" not in get_manager().components["models"]:
+            raise SystemExit("headlab-tiny is not available (no checkpoint); use --model random")
+        return load_model(ModelSpec(id="headlab-tiny", device="cpu"))
+    tok, vocab = build_tokenizer()
+    cfg = {"model_type": "llama", **MODEL_CONFIG, "vocab_size": len(vocab)}
+    if which == "big":
+        cfg.update(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+                   num_key_value_heads=8)
+    torch.manual_seed(0)
+    lm = load_model(ModelSpec(config=cfg, device="cpu"))
+    lm.tokenizer = tok
+    return lm
+
+
+def no_eos(lm) -> None:
+    """Make EOS unreachable for the loop (every row then generates exactly max_new_tokens)."""
+    lm.model.generation_config.eos_token_id = None
+    if lm.tokenizer is not None:
+        lm.tokenizer.eos_token = None
+
+
+def reference_decore_loop(lm, batch, heads, max_new: int) -> None:
+    """The reference's structure: one prompt at a time, a base and a masked forward per token, each with
+    its own KV cache (masking through headlab's instrumentation for the masked forward)."""
+    import torch
+
+    from headlab.instrument import Plan, instrument
+
+    model = lm.model
+    plan = Plan().mask_heads(heads, mode="query")
+    with torch.no_grad():
+        for r in range(batch.size):
+            ids = batch.input_ids[r: r + 1, batch.pad[r]:]
+            base = model(input_ids=ids, use_cache=True)
+            with instrument(model, plan):
+                masked = model(input_ids=ids, use_cache=True)
+                for _ in range(max_new):
+                    lb, lmk = base.logits[:, -1].float(), masked.logits[:, -1].float()
+                    p = lb.softmax(-1)
+                    a = -(p * torch.log(p + 1e-12)).sum(-1, keepdim=True)
+                    nxt = ((1 + a) * lb.log_softmax(-1) - a * lmk.log_softmax(-1)).argmax(-1, keepdim=True)
+                    masked = model(input_ids=nxt, cache=masked.cache, use_cache=True)
+                    with instrument(model, Plan()):
+                        base = model(input_ids=nxt, cache=base.cache, use_cache=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=["tiny", "random", "big"], default="random")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--new", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--heads", type=int, default=8, help="number of heads DeCoRe masks")
+    args = ap.parse_args()
+
+    import torch
+
+    from headlab.context import TaskContext
+    from headlab.generation import DecodeRequest, decode_loop, tokenize
+    from headlab.plugins.decoding.contrastive import CAD, Contrastive, cad, contrastive
+    from headlab.plugins.decoding.decore import DeCoRe, decore
+    from headlab.plugins.decoding.dola import DoLa, dola
+    from headlab.plugins.decoding.greedy import Greedy, Sample, greedy, sample
+    from headlab.plugins.tasks.synthetic_tasks import Counterfact, build_counterfact
+
+    torch.set_num_threads(args.threads)
+    lm = load(args.model)
+    no_eos(lm)
+    examples = build_counterfact(Counterfact(n=args.batch), TaskContext(lm.tokenizer, 0, 0))
+    batch = tokenize(lm, examples)
+    geo = lm.geometry
+    heads = [(layer, head) for layer in range(geo.n_layers) for head in range(geo.n_heads)][1::3][: args.heads]
+    n_layers = geo.n_layers
+    amateur_cfg = {"config": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                              "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+                              "vocab_size": int(lm.model.config.vocab_size)}}
+    strategies = {
+        "greedy": (greedy, Greedy()),
+        "sample": (sample, Sample(temperature=0.8, top_p=0.9)),
+        "dola (high)": (dola, DoLa()),
+        "dola (all layers)": (dola, DoLa(layers=list(range(n_layers)))),
+        "decore (entropy)": (decore, DeCoRe(heads=[list(h) for h in heads], alpha="entropy")),
+        "decore (masked prefix)": (decore, DeCoRe(heads=[list(h) for h in heads], prefix="masked")),
+        "cad": (cad, CAD()),
+        "contrastive (1-layer amateur)": (contrastive, Contrastive(amateur=amateur_cfg)),
+    }
+
+    def greedy_rows(cfg, request):  # the floor of any 2-copy contrast: greedy over 2B forward rows
+        rows = (request.batch.input_ids.repeat(2, 1), request.batch.attention_mask.repeat(2, 1))
+        return decode_loop(request, lambda out, _: out.logits[: request.batch.size, -1].argmax(-1), rows=rows)
+
+    strategies["greedy over 2B rows (floor)"] = (greedy_rows, None)
+
+    def call(fn, cfg, new):
+        t = time.perf_counter()
+        fn(cfg, DecodeRequest(lm, batch, new))
+        return time.perf_counter() - t
+
+    for fn, cfg in strategies.values():  # warm-up (allocator, amateur load)
+        call(fn, cfg, 2)
+    per_token: dict[str, list[float]] = {k: [] for k in strategies}
+    for _ in range(args.reps):
+        for name, (fn, cfg) in strategies.items():
+            long, short = call(fn, cfg, args.new), call(fn, cfg, 1)
+            per_token[name].append((long - short) / (args.new - 1))
+    med = {k: min(v) for k, v in per_token.items()}  # the least disturbed repetition (shared machines)
+    print(f"model {args.model} ({geo.n_layers} layers, {geo.n_heads} heads, vocab {lm.model.config.vocab_size}), "
+          f"batch {args.batch}, prompt {batch.length} tokens, {args.new} new tokens, threads {args.threads}, "
+          f"DeCoRe masks {len(heads)} heads")
+    print(f"{'strategy':32s} {'ms/token (batch)':>18s} {'x greedy':>9s}")
+    for name, v in med.items():
+        print(f"{name:32s} {1000 * v:18.2f} {v / med['greedy']:9.2f}")
+
+    # DeCoRe batched vs the reference-style loop, same prompts and tokens
+    times_b, times_r = [], []
+    cfg = DeCoRe(heads=[list(h) for h in heads], alpha="entropy", prefix="masked")
+    for _ in range(args.reps):
+        t = time.perf_counter()
+        decore(cfg, DecodeRequest(lm, batch, args.new))
+        times_b.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        reference_decore_loop(lm, batch, heads, args.new)
+        times_r.append(time.perf_counter() - t)
+    b, r = min(times_b), min(times_r)
+    print(f"DeCoRe batched (one forward, {2 * args.batch} rows): {b:.3f} s; reference-style loop (batch 1, "
+          f"two forwards per token): {r:.3f} s; speed-up {r / b:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
