@@ -93,7 +93,9 @@ def torch_attention(
                 stats.span_mass[:, :, q0:q1] = 0
             continue
         qb = q[:, :, q0:q1].to(f32) * qmul[:, :, None, None]
-        s = torch.matmul(qb.view(B, Hkv, G, n, D), kf[:, :, None, k0:k1].transpose(-1, -2))
+        # the G query heads of a kv head as G*n rows against the shared K/V: a plain batched matmul
+        # (a broadcast (B, Hkv, 1, ...) operand would make matmul copy K and V G times)
+        s = torch.matmul(qb.reshape(B, Hkv, G * n, D), kf[:, :, k0:k1].transpose(-1, -2))
         s = s.view(B, H, n, k1 - k0)
         if softcap is not None:
             s = torch.tanh(s / softcap) * softcap
@@ -120,7 +122,7 @@ def torch_attention(
         empty = lsum == 0
         lsafe = torch.where(empty, torch.ones((), dtype=f32, device=dev), lsum)
         a = p / lsafe
-        o = torch.matmul(a.view(B, Hkv, G, n, k1 - k0), vf[:, :, None, k0:k1]).view(B, H, n, Dv)
+        o = torch.matmul(a.reshape(B, Hkv, G * n, k1 - k0), vf[:, :, k0:k1]).view(B, H, n, Dv)
         if out_scale is not None:
             o = o * out_scale[:, :, None, None]
         out[:, :, q0:q1] = o.to(q.dtype)
