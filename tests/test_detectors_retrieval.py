@@ -17,9 +17,10 @@ import headlab
 from headlab import Example
 
 
-def reference_retrieval(eager, ids: list[int], s: int, e: int, max_new: int, eos: int):
+def reference_retrieval(eager, ids: list[int], s: int, e: int, max_new: int, eos: int, stop=(), tok=None):
     """Wu et al.'s procedure, batch 1: prefill ids[:-1], then decode feeding the last prompt token with
-    eager attention; per step, per head: top-1 key in [s, e) holding the generated token adds 1/(e-s)."""
+    eager attention; per step, per head: top-1 key in [s, e) holding the generated token adds 1/(e-s).
+    Stops after the step that generates EOS or completes a stop string (that step is scored)."""
     L = eager.config.num_hidden_layers
     H = eager.config.num_attention_heads
     score = np.zeros((L, H))
@@ -41,6 +42,8 @@ def reference_retrieval(eager, ids: list[int], s: int, e: int, max_new: int, eos
                     if s <= i < e and ids[i] == int(token):
                         score[layer, head] += 1 / (e - s)
             if int(token) == eos:
+                break
+            if stop and any(x in tok.decode(out_tokens, skip_special_tokens=True) for x in stop):
                 break
     return score, out_tokens
 
@@ -67,23 +70,25 @@ def setup():
     return tok, lm, models
 
 
-def test_retrieval_scores_equal_batch1_eager_reference(setup):
+@pytest.mark.parametrize("stop", [(), ("fox",)])
+def test_retrieval_scores_equal_batch1_eager_reference(setup, stop):
     from headlab.generation import tokenize
     from headlab.plugins.detectors.retrieval import retrieval_scores
 
     tok, lm, models = setup
     examples = needle_examples(7)
-    scores, texts = retrieval_scores(lm, examples, max_new_tokens=10, batch_size=3)
+    scores, texts = retrieval_scores(lm, examples, max_new_tokens=10, batch_size=3, stop=stop)
     total_hits = 0.0
     for i, ex in enumerate(examples):
         batch = tokenize(lm, [ex])
         s, e = batch.token_span(0, *ex.spans["needle"][0])
         ids = batch.input_ids[0].tolist()
         assert tok.convert_ids_to_tokens(ids[s:e]) == tok.tokenize(ex.prompt[slice(*ex.spans["needle"][0])])
-        ref, ref_tokens = reference_retrieval(models["eager"], ids, s, e, 10, eos=2)
+        ref, ref_tokens = reference_retrieval(models["eager"], ids, s, e, 10, eos=2, stop=stop, tok=tok)
         np.testing.assert_allclose(scores[i], ref, atol=1e-5, rtol=0)
         trimmed = ref_tokens[:-1] if ref_tokens and ref_tokens[-1] == 2 else ref_tokens
-        assert texts[i] == tok.decode(trimmed, skip_special_tokens=True)
+        text = tok.decode(trimmed, skip_special_tokens=True)
+        assert texts[i] == (text[:text.index(stop[0])] if stop and stop[0] in text else text)
         total_hits += ref.sum()
     assert total_hits > 3, "the test needs copy-paste hits to be meaningful"
 
