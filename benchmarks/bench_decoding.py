@@ -3,9 +3,10 @@ DeCoRe's batched forward against the reference-style loop (batch size 1, two for
 
     python benchmarks/bench_decoding.py [--model tiny|random|big] [--batch 8] [--new 32] [--reps 5] [--threads 1]
 
-Per strategy: the decode cost per token = (time of a call generating ``--new`` tokens - time of a call
-generating 1 token) / (new - 1), so the prefill is not counted; the minimum over ``--reps`` alternating
-repetitions (the least disturbed one on a shared machine). EOS is disabled so every row generates exactly ``--new`` tokens. Prompts are the counterfact
+Per strategy: the decode cost per token = the median time of one step (from one forward call of the
+model to the next: the forward, the strategy's choice and the loop), over every step of ``--reps``
+alternating repetitions; the prefill is not counted, and the median resists the bursts of other jobs on
+a shared machine. EOS is disabled so every row generates exactly ``--new`` tokens. Prompts are the counterfact
 task's (context + question), ``--batch`` of them per call.
 
 Models: ``tiny`` = the embedded ``headlab-tiny`` (when its checkpoint exists), ``random`` = the same
@@ -18,6 +19,7 @@ Targets (issue [decoding]): DoLa <= 1.2x greedy, DeCoRe <= 1.3x greedy.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 
@@ -124,19 +126,23 @@ def main() -> None:
 
     strategies["greedy over 2B rows (floor)"] = (greedy_rows, None)
 
-    def call(fn, cfg, new):
-        t = time.perf_counter()
-        fn(cfg, DecodeRequest(lm, batch, new))
-        return time.perf_counter() - t
+    stamps: list[float] = []
+    lm.model.register_forward_pre_hook(lambda *_: stamps.append(time.perf_counter()))
+
+    def step_times(fn, cfg) -> list[float]:
+        """Seconds between consecutive forward calls of one decode (one step: forward + choice), the
+        prefill and the first step left out."""
+        stamps.clear()
+        fn(cfg, DecodeRequest(lm, batch, args.new))
+        return [b - a for a, b in zip(stamps[2:], stamps[3:], strict=False)]
 
     for fn, cfg in strategies.values():  # warm-up (allocator, amateur load)
-        call(fn, cfg, 2)
+        step_times(fn, cfg)
     per_token: dict[str, list[float]] = {k: [] for k in strategies}
     for _ in range(args.reps):
         for name, (fn, cfg) in strategies.items():
-            long, short = call(fn, cfg, args.new), call(fn, cfg, 1)
-            per_token[name].append((long - short) / (args.new - 1))
-    med = {k: min(v) for k, v in per_token.items()}  # the least disturbed repetition (shared machines)
+            per_token[name].extend(step_times(fn, cfg))
+    med = {k: statistics.median(v) for k, v in per_token.items()}
     print(f"model {args.model} ({geo.n_layers} layers, {geo.n_heads} heads, vocab {lm.model.config.vocab_size}), "
           f"batch {args.batch}, prompt {batch.length} tokens, {args.new} new tokens, threads {args.threads}, "
           f"DeCoRe masks {len(heads)} heads")

@@ -521,6 +521,18 @@ def attention_forward(
         plan = None
     else:
         plan = sess.plan
+        if softcap is None and _scales_only(plan, layer) and not (dropout and module.training):
+            # only query / output scales on this layer (head masking, DeCoRe, ablation): exactly SDPA with
+            # the query scaled before and the head outputs scaled after
+            edits = sess.edits_for(layer, query.shape[0], query.shape[1], key.shape[2], 0, query.device)
+            qs, osc = edits["q_scale"], edits["out_scale"]
+            q = query if qs is None else query * qs[:, :, None, None].to(query.dtype)
+            out, _ = sdpa_attention_forward(module, q, key, value, attention_mask, dropout=dropout,
+                                            scaling=scaling, **kwargs)
+            if osc is not None:
+                out = out * osc[:, None, :, None].to(out.dtype)
+            _advance(sess, layer, query.shape[2])
+            return out, None
     if dropout and module.training and plan is not None:
         raise UnsupportedModelError("headlab: attention dropout is not supported inside instrument()")
 
@@ -609,6 +621,16 @@ def attention_forward(
             rec.calls += 1
     _advance(sess, layer, Nq)
     return z.transpose(1, 2).contiguous(), None
+
+
+def _scales_only(plan: Plan, layer: int) -> bool:
+    """True when the plan's only effect on ``layer`` is query and/or output scaling (no probes, biases,
+    score zeroing or callbacks), which SDPA computes exactly on a scaled query."""
+    if (plan._callbacks or plan.probes.covers(layer) or plan.key_spans is not None or plan.score_zero is not None
+            or plan.backend not in ("auto", "sdpa")):
+        return False
+    return all(isinstance(e, _HeadEdit) and e.kind != "score_zero"
+               for e in plan._edits if any(ly == layer for ly, _ in e.heads))
 
 
 def _advance(sess: _Session, layer: int, nq: int) -> None:
