@@ -205,38 +205,28 @@ def build_spec_model(registry: Registry) -> type[BaseModel]:
 
     Task, Detector, Steer, Decoder, Metric = (typed(c) for c in CATEGORIES)
 
-    class Generate(StrictModel):
-        """Generate continuations for every example, optionally steered and with a decoding strategy."""
-
+    class _Decoding(StrictModel):
         decode: Decoder = Field(description="decoding strategy (default: greedy)")
         steer: list[Steer] = Field(default_factory=list, description="steering methods applied together")
+        batch_size: int = Field(8, ge=1, description="prompts (generate) or prompt+choice rows (score) per forward")
+
+        @model_validator(mode="before")
+        @classmethod
+        def _default_decoder(cls, data: Any) -> Any:
+            if isinstance(data, Mapping) and data.get("decode") is None:
+                data = {**data, "decode": {"kind": "greedy"}}
+            return data
+
+    class Generate(_Decoding):
+        """Generate continuations for every example, optionally steered and with a decoding strategy."""
+
         metrics: list[Annotated[Metric, BeforeValidator(_coerce_metric)]] = Field(default_factory=list)
         max_new_tokens: int = Field(16, ge=1)
         stop: list[str] = Field(default_factory=list, description="stop strings")
-        batch_size: int = Field(8, ge=1)
 
-        @model_validator(mode="before")
-        @classmethod
-        def _default_decoder(cls, data: Any) -> Any:
-            if isinstance(data, Mapping) and data.get("decode") is None:
-                data = {**data, "decode": {"kind": "greedy"}}
-            return data
-
-    class Score(StrictModel):
+    class Score(_Decoding):
         """Score every example's choices (``prompt + choice``, summed over the choice's tokens) under a
-        decoding strategy; multiple-choice metrics MC1, MC2, MC3 and accuracy."""
-
-        decode: Decoder = Field(description="decoding strategy whose per-token scores rank the choices "
-                                "(default: greedy, the model's log-likelihood)")
-        steer: list[Steer] = Field(default_factory=list, description="steering methods applied together")
-        batch_size: int = Field(8, ge=1, description="rows (one per example and choice) per forward")
-
-        @model_validator(mode="before")
-        @classmethod
-        def _default_decoder(cls, data: Any) -> Any:
-            if isinstance(data, Mapping) and data.get("decode") is None:
-                data = {**data, "decode": {"kind": "greedy"}}
-            return data
+        decoding strategy (greedy: the model's log-likelihood); metrics MC1, MC2, MC3 and accuracy."""
 
     class Step(StrictModel):
         """One step of the experiment: exactly one action."""
