@@ -71,6 +71,16 @@ def request_for(lm: LoadedModel, prompts: list[str], max_new: int = 8, **kw) -> 
     return DecodeRequest(lm, tokenize(lm, [Example(prompt=p) for p in prompts]), max_new, **kw)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread; two threads on a shared, oversubscribed CPU stall at every
+    parallel region (10-40x slower). Restored after the module."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def lm() -> LoadedModel:
     return word_model()

@@ -8,7 +8,14 @@ import math
 
 import pytest
 import torch
-from test_decoding_common import eager_twin, ids_of, model_config, request_for, word_model
+from test_decoding_common import (
+    eager_twin,
+    ids_of,
+    model_config,
+    one_thread,  # noqa: F401  (autouse)
+    request_for,
+    word_model,
+)
 
 from headlab.context import Example
 from headlab.generation import DecodeRequest, tokenize

@@ -12,7 +12,14 @@ import math
 import numpy as np
 import pytest
 import torch
-from test_decoding_common import eager_twin, ids_of, random_prompts, request_for, word_model
+from test_decoding_common import (
+    eager_twin,
+    ids_of,
+    one_thread,  # noqa: F401  (autouse)
+    random_prompts,
+    request_for,
+    word_model,
+)
 
 from headlab.plugins.decoding.decore import DeCoRe, decore, resolve_heads
 from headlab.plugins.decoding.greedy import Greedy, greedy

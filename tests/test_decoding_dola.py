@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_decoding_common import eager_twin, ids_of, random_prompts, request_for, word_model
+from test_decoding_common import (
+    eager_twin,
+    ids_of,
+    one_thread,  # noqa: F401  (autouse)
+    random_prompts,
+    request_for,
+    word_model,
+)
 
 from headlab.plugins.decoding.dola import DoLa, candidate_layers, divergence, dola
 from headlab.plugins.decoding.greedy import Greedy, greedy

@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_decoding_common import eager_twin, model_config, word_model, word_tokenizer
+from test_decoding_common import (
+    eager_twin,
+    model_config,
+    one_thread,  # noqa: F401  (autouse)
+    word_model,
+    word_tokenizer,
+)
 from test_decoding_contrastive import AMATEUR
 from test_decoding_decore import masked_queries
 
