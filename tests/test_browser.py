@@ -1,0 +1,218 @@
+"""The widgets in a real browser: JupyterLab headless on localhost, the quickstart notebook opened in
+Debian's chromium (driven by Playwright through its executable path), run top to bottom; the widgets
+must render, respond to the mouse through the kernel, and nothing may be fetched from outside
+localhost. A screenshot is saved (to ``$HEADLAB_ARTIFACTS`` when set, else the test's tmp dir).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage"]
+
+if not Path(CHROMIUM).is_file():
+    pytest.skip(f"{CHROMIUM} is missing and could not be installed (`apt-get install chromium`; .ci/setup does it)",
+                allow_module_level=True)
+playwright_sync = pytest.importorskip("playwright.sync_api", reason="needs the notebook extras (playwright)")
+pytest.importorskip("jupyterlab", reason="needs the notebook extras (jupyterlab)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _embedded_model() -> str | None:
+    from headlab.plugin_manager import get_manager
+
+    if os.environ.get("HEADLAB_NOTEBOOK_MODEL"):
+        return os.environ["HEADLAB_NOTEBOOK_MODEL"]
+    return "headlab-tiny" if "headlab-tiny" in get_manager().components["models"] else None
+
+
+@pytest.fixture
+def lab(tmp_path):
+    """JupyterLab on 127.0.0.1 with a copy of the quickstart notebook; yields (url, token, dir)."""
+    model = _embedded_model()
+    if model is None:
+        pytest.skip("the embedded model headlab-tiny is not in this checkout yet")
+    work = tmp_path / "lab"
+    work.mkdir()
+    shutil.copy(ROOT / "notebooks" / "quickstart.ipynb", work / "quickstart.ipynb")
+    config = tmp_path / "jupyter-config"
+    (config / "labconfig").mkdir(parents=True)
+    (config / "labconfig" / "page_config.json").write_text(json.dumps(
+        {"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}}))
+    # render every cell (no virtual scrolling), so the DOM holds every output
+    settings = tmp_path / "lab-settings" / "@jupyterlab" / "notebook-extension"
+    settings.mkdir(parents=True)
+    (settings / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
+    port, token = _free_port(), secrets.token_hex(16)
+    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(config), "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
+           "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "workspaces"),
+           "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "lab-settings"), "HEADLAB_NOTEBOOK_MODEL": model,
+           "HEADLAB_NOTEBOOK_OUT": str(tmp_path / "runs"), "HF_HUB_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false", "JUPYTER_PLATFORM_DIRS": "1"}
+    log = (tmp_path / "lab.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
+         "--ServerApp.port_retries=0", "--allow-root", "--ServerApp.terminals_enabled=False",
+         "--LabApp.extension_manager=readonly", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={work}",
+         "--LabApp.expose_app_in_browser=True", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+         "--LabApp.news_url=None"],
+        cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.time() > deadline:
+                pytest.fail("JupyterLab did not start:\n" + (tmp_path / "lab.log").read_text()[-3000:])
+            time.sleep(0.5)
+        yield url, token, work
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def _wait(page, js: str, timeout_s: float, what: str, tmp_path: Path):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        value = page.evaluate(js)
+        if value:
+            return value
+        page.wait_for_timeout(250)
+    page.screenshot(path=str(tmp_path / "timeout.png"), full_page=True)
+    prompts = page.evaluate("() => [...document.querySelectorAll('.jp-InputPrompt')].map(p => p.textContent).join(' ')")
+    pytest.fail(f"timed out waiting for {what}; prompts {prompts}; screenshot at {tmp_path / 'timeout.png'}")
+
+
+def test_quickstart_widgets_render_and_respond_in_jupyterlab(lab, tmp_path):
+    url, token, work = lab
+    artifacts = Path(os.environ.get("HEADLAB_ARTIFACTS", tmp_path))
+    artifacts.mkdir(parents=True, exist_ok=True)
+    outside: list[str] = []
+    with playwright_sync.sync_playwright() as pw:
+        context = pw.chromium.launch_persistent_context(
+            str(tmp_path / "chromium-profile"), executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS,
+            viewport={"width": 1400, "height": 1000}, accept_downloads=False)
+        try:
+            page = context.pages[0] if context.pages else context.new_page()
+            page.on("request", lambda r: None if r.url.startswith((url, "data:", "blob:", "about:"))
+                    else outside.append(r.url))
+            page.goto(f"{url}/lab/tree/quickstart.ipynb?token={token}", timeout=120_000)
+            _wait(page, "() => !!(window.jupyterapp && document.querySelector('.jp-NotebookPanel .jp-Cell'))",
+                  120, "the notebook to open", tmp_path)
+            _wait(page, """() => { const w = window.jupyterapp.shell.currentWidget;
+                       const k = w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel;
+                       return !!k && k.connectionStatus === 'connected' && k.status === 'idle'; }""",
+                  120, "the kernel", tmp_path)
+            page.evaluate("""() => { window.__headlabRun = null;
+                window.jupyterapp.commands.execute('notebook:run-all-cells').then(
+                  r => window.__headlabRun = 'done', e => window.__headlabRun = 'error: ' + e); return true; }""")
+            n_code = page.evaluate("() => document.querySelectorAll('.jp-NotebookPanel .jp-CodeCell').length")
+            _wait(page, f"""() => {{
+                const prompts = [...document.querySelectorAll('.jp-NotebookPanel .jp-CodeCell .jp-InputPrompt')]
+                  .map(p => p.textContent.trim());
+                return prompts.length === {n_code} && prompts.every(p => /^\\[\\d+\\]:$/.test(p));
+            }}""", 300, "every cell to run", tmp_path)
+            tracebacks = page.locator(".jp-RenderedText[data-mime-type='application/vnd.jupyter.error']")
+            assert tracebacks.count() == 0, tracebacks.first.text_content()[:2000]
+
+            # SpecRunner: finished, progress bars full, results rendered inside it
+            runner = page.locator(".headlab-spec-runner").first
+            assert "complete" in runner.locator(".headlab-run-status").text_content()
+            assert runner.locator(".headlab-run-results .headlab-headmap").count() == 2
+            bars = runner.locator(".widget-hprogress .progress-bar")
+            assert bars.count() == 2
+            assert "width: 100%" in (bars.first.get_attribute("style") or "")
+            assert "progress-bar-success" in (bars.first.get_attribute("class") or "")
+            # HeadMaps: one cell per head, top-3 selected, the spec fragment shown
+            maps = page.locator(".jp-OutputArea-output .headlab-headmap")
+            assert maps.count() >= 4
+            hm = maps.nth(2)  # the "induction" map of section 3
+            cells = hm.locator(".hl-cell")
+            n_cells = cells.count()
+            assert n_cells >= 4 and hm.locator(".hl-sel").count() == 3
+            assert hm.locator(".hl-fragment").text_content().startswith("heads: [[")
+            # hover shows the value; a click toggles the head in Python, whose fragment comes back
+            target = hm.locator(".hl-cell:not(.hl-sel)").first
+            layer, head = target.get_attribute("data-layer"), target.get_attribute("data-head")
+            target.hover()
+            assert hm.locator(".hl-tip").text_content().startswith(f"layer {layer}, head {head}: ")
+            target.click()
+            _wait(page, f"""() => {{ const m = document.querySelectorAll('.jp-OutputArea-output .headlab-headmap')[2];
+                return m.querySelector('.hl-fragment').textContent.includes('[{layer}, {head}]')
+                    && m.querySelectorAll('.hl-sel').length === 4; }}""", 30, "the click to reach the kernel", tmp_path)
+            # drag a 2x2 block from the top-left cell: the block joins the selection
+            first = hm.locator('.hl-cell[data-layer="0"][data-head="0"]').bounding_box()
+            last = hm.locator('.hl-cell[data-layer="1"][data-head="1"]').bounding_box()
+            page.mouse.move(first["x"] + 4, first["y"] + 4)
+            page.mouse.down()
+            page.mouse.move(last["x"] + 4, last["y"] + 4, steps=4)
+            page.mouse.up()
+            _wait(page, """() => { const m = document.querySelectorAll('.jp-OutputArea-output .headlab-headmap')[2];
+                const t = m.querySelector('.hl-fragment').textContent;
+                return ['[0, 0]', '[0, 1]', '[1, 0]', '[1, 1]'].every(s => t.includes(s)); }""", 30,
+                  "the drag selection", tmp_path)
+            # AttentionView: every token shown; clicking a token makes it the query (recomputed in Python)
+            att = page.locator(".headlab-attention").first
+            toks = att.locator(".hl-tok")
+            assert toks.count() == 33 and att.locator(".hl-query").count() == 1
+            toks.nth(10).click()
+            _wait(page, """() => { const a = document.querySelector('.headlab-attention');
+                return a.querySelector('.hl-caption').textContent.includes('query #10')
+                    && a.querySelector('.hl-query').dataset.pos === '10'
+                    && a.querySelectorAll('.hl-future').length === 22; }""", 30, "the query change", tmp_path)
+            # RunBrowser: lists the run
+            assert page.locator(".headlab-run-browser table.hl-runs tbody tr").count() == 1
+            # inline validation: a typo in the editor shows the located error under it
+            editor = runner.locator("textarea")
+            editor.fill(editor.input_value().replace("kind: induction", "kind: inductoin"))
+            editor.press("Tab")  # the editor syncs on blur
+            _wait(page, """() => { const e = document.querySelector('.headlab-spec-runner .headlab-spec-errors');
+                return e && e.textContent.includes("unknown detector kind 'inductoin'")
+                    && !!e.querySelector('.hl-error-line'); }""", 30, "the inline error", tmp_path)
+            runner.scroll_into_view_if_needed()
+            shot = artifacts / "browser-quickstart.png"
+            page.screenshot(path=str(shot), full_page=False)
+            hm.scroll_into_view_if_needed()
+            page.screenshot(path=str(artifacts / "browser-headmap.png"))
+        finally:
+            context.close()
+    assert not outside, f"requests left localhost: {outside[:5]}"
+    data = shot.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+    try:
+        from PIL import Image
+
+        img = Image.open(shot).convert("L")
+        lo, hi = img.getextrema()
+        assert hi - lo > 100  # not a blank page
+    except ImportError:  # pragma: no cover - pillow comes with the notebook extras
+        pass
