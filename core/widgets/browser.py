@@ -210,7 +210,14 @@ class Compare(w.VBox):
                                  + _df_html(self.heads, "hl-heads") + "</div>")
         self.generations_html = w.HTML()
         self._update_generations()
-        super().__init__([self.metrics_html, self.heads_html, self.example_start, self.generations_html])
+        children: list[w.Widget] = []
+        if not self.metrics.empty:
+            children.append(self.metrics_html)
+        if not self.heads.empty:
+            children.append(self.heads_html)
+        if n:
+            children += [self.example_start, self.generations_html]
+        super().__init__(children)
         self.add_class("headlab-compare-widget")
 
     def generations(self, examples: Sequence[int] | None = None) -> pd.DataFrame:

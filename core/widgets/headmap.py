@@ -140,7 +140,8 @@ export default {
 """.replace("%PALETTE%", json.dumps([list(c) for c in PALETTE])).replace("%NAN%", NAN_COLOR)
 
 _CSS = """
-.headlab-headmap { font-family: sans-serif; font-size: 11px; user-select: none; }
+.headlab-headmap { font-family: sans-serif; font-size: 11px; user-select: none; margin: 0 24px 8px 0;
+  max-width: 680px; }
 .headlab-headmap .hl-title { font-weight: bold; font-size: 12px; margin-bottom: 4px; }
 .headlab-headmap .hl-wrap { display: flex; gap: 8px; align-items: flex-start; }
 .headlab-headmap .hl-grid { display: grid; gap: 0; align-items: center; }
