@@ -291,6 +291,30 @@ def _generate_section(run: Run, step: str, ds: xr.Dataset, n_examples: int) -> s
     return "".join(out)
 
 
+def _values_section(step: str, ds: xr.Dataset) -> str:
+    """Small numeric variables of a step without head scores or generations (e.g. ``ablation``)."""
+    out = [f'<section class="step values" id="step-{escape(step)}"><h2>{escape(step)}: '
+           f'{escape(str(ds.attrs.get("action", "")))} <code>{escape(str(ds.attrs.get("method", "")))}</code></h2>']
+    names = [str(n) for n in ds.attrs.get("metrics", [])] or [str(n) for n in ds.data_vars]
+    rows = []
+    for name in names:
+        if name not in ds:
+            continue
+        da = ds[name]
+        if da.dtype.kind not in "fiub" or da.size > 64 or "example" in da.dims or "token" in da.dims:
+            continue
+        if da.ndim == 0:
+            rows.append([name, "", float(da)])
+        else:
+            for idx in np.ndindex(da.shape):
+                label = ", ".join(f"{d}={_plain(da[d].values[i]) if d in da.coords else i}"
+                                  for d, i in zip(da.dims, idx, strict=True))
+                rows.append([name, label, float(da.values[idx])])
+    out.append(_table(["variable", "at", "value"], rows, "values") if rows else "<p>(no small numeric results)</p>")
+    out.append("</section>")
+    return "".join(out)
+
+
 CSS = """
 body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px;color:#222;max-width:1200px}
 h1{font-size:22px}h2{font-size:17px;border-bottom:1px solid #ddd;padding-bottom:4px;margin-top:28px}
@@ -325,8 +349,10 @@ def render_report(run: Run | str | Path, *, n_examples: int = 8) -> str:
     for step, ds in results.items():
         if "score" in ds and {"layer", "head"} <= set(ds["score"].dims):
             parts.append(_detect_section(run, step, ds))
-        elif "output" in ds:
+        elif "output" in ds and ds.attrs.get("action", "generate") == "generate":
             parts.append(_generate_section(run, step, ds, n_examples))
+        else:
+            parts.append(_values_section(step, ds))
     parts.append(f"<h2>spec</h2><pre>{escape(run.spec_text)}</pre>")
     parts.append(f'<p style="color:#888;font-size:11px">{escape(str(run.path))}</p></body></html>')
     return "\n".join(parts)

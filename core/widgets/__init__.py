@@ -21,12 +21,21 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("headlab.widgets needs the notebook extras: pip install 'headlab[notebook]'") from e
 
 from .attention import AttentionView, TokenView
-from .browser import Compare, RunBrowser, diff_html, generation_table, metric_table, top_heads_table
+from .browser import (
+    Compare,
+    RunBrowser,
+    diff_html,
+    generation_table,
+    generations_html,
+    metric_table,
+    side_by_side,
+    top_heads_table,
+)
 from .headmap import HeadMap, as_head_scores, spec_fragment
 from .runner import SpecRunner, WidgetReporter, error_html
 
 __all__ = [
     "AttentionView", "Compare", "HeadMap", "RunBrowser", "SpecRunner", "TokenView", "WidgetReporter",
-    "as_head_scores", "diff_html", "error_html", "generation_table", "metric_table", "spec_fragment",
-    "top_heads_table",
+    "as_head_scores", "diff_html", "error_html", "generation_table", "generations_html", "metric_table",
+    "side_by_side", "spec_fragment", "top_heads_table",
 ]

@@ -51,6 +51,12 @@ def _is_detect(ds: xr.Dataset) -> bool:
     return "score" in ds and {"layer", "head"} <= set(ds["score"].dims)
 
 
+def _is_generate(ds: xr.Dataset) -> bool:
+    """A generate step's dataset (``output`` per example); detect steps that also decode are not."""
+    action = ds.attrs.get("action")
+    return "output" in ds and (action == "generate" or (action is None and not _is_detect(ds)))
+
+
 def metric_table(runs: Iterable[Run | str | Path], steps: Sequence[str] | None = None) -> pd.DataFrame:
     """One row per (run, generate step, sweep cell), one column per metric (mean over examples).
 
@@ -59,7 +65,7 @@ def metric_table(runs: Iterable[Run | str | Path], steps: Sequence[str] | None =
     rows = []
     for run in map(_as_run, runs):
         for step, ds in run.results.items():
-            if _is_detect(ds) or (steps is not None and step not in steps):
+            if not _is_generate(ds) or (steps is not None and step not in steps):
                 continue
             metrics = [m for m in ds.attrs.get("metrics", []) if m in ds]
             for cell in _cells_of(run, ds["output"]):
@@ -100,7 +106,7 @@ def generation_columns(runs: Iterable[Run | str | Path], steps: Sequence[str] | 
     runs = list(map(_as_run, runs))
     for run in runs:
         for step, ds in run.results.items():
-            if "output" not in ds or (steps is not None and step not in steps):
+            if not _is_generate(ds) or (steps is not None and step not in steps):
                 continue
             for cell in _cells_of(run, ds["output"]):
                 label = step if len(runs) == 1 else f"{run.path.name}/{step}"
@@ -200,7 +206,7 @@ class Compare(w.VBox):
         self.n_examples = n_examples
         self.metrics = metric_table(self.runs, steps)
         self.heads = top_heads_table(self.runs)
-        n = max((ds.sizes.get("example", 0) for r in self.runs for ds in r.results.values() if "output" in ds),
+        n = max((ds.sizes.get("example", 0) for r in self.runs for ds in r.results.values() if _is_generate(ds)),
                 default=0)
         self.example_start = w.IntSlider(value=0, min=0, max=max(0, n - 1), description="from example")
         self.example_start.observe(lambda _: self._update_generations(), names="value")
@@ -280,3 +286,13 @@ class RunBrowser(w.VBox):
         summary = w.HTML(first._repr_html_())
         self.compare = Compare(picked)
         self.detail.children = [summary, w.HBox(maps), self.compare]
+
+
+def side_by_side(table: pd.DataFrame, *, prompt_chars: int = 200) -> w.HTML:
+    """A widget showing generations side by side: ``table`` has columns ``prompt``, ``target`` and one
+    per generation (as :func:`generation_table` returns); differences from the first generation column
+    are highlighted."""
+    out = w.HTML(_TABLE_CSS + '<div class="headlab-compare">' + generations_html(table, prompt_chars=prompt_chars)
+                 + "</div>")
+    out.add_class("headlab-side-by-side")
+    return out

@@ -269,7 +269,11 @@ class SpecRunner(w.VBox):
             self.run_path = result.path
             self._set_state("complete", f"in {time.time() - started:.1f}s: {result.cells_done}/"
                             f"{result.cells_total} cells stored in {result.path}")
-            self._show_results(result)
+            try:
+                self._show_results(result)
+            except Exception as e:  # the run is stored; only its display failed
+                self.exception = e
+                self.results.children = [w.HTML(f"<pre>cannot show the results: {html.escape(repr(e))}</pre>")]
 
         self._thread = threading.Thread(target=target, name="headlab-spec-runner", daemon=True)
         self._thread.start()
