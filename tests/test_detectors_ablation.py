@@ -34,16 +34,26 @@ def surgery(model, heads, mode: str):
     return m
 
 
-def greedy_batch1(model, tok, prompt: str, max_new: int) -> str:
+def greedy_batch1(model, tok, prompt: str, max_new: int, prefix_model=None) -> str:
+    """Greedy decoding of one prompt; with ``prefix_model`` the prompt minus its last token is prefilled by
+    that (unmasked) model and ``model`` continues from its KV cache."""
     ids = torch.tensor([tok(prompt)["input_ids"]])
     out = []
     with torch.no_grad():
+        cache = None
+        if prefix_model is not None:
+            cache = prefix_model(input_ids=ids[:, :-1], use_cache=True).cache
+            feed = ids[:, -1:]
+        else:
+            feed = ids
         for _ in range(max_new):
-            nxt = int(model(input_ids=ids).logits[0, -1].argmax())
+            o = model(input_ids=feed, cache=cache, use_cache=True)
+            cache = o.cache
+            nxt = int(o.logits[0, -1].argmax())
             if nxt == tok.eos_token_id:
                 break
             out.append(nxt)
-            ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+            feed = torch.tensor([[nxt]])
     return tok.decode(out, skip_special_tokens=True)
 
 
@@ -66,8 +76,8 @@ def _task(tmp_path, tok, eager, n=4):
     return path, records
 
 
-@pytest.mark.parametrize("mode, match_layers", [("query", False), ("output", True)])
-def test_ablation_equals_weight_surgery_reference(tmp_path, setup, mode, match_layers):
+@pytest.mark.parametrize("mode, match_layers, mask_prompt", [("query", False, True), ("output", True, False)])
+def test_ablation_equals_weight_surgery_reference(tmp_path, setup, mode, match_layers, mask_prompt):
     tok, _, models = setup
     eager = models["eager"]
     path, records = _task(tmp_path, tok, eager)
@@ -76,7 +86,8 @@ def test_ablation_equals_weight_surgery_reference(tmp_path, setup, mode, match_l
     spec = (f"name: t\nseed: 3\nmodel: {{config: {json.dumps(cfg)}}}\n"
             f"task: {{kind: jsonl, path: {path}, prompt: '{{{{ text }}}}', target: '{{{{ answer }}}}'}}\n"
             f"steps:\n  - id: abl\n    detect: {{kind: ablation, heads: {json.dumps(heads)}, k: [1, 3], draws: 2, "
-            f"mode: {mode}, match_layers: {str(match_layers).lower()}, max_new_tokens: {MAX_NEW}, batch_size: 5, "
+            f"mode: {mode}, match_layers: {str(match_layers).lower()}, mask_prompt: {str(mask_prompt).lower()}, "
+            f"max_new_tokens: {MAX_NEW}, batch_size: 5, "
             f"metric: {{kind: needle_recall, raw: true, reference: target}}}}\n")
     ds = headlab.run(spec, out=tmp_path / "runs").results["abl"]
     scorer = rouge_scorer.RougeScorer(["rouge1"], use_stemmer=True)
@@ -84,7 +95,7 @@ def test_ablation_equals_weight_surgery_reference(tmp_path, setup, mode, match_l
     def check(masked, outputs, values):
         model = surgery(eager, masked, mode) if masked else eager
         for i, r in enumerate(records):
-            ref = greedy_batch1(model, tok, r["text"], MAX_NEW)
+            ref = greedy_batch1(model, tok, r["text"], MAX_NEW, prefix_model=None if mask_prompt else eager)
             assert outputs[i] == ref
             assert values[i] == pytest.approx(scorer.score(" " + r["answer"], ref.strip())["rouge1"].recall)
 

@@ -8,6 +8,10 @@ heads drawn at random are masked instead (drawn from the heads outside those top
 ``match_layers`` the same number per layer as the top ``k``). Every condition decodes the task's
 examples greedily and scores the outputs with a metric plugin (default ``needle_recall``).
 
+With ``mask_prompt: false`` the prompt minus its last token is prefilled unmasked and the masks act from
+the last prompt token on (the masked branch of DeCoRe's reference code): the heads are removed from the
+computation of the answer, not from the reading of the context.
+
 All conditions of an example run as rows of one batched forward with per-row edits
 (:meth:`headlab.instrument.Plan.mask_heads` with ``rows``): the unmasked base, each top-``k`` mask and
 each random draw are different rows of the same batch.
@@ -46,6 +50,8 @@ class Ablation(ComponentConfig):
     exclude_selected: bool = Field(True, description="random heads are drawn from heads outside the top k")
     mode: Literal["query", "score", "output"] = Field(
         "query", description="mask: zero the query (reference), the scores, or the head output")
+    mask_prompt: bool = Field(True, description="mask during the prompt too; false: prefill the prompt minus its "
+                              "last token unmasked, mask from the last prompt token on (DeCoRe's reference)")
     metric: str | dict[str, Any] = Field("needle_recall", description="metric kind, or {kind, ...options}")
     max_new_tokens: int = Field(16, ge=1)
     stop: list[str] = Field(default_factory=list, description="stop strings")
@@ -97,11 +103,13 @@ def draw_random_heads(top: list[Head], geometry: Geometry, rng: np.random.Genera
 
 def ablate(lm: LoadedModel, examples: list[Example], conditions: list[list[Head]], *, mode: str = "query",
            max_new_tokens: int = 16, stop: list[str] | None = None, batch_size: int = 32,
-           progress: Any = None) -> list[list[str]]:
+           mask_prompt: bool = True, progress: Any = None) -> list[list[str]]:
     """Greedy outputs of every example under every condition (a list of heads to mask; [] = none).
 
     Returns ``outputs[condition][example]``. Rows are (example, condition) pairs, batched ``batch_size``
-    rows at a time with per-row masks; examples are grouped by prompt length.
+    rows at a time with per-row masks; examples are grouped by prompt length. ``mask_prompt=False``
+    prefills the prompt minus its last token unmasked and masks from the last prompt token on (DeCoRe's
+    reference masked branch), so the masks act on the queries that produce the answer only.
     """
     from headlab.instrument import Plan
 
@@ -115,11 +123,20 @@ def ablate(lm: LoadedModel, examples: list[Example], conditions: list[list[Head]
     for chunk in it:
         batch = tokenize(lm, [examples[i] for i, _ in chunk])
         plan = Plan()
-        for r, (_, c) in enumerate(chunk):
-            if conditions[c]:
-                plan.mask_heads(conditions[c], rows=[r], mode=mode)
-        request = DecodeRequest(lm, batch, max_new_tokens, list(stop or []), None if plan.is_empty() else plan)
-        texts = decode_loop(request, lambda out, _: out.logits[:, -1].argmax(-1)).texts
+
+        def add_masks(plan: Plan = plan, chunk: list = chunk) -> None:
+            for r, (_, c) in enumerate(chunk):
+                if conditions[c]:
+                    plan.mask_heads(conditions[c], rows=[r], mode=mode)
+
+        greedy = lambda out, _: out.logits[:, -1].argmax(-1)  # noqa: E731
+        if mask_prompt:
+            add_masks()
+            request = DecodeRequest(lm, batch, max_new_tokens, list(stop or []), None if plan.is_empty() else plan)
+            texts = decode_loop(request, greedy).texts
+        else:
+            request = DecodeRequest(lm, batch, max_new_tokens, list(stop or []), plan)
+            texts = decode_loop(request, greedy, split_prompt=add_masks).texts
         for (i, c), text in zip(chunk, texts, strict=True):
             outputs[c][i] = text
     return outputs
@@ -141,7 +158,8 @@ def detect(config: Ablation, ctx: StepContext) -> xr.Dataset:
                                 exclude=config.exclude_selected) for _ in range(config.draws)] for k in ks]
     conditions: list[list[Head]] = [[]] + [ranked_heads[:k] for k in ks] + [d for per_k in draws for d in per_k]
     outputs = ablate(ctx.model, ctx.examples, conditions, mode=config.mode, max_new_tokens=config.max_new_tokens,
-                     stop=config.stop, batch_size=config.batch_size, progress=ctx.progress)
+                     stop=config.stop, batch_size=config.batch_size, mask_prompt=config.mask_prompt,
+                     progress=ctx.progress)
     mcfg = metric_config(config.metric)
     compute = get_manager().get("metrics", mcfg.kind).impl
     values = [np.asarray(compute(mcfg, ctx.examples, out), dtype=float) for out in outputs]
@@ -175,7 +193,8 @@ def detect(config: Ablation, ctx: StepContext) -> xr.Dataset:
         },
         coords=coords,
     )
-    ds.attrs.update(method="ablation", metric=mcfg.kind, mode=config.mode, metrics=["base", "top", "random"],
+    ds.attrs.update(method="ablation", metric=mcfg.kind, mode=config.mode, mask_prompt=config.mask_prompt,
+                    metrics=["base", "top", "random"],
                     match_layers=config.match_layers, model=ctx.model.name,
                     reference="METHODS.md#causal-check-by-ablation")
     return ds
