@@ -134,3 +134,19 @@ def test_report_of_run_without_sweep(tmp_path):
     np.testing.assert_allclose(sorted(float(a["data-value"]) for a in cells),
                                sorted(run.results["ind"]["score"].values.ravel()), rtol=1e-3)
     assert Path(write_report(run, tmp_path / "x.html")).is_file()
+
+
+def test_values_section_lists_small_numeric_results():
+    import xarray as xr
+
+    from headlab.report import _values_section
+
+    ds = xr.Dataset({"base": ((), 0.75), "top": (("k",), [0.0, 0.25]), "random": (("k", "draw"), [[0.5, 0.7], [0.6, 0.4]]),
+                     "base_example": (("example",), [1.0, 0.5])},
+                    coords={"k": [4, 8]}, attrs={"action": "detect", "method": "ablation",
+                                                  "metrics": ["base", "top", "random"]})
+    html = _values_section("ablation", ds)
+    rows = re.findall(r"<tr><td>(\w+)</td><td>([^<]*)</td><td class=\"num\">([^<]+)</td></tr>", html)
+    assert rows == [("base", "", "0.75"), ("top", "k=4", "0"), ("top", "k=8", "0.25"),
+                    ("random", "k=4, draw=0", "0.5"), ("random", "k=4, draw=1", "0.7"),
+                    ("random", "k=8, draw=0", "0.6"), ("random", "k=8, draw=1", "0.4")]
