@@ -326,10 +326,29 @@ def random_needle(rng: random.Random, exclude_subjects: Sequence[str] = ()) -> t
             subj = rng.choice(NAMES)
         if subj not in exclude_subjects:
             break
-    n = rng.choice((1, 2, 2, 3, 3, 4, 5, 6, 8))
-    pool = NEEDLE_WORDS + NOUNS + ADJS + PLACES
-    answer = " ".join(rng.choice(pool) for _ in range(n))
+    if rng.random() < 0.4:  # a phrase with function words, like "eat a sandwich and sit in Dolores Park"
+        answer = _activity(rng)
+    else:
+        n = rng.choice((1, 2, 2, 3, 3, 4, 5, 6, 8))
+        pool = NEEDLE_WORDS + NOUNS + ADJS + PLACES
+        answer = " ".join(rng.choice(pool) for _ in range(n))
     return tmpl.format(s=subj, v=answer), q.format(s=subj), answer
+
+
+_ACTIVITY_VERBS = "eat sit ride read visit watch climb swim dance".split()
+
+
+def _activity(rng: random.Random) -> str:
+    """A short activity phrase: 'eat a sandwich', 'ride a red bicycle and sit in Oslo Park', ..."""
+    def part() -> str:
+        v = rng.choice(_ACTIVITY_VERBS)
+        r = rng.random()
+        if r < 0.4:
+            return f"{v} a {rng.choice(NOUNS + ['sandwich', 'bicycle', 'picnic'])}"
+        if r < 0.7:
+            return f"{v} in {rng.choice(PLACES + ['Dolores'])} {rng.choice(['Park', 'museum', 'garden', 'market'])}"
+        return f"{v} the {rng.choice(ADJS)} {rng.choice(NOUNS)}"
+    return part() if rng.random() < 0.3 else f"{part()} and {part()}"
 
 
 def reference_context_lengths(lo: int = 128, hi: int = 2048, n: int = 20) -> list[int]:

@@ -81,19 +81,29 @@ def greedy(model, ids: list[int], max_new: int = 16, eos: int = 2, want_attn: bo
 
     inp = torch.tensor([ids])
     cache = DynamicCache()
-    if inp.shape[1] > 1:
-        model(input_ids=inp[:, :-1], past_key_values=cache, use_cache=True)
-    cur = inp[:, -1:]
-    out, tops = [], []
-    for _ in range(max_new):
-        o = model(input_ids=cur, past_key_values=cache, use_cache=True, output_attentions=want_attn)
-        nxt = int(o.logits[0, -1].argmax())
-        if want_attn:
-            tops.append(torch.stack([a[0, :, -1].argmax(-1) for a in o.attentions]))  # [L, H]
-        if nxt == eos:
-            break
-        out.append(nxt)
-        cur = torch.tensor([[nxt]])
+    impl = model.config._attn_implementation
+    fast_prefill = want_attn and impl == "eager"
+    try:
+        if inp.shape[1] > 1:
+            if fast_prefill:  # the prefill needs no attention weights: use SDPA, then eager to decode
+                model.set_attn_implementation("sdpa")
+            model(input_ids=inp[:, :-1], cache=cache, use_cache=True)
+            if fast_prefill:
+                model.set_attn_implementation(impl)
+        cur = inp[:, -1:]
+        out, tops = [], []
+        for _ in range(max_new):
+            o = model(input_ids=cur, cache=cache, use_cache=True, output_attentions=want_attn)
+            nxt = int(o.logits[0, -1].argmax())
+            if want_attn:
+                tops.append(torch.stack([a[0, :, -1].argmax(-1) for a in o.attentions]))  # [L, H]
+            if nxt == eos:
+                break
+            out.append(nxt)
+            cur = torch.tensor([[nxt]])
+    finally:
+        if model.config._attn_implementation != impl:
+            model.set_attn_implementation(impl)
     return out, tops
 
 
@@ -116,7 +126,10 @@ def eval_niah(model, tok, lengths, depths, seed=0):
     score_sum = torch.zeros(L, H)
     counted = 0
     per_instance = []
-    for ex in examples:
+    t0 = time.time()
+    for i, ex in enumerate(examples):
+        if i % 30 == 0:
+            print(f"  niah {i}/{len(examples)} ({time.time() - t0:.0f}s)", flush=True)
         enc = tok(ex["prompt"], return_offsets_mapping=True)
         ids = enc["input_ids"]
         s, e = span_to_tokens(enc["offset_mapping"], ex["needle_span"])
@@ -257,8 +270,10 @@ def _pasta_attention(module, query, key, value, attention_mask, scaling=None, dr
 
 def eval_pasta(model, tok, exs, alpha=0.01):
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
     AttentionInterface.register("pasta_eval", _pasta_attention)
+    AttentionMaskInterface.register("pasta_eval", eager_mask)  # else the function gets no causal mask
     prev = model.config._attn_implementation
     model.set_attn_implementation("pasta_eval")
     L, H = model.config.num_hidden_layers, model.config.num_attention_heads
@@ -330,11 +345,78 @@ def fmt_heads(mat, thr, top=8):
         f"  (>= {thr}: {int((t >= thr).sum())}/{t.numel()})"
 
 
+def to_markdown(res: dict) -> str:
+    """The measured tables, as in docs/model-card.md."""
+    lines = []
+    nia = res["niah"]
+    lens = list(nia["recall_by_length_depth"])
+    depths = list(next(iter(nia["recall_by_length_depth"].values())))
+    lines.append("Needle recall (ROUGE-1 recall > 0.5, greedy), context length (tokens) x needle depth:\n")
+    lines.append("| length | " + " | ".join(f"{float(d):.2f}" for d in depths) + " | mean |")
+    lines.append("|---" * (len(depths) + 2) + "|")
+    for L in lens:
+        row = nia["recall_by_length_depth"][L]
+        lines.append(f"| {L} | " + " | ".join(f"{row[d]:.2f}" for d in depths)
+                     + f" | **{nia['recall_by_length'][L]:.2f}** |")
+    lines.append(f"\nOverall {nia['recall_overall']:.3f} over {nia['n_examples']} prompts.\n")
+    lines.append("Key-value retrieval accuracy (exact match) by number of pairs:\n")
+    kv = res["kv_accuracy_by_pairs"]
+    lines.append("| pairs | " + " | ".join(kv) + " |")
+    lines.append("|---" * (len(kv) + 1) + "|")
+    lines.append("| accuracy | " + " | ".join(f"{v:.2f}" for v in kv.values()) + " |\n")
+    cp = res["copy_by_length"]
+    lines.append("Copying a repeated random sequence (given one copy and the first token of the second):\n")
+    lines.append("| length | " + " | ".join(cp) + " |")
+    lines.append("|---" * (len(cp) + 1) + "|")
+    lines.append("| exact | " + " | ".join(f"{v['exact']:.2f}" for v in cp.values()) + " |")
+    lines.append("| token accuracy | " + " | ".join(f"{v['token_acc']:.2f}" for v in cp.values()) + " |\n")
+    f = res["facts"]
+    lines.append(f"Closed-book facts: accuracy {f['closed_book_accuracy']:.2f} on the {len(S.FACTS)} capitals.\n")
+    lines.append("Counterfactual contexts (first answer token; CAD alpha 0.5):\n")
+    lines.append("| contexts | facts | context-faithful (greedy) | memory (greedy) | context-faithful (CAD) | n |")
+    lines.append("|---|---|---|---|---|---|")
+    for kind in ("conflict", "agreeing"):
+        for k, v in f[kind].items():
+            lines.append(f"| {kind} | {k} | {v['context_faithful_greedy']:.2f} | {v['memory_greedy']:.2f} | "
+                         f"{v['context_faithful_cad']:.2f} | {v['n']} |")
+    e = res["emphasis"]
+    lines.append("\nEmphasis (two conflicting statements, the later one wins by training):\n")
+    lines.append(f"- recency answer on the plain prompt: {e['recency_accuracy_plain_prompt']:.2f}")
+    lines.append(f"- first-statement answer when a sentence says the first statement is right: "
+                 f"{e['first_statement_rate_plain_text_emphasis']:.2f}")
+    if "pasta" in e:
+        lines.append("- PASTA (alpha 0.01, all heads of one layer) on the first statement:\n")
+        lines.append("| steered | first-statement answer | recency answer |")
+        lines.append("|---|---|---|")
+        for k, v in e["pasta"].items():
+            lines.append(f"| {k} | {v['first_statement_rate']:.2f} | {v['recency_rate']:.2f} |")
+    lines.append("\nInduction scores per head (layer-head), top 6, per repeat length:\n")
+    lines.append("| length | classic (second-copy mean) | heads >= 0.3 | TransformerLens mul | heads >= 0.2 |")
+    lines.append("|---|---|---|---|---|")
+    for L, v in res["induction"].items():
+        lines.append(f"| {L} | {fmt_heads(v['induction'], 0.3, 6).split('  (')[0]} | "
+                     f"{int((torch.tensor(v['induction']) >= 0.3).sum())} | "
+                     f"{fmt_heads(v['induction_tl'], 0.2, 6).split('  (')[0]} | "
+                     f"{int((torch.tensor(v['induction_tl']) >= 0.2).sum())} |")
+    r = torch.tensor(nia["retrieval_scores"])
+    lines.append(f"\nRetrieval scores (Wu et al.; {nia['retrieval_counted_instances']} retrieved instances): "
+                 f"top heads {fmt_heads(nia['retrieval_scores'], 0.1, 8).split('  (')[0]}; "
+                 f"{int((r >= 0.1).sum())} of {r.numel()} heads >= 0.1.\n")
+    lines.append("Per-head matrices (rows = layers, columns = heads):\n")
+    for name, mat in [("retrieval", nia["retrieval_scores"]),
+                      ("induction (classic, longest length)", list(res["induction"].values())[-1]["induction"])]:
+        lines.append(f"{name}:\n```")
+        for li, row in enumerate(mat):
+            lines.append(f"L{li}: " + " ".join(f"{x:5.2f}" for x in row))
+        lines.append("```")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     ap.add_argument("--out", type=Path, default=None, help="default: <model>/eval.json")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -373,7 +455,10 @@ def main(argv=None) -> None:
     res["seconds"] = round(time.time() - t0, 1)
     out = args.out or (args.model / "eval.json")
     out.write_text(json.dumps(res, indent=1) + "\n")
-    print(f"wrote {out} ({res['seconds']}s)")
+    md = to_markdown(res)
+    out.with_suffix(".md").write_text(md)
+    print(md)
+    print(f"wrote {out} and {out.with_suffix('.md')} ({res['seconds']}s)")
 
 
 if __name__ == "__main__":

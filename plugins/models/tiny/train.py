@@ -86,9 +86,21 @@ MODEL_CONFIG = dict(
     initializer_range=0.02,
 )
 
-# (row length, batch size, steps)
-STAGES = [(64, 32, 500), (128, 32, 400), (256, 16, 300), (512, 8, 300), (1024, 4, 200), (2048, 2, 150)]
-QUICK_STAGES = [(64, 32, 150), (128, 16, 100)]
+# (row length, batch size, steps[, options]). Options: "long" (niah, kv, induction row mix),
+# "shorts" (max short QA episodes per row), "until_ind" (end the stage early once the running induction
+# loss drops below this: induction heads form in a phase change after a plateau, here ~500 steps).
+# Stage 0 is a pure repeated-sequence warm-up (varied lengths and positions, so only content-based
+# induction solves it); the facts/QA mixture starts once induction heads exist.
+STAGES = [
+    (64, 32, 1500, {"long": [0, 0, 1], "shorts": 0, "until_ind": 1.0}),
+    (128, 32, 400),
+    (256, 16, 300),
+    (512, 8, 300),
+    (1024, 4, 200),
+    (2048, 2, 150),
+    (2048, 2, 150, {"lr": 4e-4}),  # longer contexts need more steps: a second cosine at 2K
+]
+QUICK_STAGES = [(64, 32, 150, {"long": [0, 0, 1], "shorts": 0}), (128, 16, 100)]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -139,7 +151,11 @@ class Encoder:
 
 
 class Data:
-    def __init__(self, enc: Encoder, seed: int):
+    def __init__(self, enc: Encoder, seed: int, long_weights=(0.4, 0.25, 0.35), short_weights=(0.3, 0.45, 0.25),
+                 max_shorts: int = 64):
+        self.long_weights = list(long_weights)
+        self.short_weights = list(short_weights)
+        self.max_shorts = max_shorts
         self.enc = enc
         self.rng = random.Random(seed)
         self.hay = S.haystack_text()
@@ -225,14 +241,14 @@ class Data:
     # rows ----------------------------------------------------------------------------------------
     def row(self, T: int):
         rng = self.rng
-        kind = rng.choices(["niah", "kv", "ind"], weights=[0.4, 0.25, 0.35])[0]
+        kind = rng.choices(["niah", "kv", "ind"], weights=self.long_weights)[0]
         long_len = rng.randint(max(16, T // 8), max(24, int(T * 0.85)))
         episodes = [getattr(self, {"niah": "niah", "kv": "kv", "ind": "induction"}[kind])(long_len)]
         total = sum(len(ids) for e in episodes for ids, _ in e) + 1
         used: set = set()
         shorts = []
-        for _ in range(64):
-            f = rng.choices([self.fact, self.cf, self.emph], weights=[0.3, 0.45, 0.25])[0]
+        for _ in range(self.max_shorts):
+            f = rng.choices([self.fact, self.cf, self.emph], weights=self.short_weights)[0]
             ep = f(used)
             n = sum(len(ids) for ids, _ in ep)
             if total + n > T:
@@ -311,11 +327,14 @@ def main(argv=None) -> None:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/headlab-tiny-train"))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="1 is fastest on a shared machine")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--quick", action="store_true", help="a smoke run of a few minutes into /tmp")
     ap.add_argument("--resume", action="store_true", help="continue from the last stage checkpoint")
     ap.add_argument("--stages", type=str, default=None, help='JSON list of [length, batch, steps]')
+    ap.add_argument("--long-weights", type=str, default="0.4,0.25,0.35", help="niah,kv,induction row mix")
+    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--max-shorts", type=int, default=64, help="short QA episodes per row, at most")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -332,14 +351,18 @@ def main(argv=None) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     print(f"vocab {len(vocab)} (padded {vocab_size}), params {n_params / 1e6:.2f}M, stages {stages}", flush=True)
 
-    total_steps = sum(s for _, _, s in stages)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.05)
-    warm = 100
+    warm = args.warmup
+    # lr: linear warm-up, constant through stages that end on a condition, then cosine to 10% over the
+    # remaining stages (their step counts are fixed).
+    sched = {"decay_start": None, "decay_total": 1}
 
     def lr_at(step: int) -> float:
         if step < warm:
             return args.lr * (step + 1) / warm
-        p = (step - warm) / max(1, total_steps - warm)
+        if sched["decay_start"] is None:
+            return args.lr
+        p = min(1.0, (step - sched["decay_start"]) / sched["decay_total"])
         return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
 
     start_stage, step = 0, 0
@@ -349,19 +372,35 @@ def main(argv=None) -> None:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         start_stage, step = state["stage"] + 1, state["step"]
+        sched.update(state.get("sched", {}))
         print(f"resumed after stage {state['stage']} at step {step}", flush=True)
 
-    data = Data(Encoder(vocab), args.seed * 1000 + start_stage)
+    default_long = [float(x) for x in args.long_weights.split(",")]
+    data = Data(Encoder(vocab), args.seed * 1000 + start_stage, long_weights=default_long,
+                max_shorts=args.max_shorts)
     t0 = time.time()
     log = []
     model.train()
     for si in range(start_stage, len(stages)):
-        T, B, n_steps = stages[si]
+        T, B, n_steps = stages[si][:3]
+        opts = stages[si][3] if len(stages[si]) > 3 else {}
+        data.long_weights = list(opts.get("long", default_long))
+        data.max_shorts = int(opts.get("shorts", args.max_shorts))
+        data.short_weights = list(opts.get("short", (0.3, 0.45, 0.25)))
+        until_ind = opts.get("until_ind")
+        if until_ind is None and sched["decay_start"] is None:
+            sched["decay_start"] = step
+            sched["decay_total"] = max(1, sum(st[2] for st in stages[si:]))
+        recent_ind: list[float] = []
         agg: dict[str, list] = {}
         ts = time.time()
         for k in range(n_steps):
+            if "lr" in opts:  # a stage with its own cosine schedule (used for appended stages)
+                lr_now = opts["lr"] * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * k / n_steps)))
+            else:
+                lr_now = lr_at(step)
             for gopt in opt.param_groups:
-                gopt["lr"] = lr_at(step)
+                gopt["lr"] = lr_now
             ids, grp, att = data.batch(T, B)
             logits = model(input_ids=ids, attention_mask=att).logits
             gl = group_losses(logits, ids, grp)
@@ -373,19 +412,26 @@ def main(argv=None) -> None:
             step += 1
             for n, (lv, acc, _cnt) in gl.items():
                 agg.setdefault(n, []).append((float(lv.detach()), acc))
-            if (k + 1) % 50 == 0 or k == n_steps - 1:
+            if "ind" in gl:
+                recent_ind = (recent_ind + [float(gl["ind"][0].detach())])[-20:]
+            done = until_ind is not None and len(recent_ind) == 20 and sum(recent_ind) / 20 < until_ind
+            if (k + 1) % 50 == 0 or k == n_steps - 1 or done:
                 msg = " ".join(
                     f"{n}={sum(x[0] for x in v) / len(v):.2f}/{sum(x[1] for x in v) / len(v):.2f}"
                     for n, v in agg.items()
                 )
                 el = time.time() - t0
-                print(f"[stage {si} T={T}] step {k + 1}/{n_steps} (global {step}) lr {lr_at(step):.2e} "
+                print(f"[stage {si} T={T}] step {k + 1}/{n_steps} (global {step}) lr {lr_now:.2e} "
                       f"{el / 60:.1f} min | loss/acc {msg}", flush=True)
                 log.append({"stage": si, "T": T, "step": step, "minutes": el / 60,
                             **{n: [sum(x[0] for x in v) / len(v), sum(x[1] for x in v) / len(v)]
                                for n, v in agg.items()}})
                 agg = {}
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "stage": si, "step": step},
+            if done:
+                print(f"induction loss below {until_ind}: stage {si} ends at step {k + 1}", flush=True)
+                break
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "stage": si, "step": step,
+                    "sched": sched},
                    args.work_dir / "last.tmp")
         os.replace(args.work_dir / "last.tmp", ck)
         print(f"stage {si} done in {(time.time() - ts) / 60:.1f} min; checkpoint {ck}", flush=True)
