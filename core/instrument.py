@@ -34,9 +34,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+from torch import Tensor
+
 from headlab.kernels import attention as kernel_attention
 from headlab.kernels.attention import visibility
-from torch import Tensor
 
 __all__ = [
     "ATTN_IMPLEMENTATION",

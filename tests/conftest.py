@@ -8,6 +8,10 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton kernels run under the interpreter on CPU; it is read when kernels are decorated, so it must be set
+# before any test module imports triton. HEADLAB_TRITON_CUDA=1 keeps compiled kernels on a GPU machine.
+if os.environ.get("HEADLAB_TRITON_CUDA") != "1":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 97, "max_position_embeddings": 256}
