@@ -189,6 +189,8 @@ def test_quickstart_widgets_render_and_respond_in_jupyterlab(lab, tmp_path):
                 return a.querySelector('.hl-caption').textContent.includes('query #10')
                     && a.querySelector('.hl-query').dataset.pos === '10'
                     && a.querySelectorAll('.hl-future').length === 22; }""", 30, "the query change", tmp_path)
+            att.scroll_into_view_if_needed()
+            page.screenshot(path=str(artifacts / "browser-attention.png"))
             # RunBrowser: lists the run
             assert page.locator(".headlab-run-browser table.hl-runs tbody tr").count() == 1
             # inline validation: a typo in the editor shows the located error under it

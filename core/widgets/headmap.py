@@ -31,7 +31,11 @@ function colour(v, lo, hi) {
   const a = PALETTE[i], b = PALETTE[i + 1];
   return `rgb(${Math.round(a[0] + (b[0] - a[0]) * f)},${Math.round(a[1] + (b[1] - a[1]) * f)},${Math.round(a[2] + (b[2] - a[2]) * f)})`;
 }
-function fmt(v) { return (v === null || v === undefined || !isFinite(v)) ? "nan" : Number(v).toPrecision(4); }
+function fmt(v) {
+  if (v === null || v === undefined || !isFinite(v)) return "nan";
+  const a = Math.abs(Number(v));
+  return (a > 0 && a < 1e-3) || a >= 1e5 ? Number(v).toExponential(2) : Number(v).toPrecision(4);
+}
 
 export default {
   render({ model, el }) {
