@@ -85,7 +85,7 @@ def test_ablation_equals_weight_surgery_reference(tmp_path, setup, mode, match_l
     heads = [[1, 2], [0, 1], [1, 0]]
     spec = (f"name: t\nseed: 3\nmodel: {{config: {json.dumps(cfg)}}}\n"
             f"task: {{kind: jsonl, path: {path}, prompt: '{{{{ text }}}}', target: '{{{{ answer }}}}'}}\n"
-            f"steps:\n  - id: abl\n    detect: {{kind: ablation, heads: {json.dumps(heads)}, k: [1, 3], draws: 2, "
+            f"steps:\n  - id: abl\n    detect: {{kind: ablation, heads: {json.dumps(heads)}, k: [1, all], draws: 2, "
             f"mode: {mode}, match_layers: {str(match_layers).lower()}, mask_prompt: {str(mask_prompt).lower()}, "
             f"max_new_tokens: {MAX_NEW}, batch_size: 5, "
             f"metric: {{kind: needle_recall, raw: true, reference: target}}}}\n")

@@ -1,11 +1,10 @@
 """The retrieval-head paper's findings on the embedded model, through specs/retrieval_heads.yaml (slow: runs
-the whole spec; skipped until the embedded checkpoint is present)."""
+the whole spec, about a minute; skipped until the embedded checkpoint is present)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 import headlab
@@ -20,7 +19,12 @@ def test_retrieval_heads_spec_reproduces_the_paper(tmp_path):
     run = headlab.run(ROOT / "specs" / "retrieval_heads.yaml", out=tmp_path)
     ret, abl = run.results["retrieval"], run.results["ablation"]
     is_head = ret["retrieval_head"].values
-    assert 0 < is_head.sum() <= 0.25 * is_head.size, "retrieval heads are a small fraction of all heads"
+    n_heads = int(is_head.sum())
+    assert 0 < n_heads <= 0.25 * is_head.size, "retrieval heads are a small fraction of all heads"
+    assert ret["retrieved"].values.mean() >= 0.9
     assert float(abl["base"]) >= 0.9, "the unmasked model retrieves the needle"
-    assert float(abl["top"].max()) <= 0.2, "masking the retrieval heads collapses recall"
-    assert np.min(abl["random"].values) >= 0.8, "masking as many random heads keeps recall"
+    top, rand = abl["top"], abl["random"]
+    for k in (4, n_heads):
+        assert float(top.sel(k=k)) <= 0.2, f"masking the top {k} retrieval heads collapses recall"
+    assert float(rand.sel(k=4).min()) >= 0.8, "masking 4 random heads keeps recall (every draw)"
+    assert float(rand.sel(k=n_heads).mean()) >= 0.8, "masking as many random heads keeps recall (on average)"

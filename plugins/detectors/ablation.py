@@ -44,7 +44,8 @@ class Ablation(ComponentConfig):
 
     kind: Literal["ablation"] = "ablation"
     heads: HeadSelection = Field(description="ranked heads to mask, e.g. {from: retrieval, threshold: 0.1}")
-    k: list[int] | None = Field(None, description="numbers of heads to mask (default: all selected heads)")
+    k: list[int | Literal["all"]] = Field(default_factory=lambda: ["all"],
+                                          description="numbers of heads to mask; 'all' = every selected head")
     draws: int = Field(3, ge=0, description="random draws per k")
     match_layers: bool = Field(False, description="random heads: as many per layer as the top k")
     exclude_selected: bool = Field(True, description="random heads are drawn from heads outside the top k")
@@ -60,8 +61,8 @@ class Ablation(ComponentConfig):
 
     @model_validator(mode="after")
     def _check(self) -> Ablation:
-        if self.k is not None and (not self.k or any(k < 1 for k in self.k)):
-            raise ValueError("k: a list of positive head counts")
+        if not self.k or any(k != "all" and k < 1 for k in self.k):
+            raise ValueError("k: a list of positive head counts (or 'all')")
         metric_config(self.metric)
         return self
 
@@ -150,7 +151,7 @@ def detect(config: Ablation, ctx: StepContext) -> xr.Dataset:
     ranked_heads = ctx.heads(config.heads)
     if not ranked_heads:
         raise ValueError("ablation: the head selection is empty (no head passed the threshold?)")
-    ks = list(config.k) if config.k is not None else [len(ranked_heads)]
+    ks = list(dict.fromkeys(len(ranked_heads) if k == "all" else int(k) for k in config.k))
     if max(ks) > len(ranked_heads):
         raise ValueError(f"ablation: k={max(ks)} but the selection has {len(ranked_heads)} heads")
     rng = np.random.default_rng(ctx.seed + config.seed)
