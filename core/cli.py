@@ -194,19 +194,19 @@ def main() -> None:
     except (typer.Abort, KeyboardInterrupt):
         err.print("interrupted: finished cells are stored; finish with `headlab run --resume RUN`")
         sys.exit(130)
-    except Exception as e:  # click usage errors and task/plugin value errors
-        import click
-
-        if isinstance(e, click.exceptions.Exit):
-            sys.exit(e.exit_code)
-        if isinstance(e, click.ClickException):
-            e.show()
+    except Exception as e:  # usage errors of typer's bundled click, and task/plugin value errors
+        exit_code = getattr(e, "exit_code", None)
+        if type(e).__name__ == "Exit":
+            sys.exit(exit_code or 0)
+        if callable(getattr(e, "format_message", None)) and exit_code is not None:
+            command = getattr(getattr(e, "ctx", None), "command_path", "headlab")
+            err.print(f"[red]error:[/red] {e.format_message()} (see `{command} --help`)", highlight=False,
+                      soft_wrap=True)
             sys.exit(2)
         if isinstance(e, ValueError):
             err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
             sys.exit(2)
         raise
-
 
 if __name__ == "__main__":
     main()

@@ -73,3 +73,11 @@ def test_schema_and_plugins(tmp_path):
     builtin = {r["name"]: r for r in rows if r["source"] == "built-in"}
     kinds = {c["kind"] for r in builtin.values() for c in r["components"]}
     assert {"induction", "repeated_tokens", "greedy", "exact_match"} <= kinds
+
+
+def test_usage_errors_are_one_line():
+    for args in (("validate", "specs/quickstart.yaml", "--bogus"), ("bogus",)):
+        res = headlab(*args)
+        assert res.returncode == 2 and "Traceback" not in res.stderr
+        lines = [line for line in res.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error: No such"), res.stderr
