@@ -185,23 +185,32 @@ def eval_kv(model, tok, sizes, n=30, seed=1):
     return res
 
 
-def eval_copy(model, tok, lengths, n=10, seed=2):
-    """Give the first copy and the first token of the second; exact match of the continued copy."""
+def eval_copy(model, tok, lengths, n=10, seed=2, prefix_tokens=0):
+    """Give the first copy and the first token of the second; exact match of the continued copy.
+
+    ``prefix_tokens`` > 0 puts that much filler text before the first copy (as in training, where repeats
+    sit inside text); 0 puts the first copy right after BOS."""
     res = {}
     for length in lengths:
         exs = S.repeated_tokens([length], n, seed=seed + length)
         ok = 0
-        tokacc = 0.0
-        for ex in exs:
+        tokacc = tf = 0.0
+        for i, ex in enumerate(exs):
             w = ex["words"]
             prompt = " ".join(w[: length + 1])
+            if prefix_tokens:
+                prompt = S.filler_text(prefix_tokens, seed + i) + " " + prompt
             ids = tok(prompt)["input_ids"]
             gen, _ = greedy(model, ids, max_new=length - 1 + 1)
             ref = tok(" ".join(w[length + 1:]), add_special_tokens=False)["input_ids"]
+            full = tok(prompt + " " + " ".join(w[length + 1:]))["input_ids"]
+            with torch.no_grad():
+                pred = model(input_ids=torch.tensor([full])).logits[0, :-1].argmax(-1)
+            tf += float((pred[-len(ref):] == torch.tensor(full[-len(ref):])).float().mean())
             m = sum(int(a == b) for a, b in zip(gen, ref, strict=False))
             tokacc += m / len(ref)
             ok += int(gen[: len(ref)] == ref)
-        res[str(length)] = {"exact": ok / n, "token_acc": tokacc / n}
+        res[str(length)] = {"exact": ok / n, "token_acc": tokacc / n, "teacher_forced_acc": tf / n}
     return res
 
 
@@ -268,7 +277,11 @@ def _pasta_attention(module, query, key, value, attention_mask, scaling=None, dr
                                    dropout=dropout, **kwargs)
 
 
-def eval_pasta(model, tok, exs, alpha=0.01):
+def eval_pasta(model, tok, exs, alphas=(0.01, 1e-6)):
+    return {f"alpha={a:g}": _eval_pasta(model, tok, exs, a) for a in alphas}
+
+
+def _eval_pasta(model, tok, exs, alpha):
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
@@ -364,12 +377,18 @@ def to_markdown(res: dict) -> str:
     lines.append("| pairs | " + " | ".join(kv) + " |")
     lines.append("|---" * (len(kv) + 1) + "|")
     lines.append("| accuracy | " + " | ".join(f"{v:.2f}" for v in kv.values()) + " |\n")
-    cp = res["copy_by_length"]
-    lines.append("Copying a repeated random sequence (given one copy and the first token of the second):\n")
-    lines.append("| length | " + " | ".join(cp) + " |")
-    lines.append("|---" * (len(cp) + 1) + "|")
-    lines.append("| exact | " + " | ".join(f"{v['exact']:.2f}" for v in cp.values()) + " |")
-    lines.append("| token accuracy | " + " | ".join(f"{v['token_acc']:.2f}" for v in cp.values()) + " |\n")
+    for key, where in (("copy_by_length", "after 20 filler tokens"), ("copy_by_length_after_bos", "right after BOS")):
+        if key not in res:
+            continue
+        cp = res[key]
+        lines.append(f"Copying a repeated random sequence ({where}; given one copy and the first token of the "
+                     "second, greedy):\n")
+        lines.append("| length | " + " | ".join(cp) + " |")
+        lines.append("|---" * (len(cp) + 1) + "|")
+        lines.append("| exact | " + " | ".join(f"{v['exact']:.2f}" for v in cp.values()) + " |")
+        lines.append("| token accuracy (free-running) | " + " | ".join(f"{v['token_acc']:.2f}" for v in cp.values()) + " |")
+        lines.append("| next-token accuracy (teacher-forced) | "
+                     + " | ".join(f"{v['teacher_forced_acc']:.2f}" for v in cp.values()) + " |\n")
     f = res["facts"]
     lines.append(f"Closed-book facts: accuracy {f['closed_book_accuracy']:.2f} on the {len(S.FACTS)} capitals.\n")
     lines.append("Counterfactual contexts (first answer token; CAD alpha 0.5):\n")
@@ -385,11 +404,12 @@ def to_markdown(res: dict) -> str:
     lines.append(f"- first-statement answer when a sentence says the first statement is right: "
                  f"{e['first_statement_rate_plain_text_emphasis']:.2f}")
     if "pasta" in e:
-        lines.append("- PASTA (alpha 0.01, all heads of one layer) on the first statement:\n")
-        lines.append("| steered | first-statement answer | recency answer |")
-        lines.append("|---|---|---|")
-        for k, v in e["pasta"].items():
-            lines.append(f"| {k} | {v['first_statement_rate']:.2f} | {v['recency_rate']:.2f} |")
+        lines.append("- PASTA on the first statement (all heads of one layer, scale_position exclude):\n")
+        lines.append("| alpha | steered | first-statement answer | recency answer |")
+        lines.append("|---|---|---|---|")
+        for a, per in e["pasta"].items():
+            for k, v in per.items():
+                lines.append(f"| {a.split('=')[1]} | {k} | {v['first_statement_rate']:.2f} | {v['recency_rate']:.2f} |")
     lines.append("\nInduction scores per head (layer-head), top 6, per repeat length:\n")
     lines.append("| length | classic (second-copy mean) | heads >= 0.3 | TransformerLens mul | heads >= 0.2 |")
     lines.append("|---|---|---|---|---|")
@@ -430,7 +450,7 @@ def main(argv=None) -> None:
         lengths = [128, 256, 512, 1024, 1536, 2048, 3072]
         depths = [i / 9 for i in range(10)]
         kv_sizes = [4, 8, 16, 32, 64, 96]
-        copy_lens = [10, 50, 200, 800, 1500]
+        copy_lens = [10, 50, 200, 1000, 1500]
         ind_lens = [10, 50, 200, 500, 1000]
     res: dict = {"model": str(args.model), "trained_max_length": 2048}
 
@@ -441,8 +461,10 @@ def main(argv=None) -> None:
     show("niah recall by length", res["niah"]["recall_by_length"])
     res["kv_accuracy_by_pairs"] = eval_kv(model, tok, kv_sizes)
     show("kv accuracy by number of pairs", res["kv_accuracy_by_pairs"])
-    res["copy_by_length"] = eval_copy(model, tok, copy_lens)
-    show("copy (second copy) by length", res["copy_by_length"])
+    res["copy_by_length"] = eval_copy(model, tok, copy_lens, n=6, prefix_tokens=20)
+    show("copy (second copy, after 20 filler tokens) by length", res["copy_by_length"])
+    res["copy_by_length_after_bos"] = eval_copy(model, tok, copy_lens[:3], n=6)
+    show("copy (second copy, right after BOS) by length", res["copy_by_length_after_bos"])
     res["facts"] = eval_facts(model, tok)
     show("facts / counterfact", res["facts"])
     res["emphasis"] = eval_emphasis(model, tok)
