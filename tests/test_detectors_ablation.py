@@ -87,7 +87,7 @@ def test_ablation_equals_weight_surgery_reference(tmp_path, setup, mode, match_l
             f"task: {{kind: jsonl, path: {path}, prompt: '{{{{ text }}}}', target: '{{{{ answer }}}}'}}\n"
             f"steps:\n  - id: abl\n    detect: {{kind: ablation, heads: {json.dumps(heads)}, k: [1, all], draws: 2, "
             f"mode: {mode}, match_layers: {str(match_layers).lower()}, mask_prompt: {str(mask_prompt).lower()}, "
-            f"max_new_tokens: {MAX_NEW}, batch_size: 5, "
+            f"max_new_tokens: {MAX_NEW}, batch_size: 14, length_slack: 10, "
             f"metric: {{kind: needle_recall, raw: true, reference: target}}}}\n")
     ds = headlab.run(spec, out=tmp_path / "runs").results["abl"]
     scorer = rouge_scorer.RougeScorer(["rouge1"], use_stemmer=True)

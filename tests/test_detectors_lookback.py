@@ -64,7 +64,7 @@ def test_lookback_ratios_equal_eager_reference(tmp_path, setup, option):
     spec = (f"name: t\nseed: 2\nmodel: {{config: {json.dumps(cfg)}}}\n"
             f"task: {{kind: jsonl, path: {path}, prompt: '<c>{{{{ doc }}}}</c> Q {{{{ q }}}} A :', "
             f"span_tags: {{context: c}}}}\n"
-            f"steps:\n  - id: lb\n    detect: {{kind: lookback, max_new_tokens: {MAX_NEW}, batch_size: 3, {extra}}}\n")
+            f"steps:\n  - id: lb\n    detect: {{kind: lookback, max_new_tokens: {MAX_NEW}, batch_size: 3, length_slack: 10, {extra}}}\n")
     ds = headlab.run(spec, out=tmp_path / "runs").results["lb"]
     lr = ds["lookback_ratio"].transpose("example", "gen_token", "layer", "head").values
     lengths = []

@@ -77,7 +77,7 @@ def test_retrieval_scores_equal_batch1_eager_reference(setup, stop):
 
     tok, lm, models = setup
     examples = needle_examples(7)
-    scores, texts = retrieval_scores(lm, examples, max_new_tokens=10, batch_size=3, stop=stop)
+    scores, texts = retrieval_scores(lm, examples, max_new_tokens=10, batch_size=3, stop=stop, length_slack=10)
     total_hits = 0.0
     for i, ex in enumerate(examples):
         batch = tokenize(lm, [ex])
@@ -133,7 +133,7 @@ def test_retrieval_plugin_spec_retrieved_mean_export_and_load(tmp_path, setup):
     spec = (f"name: t\nseed: 1\nmodel: {{config: {json.dumps(cfg)}}}\n"
             f"task: {{kind: jsonl, path: {path}, prompt: '{{{{ text }}}}', target: '{{{{ answer }}}}', "
             f"span_tags: {{needle: needle}}}}\n"
-            f"steps:\n  - id: ret\n    detect: {{kind: retrieval, max_new_tokens: 6, batch_size: 4, "
+            f"steps:\n  - id: ret\n    detect: {{kind: retrieval, max_new_tokens: 6, batch_size: 4, length_slack: 10, "
             f"reference: target, export: {export}}}\n"
             f"  - id: loaded\n    detect: {{kind: retrieval, load: {export}}}\n")
     run = headlab.run(spec, out=tmp_path / "runs")
@@ -179,3 +179,15 @@ def test_read_retrieval_json_checks_geometry(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps({"0": [1]}))
     with pytest.raises(ValueError, match="not a retrieval-head JSON"):
         read_retrieval_json(tmp_path / "bad.json")
+
+
+def test_length_batches_bound_padding():
+    from headlab.plugins.detectors.retrieval import length_batches
+
+    lengths = [256, 512, 250, 1024, 260, 510, 1000, 255, 300]
+    batches = length_batches(lengths, batch_size=3)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for b in batches:
+        assert len(b) <= 3 and max(lengths[i] for i in b) <= 1.125 * min(lengths[i] for i in b)
+    assert batches[0] == [2, 7, 0]  # sorted by length, ties by index
+    assert length_batches(lengths, batch_size=100, slack=10) == [sorted(range(9), key=lambda i: (lengths[i], i))]

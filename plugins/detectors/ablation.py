@@ -34,6 +34,8 @@ from headlab import ComponentConfig, Example, HeadSelection, StepContext, hookim
 from headlab.generation import DecodeRequest, decode_loop, tokenize
 from headlab.model import Geometry, LoadedModel
 
+from .retrieval import length_batches
+
 __all__ = ["Ablation", "ablate", "detect", "draw_random_heads"]
 
 Head = tuple[int, int]
@@ -56,7 +58,10 @@ class Ablation(ComponentConfig):
     metric: str | dict[str, Any] = Field("needle_recall", description="metric kind, or {kind, ...options}")
     max_new_tokens: int = Field(16, ge=1)
     stop: list[str] = Field(default_factory=list, description="stop strings")
-    batch_size: int = Field(32, ge=1, description="rows per forward (conditions x examples)")
+    batch_size: int = Field(32, ge=1, description="rows per forward (every condition of batch_size // conditions "
+                            "examples)")
+    length_slack: float = Field(0.125, ge=0, description="a batch holds prompts at most this fraction longer "
+                                "than its shortest (left padding costs compute)")
     seed: int = Field(0, description="offset added to the run seed for the random draws")
 
     @model_validator(mode="after")
@@ -104,11 +109,11 @@ def draw_random_heads(top: list[Head], geometry: Geometry, rng: np.random.Genera
 
 def ablate(lm: LoadedModel, examples: list[Example], conditions: list[list[Head]], *, mode: str = "query",
            max_new_tokens: int = 16, stop: list[str] | None = None, batch_size: int = 32,
-           mask_prompt: bool = True, progress: Any = None) -> list[list[str]]:
+           mask_prompt: bool = True, length_slack: float = 0.125, progress: Any = None) -> list[list[str]]:
     """Greedy outputs of every example under every condition (a list of heads to mask; [] = none).
 
-    Returns ``outputs[condition][example]``. Rows are (example, condition) pairs, batched ``batch_size``
-    rows at a time with per-row masks; examples are grouped by prompt length. ``mask_prompt=False``
+    Returns ``outputs[condition][example]``. Rows are (example, condition) pairs with per-row masks; a batch
+    holds every condition of ``max(1, batch_size // len(conditions))`` examples of similar length. ``mask_prompt=False``
     prefills the prompt minus its last token unmasked and masks from the last prompt token on (DeCoRe's
     reference masked branch), so the masks act on the queries that produce the answer only.
     """
@@ -116,9 +121,9 @@ def ablate(lm: LoadedModel, examples: list[Example], conditions: list[list[Head]
 
     lengths = [len(ex.input_ids) if ex.input_ids is not None else len(lm.tokenizer(ex.prompt)["input_ids"])
                for ex in examples]
-    order = sorted(range(len(examples)), key=lambda i: (lengths[i], i))
-    rows = [(i, c) for i in order for c in range(len(conditions))]
-    chunks = [rows[j: j + batch_size] for j in range(0, len(rows), batch_size)]
+    per_batch = max(1, batch_size // len(conditions))  # examples per batch, all their conditions together
+    chunks = [[(i, c) for i in group for c in range(len(conditions))]
+              for group in length_batches(lengths, per_batch, length_slack)]
     outputs = [[""] * len(examples) for _ in conditions]
     it = progress(chunks, "ablation") if progress is not None else chunks
     for chunk in it:
@@ -160,6 +165,7 @@ def detect(config: Ablation, ctx: StepContext) -> xr.Dataset:
     conditions: list[list[Head]] = [[]] + [ranked_heads[:k] for k in ks] + [d for per_k in draws for d in per_k]
     outputs = ablate(ctx.model, ctx.examples, conditions, mode=config.mode, max_new_tokens=config.max_new_tokens,
                      stop=config.stop, batch_size=config.batch_size, mask_prompt=config.mask_prompt,
+                     length_slack=config.length_slack,
                      progress=ctx.progress)
     mcfg = metric_config(config.metric)
     compute = get_manager().get("metrics", mcfg.kind).impl

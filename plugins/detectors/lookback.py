@@ -39,7 +39,7 @@ from headlab import ComponentConfig, Example, StepContext, hookimpl
 from headlab.generation import tokenize
 from headlab.model import LoadedModel
 
-from .retrieval import probe_decode
+from .retrieval import length_batches, probe_decode
 
 __all__ = ["Lookback", "LookbackClassifier", "detect", "lookback_ratios", "window_features"]
 
@@ -56,19 +56,23 @@ class Lookback(ComponentConfig):
     max_new_tokens: int = Field(32, ge=1)
     stop: list[str] = Field(default_factory=list, description="stop strings")
     batch_size: int = Field(8, ge=1)
+    length_slack: float = Field(0.125, ge=0, description="a batch holds prompts at most this fraction longer "
+                                "than its shortest (left padding costs compute)")
 
 
 def lookback_ratios(lm: LoadedModel, examples: Sequence[Example], *, context: str | None = None,
                     prompt_tail: int = 0, max_new_tokens: int = 32, stop: Sequence[str] = (),
-                    batch_size: int = 8, progress: Any = None) -> tuple[np.ndarray, list[str]]:
+                    batch_size: int = 8, length_slack: float = 0.125,
+                    progress: Any = None) -> tuple[np.ndarray, list[str]]:
     """Lookback ratios ``(example, gen_token, layer, head)`` (NaN past each output) and the outputs."""
     from headlab.instrument import Probes
 
     geo = lm.geometry
     per: list[np.ndarray] = [np.zeros((0, geo.n_layers, geo.n_heads))] * len(examples)
     texts = [""] * len(examples)
-    idx_all = list(range(len(examples)))
-    chunks = [idx_all[j: j + batch_size] for j in range(0, len(idx_all), batch_size)]
+    lengths = [len(ex.input_ids) if ex.input_ids is not None else len(lm.tokenizer(ex.prompt)["input_ids"])
+               for ex in examples]
+    chunks = length_batches(lengths, batch_size, length_slack)
     it = progress(chunks, "lookback ratios") if progress is not None else chunks
     for idx in it:
         batch = tokenize(lm, [examples[i] for i in idx])
@@ -113,7 +117,8 @@ def detect(config: Lookback, ctx: StepContext) -> xr.Dataset:
     geo = ctx.model.geometry
     lr, texts = lookback_ratios(ctx.model, ctx.examples, context=config.context, prompt_tail=config.prompt_tail,
                                 max_new_tokens=config.max_new_tokens, stop=config.stop,
-                                batch_size=config.batch_size, progress=ctx.progress)
+                                batch_size=config.batch_size, length_slack=config.length_slack,
+                                progress=ctx.progress)
     coords = {"layer": np.arange(geo.n_layers), "head": np.arange(geo.n_heads)}
     ratio = xr.DataArray(lr, dims=("example", "gen_token", "layer", "head"), coords=coords)
     n_tokens = np.isfinite(lr[:, :, 0, 0]).sum(1) if lr.shape[1] else np.zeros(len(texts), dtype=int)

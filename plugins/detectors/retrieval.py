@@ -52,7 +52,9 @@ from headlab.model import Geometry, LoadedModel
 __all__ = [
     "ProbeDecode",
     "Retrieval",
+    "StepRecords",
     "detect",
+    "length_batches",
     "probe_decode",
     "read_retrieval_json",
     "retrieval_scores",
@@ -68,6 +70,8 @@ class Retrieval(ComponentConfig):
     max_new_tokens: int = Field(50, ge=1, description="greedy decoding length (reference: 50)")
     stop: list[str] = Field(default_factory=list, description="stop strings (the reference stops at a newline)")
     batch_size: int = Field(16, ge=1, description="examples decoded together (sorted by length)")
+    length_slack: float = Field(0.125, ge=0, description="a batch holds prompts at most this fraction longer "
+                                "than its shortest (left padding costs compute)")
     threshold: float = Field(0.1, description="heads with score >= threshold are retrieval heads (paper: 0.1)")
     recall_threshold: float = Field(0.5, ge=0, le=1,
                                     description="an instance counts when ROUGE-1 recall > this (reference: 0.5)")
@@ -88,10 +92,12 @@ class ProbeDecode:
 
     ``generated`` (B, T) token ids (pad after a row finished); ``active`` (B, T) bool, True for the steps
     a row really generated (the step that produced EOS or completed a stop string included);
-    ``recording`` the :class:`headlab.instrument.Recording` of the decode steps, whose query axis ``t``
-    is decode step ``t`` (query at absolute position ``N - 1 + t`` for a prompt of padded length ``N``);
-    ``texts`` the decoded outputs (special tokens skipped, cut at stop strings); ``tokens`` the
-    generated ids per row up to EOS.
+    ``recording`` the probes of the decode steps by name (``argmax``, ``span_mass``, ``z``, ... as in
+    :data:`headlab.instrument.DIMS`, attributes or ``recording["argmax"]``) with the batch axis over all
+    B rows and the query (or position) axis over decode steps ``t`` (query at absolute position
+    ``N - 1 + t`` for a prompt of padded length ``N``); entries of inactive steps are -1 (``argmax``) or 0;
+    ``texts`` the decoded outputs (special tokens skipped, cut at stop strings); ``tokens`` the generated
+    ids per row up to EOS.
     """
 
     generated: torch.Tensor
@@ -101,28 +107,52 @@ class ProbeDecode:
     tokens: list[list[int]]
 
 
+class StepRecords(dict):
+    """Probe arrays of a :func:`probe_decode`, by name; also readable as attributes (``rec.argmax``)."""
+
+    def __getattr__(self, name: str) -> torch.Tensor | None:
+        return self.get(name)
+
+
 def probe_decode(lm: LoadedModel, batch: Batch, probes: Any, max_new_tokens: int,
                  stop: Sequence[str] = ()) -> ProbeDecode:
     """Greedy decoding of a batch with ``probes`` recorded at every decode query, none at the prefill.
 
     The prompt minus its last token is prefilled outside any instrumentation (SDPA), then the last
-    prompt token and each generated token are fed one at a time inside one ``instrument`` context with
-    ``Plan(probes=probes)``. Key positions in the recording are absolute (left-padded) positions: the
-    first forward inside the context already sees the whole prompt cache.
+    prompt token and each generated token are fed one at a time, each step inside an ``instrument``
+    context with ``Plan(probes=probes)``. Rows leave the batch (and the KV cache) as soon as they finish,
+    so a long output does not make the finished rows decode on. Key positions in the recording are
+    absolute (left-padded) positions: every decode step sees the whole cache. Per-row probe ``spans``
+    (a list per row or a (B, P, 2) tensor) follow their rows.
     """
+    import dataclasses
+
     from headlab.instrument import Plan, instrument
+    from headlab.instrument import _per_row_spans as per_row_spans
 
     if batch.length < 2:
         raise ValueError("probe_decode needs prompts of at least 2 tokens")
     model, tok = lm.model, lm.tokenizer
     eos = _eos_ids(lm)
     ids, mask = batch.input_ids, batch.attention_mask
+    dev = ids.device
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     B = batch.size
-    generated = torch.empty((B, 0), dtype=torch.long, device=ids.device)
-    active_steps = []
-    finished = torch.zeros(B, dtype=torch.bool, device=ids.device)
-    texts = [""] * B
+    spans = probes.spans
+    if spans is not None and not isinstance(spans, torch.Tensor):
+        rows = per_row_spans(spans, B)
+        width = max(len(r) for r in rows)
+        spans = torch.zeros(B, width, 2, dtype=torch.long, device=dev)
+        for r, row in enumerate(rows):
+            for j, (a, b) in enumerate(row):
+                spans[r, j, 0], spans[r, j, 1] = int(a), int(b)
+    elif spans is not None and spans.dim() == 2:
+        spans = spans.to(dev).expand(B, *spans.shape)
+    generated = torch.full((B, max_new_tokens), _pad_id(tok), dtype=torch.long, device=dev)
+    active = torch.zeros((B, max_new_tokens), dtype=torch.bool, device=dev)
+    store: dict[str, torch.Tensor] = {}
+    alive = torch.arange(B, device=dev)
+    steps = 0
     with torch.no_grad():
         prefill = dict(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=pos[:, :-1], use_cache=True)
         try:  # the prefill's logits are not needed: keep one position where the model allows it
@@ -131,31 +161,57 @@ def probe_decode(lm: LoadedModel, batch: Batch, probes: Any, max_new_tokens: int
             out = model(**prefill)
         cache = out.cache
         inp, cur_pos, cur_mask = ids[:, -1:], pos[:, -1:], mask
-        with instrument(model, Plan(probes=probes)) as rec:
-            for _ in range(max_new_tokens):
+        for t in range(max_new_tokens):
+            step_probes = probes if spans is None else dataclasses.replace(probes, spans=spans[alive])
+            with instrument(model, Plan(probes=step_probes)) as rec:
                 out = model(input_ids=inp, attention_mask=cur_mask, position_ids=cur_pos, cache=cache,
                             use_cache=True)
-                cache = out.cache
-                nxt = out.logits[:, -1].argmax(-1)
-                nxt = torch.where(finished, torch.full_like(nxt, _pad_id(tok)), nxt)
-                active_steps.append(~finished)
-                generated = torch.cat([generated, nxt[:, None]], dim=1)
-                finished = finished | (torch.isin(nxt, eos) if eos.numel() else torch.zeros_like(finished))
-                if stop and tok is not None:
-                    for r in range(B):
-                        if not finished[r]:
-                            texts[r] = tok.decode(generated[r], skip_special_tokens=True)
-                            finished[r] = any(s in texts[r] for s in stop)
-                if bool(finished.all()):
-                    break
-                cur_mask = torch.cat([cur_mask, torch.ones_like(cur_mask[:, :1])], dim=1)
-                cur_pos = cur_pos + 1
-                inp = nxt[:, None]
-    active = torch.stack(active_steps, dim=1)
-    tokens = [_trim(row.tolist(), eos.tolist()) for row in generated]
+            cache = out.cache
+            nxt = out.logits[:, -1].argmax(-1)
+            generated[alive, t] = nxt
+            active[alive, t] = True
+            steps = t + 1
+            for name, value in rec.as_dict().items():  # (alive, layer, head, 1, ...) -> step t of the rows
+                if name not in store:
+                    shape = (B, *value.shape[1:3], max_new_tokens, *value.shape[4:])
+                    fill = -1 if name == "argmax" else 0
+                    store[name] = torch.full(shape, fill, dtype=value.dtype, device=value.device)
+                store[name][alive.to(value.device), :, :, t] = value[:, :, :, -1]
+            done = torch.isin(nxt, eos) if eos.numel() else torch.zeros_like(nxt, dtype=torch.bool)
+            if stop and tok is not None:
+                for j, r in enumerate(alive.tolist()):
+                    if not done[j]:
+                        text = tok.decode(generated[r, :steps], skip_special_tokens=True)
+                        done[j] = any(x in text for x in stop)
+            if bool(done.all()):
+                break
+            if bool(done.any()):
+                keep = (~done).nonzero().squeeze(1)
+                cache.batch_select_indices(keep)
+                alive, nxt, cur_mask, cur_pos = alive[keep], nxt[keep], cur_mask[keep], cur_pos[keep]
+            cur_mask = torch.cat([cur_mask, torch.ones_like(cur_mask[:, :1])], dim=1)
+            cur_pos = cur_pos + 1
+            inp = nxt[:, None]
+    generated, active = generated[:, :steps], active[:, :steps]
+    rec = StepRecords({name: value[:, :, :, :steps] for name, value in store.items()})
+    tokens = [_trim(row[active[r]].tolist(), eos.tolist()) for r, row in enumerate(generated)]
     texts = [_cut_stop(tok.decode(t, skip_special_tokens=True), list(stop)) if tok is not None
              else " ".join(map(str, t)) for t in tokens]
     return ProbeDecode(generated, active, rec, texts, tokens)
+
+
+def length_batches(lengths: Sequence[int], batch_size: int, slack: float = 0.125) -> list[list[int]]:
+    """Indices grouped into batches of at most ``batch_size`` by length: sorted by length, a batch is closed
+    when full or when the next item is more than ``slack`` (fraction) longer than the batch's first, so
+    left padding stays small (a padded prefill costs as much as its longest row)."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    out: list[list[int]] = []
+    for i in order:
+        if out and len(out[-1]) < batch_size and lengths[i] <= (1 + slack) * lengths[out[-1][0]]:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
 
 
 # --------------------------------------------------------------------------- the score
@@ -178,11 +234,11 @@ def copy_paste_hits(argmax: torch.Tensor, sequence: torch.Tensor, generated: tor
 
 def retrieval_scores(lm: LoadedModel, examples: Sequence[Example], *, span: str = "needle",
                      max_new_tokens: int = 50, stop: Sequence[str] = (), batch_size: int = 16,
-                     progress: Any = None) -> tuple[np.ndarray, list[str]]:
+                     length_slack: float = 0.125, progress: Any = None) -> tuple[np.ndarray, list[str]]:
     """Per-instance retrieval scores ``(example, layer, head)`` and the generated texts.
 
-    Examples are decoded ``batch_size`` at a time, grouped by prompt length (results come back in the
-    examples' order). ``progress(iterable, description)`` wraps the batch loop when given.
+    Examples are decoded up to ``batch_size`` at a time, grouped by prompt length (:func:`length_batches`;
+    results come back in the examples' order). ``progress(iterable, description)`` wraps the batch loop when given.
     """
     from headlab.instrument import Probes
 
@@ -193,8 +249,7 @@ def retrieval_scores(lm: LoadedModel, examples: Sequence[Example], *, span: str 
                              f"the needle, e.g. niah, or set `span:`)")
     lengths = [len(ex.input_ids) if ex.input_ids is not None else
                len(lm.tokenizer(ex.prompt)["input_ids"]) for ex in examples]
-    order = sorted(range(len(examples)), key=lambda i: (lengths[i], i))
-    chunks = [order[j: j + batch_size] for j in range(0, len(order), batch_size)]
+    chunks = length_batches(lengths, batch_size, length_slack)
     scores = np.zeros((len(examples), geo.n_layers, geo.n_heads))
     texts = [""] * len(examples)
     it = progress(chunks, "retrieval heads") if progress is not None else chunks
@@ -244,7 +299,8 @@ def detect(config: Retrieval, ctx: StepContext) -> xr.Dataset:
     else:
         scores, texts = retrieval_scores(ctx.model, ctx.examples, span=config.span,
                                          max_new_tokens=config.max_new_tokens, stop=config.stop,
-                                         batch_size=config.batch_size, progress=ctx.progress)
+                                         batch_size=config.batch_size, length_slack=config.length_slack,
+                                         progress=ctx.progress)
         recall = np.array([rouge1(_reference_text(ex, config.reference, config.span, i), out.strip(),
                                   config.stemmer)[1] for i, (ex, out) in enumerate(zip(ctx.examples, texts,
                                                                                        strict=True))])
