@@ -20,4 +20,4 @@ def load(spec: ModelSpec) -> LoadedModel:
 @hookimpl
 def headlab_register_models(register):
     if (CHECKPOINT / "config.json").is_file():
-        register("headlab-tiny", load, "embedded 6-layer Llama with real retrieval and induction heads")
+        register("headlab-tiny", load, "embedded 4-layer Llama (1.09M parameters) with real retrieval and induction heads")
