@@ -2,32 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import pytest
+
+from headlab.plugins.tasks import synthetic as S
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = ROOT / "plugins" / "models" / "tiny" / "headlab-tiny"
 
 
-def _load_synthetic():
-    try:
-        from headlab.plugins.tasks import synthetic
-
-        return synthetic
-    except Exception:  # noqa: BLE001 - import by path if the package mapping is unavailable
-        path = ROOT / "plugins" / "tasks" / "synthetic.py"
-        spec = importlib.util.spec_from_file_location("headlab_synthetic_test", path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["headlab_synthetic_test"] = mod
-        spec.loader.exec_module(mod)
-        return mod
-
-
-S = _load_synthetic()
 
 
 def test_haystack_file_bundled_and_filler_is_seeded():

@@ -25,34 +25,19 @@ Measures and prints (and writes ``eval.json`` next to the checkpoint):
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from headlab.plugins.tasks import synthetic as S
+
 HERE = Path(__file__).resolve().parent
 DEFAULT_MODEL = HERE / "headlab-tiny"
 
 
-def load_synthetic():
-    try:
-        from headlab.plugins.tasks import synthetic  # type: ignore
-
-        return synthetic
-    except Exception:  # noqa: BLE001
-        path = HERE.parent.parent / "tasks" / "synthetic.py"
-        spec = importlib.util.spec_from_file_location("headlab_synthetic", path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["headlab_synthetic"] = mod
-        spec.loader.exec_module(mod)
-        return mod
-
-
-S = load_synthetic()
 
 
 def load(model_dir: Path, attn: str = "eager"):

@@ -34,7 +34,6 @@ statement is right appear in training and are ignored (the target stays the late
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -45,26 +44,12 @@ from pathlib import Path
 
 import torch
 
+from headlab.plugins.tasks import synthetic as S
+
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "headlab-tiny"
 
 
-def load_synthetic():
-    """Import ``plugins/tasks/synthetic.py`` by path (works installed or not)."""
-    try:
-        from headlab.plugins.tasks import synthetic  # type: ignore
-
-        return synthetic
-    except Exception:  # noqa: BLE001 - fall back to the file next to this package
-        path = HERE.parent.parent / "tasks" / "synthetic.py"
-        spec = importlib.util.spec_from_file_location("headlab_synthetic", path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["headlab_synthetic"] = mod
-        spec.loader.exec_module(mod)
-        return mod
-
-
-S = load_synthetic()
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
