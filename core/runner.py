@@ -220,7 +220,7 @@ def run_cell(loaded: LoadedSpec, cell: Cell, models: ModelCache, reporter: Repor
             ds = run_generate(step.generate, ctx)
             config = step.generate.model_dump(mode="json", by_alias=True)
         ex = examples_dataset(examples, lm)
-        ds = ds.merge(ex.rename({"prompt": "prompt", "target": "target"}), compat="override", join="left"
+        ds = ds.merge(ex, compat="override", join="left"
                       if "example" in ds.dims else "outer")
         ds.attrs.update(step=step.id, action=step.action, task=task.kind, config=json.dumps(config),
                         model=lm.name)

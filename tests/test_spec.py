@@ -106,7 +106,7 @@ def test_set_path_and_overrides():
     data = headlab.load_spec(BASE).data
     assert set_path(data, "gen.max_new_tokens", 9)["steps"][1]["generate"]["max_new_tokens"] == 9
     assert set_path(data, "seed", 3)["seed"] == 3
-    assert data["seed"] if "seed" in data else True  # original untouched
+    assert "seed" not in data  # set_path copies: the original data is untouched
     loaded = headlab.load_spec(BASE).with_overrides({"task.n": 2, "gen.decode.kind": "sample"})
     assert loaded.spec.task.n == 2 and loaded.spec.steps[1].generate.decode.kind == "sample"
     with pytest.raises(SpecError, match="neither a top-level key nor a step id"):
