@@ -110,14 +110,21 @@ def from_pretrained(path_or_id: str, spec: ModelSpec, *, name: str | None = None
     device = resolve_device(spec.device)
     kwargs: dict[str, Any] = {"trust_remote_code": spec.trust_remote_code, "revision": spec.revision}
     dtype = "auto" if spec.dtype == "auto" else DTYPES[spec.dtype]
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # headlab shows its own progress; a per-load bar is noise
     try:
         tokenizer = AutoTokenizer.from_pretrained(path_or_id, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=dtype,
                                                      attn_implementation=ATTN_IMPLEMENTATION, **kwargs)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelLoadError(f"cannot load model '{path_or_id}': {first}. Give a local checkpoint directory, "
+        raise ModelLoadError(f"cannot load model '{path_or_id}': {first.rstrip('.')}. Give a local checkpoint directory, "
                              "a registered name (see `headlab plugins`), or a reachable hub id") from None
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     model.to(device).eval()
     local = Path(path_or_id)
     digest = weights_digest(local) if local.is_dir() else _hub_commit(model)
