@@ -16,27 +16,16 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import time
+
+from _common import fmt, random_llama, ratio, run_case
 
 LAYERS, HEADS, HEAD_DIM = 4, 8, 64
 
 
 def build(impl: str, device: str, dtype: str):
-    import torch
-    import transformers
-
-    from headlab import instrument as ins
-
-    ins.register()
-    cfg = transformers.LlamaConfig(
-        hidden_size=HEADS * HEAD_DIM, intermediate_size=2 * HEADS * HEAD_DIM, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=HEADS, vocab_size=1000, max_position_embeddings=65536,
-    )
-    torch.manual_seed(0)
-    m = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation=impl, dtype=getattr(torch, dtype))
-    return m.eval().to(device)
+    return random_llama(impl, device, dtype, layers=LAYERS, heads=HEADS, head_dim=HEAD_DIM, vocab=1000)
 
 
 def measure(case: str, n: int, device: str, dtype: str, reps: int, threads: int = 0) -> dict:
@@ -95,26 +84,7 @@ def measure(case: str, n: int, device: str, dtype: str, reps: int, threads: int 
 def sub(case, n, args) -> dict:
     cmd = [sys.executable, __file__, "--_case", case, "--lengths", str(n), "--device", args.device,
            "--dtype", args.dtype, "--reps", str(args.reps), "--threads", str(args.threads)]
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timeout {args.timeout}s"}
-    if r.returncode != 0:
-        tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["killed"]
-        return {"error": f"rc={r.returncode}: {tail[0][:120]}"}
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
-def fmt(r: dict) -> str:
-    if "error" in r:
-        return f"FAILED/SKIPPED ({r['error']})"
-    return f"{r['seconds']:.3f}s, peak +{r['peak_bytes'] / 2**20:.0f} MiB"
-
-
-def ratio(a: dict, b: dict, key: str) -> str:
-    if "error" in a or "error" in b or not b[key]:
-        return "n/a"
-    return f"{a[key] / b[key]:.2f}x"
+    return run_case(cmd, args.timeout)
 
 
 def main() -> None:

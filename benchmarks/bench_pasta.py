@@ -24,28 +24,20 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import time
+
+from _common import fmt as _fmt
+from _common import random_llama, ratio, run_case
 
 LAYERS, HEADS, HEAD_DIM, VOCAB = 4, 8, 64, 1000
 
 
 def build(impl: str, device: str, dtype: str):
-    import torch
-    import transformers
-
-    from headlab import instrument as ins
-
-    ins.register()
-    cfg = transformers.LlamaConfig(
-        hidden_size=HEADS * HEAD_DIM, intermediate_size=2 * HEADS * HEAD_DIM, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=HEADS, vocab_size=VOCAB, max_position_embeddings=65536,
-        initializer_range=0.1)
-    torch.manual_seed(0)
-    m = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation=impl, dtype=getattr(torch, dtype))
+    m = random_llama(impl, device, dtype, layers=LAYERS, heads=HEADS, head_dim=HEAD_DIM, vocab=VOCAB,
+                     initializer_range=0.1)
     m.generation_config.eos_token_id = None
-    return m.eval().to(device)
+    return m
 
 
 def dense_hooks(model, heads: list[tuple[int, int]], emph: tuple[int, int], n_prompt: int, alpha: float):
@@ -132,26 +124,11 @@ def sub(case: str, n: int, args) -> dict:
     cmd = [sys.executable, __file__, "--_case", case, "--lengths", str(n), "--new", str(args.new), "--device",
            args.device, "--dtype", args.dtype, "--threads", str(args.threads), "--heads-per-layer",
            str(args.heads_per_layer)]
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timeout {args.timeout}s"}
-    if r.returncode != 0:
-        tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["killed (out of memory?)"]
-        return {"error": f"rc={r.returncode}: {tail[0][:120]}"}
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return run_case(cmd, args.timeout, killed="killed (out of memory?)")
 
 
 def fmt(r: dict) -> str:
-    if "error" in r:
-        return f"FAILED/SKIPPED ({r['error']})"
-    return f"{r['seconds']:.2f} s, peak +{r['peak_bytes'] / 2**20:.0f} MiB"
-
-
-def ratio(a: dict, b: dict, key: str) -> str:
-    if "error" in a or "error" in b or not b[key]:
-        return "n/a"
-    return f"{a[key] / b[key]:.2f}x"
+    return _fmt(r, "{:.2f} s")
 
 
 def main() -> None:

@@ -1,0 +1,51 @@
+"""Helpers shared by the benchmark scripts: the random Llama they measure, running one measurement in a
+fresh subprocess (so its peak memory is its own), and printing results and ratios."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+
+def random_llama(impl: str, device: str, dtype: str, *, layers: int, heads: int, head_dim: int, vocab: int,
+                 **config):
+    """A seeded random-weight Llama (MHA) with the given attention implementation ("headlab" registered)."""
+    import torch
+    import transformers
+
+    from headlab import instrument as ins
+
+    ins.register()
+    cfg = transformers.LlamaConfig(
+        hidden_size=heads * head_dim, intermediate_size=2 * heads * head_dim, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=heads, vocab_size=vocab, max_position_embeddings=65536,
+        **config)
+    torch.manual_seed(0)
+    m = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation=impl, dtype=getattr(torch, dtype))
+    return m.eval().to(device)
+
+
+def run_case(cmd: list[str], timeout: float, killed: str = "killed") -> dict:
+    """Run one measurement subprocess; its last stdout line is a JSON dict, or an ``error`` entry."""
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timeout {timeout}s"}
+    if r.returncode != 0:
+        tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or [killed]
+        return {"error": f"rc={r.returncode}: {tail[0][:120]}"}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def fmt(r: dict, seconds: str = "{:.3f}s") -> str:
+    """A measurement as ``time, peak growth`` (or why it is missing)."""
+    if "error" in r:
+        return f"FAILED/SKIPPED ({r['error']})"
+    return f"{seconds.format(r['seconds'])}, peak +{r['peak_bytes'] / 2**20:.0f} MiB"
+
+
+def ratio(a: dict, b: dict, key: str) -> str:
+    """``a[key] / b[key]`` as ``1.23x``, or ``n/a``."""
+    if "error" in a or "error" in b or not b[key]:
+        return "n/a"
+    return f"{a[key] / b[key]:.2f}x"
