@@ -60,12 +60,15 @@ def _answers(ex: Example, plural: str, singular: str) -> list[str]:
     return [str(value)] if isinstance(value, str) and value else []
 
 
-class ContextMemory(ComponentConfig):
+class _AnswerMatch(ComponentConfig):
+    match: Literal["prefix", "contains", "exact"] = Field("prefix", description="how an answer matches")
+    first_line: bool = Field(True, description="compare only the output's first non-empty line")
+
+
+class ContextMemory(_AnswerMatch):
     """1 if the output gives the context's answer, 0 if the memorised one, NaN if neither."""
 
     kind: Literal["context_memory"] = "context_memory"
-    match: Literal["prefix", "contains", "exact"] = Field("prefix", description="how an answer matches")
-    first_line: bool = Field(True, description="compare only the output's first non-empty line")
 
 
 def context_memory(config: ContextMemory, examples: list[Example], outputs: list[str]) -> np.ndarray:
@@ -89,12 +92,10 @@ def context_memory(config: ContextMemory, examples: list[Example], outputs: list
     return np.array(values, dtype=float)
 
 
-class AnyAnswer(ComponentConfig):
+class AnyAnswer(_AnswerMatch):
     """1 if the output matches any acceptable answer (meta['answers'], else the target), else 0."""
 
     kind: Literal["any_answer"] = "any_answer"
-    match: Literal["prefix", "contains", "exact"] = Field("prefix", description="how an answer matches")
-    first_line: bool = Field(True, description="compare only the output's first non-empty line")
 
 
 def any_answer(config: AnyAnswer, examples: list[Example], outputs: list[str]) -> np.ndarray:
