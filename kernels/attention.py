@@ -118,11 +118,12 @@ def attention(
     probability of the top-1 key), ``probe_entropy`` (nats), ``probe_spans`` (B, P, 2) int
     ``[start, end)`` -> mass per span, ``return_pattern`` -> full (B, H, Nq, Nk) attention.
 
-    ``backend``: ``"sdpa"`` (plain ``scaled_dot_product_attention``; only without edits, probes and
-    softcap), ``"torch"`` (query-blocked, exact, memory linear in sequence length: ``block_q`` query
-    rows at a time), ``"triton"`` (fused FlashAttention-2-style kernel; CUDA, or CPU under
-    ``TRITON_INTERPRET=1``), ``"auto"`` (sdpa when nothing is requested, triton on CUDA, torch
-    otherwise). All paths accumulate in float32 and return ``z`` (B, H, Nq, Dv) in ``q.dtype``.
+    ``backend``: ``"sdpa"`` (``scaled_dot_product_attention``; takes query/output scales and finite key
+    biases, which it computes exactly, the bias riding as an extra head-dim coordinate; no probes,
+    softcap or score zeroing), ``"torch"`` (query-blocked, exact, memory linear in sequence length:
+    ``block_q`` query rows at a time), ``"triton"`` (fused FlashAttention-2-style kernel; CUDA, or CPU
+    under ``TRITON_INTERPRET=1``), ``"auto"`` (sdpa whenever it applies, else triton on CUDA, else
+    torch). All paths accumulate in float32 and return ``z`` (B, H, Nq, Dv) in ``q.dtype``.
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q, k, v must be 4-D: (B, H, Nq, D), (B, Hkv, Nk, D), (B, Hkv, Nk, Dv)")
@@ -174,19 +175,21 @@ def attention(
     if window is not None and window <= 0:
         raise ValueError("window must be positive")
 
-    has_edits = any(x is not None for x in (q_scale, score_zero, out_scale, key_spans))
     has_probes = probe_argmax or probe_entropy or probe_spans is not None or return_pattern
+    sdpa_ok = (not has_probes and softcap is None and score_zero is None
+               and (key_bias is None or bool(torch.isfinite(key_bias).all())))
     if backend == "auto":
-        if not has_edits and not has_probes and softcap is None:
+        if sdpa_ok:
             backend = "sdpa"
         elif q.is_cuda and triton_available():
             backend = "triton"
         else:
             backend = "torch"
     if backend == "sdpa":
-        if has_edits or has_probes or softcap is not None:
-            raise ValueError("backend='sdpa' takes no edits, probes or softcap")
-        out = _sdpa(q, k, v, scale, causal, key_padding_mask, attn_mask, window)
+        if not sdpa_ok:
+            raise ValueError("backend='sdpa' takes no probes, softcap, score_zero or infinite key_bias")
+        kbias = None if key_spans is None else _span_bias(key_spans, key_bias, Nk)
+        out = _sdpa(q, k, v, scale, causal, key_padding_mask, attn_mask, window, q_scale, out_scale, kbias)
         return out, AttentionStats(backend="sdpa")
     kw = dict(
         scale=float(scale), causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
@@ -224,9 +227,47 @@ def visibility(
     return vis
 
 
-def _sdpa(q, k, v, scale, causal, key_padding_mask, attn_mask, window) -> Tensor:
-    B, H, Nq, _ = q.shape
+def _span_bias(key_spans: Tensor, key_bias: Tensor, Nk: int) -> Tensor:
+    """(B, H, Nk) float32 additive bias per key from (B, S, 2) spans and their (B, H, S) biases."""
+    j = torch.arange(Nk, device=key_spans.device)
+    inspan = ((j >= key_spans[..., :1]) & (j < key_spans[..., 1:])).float()
+    return torch.einsum("bhs,bsn->bhn", key_bias.float(), inspan)
+
+
+def _with_key_bias(q: Tensor, k: Tensor, v: Tensor, kbias: Tensor, scale: float):
+    """q, k, v with the per-key bias folded into extra head-dim coordinates, so that
+    ``scale * q' . k' = scale * q . k + kbias`` (q gets a 1, k gets ``kbias / scale``, v a 0; padded to
+    a multiple of 8 so fused SDPA kernels still apply). K and V are expanded to the query heads only when
+    the bias differs between the query heads that share a kv head."""
+    B, H, Nq, D = q.shape
+    Hkv = k.shape[1]
+    G = H // Hkv
+    kb = kbias.view(B, Hkv, G, -1)
+    if G > 1 and bool((kb == kb[:, :, :1]).all()):
+        kb = kb[:, :, 0]
+    else:
+        kb = kbias
+        if G > 1:
+            k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+    pad = 8 - D % 8
+    qx = torch.zeros(*q.shape[:3], pad, dtype=q.dtype, device=q.device)
+    qx[..., 0] = 1
+    kx = torch.zeros(*k.shape[:3], pad, dtype=k.dtype, device=k.device)
+    kx[..., 0] = (kb / scale).to(k.dtype)
+    vx = torch.zeros(*v.shape[:3], pad + D - v.shape[-1], dtype=v.dtype, device=v.device)
+    return torch.cat([q, qx], -1), torch.cat([k, kx], -1), torch.cat([v, vx], -1)
+
+
+def _sdpa(q, k, v, scale, causal, key_padding_mask, attn_mask, window,
+          q_scale=None, out_scale=None, kbias=None) -> Tensor:
+    """Plain SDPA, plus the edits it computes exactly: query scales, output scales, finite key biases."""
+    B, H, Nq, Dq = q.shape
     Nk = k.shape[2]
+    Dv = v.shape[-1]
+    if q_scale is not None:
+        q = q * q_scale[:, :, None, None].to(q.dtype)
+    if kbias is not None:
+        q, k, v = _with_key_bias(q, k, v, kbias, scale)
     mask = None
     is_causal = False
     needs_vis = (causal and Nq > 1) or window is not None
@@ -246,9 +287,13 @@ def _sdpa(q, k, v, scale, causal, key_padding_mask, attn_mask, window) -> Tensor
     out = torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=k.shape[1] != H
     )
+    if kbias is not None:
+        out = out[..., :Dv]
     if mask is not None:
         # fully masked rows: make sure they are zeros whatever the SDPA backend does
         empty = ~mask.any(-1, keepdim=True)
         if bool(empty.any()):
             out = out.masked_fill(empty, 0.0)
+    if out_scale is not None:
+        out = out * out_scale[:, :, None, None].to(out.dtype)
     return out

@@ -212,6 +212,45 @@ def test_sdpa_path_matches_reference(shape):
         assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("shape", SHAPES[:5], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shared", [True, False], ids=["bias-per-kv-head", "bias-per-query-head"])
+def test_sdpa_path_takes_scales_and_key_bias(shape, shared):
+    """Query/output scales and finite key biases run on SDPA (auto) and equal the reference."""
+    B, H, Hkv, Nq, Nk, D = shape
+    q, k, v, kpm, kw = make_case(B, H, Hkv, Nq, Nk, D, spans=False)
+    kw.pop("score_zero")
+    if shared:
+        kb = kw["key_bias"].view(B, Hkv, H // Hkv, -1)[:, :, :1]
+        kw["key_bias"] = kb.expand(B, Hkv, H // Hkv, kb.shape[-1]).reshape(B, H, -1).clone()
+    for window in (None, 3):
+        out, st = attention(q, k, v, scale=0.4, key_padding_mask=kpm, window=window, **kw)
+        assert st.backend == "sdpa"
+        ref = reference(q, k, v, scale=0.4, key_padding_mask=kpm, window=window, **kw)
+        torch.testing.assert_close(out.double(), ref["z"], atol=1e-5, rtol=0)
+
+
+def test_sdpa_key_bias_path_is_linear_memory_and_infinite_bias_uses_torch():
+    B, H, N, D = 1, 2, 512, 8
+    q, k, v = (torch.randn(B, H, N, D) for _ in range(3))
+    spans = torch.tensor([[[0, 100], [200, N]]])
+    seen = []
+
+    class Spy(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            r = func(*args, **(kwargs or {}))
+            for t in r if isinstance(r, tuple) else (r,):
+                if isinstance(t, torch.Tensor):
+                    seen.append(t.numel())
+            return r
+
+    with Spy():
+        _, st = attention(q, k, v, scale=0.3, key_spans=spans, key_bias=torch.full((1, 2, 2), math.log(0.01)))
+    assert st.backend == "sdpa"
+    assert max(seen) < B * H * N * N // 4
+    _, st = attention(q, k, v, scale=0.3, key_spans=spans, key_bias=torch.full((1, 2, 2), -math.inf))
+    assert st.backend == "torch"
+
+
 def test_padding_queries_are_zero_and_finite():
     q, k, v, kpm, kw = make_case(2, 4, 2, 9, 9, 8, pad=(0, 4))
     out, st = attention(q, k, v, scale=0.3, key_padding_mask=kpm, backend="torch", **ALL_PROBES, **kw)
@@ -278,6 +317,8 @@ def test_validation_errors():
     q = torch.randn(1, 4, 4, 8)
     with pytest.raises(ValueError, match="sdpa"):
         attention(q, k, v, scale=1.0, probe_argmax=True, backend="sdpa")
+    with pytest.raises(ValueError, match="sdpa"):
+        attention(q, k, v, scale=1.0, score_zero=torch.ones(1, 4, dtype=torch.bool), backend="sdpa")
     with pytest.raises(ValueError, match="key_spans"):
         attention(q, k, v, scale=1.0, key_spans=torch.zeros(1, 1, 2, dtype=torch.long))
     with pytest.raises(ValueError, match="queries"):

@@ -141,6 +141,7 @@ class Data:
         self.long_weights = list(long_weights)
         self.short_weights = list(short_weights)
         self.max_shorts = max_shorts
+        self.far = 0.0
         self.enc = enc
         self.rng = random.Random(seed)
         self.hay = S.haystack_text()
@@ -149,10 +150,13 @@ class Data:
         self.facts = list(S.FACTS)
 
     # long episodes -------------------------------------------------------------------------------
-    def niah(self, n_tok: int):
+    def niah(self, n_tok: int, far: bool = False):
         rng = self.rng
         needle, question, answer = S.random_needle(rng)
-        d = rng.random() if rng.random() < 0.8 else rng.choice([0.0, 1.0])
+        if far:
+            d = rng.uniform(0.0, 0.4)
+        else:
+            d = rng.random() if rng.random() < 0.8 else rng.choice([0.0, 1.0])
         ex = S._niah_one(
             self.hay, self.hay_spans, max(16, n_tok - 12), d, needle, question, answer, S.count_tokens,
             rng, 1 if rng.random() < 0.3 else 0, True, -1,
@@ -227,8 +231,11 @@ class Data:
     def row(self, T: int):
         rng = self.rng
         kind = rng.choices(["niah", "kv", "ind"], weights=self.long_weights)[0]
-        long_len = rng.randint(max(16, T // 8), max(24, int(T * 0.85)))
-        episodes = [getattr(self, {"niah": "niah", "kv": "kv", "ind": "induction"}[kind])(long_len)]
+        if kind == "niah" and rng.random() < self.far:
+            episodes = [self.niah(rng.randint(int(T * 0.7), int(T * 0.92)), far=True)]
+        else:
+            long_len = rng.randint(max(16, T // 8), max(24, int(T * 0.85)))
+            episodes = [getattr(self, {"niah": "niah", "kv": "kv", "ind": "induction"}[kind])(long_len)]
         total = sum(len(ids) for e in episodes for ids, _ in e) + 1
         used: set = set()
         shorts = []
@@ -371,6 +378,7 @@ def main(argv=None) -> None:
         opts = stages[si][3] if len(stages[si]) > 3 else {}
         data.long_weights = list(opts.get("long", default_long))
         data.max_shorts = int(opts.get("shorts", args.max_shorts))
+        data.far = float(opts.get("far", 0.0))
         data.short_weights = list(opts.get("short", (0.3, 0.45, 0.25)))
         until_ind = opts.get("until_ind")
         if until_ind is None and sched["decay_start"] is None:
