@@ -21,15 +21,19 @@ BACKENDS = ("auto", "sdpa", "torch", "triton")
 class AttentionStats:
     """Probes of one attention call, describing the attention *after* edits.
 
-    Shapes (B batch rows, H query heads, Nq queries, Nk keys, P probe spans); all float tensors are
-    float32 whatever the input dtype. A query row with no visible key (a padding query) has
-    ``argmax = -1``, ``argmax_prob = 0``, ``entropy = 0``, ``span_mass = 0`` and an all-zero pattern row.
+    Shapes (B batch rows, H query heads, Nq queries, Nk keys, P probe spans, O probe offsets); all float
+    tensors are float32 whatever the input dtype. A query row with no visible key (a padding query) has
+    ``argmax = -1``, ``argmax_prob = 0``, ``entropy = 0``, ``span_mass = 0``, ``offset_mass = 0`` and an
+    all-zero pattern row.
 
     - ``argmax``: (B, H, Nq) int64, index of the top-1 key (first one on ties), in key coordinates
       ``0..Nk-1``.
     - ``argmax_prob``: (B, H, Nq) float32, its attention probability.
     - ``entropy``: (B, H, Nq) float32, ``-sum_j A_ij log A_ij`` in nats.
     - ``span_mass``: (B, H, Nq, P) float32, ``sum_{j in span p} A_ij``.
+    - ``offset_mass``: (B, H, Nq, O) float32, ``A[i, pos(i) - delta_o]`` with ``pos(i) = Nk - Nq + i`` the
+      query's own key coordinate and ``delta_o = probe_offsets[b, o]``; 0 where that key is outside
+      ``0..Nk-1`` or not visible, and for unused offset slots (``delta_o = -1``).
     - ``pattern``: (B, H, Nq, Nk) float32, the full attention, only when ``return_pattern``.
     - ``backend``: the path that ran (``"sdpa"``, ``"torch"`` or ``"triton"``).
     """
@@ -38,6 +42,7 @@ class AttentionStats:
     argmax_prob: Tensor | None = None
     entropy: Tensor | None = None
     span_mass: Tensor | None = None
+    offset_mass: Tensor | None = None
     pattern: Tensor | None = None
     backend: str = field(default="torch")
 
@@ -79,6 +84,7 @@ def attention(
     probe_argmax: bool = False,
     probe_entropy: bool = False,
     probe_spans: Tensor | None = None,
+    probe_offsets: Tensor | None = None,
     return_pattern: bool = False,
     softcap: float | None = None,
     window: int | None = None,
@@ -116,7 +122,9 @@ def attention(
 
     Probes (see :class:`AttentionStats`) describe ``A`` after the edits: ``probe_argmax`` (index and
     probability of the top-1 key), ``probe_entropy`` (nats), ``probe_spans`` (B, P, 2) int
-    ``[start, end)`` -> mass per span, ``return_pattern`` -> full (B, H, Nq, Nk) attention.
+    ``[start, end)`` -> mass per span, ``probe_offsets`` (B, O) int relative offsets ``delta >= 0``
+    (``-1`` = unused slot) -> ``A[i, Nk - Nq + i - delta]`` per query (the attention ``delta`` keys back
+    from the query's own position: 1 = previous token), ``return_pattern`` -> full (B, H, Nq, Nk) attention.
 
     ``backend``: ``"sdpa"`` (``scaled_dot_product_attention``; takes query/output scales and finite key
     biases, which it computes exactly, the bias riding as an extra head-dim coordinate; no probes,
@@ -170,12 +178,22 @@ def attention(
         probe_spans = torch.as_tensor(probe_spans, device=dev).long()
         if probe_spans.dim() != 3 or probe_spans.shape[0] != B or probe_spans.shape[2] != 2:
             raise ValueError(f"probe_spans must be (B, P, 2), got {tuple(probe_spans.shape)}")
+    if probe_offsets is not None:
+        probe_offsets = torch.as_tensor(probe_offsets, device=dev)
+        if probe_offsets.dtype.is_floating_point or probe_offsets.dtype == torch.bool:
+            raise ValueError("probe_offsets must be integers")
+        probe_offsets = probe_offsets.long()
+        if probe_offsets.dim() != 2 or probe_offsets.shape[0] != B:
+            raise ValueError(f"probe_offsets must be (B, O), got {tuple(probe_offsets.shape)}")
+        if bool((probe_offsets < -1).any()):
+            raise ValueError("probe_offsets must be >= 0 (or -1 for an unused slot)")
     if softcap is not None and softcap <= 0:
         raise ValueError("softcap must be positive")
     if window is not None and window <= 0:
         raise ValueError("window must be positive")
 
-    has_probes = probe_argmax or probe_entropy or probe_spans is not None or return_pattern
+    has_probes = (probe_argmax or probe_entropy or probe_spans is not None or probe_offsets is not None
+                  or return_pattern)
     sdpa_ok = (not has_probes and softcap is None and score_zero is None
                and (key_bias is None or bool(torch.isfinite(key_bias).all())))
     if backend == "auto":
@@ -195,7 +213,8 @@ def attention(
         scale=float(scale), causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
         q_scale=q_scale, score_zero=score_zero, out_scale=out_scale, key_spans=key_spans,
         key_bias=key_bias, probe_argmax=probe_argmax, probe_entropy=probe_entropy,
-        probe_spans=probe_spans, return_pattern=return_pattern, softcap=softcap, window=window,
+        probe_spans=probe_spans, probe_offsets=probe_offsets, return_pattern=return_pattern, softcap=softcap,
+        window=window,
     )
     if backend == "triton":
         from .triton_attention import triton_attention

@@ -42,6 +42,7 @@ def torch_attention(
     probe_entropy: bool,
     probe_spans: Tensor | None,
     return_pattern: bool,
+    probe_offsets: Tensor | None = None,
     softcap: float | None,
     window: int | None,
     block_q: int = 128,
@@ -74,6 +75,8 @@ def torch_attention(
         stats.entropy = torch.empty(B, H, Nq, dtype=f32, device=dev)
     if pin is not None:
         stats.span_mass = torch.empty(B, H, Nq, pin.shape[1], dtype=f32, device=dev)
+    if probe_offsets is not None:
+        stats.offset_mass = torch.zeros(B, H, Nq, probe_offsets.shape[1], dtype=f32, device=dev)
     if return_pattern:
         stats.pattern = torch.zeros(B, H, Nq, Nk, dtype=f32, device=dev)
 
@@ -91,7 +94,7 @@ def torch_attention(
                 stats.entropy[:, :, q0:q1] = 0
             if pin is not None:
                 stats.span_mass[:, :, q0:q1] = 0
-            continue
+            continue  # offset_mass is already zero
         qb = q[:, :, q0:q1].to(f32) * qmul[:, :, None, None]
         # the G query heads of a kv head as G*n rows against the shared K/V: a plain batched matmul
         # (a broadcast (B, Hkv, 1, ...) operand would make matmul copy K and V G times)
@@ -136,6 +139,21 @@ def torch_attention(
             stats.entropy[:, :, q0:q1] = -torch.where(a > 0, a * loga, torch.zeros((), dtype=f32, device=dev)).sum(-1)
         if pin is not None:
             stats.span_mass[:, :, q0:q1] = torch.einsum("bhqn,bpn->bhqp", a, pin[:, :, k0:k1])
+        if probe_offsets is not None and probe_offsets.shape[1]:
+            stats.offset_mass[:, :, q0:q1] = _offset_gather(a, probe_offsets, off + q0, k0)
         if return_pattern:
             stats.pattern[:, :, q0:q1, k0:k1] = a
     return out, stats
+
+
+def _offset_gather(a: Tensor, offsets: Tensor, pos0: int, k0: int) -> Tensor:
+    """(B, H, n, O) ``a[..., r, pos0 + r - delta_o - k0]`` from a normalised block ``a`` (B, H, n, k)
+    covering keys ``[k0, k0 + k)`` of queries at key positions ``pos0 + r``; 0 outside the block (such keys
+    are invisible to these queries) and for unused slots (delta < 0)."""
+    B, H, n, nk = a.shape
+    r = torch.arange(n, device=a.device)
+    idx = pos0 - k0 + r[None, :, None] - offsets[:, None, :]  # (B, n, O) local key index
+    ok = (offsets[:, None, :] >= 0) & (idx >= 0) & (idx < nk)
+    idx = idx.clamp(0, max(nk - 1, 0))
+    got = a.gather(-1, idx[:, None].expand(B, H, n, idx.shape[-1]))
+    return torch.where(ok[:, None], got, torch.zeros((), dtype=a.dtype, device=a.device))

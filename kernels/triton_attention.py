@@ -6,7 +6,10 @@ biases, softcap, causal / window / padding / general masks) and accumulates the 
 
 - argmax: running maximum score and its key index (strictly greater wins, so the first key on ties);
 - entropy: ``F = sum_j p_j (s_j - m)`` rescaled when the running max ``m`` moves, ``H = log l - F / l``;
-- span masses: ``sum_j p_j [j in span]`` as a (BLOCK_M, BLOCK_P) accumulator, rescaled like the output.
+- span masses: ``sum_j p_j [j in span]`` as a (BLOCK_M, BLOCK_P) accumulator, rescaled like the output;
+- offset masses: ``p_j`` at the key ``j = q_pos - delta`` for each probe offset ``delta``, a
+  (BLOCK_M, BLOCK_O) accumulator rescaled like the span masses (an offset touches at most two key tiles of
+  a query block; the others are skipped).
 
 The full pattern, when asked, is written by a second sweep over the key tiles once ``m`` and ``l`` are final.
 
@@ -78,17 +81,18 @@ def _scores(
 @triton.jit
 def _attn_fwd(
     Q, K, V, Out,
-    QMUL, SZ, OSC, KPM, AM, KSPAN, KBIAS, PSPAN,
-    ARGI, ARGS, ML, FENT, SPM, PAT, ACC,
+    QMUL, SZ, OSC, KPM, AM, KSPAN, KBIAS, PSPAN, POFF,
+    ARGI, ARGS, ML, FENT, SPM, OFM, PAT, ACC,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
     skpm_b, am_b, am_h, am_q, am_k,
-    H, G, Nq, Nk, D, Dv, NKS, NPS, softcap, window, split_len,
+    H, G, Nq, Nk, D, Dv, NKS, NPS, NOS, softcap, window, split_len,
     HAS_SZ: tl.constexpr, HAS_OS: tl.constexpr, HAS_KPM: tl.constexpr, HAS_AM: tl.constexpr,
-    HAS_KB: tl.constexpr, HAS_PS: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_KB: tl.constexpr, HAS_PS: tl.constexpr, HAS_PO: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, PROBE_ARGMAX: tl.constexpr, PROBE_ENT: tl.constexpr,
     RETURN_PATTERN: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_O: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -128,6 +132,7 @@ def _attn_fwd(
         pmask = offs_p < NPS
         ps_start = tl.load(PSPAN + b * NPS * 2 + offs_p * 2, mask=pmask, other=0)
         ps_end = tl.load(PSPAN + b * NPS * 2 + offs_p * 2 + 1, mask=pmask, other=0)
+    offs_o = tl.arange(0, BLOCK_O)
 
     # key range of this program
     m_first = pid_m * BLOCK_M + off
@@ -151,6 +156,7 @@ def _attn_fwd(
     best_i = tl.full([BLOCK_M], -1, dtype=tl.int32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     sacc = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
+    oacc = tl.zeros([BLOCK_M, BLOCK_O], dtype=tl.float32)
 
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
@@ -185,6 +191,15 @@ def _attn_fwd(
         if HAS_PS:
             pin = ((offs_n[:, None] >= ps_start[None, :]) & (offs_n[:, None] < ps_end[None, :])).to(tl.float32)
             sacc = sacc * alpha[:, None] + tl.dot(p, pin, input_precision="ieee")
+        if HAS_PO:
+            oacc = oacc * alpha[:, None]
+            rel = q_abs[:, None] - offs_n[None, :]  # query position - key position
+            for o in range(0, NOS):
+                dlt = tl.load(POFF + b * NOS + o)
+                # the keys q_pos - dlt of this query block lie in [m_first - dlt, m_last - dlt]
+                if (dlt >= 0) & (start <= m_last - dlt) & (start + BLOCK_N > m_first - dlt):
+                    hit = tl.sum(tl.where(rel == dlt, p, 0.0), axis=1)
+                    oacc = oacc + tl.where(offs_o[None, :] == o, hit[:, None], 0.0)
         m_i = m_new
 
     row = (b * H + h) * Nq + offs_m
@@ -200,6 +215,8 @@ def _attn_fwd(
             tl.store(ARGI + prow, best_i, mask=mrow)
         if HAS_PS:
             tl.store(SPM + prow[:, None] * NPS + offs_p[None, :], sacc, mask=mrow[:, None] & (offs_p[None, :] < NPS))
+        if HAS_PO:
+            tl.store(OFM + prow[:, None] * NOS + offs_o[None, :], oacc, mask=mrow[:, None] & (offs_o[None, :] < NOS))
     else:
         empty = l_i == 0.0
         l_safe = tl.where(empty, 1.0, l_i)
@@ -221,6 +238,11 @@ def _attn_fwd(
             tl.store(
                 SPM + row[:, None] * NPS + offs_p[None, :], sacc / l_safe[:, None],
                 mask=mrow[:, None] & (offs_p[None, :] < NPS),
+            )
+        if HAS_PO:
+            tl.store(
+                OFM + row[:, None] * NOS + offs_o[None, :], oacc / l_safe[:, None],
+                mask=mrow[:, None] & (offs_o[None, :] < NOS),
             )
         if RETURN_PATTERN:
             m_safe2 = tl.where(m_i == float("-inf"), 0.0, m_i)
@@ -244,7 +266,8 @@ def _pow2(x: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(max(1, int(x))))
 
 
-def _combine(B, H, Nq, Dv, n_split, ml, fent, acc, args, argi, spm, probe_argmax, probe_entropy, has_ps):
+def _combine(B, H, Nq, Dv, n_split, ml, fent, acc, args, argi, spm, probe_argmax, probe_entropy, has_ps,
+             ofm=None):
     """Merge per-split partial softmax statistics (flash-decoding)."""
     m = ml[..., 0].view(n_split, B, H, Nq)
     lp = ml[..., 1].view(n_split, B, H, Nq)
@@ -271,6 +294,9 @@ def _combine(B, H, Nq, Dv, n_split, ml, fent, acc, args, argi, spm, probe_argmax
     if has_ps:
         P = spm.shape[-1]
         stats.span_mass = (w[..., None] * spm.view(n_split, B, H, Nq, P)).sum(0) / lsafe[..., None]
+    if ofm is not None:
+        n_off = ofm.shape[-1]
+        stats.offset_mass = (w[..., None] * ofm.view(n_split, B, H, Nq, n_off)).sum(0) / lsafe[..., None]
     return o, stats
 
 
@@ -294,6 +320,7 @@ def triton_attention(
     return_pattern: bool,
     softcap: float | None,
     window: int | None,
+    probe_offsets: Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
     num_splits: int | None = None,
@@ -338,6 +365,9 @@ def triton_attention(
     NPS = probe_spans.shape[1] if probe_spans is not None else 0
     psp = probe_spans.to(torch.int32).contiguous() if probe_spans is not None else dummy_i
     has_ps = probe_spans is not None and NPS > 0
+    NOS = probe_offsets.shape[1] if probe_offsets is not None else 0
+    pof = probe_offsets.to(torch.int32).contiguous() if probe_offsets is not None else dummy_i
+    has_po = probe_offsets is not None and NOS > 0
 
     # flash-decoding: few query blocks and many keys -> split the key axis
     if num_splits is None:
@@ -356,6 +386,7 @@ def triton_attention(
     args = torch.empty(nrow, dtype=f32, device=dev) if probe_argmax else dummy_f
     fent = torch.empty(nrow, dtype=f32, device=dev) if (probe_entropy or split) else dummy_f
     spm = torch.empty(nrow, NPS, dtype=f32, device=dev) if has_ps else dummy_f
+    ofm = torch.empty(nrow, NOS, dtype=f32, device=dev) if has_po else dummy_f
     pat = torch.zeros(B, H, Nq, Nk, dtype=f32, device=dev) if return_pattern else dummy_f
     ml = torch.empty(nrow, 2, dtype=f32, device=dev) if split else dummy_f
     acc = torch.empty(nrow, Dv, dtype=f32, device=dev) if split else dummy_f
@@ -363,23 +394,24 @@ def triton_attention(
     grid = (n_mblocks, B * H, num_splits)
     _attn_fwd[grid](
         q, k, v, out,
-        qmul, sz, osc, kpm, am, ksp, kb, psp,
-        argi, args, ml, fent, spm, pat, acc,
+        qmul, sz, osc, kpm, am, ksp, kb, psp, pof,
+        argi, args, ml, fent, spm, ofm, pat, acc,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         kpm.stride(0) if key_padding_mask is not None else 0, am_b, am_h, am_q, am_k,
-        H, G, Nq, Nk, D, Dv, NKS, NPS,
+        H, G, Nq, Nk, D, Dv, NKS, NPS, NOS,
         float(softcap) if softcap is not None else 1.0, int(window) if window is not None else 0, split_len,
         HAS_SZ=score_zero is not None, HAS_OS=out_scale is not None, HAS_KPM=key_padding_mask is not None,
-        HAS_AM=attn_mask is not None, HAS_KB=NKS > 0, HAS_PS=has_ps, CAUSAL=bool(causal),
+        HAS_AM=attn_mask is not None, HAS_KB=NKS > 0, HAS_PS=has_ps, HAS_PO=has_po, CAUSAL=bool(causal),
         HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None, PROBE_ARGMAX=bool(probe_argmax),
         PROBE_ENT=bool(probe_entropy), RETURN_PATTERN=bool(return_pattern), SPLIT=split, IEEE=ieee,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
-        BLOCK_S=_pow2(NKS), BLOCK_P=_pow2(NPS),
+        BLOCK_S=_pow2(NKS), BLOCK_P=_pow2(NPS), BLOCK_O=_pow2(NOS),
     )
     if split:
         o, stats = _combine(
             B, H, Nq, Dv, num_splits, ml.view(num_splits, rows, 2), fent, acc, args, argi,
             spm.view(num_splits, rows, NPS) if has_ps else None, probe_argmax, probe_entropy, has_ps,
+            ofm.view(num_splits, rows, NOS) if has_po else None,
         )
         if out_scale is not None:
             o = o * out_scale[:, :, None, None]
@@ -393,8 +425,12 @@ def triton_attention(
             stats.entropy = fent.view(B, H, Nq)
         if has_ps:
             stats.span_mass = spm.view(B, H, Nq, NPS)
+        if has_po:
+            stats.offset_mass = ofm.view(B, H, Nq, NOS)
     if probe_spans is not None and not has_ps:
         stats.span_mass = torch.zeros(B, H, Nq, 0, dtype=f32, device=dev)
+    if probe_offsets is not None and not has_po:
+        stats.offset_mass = torch.zeros(B, H, Nq, 0, dtype=f32, device=dev)
     if return_pattern:
         stats.pattern = pat
     return out, stats

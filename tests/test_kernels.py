@@ -17,7 +17,7 @@ from headlab.kernels import AttentionStats, attention
 # --------------------------------------------------------------------------- naive reference
 def reference(
     q, k, v, *, scale, causal=True, key_padding_mask=None, attn_mask=None, q_scale=None, score_zero=None,
-    out_scale=None, key_spans=None, key_bias=None, probe_spans=None, softcap=None, window=None,
+    out_scale=None, key_spans=None, key_bias=None, probe_spans=None, probe_offsets=None, softcap=None, window=None,
 ):
     """Independent float64 computation: materialise the scores, mask, softmax, read everything off A."""
     B, H, Nq, D = q.shape
@@ -73,13 +73,27 @@ def reference(
                 st, en = int(probe_spans[b, p, 0]), int(probe_spans[b, p, 1])
                 sm[b, :, :, p] = a[b, :, :, st:en].sum(-1)
         out["span_mass"] = sm
+    if probe_offsets is not None:
+        n_off = probe_offsets.shape[1]
+        om = torch.zeros(B, H, Nq, n_off, dtype=torch.float64)
+        for b in range(B):
+            for i in range(Nq):
+                for o in range(n_off):
+                    delta = int(probe_offsets[b, o])
+                    j = Nk - Nq + i - delta  # delta keys back from the query's own position
+                    if delta >= 0 and 0 <= j < Nk:
+                        om[b, :, i, o] = a[b, :, i, j]
+        out["offset_mass"] = om
     return out
 
 
 # --------------------------------------------------------------------------- case generator
 def make_case(B=2, H=4, Hkv=2, Nq=9, Nk=9, D=8, dtype=torch.float32, pad=(0, 3), seed=0, edits=True,
-              spans=True):
-    """Random q/k/v (distinct keys so argmax ties are rare), left padding, edits on some (row, head)."""
+              spans=True, offsets=None):
+    """Random q/k/v (distinct keys so argmax ties are rare), left padding, edits on some (row, head).
+
+    ``spans`` adds span probes; ``offsets`` (default: same as ``spans``) adds offset probes that differ per
+    row, with an unused slot (-1), the diagonal (0), the previous token (1) and an offset beyond the keys."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, H, Nq, D, generator=g).to(dtype)
     k = torch.randn(B, Hkv, Nk, D, generator=g).to(dtype)
@@ -111,6 +125,10 @@ def make_case(B=2, H=4, Hkv=2, Nq=9, Nk=9, D=8, dtype=torch.float32, pad=(0, 3),
     if spans:
         ps = torch.tensor([[0, 1], [Nk // 3, 2 * Nk // 3], [1, Nk], [Nk - 1, Nk]]).expand(B, 4, 2).clone()
         kw["probe_spans"] = ps
+    if spans if offsets is None else offsets:
+        po = torch.tensor([[0, 1, 2 + b % 2, Nk // 2, -1, Nk + 3] for b in range(B)])
+        po[B - 1, 4], po[B - 1, 0] = Nk - 1, -1
+        kw["probe_offsets"] = po
     return q, k, v, kpm, kw
 
 
@@ -127,6 +145,8 @@ def check(out, stats: AttentionStats, ref, *, atol, rtol=0.0, valid_rows=None, p
             assert torch.allclose(alt[diff], ref["argmax_prob"][diff], atol=atol * 10), "argmax differs"
     if "span_mass" in ref:
         torch.testing.assert_close(stats.span_mass.double(), ref["span_mass"], atol=atol, rtol=rtol)
+    if "offset_mass" in ref:
+        torch.testing.assert_close(stats.offset_mass.double(), ref["offset_mass"], atol=atol, rtol=rtol)
     if pattern and stats.pattern is not None:
         torch.testing.assert_close(stats.pattern.double(), ref["pattern"], atol=atol, rtol=rtol)
 
@@ -323,3 +343,64 @@ def test_validation_errors():
         attention(q, k, v, scale=1.0, key_spans=torch.zeros(1, 1, 2, dtype=torch.long))
     with pytest.raises(ValueError, match="queries"):
         attention(torch.randn(1, 4, 5, 8), k, v, scale=1.0)
+
+
+# --------------------------------------------------------------------------- offset probe
+@pytest.mark.parametrize("Nq,Nk,window", [(6, 6, None), (3, 8, None), (1, 9, None), (4, 10, 3)])
+def test_offset_mass_of_uniform_attention(Nq, Nk, window):
+    """Query masking makes attention uniform over the visible keys, so the mass ``delta`` keys back from query
+    i (key position Nk - Nq + i) is 1 / (number of visible keys) when that key is visible, else 0."""
+    q, k, v, _, _ = make_case(1, 2, 1, Nq, Nk, 8, pad=None, edits=False, spans=False)
+    deltas = torch.tensor([[0, 1, 2, 5, -1, Nk]])
+    _, st = attention(q, k, v, scale=0.3, q_scale=torch.tensor([[0.0, 1.0]]), probe_offsets=deltas, window=window,
+                      backend="torch", block_q=2)
+    assert st.offset_mass.shape == (1, 2, Nq, 6) and st.offset_mass.dtype == torch.float32
+    for i in range(Nq):
+        pos = Nk - Nq + i
+        n_vis = pos + 1 if window is None else min(pos + 1, window)
+        for o, d in enumerate(deltas[0].tolist()):
+            want = 1.0 / n_vis if 0 <= d < n_vis else 0.0
+            assert st.offset_mass[0, 0, i, o].item() == pytest.approx(want, abs=1e-6), (i, d)
+
+
+def test_offset_probe_backend_shapes_and_validation():
+    q, k, v, _, _ = make_case(2, 4, 2, 5, 5, 8, pad=None, edits=False, spans=False)
+    offs = torch.tensor([[1], [0]])
+    _, st = attention(q, k, v, scale=0.3, probe_offsets=offs)  # a probe: auto must not pick sdpa
+    assert st.backend == "torch" and st.offset_mass.shape == (2, 4, 5, 1)
+    _, st_pat = attention(q, k, v, scale=0.3, return_pattern=True, backend="torch")
+    torch.testing.assert_close(st.offset_mass[0, :, 1:, 0], st_pat.pattern[0].diagonal(-1, -2, -1), atol=1e-6,
+                               rtol=0)
+    torch.testing.assert_close(st.offset_mass[1, :, :, 0], st_pat.pattern[1].diagonal(0, -2, -1), atol=1e-6, rtol=0)
+    assert (st.offset_mass[0, :, 0] == 0).all()  # query 0 has no previous token
+    _, st0 = attention(q, k, v, scale=0.3, probe_offsets=torch.zeros(2, 0, dtype=torch.long))
+    assert st0.offset_mass.shape == (2, 4, 5, 0)
+    with pytest.raises(ValueError, match="sdpa"):
+        attention(q, k, v, scale=0.3, probe_offsets=offs, backend="sdpa")
+    with pytest.raises(ValueError, match=r"\(B, O\)"):
+        attention(q, k, v, scale=0.3, probe_offsets=torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match=">= 0"):
+        attention(q, k, v, scale=0.3, probe_offsets=torch.tensor([[1], [-2]]))
+    with pytest.raises(ValueError, match="integers"):
+        attention(q, k, v, scale=0.3, probe_offsets=torch.tensor([[1.0], [0.0]]))
+
+
+def test_offset_probe_memory_is_blocked():
+    """Offset masses are gathered per query block: no (B, H, Nq, Nk) tensor, as for the other probes."""
+    B, H, N, D = 1, 2, 512, 8
+    q, k, v = (torch.randn(B, H, N, D) for _ in range(3))
+    seen = []
+
+    class Spy(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            r = func(*args, **(kwargs or {}))
+            if isinstance(r, torch.Tensor):
+                seen.append(r.numel())
+            return r
+
+    offs = torch.arange(64)[None]
+    with Spy():
+        _, st = attention(q, k, v, scale=0.3, probe_offsets=offs, backend="torch", block_q=32)
+    assert max(seen) <= max(B * H * 32 * N, B * H * N * 64)  # one score block, or the (B, H, N, O) output
+    assert max(seen) < B * H * N * N // 4
+    assert st.offset_mass.shape == (B, H, N, 64)

@@ -40,7 +40,7 @@ def run(q, k, v, kpm, kw, **extra):
     out, st = attention(to(q), to(k), to(v), key_padding_mask=to(kpm), backend="triton",
                         **{n: to(x) for n, x in kw.items()}, **extra)
     assert st.backend == "triton"
-    for name in ("argmax", "argmax_prob", "entropy", "span_mass", "pattern"):
+    for name in ("argmax", "argmax_prob", "entropy", "span_mass", "offset_mass", "pattern"):
         if getattr(st, name) is not None:
             setattr(st, name, getattr(st, name).cpu())
     return out.cpu(), st
@@ -76,8 +76,8 @@ def test_triton_split_decode_and_general_mask():
         probe_argmax=True, probe_entropy=True, return_pattern=False, softcap=None, window=None,
         num_splits=3, **{n: dev(x) for n, x in kw.items()},
     )
-    st.argmax, st.argmax_prob, st.entropy, st.span_mass = (
-        st.argmax.cpu(), st.argmax_prob.cpu(), st.entropy.cpu(), st.span_mass.cpu())
+    st.argmax, st.argmax_prob, st.entropy, st.span_mass, st.offset_mass = (
+        st.argmax.cpu(), st.argmax_prob.cpu(), st.entropy.cpu(), st.span_mass.cpu(), st.offset_mass.cpu())
     ref = reference(q, k, v, scale=0.25, key_padding_mask=kpm, **kw)
     check(out.cpu(), st, ref, atol=1e-5)
     # general mask (not causal), no padding
@@ -109,3 +109,49 @@ def test_triton_pasta_equals_reweighting():
     a = ref * w
     a = a / a.sum(-1, keepdim=True)
     torch.testing.assert_close(st_b.pattern, a, atol=1e-5, rtol=0)
+
+
+def test_triton_offsets_across_key_tiles_and_splits():
+    """Offset masses when an offset's keys fall in other key tiles than the query block's diagonal tile
+    (small tiles, several query blocks, offsets up to the sequence length), GQA 2 with padding and edits, and
+    the split-key decode path with past keys."""
+    B, H, Hkv, N, D = 2, 4, 2, 45, 16
+    q, k, v, kpm, kw = make_case(B, H, Hkv, N, N, D, pad=(0, 6))
+    kw["probe_offsets"] = torch.tensor([[0, 1, 15, 16, 17, 31, 33, 44, 45, -1],
+                                        [-1, 2, 14, 16, 20, 32, 40, 38, 3, 0]])
+    dev = lambda x: x.to(DEV) if isinstance(x, torch.Tensor) else x  # noqa: E731
+    ref = reference(q, k, v, scale=0.3, key_padding_mask=kpm, **kw)
+    out, st = ta.triton_attention(
+        dev(q), dev(k), dev(v), scale=0.3, causal=True, key_padding_mask=dev(kpm), attn_mask=None,
+        probe_argmax=False, probe_entropy=False, return_pattern=False, softcap=None, window=None,
+        block_m=16, block_n=16, **{n: dev(x) for n, x in kw.items()},
+    )
+    assert ref["offset_mass"].abs().sum() > 10  # the probe reads real mass
+    torch.testing.assert_close(st.offset_mass.cpu().double(), ref["offset_mass"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.cpu().double(), ref["z"], atol=1e-5, rtol=0)
+    # decode: 2 queries against 60 keys, key axis split in 4 (merged in torch)
+    q, k, v, kpm, kw = make_case(B, H, Hkv, 2, 60, D, pad=(0, 7))
+    kw["probe_offsets"] = torch.tensor([[0, 1, 17, 33, 50, 59], [58, 1, 0, 16, 32, -1]])
+    ref = reference(q, k, v, scale=0.3, key_padding_mask=kpm, **kw)
+    for splits in (1, 4):
+        out, st = ta.triton_attention(
+            dev(q), dev(k), dev(v), scale=0.3, causal=True, key_padding_mask=dev(kpm), attn_mask=None,
+            probe_argmax=False, probe_entropy=False, return_pattern=False, softcap=None, window=None,
+            block_n=16, num_splits=splits, **{n: dev(x) for n, x in kw.items()},
+        )
+        torch.testing.assert_close(st.offset_mass.cpu().double(), ref["offset_mass"], atol=1e-5, rtol=0)
+        torch.testing.assert_close(out.cpu().double(), ref["z"], atol=1e-5, rtol=0)
+
+
+def test_triton_offset_mass_of_uniform_attention():
+    """Query masking = uniform attention over the visible keys: mass 1 / (visible keys) at each visible offset."""
+    Nq, Nk = 3, 20
+    q, k, v, _, _ = make_case(1, 2, 1, Nq, Nk, 16, pad=None, edits=False, spans=False)
+    deltas = torch.tensor([[0, 1, 4, 7, -1, Nk]])
+    _, st = run(q, k, v, None, dict(q_scale=torch.tensor([[0.0, 1.0]]), probe_offsets=deltas), scale=0.3, window=6)
+    for i in range(Nq):
+        for o, d in enumerate(deltas[0].tolist()):
+            want = 1.0 / 6 if 0 <= d < 6 else 0.0
+            assert st.offset_mass[0, 0, i, o].item() == pytest.approx(want, abs=1e-6), (i, d)
+    _, st0 = run(q, k, v, None, dict(probe_offsets=torch.zeros(1, 0, dtype=torch.long)), scale=0.3)
+    assert st0.offset_mass.shape == (1, 2, Nq, 0)
