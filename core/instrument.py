@@ -60,6 +60,7 @@ DIMS: dict[str, tuple[str, ...]] = {
     "argmax_prob": ("batch", "layer", "head", "query"),
     "entropy": ("batch", "layer", "head", "query"),
     "span_mass": ("batch", "layer", "head", "query", "span"),
+    "offset_mass": ("batch", "layer", "head", "query", "offset"),
     "z": ("batch", "layer", "head", "position", "head_dim"),
     "pattern": ("batch", "layer", "head", "query", "key"),
 }
@@ -96,6 +97,11 @@ class Probes:
     - ``spans``: key spans ``[start, end)`` in absolute positions whose attention mass is recorded: a list of
       ``(start, end)`` shared by all rows, a per-row list of such lists (rows with fewer spans are padded with
       empty spans), or a (batch, span, 2) tensor.
+    - ``offsets``: relative key offsets ``delta >= 0``; for every query at position ``t`` the attention to the
+      key at ``t - delta`` is recorded (``Recording.offset_mass``; 0 = the query's own token, 1 = the previous
+      token; 0 where ``t - delta < 0``): a list of ints shared by all rows, a per-row list of such lists (rows
+      with fewer offsets are padded with unused slots, mass 0), or a (batch, offset) int tensor with ``-1``
+      for unused slots. Relative, so decode steps and the full forward record the same values.
     - ``z_positions``: head outputs ``z`` (before ``o_proj``, after edits) to keep: ``None`` (none),
       ``"last"`` (the last query of every forward call: the prompt's last position, then each generated
       step), ``"all"``, or a list of absolute positions.
@@ -109,10 +115,11 @@ class Probes:
     z_positions: Literal["last", "all"] | Sequence[int] | None = None
     pattern: bool = False
     layers: Sequence[int] | None = None
+    offsets: Any = None
 
     def any(self) -> bool:
         return bool(self.argmax or self.entropy or self.spans is not None or self.z_positions is not None
-                    or self.pattern)
+                    or self.pattern or self.offsets is not None)
 
     def covers(self, layer: int) -> bool:
         return self.any() and (self.layers is None or layer in self.layers)
@@ -264,6 +271,8 @@ class Recording:
     - ``argmax`` (batch, layer, head, query) int64 absolute key position of the top-1 key (-1 for padding
       queries); ``argmax_prob``, ``entropy`` (batch, layer, head, query) float32;
     - ``span_mass`` (batch, layer, head, query, span) float32;
+    - ``offset_mass`` (batch, layer, head, query, offset) float32, the attention of query ``t`` to key
+      ``t - delta`` for each of ``Probes.offsets``;
     - ``z`` (batch, layer, head, position, head_dim) in the model dtype, at ``z_positions``;
     - ``pattern`` (batch, layer, head, query, key) float32 (keys beyond a call's cache are 0).
 
@@ -304,6 +313,7 @@ class Recording:
     argmax_prob = property(lambda self: self._get("argmax_prob"))
     entropy = property(lambda self: self._get("entropy"))
     span_mass = property(lambda self: self._get("span_mass"))
+    offset_mass = property(lambda self: self._get("offset_mass"))
     z = property(lambda self: self._get("z"))
     pattern = property(lambda self: self._get("pattern"))
 
@@ -335,6 +345,7 @@ class _Session:
         self.cb_scale: dict[int, Tensor] = {}
         self.store: dict = {}
         self._mask_cache: list = []
+        self._offsets_cache: dict = {}
 
     # ---- masks (cached per mask tensor: every layer of a forward shares it)
     def mask_args(self, mask: Tensor | None, Nq: int, Nk: int, causal: bool, window: int | None):
@@ -443,6 +454,51 @@ class _Session:
                 for j, (a, b) in enumerate(rs):
                     sp[r, j, 0], sp[r, j, 1] = int(a), int(b)
         return (sp - key_offset).clamp(0, Nk)
+
+    def probe_offsets(self, B: int, Nq: int, Nk: int, q_start: int, device) -> Tensor | None:
+        """(B, O) kernel offsets from ``Probes.offsets``. The kernel counts ``delta`` back from the query's key
+        coordinate ``Nk - Nq + i``; the recording counts it back from the query's absolute position
+        ``q_start + i``. They agree whenever the cache holds every key up to the queries (dropped keys of a
+        sliding-window cache included); a static cache with empty slots after the queries shifts them."""
+        offsets = self.plan.probes.offsets
+        if offsets is None:
+            return None
+        key = (B, str(device))
+        base = self._offsets_cache.get(key)
+        if base is None:
+            base = _offsets_tensor(offsets, B).to(device)
+            self._offsets_cache[key] = base
+        shift = max(0, Nk - Nq - q_start)
+        return torch.where(base >= 0, base + shift, base) if shift else base
+
+
+def _offsets_tensor(offsets, B: int) -> Tensor:
+    """(B, O) int64 offsets from a shared list, per-row lists or a (B, O) / (O,) tensor; -1 = unused slot."""
+    if isinstance(offsets, Tensor):
+        if offsets.dtype.is_floating_point or offsets.dtype == torch.bool:
+            raise ValueError("Probes.offsets must be integers")
+        t = offsets.long().cpu()
+        if t.dim() == 1:
+            t = t[None].expand(B, t.shape[0])
+        if t.dim() != 2 or t.shape[0] != B:
+            raise ValueError(f"Probes.offsets tensor must be (batch, offset) = ({B}, O), got {tuple(t.shape)}")
+        if bool((t < -1).any()):
+            raise ValueError("Probes.offsets must be >= 0 (-1 marks an unused slot in a tensor)")
+        return t.clone()
+    offsets = list(offsets)
+    if offsets and isinstance(offsets[0], (list, tuple, Tensor)):
+        if len(offsets) != B:
+            raise ValueError(f"got offsets for {len(offsets)} rows, expected {B}")
+        per_row = [[int(d) for d in row] for row in offsets]
+    else:
+        per_row = [[int(d) for d in offsets]] * B
+    if any(d < 0 for row in per_row for d in row):
+        raise ValueError("Probes.offsets must be >= 0")
+    n_off = max((len(row) for row in per_row), default=0)
+    t = torch.full((B, n_off), -1, dtype=torch.long)
+    for r, row in enumerate(per_row):
+        t[r, :len(row)] = torch.tensor(row, dtype=torch.long)
+    return t
 
 
 def _mask_args(mask: Tensor | None, Nq: int, Nk: int, causal: bool, window: int | None) -> dict:
@@ -567,10 +623,11 @@ def attention_forward(
     probes = plan.probes
     probed = probes.covers(layer)
     pspans = sess.probe_spans(B, Nk, key_offset, query.device) if probed else None
+    poffs = sess.probe_offsets(B, Nq, Nk, q_start, query.device) if probed else None
     z, st = kernel_attention(
         query, key, value, scale=scaling, softcap=softcap, **margs, **edits,
         probe_argmax=probed and probes.argmax, probe_entropy=probed and probes.entropy,
-        probe_spans=pspans, return_pattern=probed and probes.pattern, backend=plan.backend,
+        probe_spans=pspans, probe_offsets=poffs, return_pattern=probed and probes.pattern, backend=plan.backend,
     )
     if plan._callbacks:
         def attend(key_spans: Tensor, key_bias: Tensor) -> Tensor:
@@ -602,6 +659,8 @@ def attention_forward(
             rec._add("entropy", layer, st.entropy)
         if pspans is not None:
             rec._add("span_mass", layer, st.span_mass)
+        if poffs is not None:
+            rec._add("offset_mass", layer, st.offset_mass)
         if probes.pattern:
             pat = st.pattern
             if key_offset:

@@ -323,3 +323,77 @@ def test_llava_vlm():
             out = mh(input_ids=ids, attention_mask=am, pixel_values=pix).logits
     torch.testing.assert_close(real(out, am), real(ref, am), atol=2e-5, rtol=0)
     assert rec.argmax.shape == (2, 2, 4, ids.shape[1])
+
+
+# --------------------------------------------------------------------------- offset probe
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2", "gpt2"])
+def test_offset_mass_equals_eager_pattern_diagonals(arch):
+    """Probes(offsets=...) records A[t, t - delta] of eager's pattern, with per-row offsets and left padding."""
+    ids, am = batch()
+    eager = load(arch, "eager")
+    with torch.no_grad():
+        pat_e = torch.stack(list(eager(input_ids=ids, attention_mask=am, output_attentions=True).attentions),
+                            dim=1).float()  # (B, L, H, N, N)
+    m = load(arch, "headlab")
+    per_row = [[1, 0, 3, 11], [2, 1]]
+    with ins.instrument(m, ins.Plan(probes=ins.Probes(offsets=per_row))) as rec:
+        logits(m, ids, am)
+    om = rec.offset_mass
+    assert om.shape == (2, 2, 4, N, 4) and om.dtype == torch.float32
+    assert rec.dims["offset_mass"] == ("batch", "layer", "head", "query", "offset")
+    assert rec.pattern is None and "offset_mass" in rec.as_dict()
+    for b in range(2):
+        for o, d in enumerate(per_row[b]):
+            for t in range(N):
+                if not am[b, t]:
+                    continue  # padding query: eager's row is not defined the same way
+                want = pat_e[b, :, :, t, t - d] if t - d >= 0 else torch.zeros(2, 4)
+                torch.testing.assert_close(om[b, :, :, t, o], want, atol=2e-5, rtol=0)
+        assert (om[b, ..., len(per_row[b]):] == 0).all()  # padded slots
+    assert om[0, ..., 0].abs().sum() > 1  # real mass was read
+    # a shared list and a (batch, offset) tensor are the same probe
+    with ins.instrument(m, ins.Plan(probes=ins.Probes(offsets=[2, 1]))) as shared:
+        logits(m, ids, am)
+    with ins.instrument(m, ins.Plan(probes=ins.Probes(offsets=torch.tensor([[2, 1], [2, 1]])))) as tens:
+        logits(m, ids, am)
+    torch.testing.assert_close(shared.offset_mass[1], om[1, ..., :2], atol=1e-6, rtol=0)
+    assert torch.equal(tens.offset_mass, shared.offset_mass)
+
+
+@pytest.mark.parametrize("arch, cache", [("llama", None), ("mistral", None), ("gemma2", None), ("llama", "static")])
+def test_generate_offset_mass_matches_full_forward(arch, cache):
+    """Offset masses of decode steps (KV cache, left padding; Mistral and Gemma 2 with a sliding window; a static
+    cache, whose empty slots after the queries shift the kernel's key coordinates) == a full forward over the
+    generated sequence."""
+    ids, am = batch()
+    m = load(arch, "headlab")
+    new = 5
+    offs = [0, 1, 3, 6]
+    kw = {} if cache is None else dict(cache_implementation=cache)
+    with ins.instrument(m, ins.Plan(probes=ins.Probes(offsets=offs))) as rec, torch.no_grad():
+        out = m.generate(input_ids=ids, attention_mask=am, max_new_tokens=new, min_new_tokens=new,
+                         do_sample=False, pad_token_id=0, **kw)
+    assert rec.offset_mass.shape == (2, 2, 4, N + new - 1, len(offs))
+    seq = out[:, :-1]
+    am_full = torch.cat([am, torch.ones(2, new - 1, dtype=am.dtype)], dim=1)
+    with ins.instrument(m, ins.Plan(probes=ins.Probes(offsets=offs, pattern=True))) as full:
+        logits(m, seq, am_full)
+    r = am_full.bool()
+    for b in range(2):
+        torch.testing.assert_close(rec.offset_mass[b][..., r[b], :], full.offset_mass[b][..., r[b], :],
+                                   atol=1e-5, rtol=0)
+    # and the full forward's offset masses are the recorded pattern's diagonals
+    pat = full.pattern
+    for o, d in enumerate(offs):
+        torch.testing.assert_close(full.offset_mass[..., d:, o], pat.diagonal(-d, -2, -1), atol=1e-6, rtol=0)
+    assert rec.offset_mass[..., N:, 1].abs().sum() > 0.1  # decode steps saw their previous token
+
+
+def test_offset_probe_validation():
+    ids, am = batch()
+    m = load("llama", "headlab")
+    for offsets, match in (([-1], ">= 0"), ([[1], [2], [3]], "rows"), (torch.tensor([[0.5, 1.0]]), "integers"),
+                           (torch.tensor([[1, 2]]), r"\(batch, offset\)")):
+        with pytest.raises(ValueError, match=match):
+            with ins.instrument(m, ins.Plan(probes=ins.Probes(offsets=offsets))):
+                logits(m, ids, am)
