@@ -4,6 +4,14 @@ METHODS.md, "Pattern detectors (TransformerLens `head_detector` definitions)". A
 ``D`` (queries x keys) is compared with each head's attention ``A``: ``mul`` scores
 ``sum(A * D) / sum(A)``, ``abs`` scores ``1 - sum|A - D| / n``. ``exclude_bos`` zeroes ``A[:, 0]``,
 ``exclude_current_token`` zeroes the diagonal. Scores are averaged over the task's sequences.
+
+Every detection pattern here is lower-triangular, so each of its ones ``D[i, j] = 1`` sits at an offset
+``delta = i - j >= 0`` behind its query. When a batch's patterns use at most :data:`MAX_OFFSETS` distinct
+offsets (previous-token: one; a random sequence repeated twice: a handful), the detectors record only the
+attention at those offsets (``Probes(offsets=...)``, ``M[i, delta] = A[i, i - delta]``) plus two span masses
+per query (``A[i, 0]`` and the row total), and :func:`probe_scores` computes exactly what
+:func:`similarity` computes on the full pattern. Otherwise they fall back to ``Probes(pattern=True)``. The
+result's ``attrs["probe"]`` says which ran (``"offsets"``, ``"pattern"`` or ``"offsets+pattern"``).
 """
 
 from __future__ import annotations
@@ -17,6 +25,10 @@ from pydantic import Field
 
 from headlab import ComponentConfig, StepContext, hookimpl
 from headlab.generation import tokenize
+
+#: a batch is scored from offset probes when every row's detection pattern (with the diagonal, when it is
+#: excluded) needs at most this many distinct offsets; otherwise from the full attention pattern
+MAX_OFFSETS = 64
 
 
 class _Pattern(ComponentConfig):
@@ -78,6 +90,61 @@ def similarity(pattern: torch.Tensor, det: torch.Tensor, measure: str, exclude_b
     return 1 - diff.sum((-1, -2)) / n
 
 
+def pattern_offsets(det: torch.Tensor, exclude_current: bool = False) -> list[int] | None:
+    """The distinct offsets ``i - j`` of the ones of ``det`` (n, n), sorted, plus 0 when the diagonal is
+    excluded (its mass is then needed); ``None`` when a one lies above the diagonal (not an offset probe)."""
+    ii, jj = det.nonzero(as_tuple=True)
+    deltas = set((ii - jj).tolist())
+    if any(d < 0 for d in deltas):
+        return None
+    if exclude_current:
+        deltas.add(0)
+    return sorted(deltas)
+
+
+def probe_scores(offset_mass: torch.Tensor, offsets: list[int], bos_mass: torch.Tensor, row_mass: torch.Tensor,
+                 det: torch.Tensor, measure: str, exclude_bos: bool, exclude_current: bool) -> torch.Tensor:
+    """:func:`similarity` from probes instead of the pattern ``A`` (n x n); returns ``(...)``.
+
+    ``offset_mass`` (..., n, O): ``A[i, i - offsets[o]]`` (0 where ``i - offsets[o] < 0``), with ``offsets``
+    distinct and covering every offset of ``det``'s ones (and 0 when ``exclude_current``); ``bos_mass``
+    (..., n): ``A[i, 0]``; ``row_mass`` (..., n): ``sum_j A[i, j]`` (1, or 0 for a padding query).
+
+    With ``A∘D`` summed over ``det``'s ones read off the offsets, and the excluded cells (column 0, the
+    diagonal, counted once where they meet at ``(0, 0)``) read off ``bos_mass`` and offset 0:
+    ``mul`` = ``(sum(A∘D) - sum_excl A·D) / (sum(A) - sum_excl A)``; ``abs`` = ``1 - (sum|A-D| - sum_excl
+    |A-D|) / n`` with ``sum|A-D| = sum(A) + sum(D) - 2 sum(A∘D)`` (A in [0, 1], D in {0, 1}). As in
+    :func:`similarity`, the exclusions remove cells of ``A`` under ``mul`` and cells of ``|A - D|`` under
+    ``abs``.
+    """
+    det = det.double()
+    n = det.shape[-1]
+    m = offset_mass.double()
+    offsets = [int(d) for d in offsets]
+    if m.shape[-1] != len(offsets) or m.shape[-2] != n:
+        raise ValueError(f"offset_mass {tuple(m.shape)} does not match {len(offsets)} offsets and n = {n}")
+    i = torch.arange(n)[:, None]
+    j = i - torch.tensor(offsets, dtype=torch.long).reshape(1, -1)
+    w = torch.where(j >= 0, det[i.expand_as(j), j.clamp_min(0)], torch.zeros((), dtype=torch.float64))  # (n, O)
+    a_d = (m * w).sum((-1, -2))  # sum(A ∘ D)
+    total = row_mass.double().sum(-1)  # sum(A)
+    bos = bos_mass.double()
+    zero = torch.zeros_like(total)
+    ex_a, ex_ad, ex_abs = zero, zero, zero  # sums over the excluded cells of A, A·D and |A - D|
+    if exclude_bos:
+        col = det[:, 0]
+        ex_a, ex_ad, ex_abs = ex_a + bos.sum(-1), ex_ad + (bos * col).sum(-1), ex_abs + (bos - col).abs().sum(-1)
+    if exclude_current:
+        diag, dd = m[..., offsets.index(0)], det.diagonal()
+        ex_a, ex_ad, ex_abs = ex_a + diag.sum(-1), ex_ad + (diag * dd).sum(-1), ex_abs + (diag - dd).abs().sum(-1)
+    if exclude_bos and exclude_current:  # (0, 0) is both the first column and the diagonal: count it once
+        a00, d00 = bos[..., 0], det[0, 0]
+        ex_a, ex_ad, ex_abs = ex_a - a00, ex_ad - a00 * d00, ex_abs - (a00 - d00).abs()
+    if measure == "mul":
+        return (a_d - ex_ad) / (total - ex_a)
+    return 1 - (total + det.sum() - 2 * a_d - ex_abs) / n
+
+
 def detect(config: _Pattern, ctx: StepContext) -> xr.Dataset:
     """Score every head of the model against the pattern, per example and averaged."""
     from headlab.instrument import Plan, Probes, instrument
@@ -89,20 +156,38 @@ def detect(config: _Pattern, ctx: StepContext) -> xr.Dataset:
         n = len(ex.input_ids) if ex.input_ids is not None else len(ctx.model.tokenizer(ex.prompt)["input_ids"])
         by_len.setdefault(n, []).append(i)
     groups = [idx[j: j + config.batch_size] for idx in by_len.values() for j in range(0, len(idx), config.batch_size)]
+    used: set[str] = set()
     for idx in ctx.progress(groups, f"{config.kind} heads"):
         batch = tokenize(ctx.model, [ctx.examples[i] for i in idx])
-        with torch.no_grad(), instrument(ctx.model.model, Plan(probes=Probes(pattern=True))) as rec:
+        ids = batch.input_ids.cpu()
+        n = ids.shape[1]
+        dets = [detection_pattern(config.kind, ids[r]) for r in range(len(idx))]
+        offsets = [pattern_offsets(d, config.exclude_current_token) for d in dets]
+        use_offsets = all(o is not None and len(o) <= MAX_OFFSETS for o in offsets)
+        if use_offsets:  # the attention at the patterns' offsets, A[:, 0] and the row totals
+            probes = Probes(offsets=offsets, spans=[(0, 1), (0, n)])
+        else:
+            probes = Probes(pattern=True)
+        used.add("offsets" if use_offsets else "pattern")
+        with torch.no_grad(), instrument(ctx.model.model, Plan(probes=probes)) as rec:
             ctx.model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+        if use_offsets:
+            om = rec.offset_mass.float().cpu()  # (batch, layer, head, query, offset)
+            sm = rec.span_mass.float().cpu()  # (batch, layer, head, query, 2)
+            for r, i in enumerate(idx):
+                scores[i] = probe_scores(om[r, ..., :len(offsets[r])], offsets[r], sm[r, ..., 0], sm[r, ..., 1],
+                                         dets[r], config.error_measure, config.exclude_bos,
+                                         config.exclude_current_token).numpy()
+            continue
         pattern = rec.pattern.float().cpu()  # (batch, layer, head, query, key)
         for r, i in enumerate(idx):
-            det = detection_pattern(config.kind, batch.input_ids[r].cpu())
-            scores[i] = similarity(pattern[r], det, config.error_measure, config.exclude_bos,
+            scores[i] = similarity(pattern[r], dets[r], config.error_measure, config.exclude_bos,
                                    config.exclude_current_token).numpy()
     per_example = xr.DataArray(scores, dims=("example", "layer", "head"),
                                coords={"layer": np.arange(geo.n_layers), "head": np.arange(geo.n_heads)})
     ds = xr.Dataset({"score": per_example.mean("example"), "example_score": per_example})
     ds.attrs.update(method=config.kind, error_measure=config.error_measure, model=ctx.model.name,
-                    reference="METHODS.md#pattern-detectors")
+                    reference="METHODS.md#pattern-detectors", probe="+".join(sorted(used)) or "none")
     return ds
 
 
