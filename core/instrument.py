@@ -101,7 +101,7 @@ class Probes:
       key at ``t - delta`` is recorded (``Recording.offset_mass``; 0 = the query's own token, 1 = the previous
       token; 0 where ``t - delta < 0``): a list of ints shared by all rows, a per-row list of such lists (rows
       with fewer offsets are padded with unused slots, mass 0), or a (batch, offset) int tensor with ``-1``
-      for unused slots. Relative, so decode steps and the full forward record the same values.
+      for unused slots (a 1-D tensor is shared by all rows). Relative, so decode steps and the full forward record the same values.
     - ``z_positions``: head outputs ``z`` (before ``o_proj``, after edits) to keep: ``None`` (none),
       ``"last"`` (the last query of every forward call: the prompt's last position, then each generated
       step), ``"all"``, or a list of absolute positions.
