@@ -137,6 +137,21 @@ def test_niah_with_the_embedded_tokenizer():
         assert tok.unk_token_id not in tok(ex.prompt)["input_ids"]
 
 
+@pytest.mark.skipif(not (CHECKPOINT / "model.safetensors").is_file(), reason="headlab-tiny is not built")
+def test_niah_spec_without_a_model_runs_the_embedded_model_and_finds_the_needle(tmp_path):
+    """[model] done-when, at small size: no `model` -> headlab-tiny, needle recall >= 0.9 at trained lengths
+    (the model card's full grid goes to 2048 tokens)."""
+    import headlab
+
+    spec = ("name: niah-default\ntask: {kind: niah, context_lengths: [128, 512, 1024], depths: 4}\n"
+            "steps:\n  - id: g\n    generate: {max_new_tokens: 16, metrics: [needle_recall]}\n")
+    run = headlab.run(spec, out=tmp_path)
+    assert run.attrs["model"] == "headlab-tiny"
+    recall = run.results["g"]["needle_recall"]
+    assert recall.sizes["example"] == 3 * 4 * 3
+    assert float(recall.mean()) >= 0.9, recall.values
+
+
 def test_niah_spec_validation():
     spec = "name: t\ntask: {kind: niah, depths: [0.5, 1.5]}\nsteps:\n  - id: g\n    generate: {}\n"
     with pytest.raises(SpecError, match=r"task.depths: .*\[0, 1\]"):

@@ -1,6 +1,6 @@
 """Train ``headlab-tiny``: a small Llama whose retrieval and induction heads are real.
 
-CPU only, seeded, about half an hour on 2 cores. Usage (from the repository root)::
+CPU only, seeded, about 50 minutes on 2 cores. Usage (from the repository root)::
 
     python -m headlab.plugins.models.tiny.train              # or: python plugins/models/tiny/train.py
     python plugins/models/tiny/train.py --quick              # a 2-minute smoke run into /tmp
@@ -17,7 +17,8 @@ What it does
 3. Loss per task group: mean cross-entropy over that group's supervised tokens (answer tokens only for
    QA tasks; the second copy for repeated sequences; every token of the filler at a low weight), summed
    with weights, so that short answers are not swamped by long copy targets.
-4. A curriculum over row length: 128 -> 256 -> 512 -> 1024 -> 2048 tokens at about 4K tokens a step.
+4. A curriculum over row length: 128 -> 256 -> 512 -> 1024 -> 2048 tokens at about 4K tokens a step, then
+   1600 steps at 2048 tokens that favour needles far from the question.
    Each stage ends with a checkpoint in ``--work-dir``; ``--resume`` continues from the last one.
 5. Saves the model (safetensors), tokenizer and generation config to ``--out``
    (default ``plugins/models/tiny/headlab-tiny``).
@@ -71,7 +72,8 @@ MODEL_CONFIG = dict(
     initializer_range=0.02,
 )
 
-# (row length, batch size, steps[, options]). Options: "long" (niah, kv, induction row mix),
+# (row length, batch size, steps[, options]). Options: "long" (niah, kv, induction row mix), "far" (the
+# fraction of niah rows whose episode fills 70-92% of the row with the needle in its first 40%),
 # "shorts" (max short QA episodes per row), "until_ind" (end the stage early once the running induction
 # loss drops below this: induction heads form in a phase change after a plateau, here ~500 steps).
 # Stage 0 is a pure repeated-sequence warm-up (varied lengths and positions, so only content-based
@@ -84,6 +86,12 @@ STAGES = [
     (1024, 4, 200),
     (2048, 2, 150),
     (2048, 2, 150, {"lr": 4e-4}),  # longer contexts need more steps: a second cosine at 2K
+    # far needles: after the stages above, recall at 2K failed when the needle sat >~800 tokens before the
+    # question (rare in the mix); these stages fill most of the row with the niah episode and put the needle
+    # in the first 40% ("far") in a fraction of rows, then rebalance depths
+    (2048, 2, 200, {"lr": 3e-4, "long": [0.7, 0.1, 0.2], "far": 0.6}),
+    (2048, 2, 600, {"lr": 4e-4, "long": [0.7, 0.1, 0.2], "far": 0.7}),
+    (2048, 2, 800, {"lr": 3e-4, "long": [0.6, 0.15, 0.25], "far": 0.35}),
 ]
 QUICK_STAGES = [(64, 32, 150, {"long": [0, 0, 1], "shorts": 0}), (128, 16, 100)]
 
