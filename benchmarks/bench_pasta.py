@@ -6,8 +6,8 @@ Per prompt length, each case in a fresh subprocess (so peak memory is its own), 
 ``--new`` tokens, batch 1, on a Llama-shaped random model:
 
   1. ``plain``: unsteered generation (headlab attention with no plan = transformers' SDPA call);
-  2. ``pasta``: headlab's ``pasta`` plugin (log(alpha) key-span biases through the kernels: the Triton
-     kernel on CUDA, the query-blocked torch path on CPU), on ``--heads-per-layer`` heads of every layer;
+  2. ``pasta``: headlab's ``pasta`` plugin (log(alpha) key-span biases through the kernels' SDPA path, the
+     bias folded into an extra head-dim coordinate), on ``--heads-per-layer`` heads of every layer;
   3. ``dense``: the reference implementation's mechanism (pastalib ``edit_multisection_attention``): eager
      attention with a forward pre-hook per steered layer that clones the 4-D additive mask, expands it to
      (batch, heads, queries, keys) and adds log(alpha) to the non-emphasised prompt columns of the steered
