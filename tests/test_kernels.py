@@ -87,6 +87,21 @@ def reference(
     return out
 
 
+class AllocationSpy(torch.utils._python_dispatch.TorchDispatchMode):
+    """Appends the element count of every tensor an op returns to ``seen`` (memory tests)."""
+
+    def __init__(self, seen: list[int]):
+        super().__init__()
+        self.seen = seen
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        r = func(*args, **(kwargs or {}))
+        for t in r if isinstance(r, tuple) else (r,):
+            if isinstance(t, torch.Tensor):
+                self.seen.append(t.numel())
+        return r
+
+
 # --------------------------------------------------------------------------- case generator
 def make_case(B=2, H=4, Hkv=2, Nq=9, Nk=9, D=8, dtype=torch.float32, pad=(0, 3), seed=0, edits=True,
               spans=True, offsets=None):
@@ -253,17 +268,9 @@ def test_sdpa_key_bias_path_is_linear_memory_and_infinite_bias_uses_torch():
     B, H, N, D = 1, 2, 512, 8
     q, k, v = (torch.randn(B, H, N, D) for _ in range(3))
     spans = torch.tensor([[[0, 100], [200, N]]])
-    seen = []
+    seen: list[int] = []
 
-    class Spy(torch.utils._python_dispatch.TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            r = func(*args, **(kwargs or {}))
-            for t in r if isinstance(r, tuple) else (r,):
-                if isinstance(t, torch.Tensor):
-                    seen.append(t.numel())
-            return r
-
-    with Spy():
+    with AllocationSpy(seen):
         _, st = attention(q, k, v, scale=0.3, key_spans=spans, key_bias=torch.full((1, 2, 2), math.log(0.01)))
     assert st.backend == "sdpa"
     assert max(seen) < B * H * N * N // 4
@@ -314,16 +321,9 @@ def test_memory_is_blocked():
     """The torch path never allocates a (B, H, Nq, Nk) score tensor without return_pattern."""
     B, H, N, D = 1, 2, 512, 8
     q, k, v = (torch.randn(B, H, N, D) for _ in range(3))
-    seen = []
+    seen: list[int] = []
 
-    class Spy(torch.utils._python_dispatch.TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            r = func(*args, **(kwargs or {}))
-            if isinstance(r, torch.Tensor):
-                seen.append(r.numel())
-            return r
-
-    with Spy():
+    with AllocationSpy(seen):
         attention(q, k, v, scale=0.3, probe_argmax=True, probe_entropy=True,
                   probe_spans=torch.tensor([[[0, 10]]]), backend="torch", block_q=32)
     assert max(seen) <= B * H * 32 * N
@@ -389,17 +389,10 @@ def test_offset_probe_memory_is_blocked():
     """Offset masses are gathered per query block: no (B, H, Nq, Nk) tensor, as for the other probes."""
     B, H, N, D = 1, 2, 512, 8
     q, k, v = (torch.randn(B, H, N, D) for _ in range(3))
-    seen = []
-
-    class Spy(torch.utils._python_dispatch.TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            r = func(*args, **(kwargs or {}))
-            if isinstance(r, torch.Tensor):
-                seen.append(r.numel())
-            return r
+    seen: list[int] = []
 
     offs = torch.arange(64)[None]
-    with Spy():
+    with AllocationSpy(seen):
         _, st = attention(q, k, v, scale=0.3, probe_offsets=offs, backend="torch", block_q=32)
     assert max(seen) <= max(B * H * 32 * N, B * H * N * 64)  # one score block, or the (B, H, N, O) output
     assert max(seen) < B * H * N * N // 4
