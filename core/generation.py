@@ -135,7 +135,8 @@ def decode_loop(request: DecodeRequest, choose: Callable[[Any, torch.Tensor], to
                 forward_kwargs: dict[str, Any] | None = None,
                 rows: tuple[torch.Tensor, torch.Tensor] | None = None,
                 forward: Callable[..., Any] | None = None,
-                split_prompt: Callable[[], None] | None = None) -> Decoded:
+                split_prompt: Callable[[], None] | None = None,
+                shared_until: int | None = None) -> Decoded:
     """Run the KV-cache loop: prefill, then one token per step chosen by ``choose(outputs, generated)``.
 
     ``choose`` receives the model outputs of the step (logits of the last position at
@@ -154,6 +155,10 @@ def decode_loop(request: DecodeRequest, choose: Callable[[Any, torch.Tensor], to
       amateur model run together).
     - ``split_prompt``: prefill the prompt without its last token, call ``split_prompt()`` (e.g. to add
       edits to the plan), then run the last prompt token as its own step (DeCoRe's reference prefix).
+    - ``shared_until``: with ``rows`` made of ``k`` identical copies of the batch whose plan edits differ
+      only from this layer on (DeCoRe), the layers below it run once on one copy
+      (:func:`~headlab.instrument.shared_trunk`); with ``split_prompt`` the prefix is prefilled once and
+      its cache repeated. Outputs are those of the ``k * B`` rows, as without it.
     """
     lm, batch = request.lm, request.batch
     model, tok = lm.model, lm.tokenizer
@@ -164,36 +169,58 @@ def decode_loop(request: DecodeRequest, choose: Callable[[Any, torch.Tensor], to
     if input_ids.shape[0] % batch.size:
         raise ValueError(f"rows: {input_ids.shape[0]} forward rows is not a multiple of {batch.size} prompts")
     copies = input_ids.shape[0] // batch.size
+    trunk = shared_until if shared_until is not None and copies > 1 else None
+    if trunk is not None:
+        if forward is not None:
+            raise ValueError("decode_loop: shared_until runs the model itself; it cannot take a forward function")
+        B = batch.size
+        if not (torch.equal(input_ids, input_ids[:B].repeat(copies, 1)) and torch.equal(mask, mask[:B].repeat(copies, 1))):
+            raise ValueError("decode_loop: shared_until needs rows that are identical copies of the batch")
+        input_ids, mask = input_ids[:B], mask[:B]
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     generated = torch.empty((batch.size, 0), dtype=torch.long, device=mask.device)
     finished = torch.zeros(batch.size, dtype=torch.bool, device=mask.device)
     texts = [""] * batch.size
+
+    def trunk_at(layer: int | None) -> contextlib.AbstractContextManager[Any]:
+        from .instrument import shared_trunk
+
+        return contextlib.nullcontext() if layer is None else shared_trunk(model, layer, copies)
+
     with torch.no_grad(), instrumented(lm, request.plan):
+        cache = None
         if split_prompt is not None and input_ids.shape[1] > 1:
-            out = run(input_ids=input_ids[:, :-1], attention_mask=mask[:, :-1], position_ids=pos[:, :-1],
-                      use_cache=True, **kwargs)
+            with trunk_at(None if trunk is None else lm.geometry.n_layers):
+                cache = run(input_ids=input_ids[:, :-1], attention_mask=mask[:, :-1], position_ids=pos[:, :-1],
+                            use_cache=True, **kwargs).cache
+            if trunk is not None:
+                from .instrument import expand_cache
+
+                expand_cache(cache, trunk, copies)
             split_prompt()
-            out = run(input_ids=input_ids[:, -1:], attention_mask=mask, position_ids=pos[:, -1:],
-                      cache=out.cache, use_cache=True, **kwargs)
-        else:
-            out = run(input_ids=input_ids, attention_mask=mask, position_ids=pos, use_cache=True, **kwargs)
-        for _ in range(request.max_new_tokens):
-            nxt = choose(out, generated).to(generated.device)
-            nxt = torch.where(finished, torch.full_like(nxt, _pad_id(tok)), nxt)
-            generated = torch.cat([generated, nxt[:, None]], dim=1)
-            finished |= torch.isin(nxt, eos) if eos.numel() else torch.zeros_like(finished)
-            if request.stop and tok is not None:
-                for r in range(batch.size):
-                    if not finished[r]:
-                        texts[r] = tok.decode(generated[r], skip_special_tokens=True)
-                        finished[r] = any(s in texts[r] for s in request.stop)
-            if bool(finished.all()):
-                break
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            pos = pos[:, -1:] + 1
-            feed = nxt.repeat(copies) if copies > 1 else nxt
-            out = run(input_ids=feed[:, None], attention_mask=mask, position_ids=pos,
-                      cache=out.cache, use_cache=True, **kwargs)
+        with trunk_at(trunk):
+            if cache is not None:
+                out = run(input_ids=input_ids[:, -1:], attention_mask=mask, position_ids=pos[:, -1:],
+                          cache=cache, use_cache=True, **kwargs)
+            else:
+                out = run(input_ids=input_ids, attention_mask=mask, position_ids=pos, use_cache=True, **kwargs)
+            for _ in range(request.max_new_tokens):
+                nxt = choose(out, generated).to(generated.device)
+                nxt = torch.where(finished, torch.full_like(nxt, _pad_id(tok)), nxt)
+                generated = torch.cat([generated, nxt[:, None]], dim=1)
+                finished |= torch.isin(nxt, eos) if eos.numel() else torch.zeros_like(finished)
+                if request.stop and tok is not None:
+                    for r in range(batch.size):
+                        if not finished[r]:
+                            texts[r] = tok.decode(generated[r], skip_special_tokens=True)
+                            finished[r] = any(s in texts[r] for s in request.stop)
+                if bool(finished.all()):
+                    break
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+                pos = pos[:, -1:] + 1
+                feed = nxt.repeat(copies) if copies > 1 and trunk is None else nxt
+                out = run(input_ids=feed[:, None], attention_mask=mask, position_ids=pos,
+                          cache=out.cache, use_cache=True, **kwargs)
     tokens = [_trim(row.tolist(), eos.tolist()) for row in generated]
     texts = [_cut_stop(tok.decode(t, skip_special_tokens=True), request.stop) if tok is not None else
              " ".join(map(str, t)) for t in tokens]

@@ -50,6 +50,9 @@ __all__ = [
     "attention_forward",
     "instrument",
     "register",
+    "shared_trunk",
+    "expand_cache",
+    "decoder_layers",
 ]
 
 ATTN_IMPLEMENTATION = "headlab"
@@ -362,6 +365,16 @@ class _Session:
 
     # ---- per-layer edit tensors
     def edits_for(self, layer: int, B: int, H: int, Nk: int, key_offset: int, device) -> dict:
+        trunk = _TRUNK.get()
+        if trunk is None or layer >= trunk.layer:
+            return self._edits_for(layer, B, H, Nk, key_offset, device)
+        if self.plan.probes.covers(layer) or self.plan._callbacks:
+            raise ValueError(f"shared_trunk: layer {layer} runs once for {trunk.copies} copies of the batch, "
+                             "so it cannot record probes or run on_layer callbacks")
+        full = self._edits_for(layer, B * trunk.copies, H, Nk, key_offset, device)
+        return {name: None if t is None else _copy0(t, B, trunk.copies, name, layer) for name, t in full.items()}
+
+    def _edits_for(self, layer: int, B: int, H: int, Nk: int, key_offset: int, device) -> dict:
         plan = self.plan
         f32 = torch.float32
         out: dict[str, Tensor | None] = {}
@@ -470,6 +483,16 @@ class _Session:
             self._offsets_cache[key] = base
         shift = max(0, Nk - Nq - q_start)
         return torch.where(base >= 0, base + shift, base) if shift else base
+
+
+def _copy0(t: Tensor, B: int, copies: int, name: str, layer: int) -> Tensor:
+    """The rows of copy 0 of a ``copies * B``-row edit tensor, which must be the same for every copy."""
+    first = t[:B]
+    for c in range(1, copies):
+        if not torch.equal(t[c * B:(c + 1) * B], first):
+            raise ValueError(f"shared_trunk: the plan's {name} differs between copies of the batch on layer "
+                             f"{layer}, below the layer where the copies separate")
+    return first
 
 
 def _offsets_tensor(offsets, B: int) -> Tensor:
@@ -696,6 +719,97 @@ def _scales_only(plan: Plan, layer: int) -> bool:
 def _advance(sess: _Session, layer: int, nq: int) -> None:
     sess.q_count[layer] = sess.q_count.get(layer, 0) + nq
     sess.calls[layer] = sess.calls.get(layer, 0) + 1
+
+
+# --------------------------------------------------------------------------- shared trunk
+@dataclass(frozen=True)
+class _Trunk:
+    layer: int
+    copies: int
+
+
+_TRUNK: contextvars.ContextVar[_Trunk | None] = contextvars.ContextVar("headlab_trunk", default=None)
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The decoder layer modules of the language model, in order (the parents of its attention modules)."""
+    layer_of = attention_layers(model)
+    by_layer: dict[int, torch.nn.Module] = {}
+    for name, mod in model.named_modules():
+        idx = layer_of.get(id(mod))
+        if idx is not None and idx not in by_layer and "." in name:
+            by_layer[idx] = model.get_submodule(name.rsplit(".", 1)[0])
+    return [by_layer[i] for i in range(len(by_layer))]
+
+
+def _repeat_rows(value: Any, B: int, copies: int, memo: dict[int, Any]) -> Any:
+    """``value`` with every tensor of ``B`` rows (2-D or more) repeated ``copies`` times along the rows;
+    ``memo`` keeps the repeats of one forward (the layers share their mask and position embeddings)."""
+    if isinstance(value, Tensor):
+        if value.dim() < 2 or value.shape[0] != B:
+            return value
+        hit = memo.get(id(value))
+        if hit is None or hit[0] is not value:
+            hit = memo[id(value)] = (value, value.repeat(copies, *([1] * (value.dim() - 1))))
+        return hit[1]
+    if isinstance(value, (tuple, list)):
+        return type(value)(_repeat_rows(v, B, copies, memo) for v in value)
+    return value
+
+
+@contextlib.contextmanager
+def shared_trunk(model, layer: int, copies: int) -> Iterator[None]:
+    """Run ``copies`` identical copies of a batch once below ``layer`` (an exact saving for DeCoRe).
+
+    Inside the block the model is called with the ``B`` rows of copy 0 (input ids, attention mask,
+    positions). Layers ``0..layer-1`` run on those rows once; on entering ``layer`` the hidden states and
+    every per-row input of the layers (attention mask, position embeddings) are repeated to
+    ``copies * B`` rows, ordered as the copies (row ``r + c * B`` is row ``r`` of copy ``c``), so the
+    logits have ``copies * B`` rows, as if every copy had been run. A KV cache then holds ``B`` rows for
+    the layers below ``layer`` and ``copies * B`` rows for the others (see :func:`expand_cache`).
+
+    The active :class:`Plan` is written for the ``copies * B`` rows; below ``layer`` its edits must be the
+    same for every copy (checked on every layer) and it may not probe there or have ``on_layer``
+    callbacks. ``layer`` equal to the number of layers runs the whole model once (logits of ``B`` rows).
+    """
+    layers = decoder_layers(model)
+    if not 0 <= layer <= len(layers) or copies < 1:
+        raise ValueError(f"shared_trunk: layer must be in 0..{len(layers)} and copies >= 1, got {layer}, {copies}")
+    state: dict[str, Any] = {}
+
+    def first(module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        state["B"] = B = int(hidden.shape[0])
+        state["memo"] = memo = {}
+        return (_repeat_rows(args, B, copies, memo),
+                {k: _repeat_rows(v, B, copies, memo) for k, v in kwargs.items()})
+
+    def later(module, args, kwargs):
+        B, memo = state["B"], state["memo"]
+        return args, {k: _repeat_rows(v, B, copies, memo) for k, v in kwargs.items()}
+
+    handles = []
+    if copies > 1 and layer < len(layers):
+        handles.append(layers[layer].register_forward_pre_hook(first, with_kwargs=True))
+        handles += [m.register_forward_pre_hook(later, with_kwargs=True) for m in layers[layer + 1:]]
+    token = _TRUNK.set(_Trunk(layer, copies))
+    try:
+        yield
+    finally:
+        _TRUNK.reset(token)
+        for h in handles:
+            h.remove()
+
+
+def expand_cache(cache, layer: int, copies: int) -> None:
+    """Repeat the rows of a KV cache's layers ``layer..`` to ``copies`` copies of the batch (copy-major, as
+    :func:`shared_trunk`), in place: a cache prefilled once for ``B`` rows becomes the cache of the
+    ``copies * B`` rows that separate at ``layer``."""
+    for cl in cache.layers[layer:]:
+        if not getattr(cl, "is_initialized", True) or not hasattr(cl, "batch_select_indices"):
+            raise ValueError(f"expand_cache: cannot repeat the rows of a {type(cl).__name__}")
+        n = int(cl.keys.shape[0])
+        cl.batch_select_indices(torch.arange(n, device=cl.keys.device).repeat(copies))
 
 
 # --------------------------------------------------------------------------- registration

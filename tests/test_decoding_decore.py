@@ -25,6 +25,7 @@ from headlab.plugins.decoding.decore import DeCoRe, decore, resolve_heads
 from headlab.plugins.decoding.greedy import Greedy, greedy
 
 HEADS = [(0, 1), (1, 3), (2, 0), (3, 2)]
+UPPER = [(2, 0), (2, 3), (3, 2), (3, 1)]  # first masked layer 2: layers 0-1 run once for both copies
 
 
 class masked_queries:
@@ -97,6 +98,7 @@ def model():
     return lm, eager_twin(lm)
 
 
+@pytest.mark.parametrize("heads", [HEADS, UPPER], ids=["from-layer-0", "from-layer-2"])
 @pytest.mark.parametrize("opts", [
     {"alpha": "entropy"},
     {"alpha": "entropy", "alpha_cap": 1.5},
@@ -105,16 +107,16 @@ def model():
     {"alpha": "entropy", "prefix": "masked"},
     {"alpha": 1.0, "prefix": "masked"},
 ])
-def test_decore_equals_two_forward_reference(model, opts):
+def test_decore_equals_two_forward_reference(model, opts, heads):
     lm, twin = model
     prompts = random_prompts(3, seed=31)
-    cfg = DeCoRe(heads=[list(h) for h in HEADS], **opts)
+    cfg = DeCoRe(heads=[list(h) for h in heads], **opts)
     batched = decore(cfg, request_for(lm, prompts, max_new=10))
     ref_kw = {"alpha": opts["alpha"], "cap": opts.get("alpha_cap"), "scale": opts.get("scale_alpha", False),
               "prefix": opts.get("prefix", "reference")}
     differs = False
     for i, prompt in enumerate(prompts):
-        ref, alphas = reference_decore(twin, ids_of(lm, prompt), HEADS, 10, **ref_kw)
+        ref, alphas = reference_decore(twin, ids_of(lm, prompt), heads, 10, **ref_kw)
         alone = decore(cfg, request_for(lm, [prompt], max_new=10))
         assert alone.tokens[0] == ref
         assert batched.tokens[i] == ref  # one batched forward of base + masked rows == batch of one
@@ -185,3 +187,69 @@ def test_steering_applies_to_both_copies(model):
             assert ours.tokens[i] == ref
     finally:
         handle.remove()
+
+
+class BatchSizes:
+    """Records the batch sizes each decoder layer computes on (the input of its first norm)."""
+
+    def __init__(self, lm):
+        self.layers = [layer.input_layernorm for layer in lm.model.model.layers]
+        self.seen: dict[int, set[int]] = {i: set() for i in range(len(self.layers))}
+
+    def __enter__(self):
+        self.handles = [m.register_forward_pre_hook(lambda _m, a, i=i: self.seen[i].add(a[0].shape[0]))
+                        for i, m in enumerate(self.layers)]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+
+
+@pytest.mark.parametrize("prefix", ["reference", "masked"])
+def test_shared_trunk_runs_the_layers_below_the_first_masked_head_once(model, prefix):
+    lm, _ = model
+    prompts = random_prompts(3, seed=5)
+    on, off = (DeCoRe(heads=[list(h) for h in UPPER], alpha="entropy", prefix=prefix, share_trunk=s)
+               for s in (True, False))
+    with BatchSizes(lm) as shared:
+        a = decore(on, request_for(lm, prompts, max_new=8))
+    with BatchSizes(lm) as full:
+        b = decore(off, request_for(lm, prompts, max_new=8))
+    # the reference prefix (all but the last prompt token) is unmasked in both copies: prefilled once
+    upper = {3, 6} if prefix == "reference" else {6}
+    assert shared.seen == {0: {3}, 1: {3}, 2: upper, 3: upper}
+    assert full.seen == {0: {6}, 1: {6}, 2: {6}, 3: {6}}
+    assert a.tokens == b.tokens
+    np.testing.assert_allclose(a.info["alpha"], b.info["alpha"], rtol=1e-5, atol=1e-6)
+
+
+def test_shared_trunk_with_steering_below_the_masked_layers(model):
+    """A mirrored steering plan on layer 1 runs once in the shared trunk and still steers both copies."""
+    from headlab.instrument import Plan
+
+    lm, twin = model
+    prompts = random_prompts(2, seed=19)
+    plan = Plan().scale_heads([(1, None)], 0.0)
+    handle = twin.model.layers[1].self_attn.o_proj.register_forward_pre_hook(lambda m, a: (torch.zeros_like(a[0]),))
+    try:
+        ours = decore(DeCoRe(heads=[list(h) for h in UPPER], alpha=1.0), request_for(lm, prompts, max_new=8, plan=plan))
+        for i, prompt in enumerate(prompts):
+            ref, _ = reference_decore(twin, ids_of(lm, prompt), UPPER, 8, alpha=1.0)
+            assert ours.tokens[i] == ref
+    finally:
+        handle.remove()
+
+
+def test_score_with_shared_trunk_equals_full_rows(model):
+    from headlab.context import Example
+    from headlab.generation import ScoreRequest, continuation_batch
+
+    lm, _ = model
+    words = random_prompts(3, seed=12)
+    pairs = [(Example(prompt=p), " " + random_prompts(1, seed=50 + i, lo=2, hi=4)[0]) for i, p in enumerate(words)]
+    batch, n_tokens = continuation_batch(lm, pairs)
+    req = ScoreRequest(lm, batch, n_tokens, [p for p, _ in pairs], [c for _, c in pairs])
+    on = decore.score(DeCoRe(heads=[list(h) for h in UPPER], alpha="entropy"), req)
+    off = decore.score(DeCoRe(heads=[list(h) for h in UPPER], alpha="entropy", share_trunk=False), req)
+    np.testing.assert_allclose(on.logprobs, off.logprobs, rtol=1e-5, atol=1e-5)

@@ -397,3 +397,70 @@ def test_offset_probe_validation():
         with pytest.raises(ValueError, match=match):
             with ins.instrument(m, ins.Plan(probes=ins.Probes(offsets=offsets))):
                 logits(m, ids, am)
+
+
+# --------------------------------------------------------------------------- shared trunk
+def _copies_plan():
+    """Copy 1 (rows 2-3) masks two heads of layer 1; layer 0 is steered alike in both copies."""
+    plan = ins.Plan().scale_heads([(0, 1)], 0.5)
+    return plan.mask_heads([(1, 0), (1, 2)], rows=[2, 3], mode="query")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_shared_trunk_equals_running_every_copy(arch):
+    """Layer 0 once on copy 0, repeated on entering layer 1 == all four rows through every layer, in a
+    prefill with left padding and in a cached decode step."""
+    ids, am = batch()
+    m = load(arch, "headlab")
+    with ins.instrument(m, _copies_plan()), torch.no_grad():
+        full = m(input_ids=ids.repeat(2, 1), attention_mask=am.repeat(2, 1), use_cache=True)
+        nxt = full.logits[:2, -1].argmax(-1, keepdim=True)
+        am2 = torch.cat([am, torch.ones_like(am[:, :1])], 1)
+        full_step = m(input_ids=nxt.repeat(2, 1), attention_mask=am2.repeat(2, 1), cache=full.cache, use_cache=True)
+    with ins.instrument(m, _copies_plan()), ins.shared_trunk(m, 1, 2), torch.no_grad():
+        ours = m(input_ids=ids, attention_mask=am, use_cache=True)
+        step = m(input_ids=nxt, attention_mask=am2, cache=ours.cache, use_cache=True)
+    assert ours.logits.shape == full.logits.shape
+    r = am.repeat(2, 1)
+    torch.testing.assert_close(real(ours.logits, r), real(full.logits, r), atol=1e-5, rtol=0)
+    torch.testing.assert_close(step.logits, full_step.logits, atol=1e-5, rtol=0)
+    assert (full.logits[2:] - full.logits[:2]).abs().max() > 1e-3  # the copies really differ
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2"])
+def test_expand_cache_continues_a_prefill_run_once(arch):
+    """A prompt prefilled once (no edits yet), its cache repeated from layer 1, then a masked copy:
+    == both copies prefilled separately (DeCoRe's reference prefix)."""
+    ids, am = batch()
+    m = load(arch, "headlab")
+    plan = ins.Plan()
+    nxt = torch.tensor([[5], [7]])
+    am2 = torch.cat([am, torch.ones_like(am[:, :1])], 1)
+    with ins.instrument(m, plan), torch.no_grad():
+        pre = m(input_ids=ids.repeat(2, 1), attention_mask=am.repeat(2, 1), use_cache=True)
+        plan.mask_heads([(1, 0), (1, 2)], rows=[2, 3], mode="query")
+        full = m(input_ids=nxt.repeat(2, 1), attention_mask=am2.repeat(2, 1), cache=pre.cache, use_cache=True)
+    plan = ins.Plan()
+    with ins.instrument(m, plan), torch.no_grad():
+        with ins.shared_trunk(m, 2, 2):
+            once = m(input_ids=ids, attention_mask=am, use_cache=True)
+        assert once.logits.shape[0] == 2
+        ins.expand_cache(once.cache, 1, 2)
+        assert once.cache.layers[0].keys.shape[0] == 2 and once.cache.layers[1].keys.shape[0] == 4
+        plan.mask_heads([(1, 0), (1, 2)], rows=[2, 3], mode="query")
+        with ins.shared_trunk(m, 1, 2):
+            ours = m(input_ids=nxt, attention_mask=am2, cache=once.cache, use_cache=True)
+    torch.testing.assert_close(ours.logits, full.logits, atol=1e-5, rtol=0)
+
+
+def test_shared_trunk_refuses_copies_that_differ_below_it():
+    ids, am = batch()
+    m = load("llama", "headlab")
+    plan = ins.Plan().mask_heads([(0, 1)], rows=[3])
+    with ins.instrument(m, plan), ins.shared_trunk(m, 1, 2), pytest.raises(ValueError, match="differs between copies"):
+        logits(m, ids, am)
+    probes = ins.Plan(probes=ins.Probes(argmax=True))
+    with ins.instrument(m, probes), ins.shared_trunk(m, 1, 2), pytest.raises(ValueError, match="probes"):
+        logits(m, ids, am)
+    with pytest.raises(ValueError, match="layer must be in 0..2"), ins.shared_trunk(m, 3, 2):
+        pass

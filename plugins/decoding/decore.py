@@ -18,6 +18,11 @@ token to both copies.
   token is prefilled unmasked in both copies (the reference copies the base cache), the mask applies
   from the last prompt token on; ``masked``: the masked copy is masked over the whole prompt.
 - Steering plans of the same ``generate`` step apply to both copies (mirrored rows).
+- ``share_trunk`` (default): below the first layer with a masked head the two copies compute the same
+  thing, so those layers (and their KV cache) run once on ``B`` rows and the hidden states are repeated
+  to ``2B`` rows on entering that layer (:func:`headlab.instrument.shared_trunk`); with the reference
+  prefix the whole prefix is prefilled once, as the reference copies the base cache. Not used when the
+  step records probes or runs ``on_layer`` callbacks (those see every row).
 
 Scoring (the ``score`` action) runs the whole sequence masked, as the reference's ``lm_score``; the
 per-token ``alpha`` comes from the base distribution at each position; ``score_post_softmax``
@@ -35,6 +40,7 @@ from pydantic import Field
 
 from headlab import hookimpl
 from headlab.generation import Decoded, DecodeRequest, Scored, ScoreRequest, decode_loop, sum_continuation
+from headlab.instrument import Plan, shared_trunk
 from headlab.spec import HeadSelection
 
 from .common import Selection, entropy_alpha, expand_plan, generator_for, pick, predicting, score_forward
@@ -59,6 +65,8 @@ class DeCoRe(Selection):
         "reference", description="reference: prompt prefix prefilled unmasked, masked from the last prompt "
         "token on (the reference code); masked: mask the whole prompt")
     score_post_softmax: bool = Field(False, description="renormalise the contrast with log_softmax when scoring")
+    share_trunk: bool = Field(True, description="run the layers below the first masked head once for both "
+                              "copies (exact: they see the same inputs); false runs every layer on 2B rows")
 
 
 def resolve_heads(config: DeCoRe, request: DecodeRequest | ScoreRequest) -> list[tuple[int, int]]:
@@ -89,6 +97,14 @@ def contrast(config: DeCoRe, base_logits: torch.Tensor, masked_logits: torch.Ten
     return scores, a
 
 
+def trunk_layer(config: DeCoRe, heads: list[tuple[int, int]], plan: Plan) -> int | None:
+    """The first layer with a masked head, when the layers below it can run once for both copies."""
+    if not config.share_trunk or not heads or plan.probes.any() or plan._callbacks:
+        return None
+    first = min(layer for layer, _ in heads)
+    return first if first > 0 else None
+
+
 def decore(config: DeCoRe, request: DecodeRequest) -> Decoded:
     """Generate with DeCoRe: base and masked copies of the batch in one forward per step."""
     B = request.batch.size
@@ -114,7 +130,8 @@ def decore(config: DeCoRe, request: DecodeRequest) -> Decoded:
         alphas.append(a.tolist())
         return pick(scores, config, gen)
 
-    result = decode_loop(dataclasses.replace(request, plan=plan), choose, rows=rows, split_prompt=split)
+    result = decode_loop(dataclasses.replace(request, plan=plan), choose, rows=rows, split_prompt=split,
+                         shared_until=trunk_layer(config, heads, plan))
     result.info.update(alpha=alphas, heads=heads)
     return result
 
@@ -126,8 +143,13 @@ def score_decore(config: DeCoRe, request: ScoreRequest) -> Scored:
     heads = resolve_heads(config, request)
     plan = expand_plan(request.plan, R, 2, mirror=True)
     plan.mask_heads(heads, rows=list(range(R, 2 * R)), mode=config.mask)
-    rows = (request.batch.input_ids.repeat(2, 1), request.batch.attention_mask.repeat(2, 1))
-    logits = predicting(score_forward(request, plan=plan, rows=rows).logits, request)
+    trunk = trunk_layer(config, heads, plan)
+    if trunk is None:
+        rows = (request.batch.input_ids.repeat(2, 1), request.batch.attention_mask.repeat(2, 1))
+        logits = predicting(score_forward(request, plan=plan, rows=rows).logits, request)
+    else:
+        with shared_trunk(request.lm.model, trunk, 2):
+            logits = predicting(score_forward(request, plan=plan).logits, request)
     scores, _ = contrast(config, logits[:R], logits[R:])
     if config.score_post_softmax:
         scores = scores.log_softmax(-1)
