@@ -227,6 +227,42 @@ def decode_loop(request: DecodeRequest, choose: Callable[[Any, torch.Tensor], to
     return Decoded(tokens, texts)
 
 
+def prefill(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+            *, per_row: bool | None = None) -> Any:
+    """The KV cache of a left-padded batch of prompts, computing no logits beyond the last position.
+
+    ``per_row`` (default: on a CPU) runs each row on its own tokens, without its padding, and stacks the
+    caches left-padded with zeros (keys the attention mask hides): a single unpadded row takes SDPA's
+    causal kernel, where a padded batch needs a masked one that is slower on a CPU. Same cache as the
+    batched prefill up to float rounding. Models whose cache has layers other than plain growing ones
+    (sliding windows, static or quantised caches) are prefilled batched.
+    """
+    from transformers.cache_utils import DynamicLayer
+
+    def run(**kw: Any) -> Any:
+        try:
+            return model(**kw, use_cache=True, logits_to_keep=1)
+        except TypeError:  # a model without logits_to_keep
+            return model(**kw, use_cache=True)
+
+    B, n = input_ids.shape
+    if per_row is None:
+        per_row = input_ids.device.type == "cpu" and B > 1
+    pads = (attention_mask == 0).sum(-1).tolist()
+    if per_row and all(bool(attention_mask[r, p:].all()) and p < n for r, p in enumerate(pads)):
+        caches = [run(input_ids=input_ids[r: r + 1, p:], attention_mask=attention_mask[r: r + 1, p:],
+                      position_ids=position_ids[r: r + 1, p:]).cache for r, p in enumerate(pads)]
+        if all(type(layer) is DynamicLayer for c in caches for layer in c.layers):
+            cache = caches[0]
+            for i, layer in enumerate(cache.layers):
+                for name in ("keys", "values"):
+                    parts = [getattr(c.layers[i], name) for c in caches]
+                    setattr(layer, name, torch.cat([torch.nn.functional.pad(t, (0, 0, n - t.shape[2], 0))
+                                                    for t in parts]))
+            return cache
+    return run(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).cache
+
+
 def _eos_ids(lm: LoadedModel) -> torch.Tensor:
     ids: list[int] = []
     gen = getattr(lm.model, "generation_config", None)

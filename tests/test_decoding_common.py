@@ -188,3 +188,29 @@ def test_sampling_selection_is_seeded(lm):
     other = decore(cfg, request_for(lm, random_prompts(2, seed=3), max_new=8, seed=6)).tokens
     greedy = decore(DeCoRe(heads=[[1, 0]]), req).tokens
     assert other != a or greedy != a
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_prefill_per_row_equals_the_batched_prefill(arch):
+    """Rows prefilled one by one without their padding, caches stacked left-padded == one batched prefill:
+    the next step's logits agree (mistral's sliding-window cache falls back to the batched prefill)."""
+    from headlab.generation import prefill
+
+    extra = {"model_type": "mistral", "sliding_window": 4} if arch == "mistral" else {}
+    lm = word_model(2, seed=3, **extra)
+    batch = tokenize(lm, [Example(prompt=p) for p in random_prompts(4, seed=9, lo=3, hi=9)])
+    ids, mask = batch.input_ids, batch.attention_mask
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    assert int((mask == 0).sum()) > 0  # the rows really are padded
+    nxt = torch.tensor([[5], [6], [7], [8]])
+    step_mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+    outs = []
+    with torch.no_grad():
+        for per_row in (False, True):
+            cache = prefill(lm.model, ids, mask, pos, per_row=per_row)
+            outs.append(lm.model(input_ids=nxt, attention_mask=step_mask, position_ids=pos[:, -1:] + 1,
+                                 cache=cache, use_cache=True).logits)
+            if arch == "llama":
+                assert cache.layers[0].keys.shape[:3] == (4, 2, ids.shape[1] + 1)  # prompt + the step
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=0)
+    assert (outs[0][0] - outs[0][1]).abs().max() > 1e-3

@@ -45,7 +45,7 @@ import xarray as xr
 from pydantic import Field
 
 from headlab import ComponentConfig, Example, StepContext, hookimpl
-from headlab.generation import Batch, _cut_stop, _eos_ids, _pad_id, _trim, tokenize
+from headlab.generation import Batch, _cut_stop, _eos_ids, _pad_id, _trim, prefill, tokenize
 from headlab.heads import from_retrieval_json, to_retrieval_json
 from headlab.model import Geometry, LoadedModel
 
@@ -154,12 +154,7 @@ def probe_decode(lm: LoadedModel, batch: Batch, probes: Any, max_new_tokens: int
     alive = torch.arange(B, device=dev)
     steps = 0
     with torch.no_grad():
-        prefill = dict(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=pos[:, :-1], use_cache=True)
-        try:  # the prefill's logits are not needed: keep one position where the model allows it
-            out = model(**prefill, logits_to_keep=1)
-        except TypeError:
-            out = model(**prefill)
-        cache = out.cache
+        cache = prefill(model, ids[:, :-1], mask[:, :-1], pos[:, :-1])
         inp, cur_pos, cur_mask = ids[:, -1:], pos[:, -1:], mask
         for t in range(max_new_tokens):
             step_probes = probes if spans is None else dataclasses.replace(probes, spans=spans[alive])
