@@ -114,7 +114,16 @@ class DecodeRequest:
 class Decoded:
     """Generated token ids (without prompt) and their text, per row.
 
-    ``info`` holds optional per-step diagnostics of a strategy (DoLa's chosen layers, DeCoRe's alphas).
+    ``info`` holds optional diagnostics of a strategy, which the ``generate`` action stores with the
+    outputs (:func:`headlab.runner.decode_info`):
+
+    - a list over decode steps of per-row values (``info["alpha"][t][r]``: DeCoRe's alpha, DoLa's
+      ``premature_layer``) becomes an ``(example, step)`` array of the same name, empty (NaN, or -1 for
+      integers) after a row's last token;
+    - ``heads``, the ``(layer, head)`` pairs a strategy edited (DeCoRe's masked heads), becomes the
+      boolean ``(layer, head)`` array ``decode_heads``;
+    - anything else JSON-serialisable becomes the attribute ``decode_<key>`` (DoLa's
+      ``candidate_layers``).
     """
 
     tokens: list[list[int]]

@@ -107,3 +107,59 @@ def test_list_runs(tmp_path):
     runs = headlab.list_runs(tmp_path)
     assert len(runs) == 2 and all(r.status == "complete" for r in runs)
     assert "headlab run" in runs[0]._repr_html_()
+
+
+def test_generate_stores_the_strategy_diagnostics(tmp_path):
+    """DeCoRe's masked heads (here drawn at random) and per-step alpha, DoLa's chosen layers: stored with the
+    outputs over named dimensions; alpha at step 0 equals the entropy of the model's next-token
+    distribution, computed here from a plain forward of each prompt."""
+    import torch
+
+    from headlab.model import load_model
+    from headlab.spec import ModelSpec
+
+    from conftest import TINY_LLAMA
+
+    steps = """  - id: decore
+    generate:
+      max_new_tokens: 4
+      batch_size: 3
+      decode: {kind: decore, heads: [[1, 0], [1, 2]], random: true, alpha: entropy}
+  - id: dola
+    generate:
+      max_new_tokens: 4
+      decode: {kind: dola, layers: [0, 1]}
+"""
+    run = headlab.run(spec_text(steps), out=tmp_path)
+    ds = run.results["decore"]
+    heads = ds["decode_heads"]
+    assert heads.dims == ("layer", "head") and int(heads.sum()) == 2
+    assert not bool(heads.sel(layer=1, head=0)) and not bool(heads.sel(layer=1, head=2))  # random: others
+    assert ds["alpha"].dims == ("example", "step") and ds["alpha"].shape == (4, 4)
+    lm = load_model(ModelSpec(config=TINY_LLAMA, device="cpu"))
+    ids = ds["input_ids"].values
+    for i in range(ids.shape[0]):
+        row = torch.tensor(ids[i][ids[i] >= 0])[None]
+        with torch.no_grad():
+            p = lm.model(input_ids=row).logits[0, -1].double().softmax(-1)
+        h = float(-(p * torch.log(p + 1e-12)).sum())
+        assert abs(float(ds["alpha"][i, 0]) - h) < 1e-4
+    dola = run.results["dola"]
+    assert dola["premature_layer"].dtype == np.int64 and set(np.unique(dola["premature_layer"])) <= {0, 1, -1}
+    assert dola.attrs["decode_candidate_layers"] == [0, 1]
+
+
+def test_decode_info_pads_rows_after_their_last_token():
+    from headlab.model import Geometry
+    from headlab.runner import decode_info
+
+    geo = Geometry(n_layers=2, n_heads=3, n_kv_heads=3, head_dim=4)
+    parts = [({"alpha": [[0.1, 0.2], [0.3, 0.4], [0.5, 0.6]], "layer": [[1, 1], [0, 1], [1, 0]],
+               "heads": [(1, 2)], "cands": [0, 1]}, [0, 3]),
+             ({"alpha": [[0.7]], "layer": [[0]], "heads": [(1, 2)], "cands": [0, 1]}, [1])]
+    arrays, attrs = decode_info(parts, geo)
+    np.testing.assert_allclose(arrays["alpha"].values, [[0.1, np.nan, np.nan], [0.2, 0.4, 0.6],
+                                                        [0.7, np.nan, np.nan]])
+    assert arrays["layer"].values.tolist() == [[1, -1, -1], [1, 1, 0], [0, -1, -1]]
+    assert arrays["decode_heads"].values.tolist() == [[False] * 3, [False, False, True]]
+    assert attrs == {"decode_cands": [0, 1]}
