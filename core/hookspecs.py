@@ -65,9 +65,12 @@ def headlab_register_detectors(register: Register) -> None:
 def headlab_register_steering(register: Register) -> None:
     """Register steering method kinds: ``register(ConfigModel, steer)``.
 
-    ``steer(config, ctx: headlab.StepContext, batch: headlab.generation.Batch, plan) -> None``
+    ``steer(config, ctx: headlab.StepContext, batch: headlab.generation.Batch, plan) -> report | None``
     adds edits for the rows of ``batch`` to the instrumentation ``plan`` (a
-    :class:`headlab.instrument.Plan`) before generation starts.
+    :class:`headlab.instrument.Plan`) before generation starts. A method that decides something during
+    generation (VHR picks its heads at the first step) may return ``report``: a callable that, once the
+    batch is generated, returns ``{name: xarray.DataArray}`` with ``example`` (the batch's rows) as first
+    dimension; a ``generate`` step stores them over all its examples.
     """
 
 

@@ -91,21 +91,31 @@ def run_generate(action: Any, ctx: StepContext) -> xr.Dataset:
     decoder = mgr.get("decoders", action.decode.kind)
     outputs: list[str] = []
     infos: list[tuple[dict[str, Any], list[int]]] = []
+    steered: dict[str, list[xr.DataArray]] = {}
     batches = [ctx.examples[i: i + action.batch_size] for i in range(0, len(ctx.examples), action.batch_size)]
     for chunk in ctx.progress(batches, "generating", total=len(batches)):
         batch = tokenize(ctx.model, chunk)
         plan = None
+        reports = []
         if action.steer:
             plan = Plan()
             for cfg in action.steer:
-                mgr.get("steering", cfg.kind).impl(cfg, ctx, batch, plan)
+                report = mgr.get("steering", cfg.kind).impl(cfg, ctx, batch, plan)
+                if callable(report):
+                    reports.append(report)
         request = DecodeRequest(ctx.model, batch, action.max_new_tokens, list(action.stop), plan, ctx.seed, ctx)
         decoded = decoder.impl(action.decode, request)
         outputs.extend(decoded.texts)
         infos.append((decoded.info, [len(t) for t in decoded.tokens]))
+        for report in reports:
+            for name, array in report().items():
+                steered.setdefault(name, []).append(array)
     ds = xr.Dataset({"output": ("example", np.array(outputs, dtype=object))})
     arrays, attrs = decode_info(infos, ctx.model.geometry)
     ds = ds.assign(arrays)
+    for name, parts in steered.items():
+        if len(parts) == len(batches):
+            ds[name] = xr.concat(parts, dim="example", join="outer")
     ds.attrs.update(attrs)
     names = []
     for cfg in action.metrics:

@@ -126,7 +126,7 @@ def test_vhr_on_text_spans_matches_naive(layers, outlier_filter):
     batch = tokenize(loaded(mh), exs)
     plan = ins.Plan()
     cfg = V.Vhr(segment="emphasis", layers=layers, outlier_filter=outlier_filter)
-    V.steer(cfg, step_ctx(mh, exs), batch, plan)
+    report = V.steer(cfg, step_ctx(mh, exs), batch, plan)
     segs = batch.spans("emphasis")
     want_layers = range(3) if layers == "all" else layers
     plan2 = ins.Plan()
@@ -144,6 +144,13 @@ def test_vhr_on_text_spans_matches_naive(layers, outlier_filter):
     with ins.instrument(mh, plan):
         via_steer, _ = generate(mh, batch.input_ids, batch.attention_mask, 5)
     assert torch.equal(via_steer, ours)
+    # its report (what a generate step stores) is the naive choice, over named dimensions
+    arrays = report()
+    assert arrays["vhr_selected"].dims == ("example", "layer", "head")
+    for layer in range(3):
+        got = arrays["vhr_selected"].sel(layer=layer).values
+        assert np.array_equal(got, rec[layer]) if layer in want_layers else not got.any()
+        assert np.isnan(arrays["vhr_vhd"].sel(layer=layer).values).all() == (layer not in want_layers)
     # and reinforcement changes the computation
     _, plain_logits = generate(me, batch.input_ids, batch.attention_mask, 5)
     assert not torch.allclose(plain_logits, ref_logits, atol=1e-3)
@@ -270,3 +277,31 @@ def test_vhr_steer_errors():
         V.steer(V.Vhr(), step_ctx(mh, exs), batch, ins.Plan())
     with pytest.raises(ValueError, match="outside this model"):
         V.steer(V.Vhr(segment="emphasis", layers=[5]), step_ctx(mh, exs), batch, ins.Plan())
+
+
+def test_generate_step_stores_the_heads_vhr_chose(tmp_path):
+    """A spec's generate step with VHR (embedded model, emphasis spans as the segment): ``vhr_selected`` over
+    (example, layer, head) for every example of every batch, equal to VHR run on each batch directly."""
+    import headlab
+    from headlab.model import load_model
+    from headlab.plugins.tasks.synthetic_tasks import Emphasis
+    from headlab.runner import build_examples
+    from headlab.spec import ModelSpec
+
+    spec = {"name": "vhr", "model": "headlab-tiny", "task": {"kind": "emphasis", "n": 5}, "seed": 0,
+            "steps": [{"id": "gen", "generate": {"max_new_tokens": 2, "batch_size": 3,
+                                                 "steer": [{"kind": "vhr", "segment": "emphasis"}]}}]}
+    ds = headlab.run(spec, out=tmp_path).results["gen"]
+    sel = ds["vhr_selected"]
+    assert sel.dims == ("example", "layer", "head") and sel.shape == (5, 4, 8)
+    lm = load_model(ModelSpec(id="headlab-tiny", device="cpu"))
+    exs = build_examples(Emphasis(n=5), lm, 0)
+    for start in (0, 3):
+        batch = tokenize(lm, exs[start:start + 3])
+        plan = ins.Plan()
+        state = V.add_vhr(plan, batch.spans("emphasis"), None)
+        with ins.instrument(lm.model, plan), torch.no_grad():
+            lm.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+        for layer in range(4):
+            assert np.array_equal(sel.values[start:start + 3, layer], state.selected[layer].numpy())
+    assert 0 < int(sel.sum()) < sel.size

@@ -26,11 +26,13 @@ for LLaVA-1.5-7B).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
 import torch
+import xarray as xr
 from pydantic import Field
 
 from headlab import ComponentConfig, StepContext, hookimpl
@@ -138,8 +140,9 @@ def segments_of(batch: Batch, segment: str, segment_token_id: int | None) -> lis
     return batch.spans(segment)
 
 
-def steer(config: Vhr, ctx: StepContext, batch: Batch, plan: Any) -> None:
-    """Add VHR to ``plan`` for the rows of ``batch`` that have a segment."""
+def steer(config: Vhr, ctx: StepContext, batch: Batch, plan: Any) -> Callable[[], dict[str, xr.DataArray]]:
+    """Add VHR to ``plan`` for the rows of ``batch`` that have a segment; returns the report of its choice
+    (:func:`state_arrays`), stored by the ``generate`` step as ``vhr_selected`` and ``vhr_vhd``."""
     n_layers = ctx.model.geometry.n_layers
     n_heads = ctx.model.geometry.n_heads
     if config.layers == "all":
@@ -157,7 +160,22 @@ def steer(config: Vhr, ctx: StepContext, batch: Batch, plan: Any) -> None:
         raise ValueError(f"vhr: no row of the batch has a '{config.segment}' segment"
                          + ("" if config.segment_token_id is None else f" (token id {config.segment_token_id})"))
     claim(plan, config, "out_scale", [(ly, h) for ly in layers for h in range(n_heads)], rows)
-    add_vhr(plan, segments, layers, config.alpha, config.outlier_filter)
+    state = add_vhr(plan, segments, layers, config.alpha, config.outlier_filter)
+    return lambda: state_arrays(state, batch.size, n_layers, n_heads)
+
+
+def state_arrays(state: VhrState, rows: int, n_layers: int, n_heads: int) -> dict[str, xr.DataArray]:
+    """What VHR chose for a batch, over ``(example, layer, head)``: ``vhr_selected`` (the reinforced heads) and
+    ``vhr_vhd`` (each head's VHD at the first step; NaN on layers VHR did not consider)."""
+    selected = np.zeros((rows, n_layers, n_heads), dtype=bool)
+    vhd = np.full((rows, n_layers, n_heads), np.nan)
+    for layer, sel in state.selected.items():
+        selected[:, layer] = sel.cpu().numpy()
+        vhd[:, layer] = state.vhd[layer].cpu().numpy()
+    coords = {"layer": np.arange(n_layers), "head": np.arange(n_heads)}
+    dims = ("example", "layer", "head")
+    return {"vhr_selected": xr.DataArray(selected, dims=dims, coords=coords),
+            "vhr_vhd": xr.DataArray(vhd, dims=dims, coords=coords)}
 
 
 @hookimpl
