@@ -161,6 +161,38 @@ def test_expand_plan_mirror_and_copy0(lm):
     torch.testing.assert_close(out[B:], plain, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("mirror", [True, False])
+def test_expanded_callbacks_attend_on_copy0(lm, mirror):
+    """A callback that recomputes its layer with extra key biases (VHR's ``ctx.attend``) behaves on copy 0 of
+    an expanded plan as on the batch alone: VHR's choice and the logits of copy 0 (and of the mirrored
+    copy) equal VHR on the batch."""
+    from headlab.plugins.decoding.common import expand_plan
+    from headlab.plugins.steering.vhr import add_vhr
+
+    batch = tokenize(lm, [Example(prompt=p) for p in random_prompts(3, seed=6, lo=6, hi=9)])
+    B = batch.size
+    segments = [[(batch.pad[r] + 1, batch.pad[r] + 4)] for r in range(B)]
+    pos = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+    def run(plan, k):
+        with torch.no_grad(), instrument(lm.model, plan):
+            return lm.model(input_ids=batch.input_ids.repeat(k, 1), attention_mask=batch.attention_mask.repeat(k, 1),
+                            position_ids=pos.repeat(k, 1)).logits
+
+    alone = Plan()
+    state = add_vhr(alone, segments, None, 3.0)
+    ref = run(alone, 1)
+    plain = run(Plan(), 1)
+    assert (ref - plain).abs().max() > 1e-3
+    single = Plan()
+    state2 = add_vhr(single, segments, None, 3.0)
+    out = run(expand_plan(single, B, 2, mirror=mirror), 2)
+    for layer in state.selected:
+        assert torch.equal(state2.selected[layer], state.selected[layer])
+    torch.testing.assert_close(out[:B], ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[B:], ref if mirror else plain, atol=1e-5, rtol=1e-5)
+
+
 def test_decode_loop_copies_and_split_prompt_keep_greedy(lm):
     req = request_for(lm, random_prompts(3, seed=2), max_new=6)
     B = req.batch.size

@@ -8,6 +8,7 @@ for the ``B`` rows of the request is carried over to the copies with :func:`expa
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -198,8 +199,25 @@ def expand_plan(plan: Plan | None, B: int, k: int, *, mirror: bool = True) -> Pl
 
 
 def _copy0_callback(fn: Any, B: int, k: int, mirror: bool) -> Any:
+    """``fn`` written for ``B`` rows, run on copy 0 of ``k * B`` rows: it sees copy 0's ``z`` and an
+    ``attend`` taking and returning copy 0's rows (the extra key biases reach the other copies when
+    mirrored); the scale it returns goes to every copy (``mirror``) or to copy 0."""
+
     def wrapped(layer: int, z: torch.Tensor, ctx: LayerContext) -> torch.Tensor | None:
-        scale = fn(layer, z[:B], ctx)
+        inner = ctx
+        if ctx.attend is not None:
+            full_attend = ctx.attend
+
+            def attend(key_spans: torch.Tensor, key_bias: torch.Tensor) -> torch.Tensor:
+                ks = torch.as_tensor(key_spans, device=z.device).long()
+                ks = torch.broadcast_to(ks, (B, *ks.shape[-2:]))
+                kb = torch.broadcast_to(torch.as_tensor(key_bias, device=z.device, dtype=torch.float32),
+                                        (B, z.shape[1], ks.shape[1]))
+                rest = kb.repeat(k - 1, 1, 1) if mirror else torch.zeros_like(kb).repeat(k - 1, 1, 1)
+                return full_attend(ks.repeat(k, 1, 1), torch.cat([kb, rest]))[:B]
+
+            inner = dataclasses.replace(ctx, attend=attend)
+        scale = fn(layer, z[:B], inner)
         if scale is None:
             return None
         scale = torch.broadcast_to(torch.as_tensor(scale, device=z.device, dtype=torch.float32), (B, z.shape[1]))
