@@ -118,7 +118,8 @@ def probe_decode(lm: LoadedModel, batch: Batch, probes: Any, max_new_tokens: int
                  stop: Sequence[str] = ()) -> ProbeDecode:
     """Greedy decoding of a batch with ``probes`` recorded at every decode query, none at the prefill.
 
-    The prompt minus its last token is prefilled outside any instrumentation (SDPA), then the last
+    The prompt minus its last token is prefilled outside any instrumentation (SDPA; on a CPU one unpadded
+    row at a time, :func:`headlab.generation.prefill`), then the last
     prompt token and each generated token are fed one at a time, each step inside an ``instrument``
     context with ``Plan(probes=probes)``. Rows leave the batch (and the KV cache) as soon as they finish,
     so a long output does not make the finished rows decode on. Key positions in the recording are
