@@ -2,6 +2,7 @@
 DeCoRe's batched forward against the reference-style loop (batch size 1, two forwards per token).
 
     python benchmarks/bench_decoding.py [--model tiny|random|big] [--batch 8] [--new 32] [--reps 5] [--threads 1]
+        [--first-layer N] [--device cpu|cuda]
 
 Per strategy: the decode cost per token = the time of one step (from one forward call of the model to
 the next: the forward, the strategy's choice and the loop), as the 10th percentile over every step of
@@ -26,7 +27,7 @@ import statistics
 import time
 
 
-def load(which: str):
+def load(which: str, device: str = "cpu"):
     import torch
 
     from headlab.model import load_model
@@ -37,14 +38,14 @@ def load(which: str):
     if which == "tiny":
         if "headlab-tiny" not in get_manager().components["models"]:
             raise SystemExit("headlab-tiny is not available (no checkpoint); use --model random")
-        return load_model(ModelSpec(id="headlab-tiny", device="cpu"))
+        return load_model(ModelSpec(id="headlab-tiny", device=device))
     tok, vocab = build_tokenizer()
     cfg = {"model_type": "llama", **MODEL_CONFIG, "vocab_size": len(vocab)}
     if which == "big":
         cfg.update(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
                    num_key_value_heads=8)
     torch.manual_seed(0)
-    lm = load_model(ModelSpec(config=cfg, device="cpu"))
+    lm = load_model(ModelSpec(config=cfg, device=device))
     lm.tokenizer = tok
     return lm
 
@@ -88,6 +89,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (every step ends in a host sync)")
     ap.add_argument("--heads", type=int, default=8, help="number of heads DeCoRe masks")
     ap.add_argument("--first-layer", type=int, default=None,
                     help="the shallowest layer with a masked head (default: 6/32 of the depth, where the "
@@ -105,7 +107,7 @@ def main() -> None:
     from headlab.plugins.tasks.synthetic_tasks import Counterfact, build_counterfact
 
     torch.set_num_threads(args.threads)
-    lm = load(args.model)
+    lm = load(args.model, args.device)
     no_eos(lm)
     examples = build_counterfact(Counterfact(n=args.batch), TaskContext(lm.tokenizer, 0, 0))
     batch = tokenize(lm, examples)
