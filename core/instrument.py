@@ -456,17 +456,7 @@ class _Session:
         spans = self.plan.probes.spans
         if spans is None:
             return None
-        if isinstance(spans, Tensor):
-            sp = spans.to(device).long()
-            sp = torch.broadcast_to(sp, (B, *sp.shape[-2:])) if sp.dim() == 2 else sp
-        else:
-            per_row = _per_row_spans(spans, B)
-            P = max(len(s) for s in per_row)
-            sp = torch.zeros(B, P, 2, dtype=torch.long, device=device)
-            for r, rs in enumerate(per_row):
-                for j, (a, b) in enumerate(rs):
-                    sp[r, j, 0], sp[r, j, 1] = int(a), int(b)
-        return (sp - key_offset).clamp(0, Nk)
+        return (span_tensor(spans, B, device) - key_offset).clamp(0, Nk)
 
     def probe_offsets(self, B: int, Nq: int, Nk: int, q_start: int, device) -> Tensor | None:
         """(B, O) kernel offsets from ``Probes.offsets``. The kernel counts ``delta`` back from the query's key
@@ -548,6 +538,20 @@ def _mask_args(mask: Tensor | None, Nq: int, Nk: int, causal: bool, window: int 
                             causal=cand_causal, window=cand_window)
     # a general mask (e.g. static-cache slots, bidirectional image blocks)
     return dict(key_padding_mask=None, attn_mask=mask, causal=False, window=None)
+
+
+def span_tensor(spans, B: int, device) -> Tensor:
+    """(B, P, 2) int64 ``[start, end)`` spans from a shared list, per-row lists (shorter rows padded with
+    empty spans), a (P, 2) tensor shared by all rows or a (B, P, 2) tensor."""
+    if isinstance(spans, Tensor):
+        sp = spans.to(device).long()
+        return torch.broadcast_to(sp, (B, *sp.shape[-2:])) if sp.dim() == 2 else sp
+    per_row = _per_row_spans(spans, B)
+    sp = torch.zeros(B, max(len(s) for s in per_row), 2, dtype=torch.long)
+    for r, rs in enumerate(per_row):
+        for j, (a, b) in enumerate(rs):
+            sp[r, j, 0], sp[r, j, 1] = int(a), int(b)
+    return sp.to(device)
 
 
 def _per_row_spans(spans, n_rows: int) -> list[list[tuple[int, int]]]:

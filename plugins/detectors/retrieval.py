@@ -128,8 +128,7 @@ def probe_decode(lm: LoadedModel, batch: Batch, probes: Any, max_new_tokens: int
     """
     import dataclasses
 
-    from headlab.instrument import Plan, instrument
-    from headlab.instrument import _per_row_spans as per_row_spans
+    from headlab.instrument import Plan, instrument, span_tensor
 
     if batch.length < 2:
         raise ValueError("probe_decode needs prompts of at least 2 tokens")
@@ -139,16 +138,7 @@ def probe_decode(lm: LoadedModel, batch: Batch, probes: Any, max_new_tokens: int
     dev = ids.device
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     B = batch.size
-    spans = probes.spans
-    if spans is not None and not isinstance(spans, torch.Tensor):
-        rows = per_row_spans(spans, B)
-        width = max(len(r) for r in rows)
-        spans = torch.zeros(B, width, 2, dtype=torch.long, device=dev)
-        for r, row in enumerate(rows):
-            for j, (a, b) in enumerate(row):
-                spans[r, j, 0], spans[r, j, 1] = int(a), int(b)
-    elif spans is not None and spans.dim() == 2:
-        spans = spans.to(dev).expand(B, *spans.shape)
+    spans = None if probes.spans is None else span_tensor(probes.spans, B, dev)
     generated = torch.full((B, max_new_tokens), _pad_id(tok), dtype=torch.long, device=dev)
     active = torch.zeros((B, max_new_tokens), dtype=torch.bool, device=dev)
     store: dict[str, torch.Tensor] = {}
