@@ -13,6 +13,7 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from .context import Example, StepContext, TaskContext
+from .dims import DIMENSIONS
 from .hookspecs import hookimpl
 from .results import Run, list_runs, open_run
 from .runner import run
@@ -24,6 +25,6 @@ except PackageNotFoundError:  # running from a source tree without installation
     __version__ = "0+unknown"
 
 __all__ = [
-    "ComponentConfig", "Example", "HeadSelection", "Run", "SpecError", "StepContext", "TaskContext",
+    "DIMENSIONS", "ComponentConfig", "Example", "HeadSelection", "Run", "SpecError", "StepContext", "TaskContext",
     "__version__", "hookimpl", "json_schema", "list_runs", "load_spec", "open_run", "run",
 ]

@@ -17,7 +17,8 @@ Example::
     plan.mask_heads([(3, 1), (5, 0)], rows=[1], mode="query")  # row 1 masked, row 0 base, one forward
     with ins.instrument(model, plan) as rec:
         model(**batch)
-    rec.argmax       # (batch, layer, head, query) int64, absolute key positions
+    rec.argmax       # (example, layer, head, query) int64 tensor, absolute key positions
+    rec.to_xarray("argmax")  # the same as an xarray.DataArray with named dims and coordinates
 
 Positions: every position (queries, probe spans, key spans, argmax) is an absolute position in the
 (left-padded) input sequence, counting from 0 at the first token of the first forward inside the context;
@@ -33,7 +34,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import numpy as np
 import torch
+import xarray as xr
 from torch import Tensor
 
 from headlab.kernels import attention as kernel_attention
@@ -57,15 +60,16 @@ __all__ = [
 
 ATTN_IMPLEMENTATION = "headlab"
 
-#: dimension names of every array a :class:`Recording` returns (xarray order)
+#: dimension names of every array a :class:`Recording` returns, in axis order (names from
+#: :data:`headlab.DIMENSIONS`; the ``example`` axis is the batch row)
 DIMS: dict[str, tuple[str, ...]] = {
-    "argmax": ("batch", "layer", "head", "query"),
-    "argmax_prob": ("batch", "layer", "head", "query"),
-    "entropy": ("batch", "layer", "head", "query"),
-    "span_mass": ("batch", "layer", "head", "query", "span"),
-    "offset_mass": ("batch", "layer", "head", "query", "offset"),
-    "z": ("batch", "layer", "head", "position", "head_dim"),
-    "pattern": ("batch", "layer", "head", "query", "key"),
+    "argmax": ("example", "layer", "head", "query"),
+    "argmax_prob": ("example", "layer", "head", "query"),
+    "entropy": ("example", "layer", "head", "query"),
+    "span_mass": ("example", "layer", "head", "query", "span"),
+    "offset_mass": ("example", "layer", "head", "query", "offset"),
+    "z": ("example", "layer", "head", "position", "head_dim"),
+    "pattern": ("example", "layer", "head", "query", "key"),
 }
 
 # model types whose attention headlab cannot honour (ALiBi, learned position biases, attention sinks,
@@ -269,25 +273,30 @@ def _rows(rows) -> list[int] | None:
 class Recording:
     """Probes recorded during an :func:`instrument` context.
 
-    Arrays (see :data:`DIMS` / ``rec.dims``), all on the model's device:
+    Tensors (see :data:`DIMS` / ``rec.dims`` for the axis names), all on the model's device:
 
-    - ``argmax`` (batch, layer, head, query) int64 absolute key position of the top-1 key (-1 for padding
-      queries); ``argmax_prob``, ``entropy`` (batch, layer, head, query) float32;
-    - ``span_mass`` (batch, layer, head, query, span) float32;
-    - ``offset_mass`` (batch, layer, head, query, offset) float32, the attention of query ``t`` to key
+    - ``argmax`` (example, layer, head, query) int64 absolute key position of the top-1 key (-1 for padding
+      queries); ``argmax_prob``, ``entropy`` (example, layer, head, query) float32;
+    - ``span_mass`` (example, layer, head, query, span) float32;
+    - ``offset_mass`` (example, layer, head, query, offset) float32, the attention of query ``t`` to key
       ``t - delta`` for each of ``Probes.offsets``;
-    - ``z`` (batch, layer, head, position, head_dim) in the model dtype, at ``z_positions``;
-    - ``pattern`` (batch, layer, head, query, key) float32 (keys beyond a call's cache are 0).
+    - ``z`` (example, layer, head, position, head_dim) in the model dtype, at ``z_positions``;
+    - ``pattern`` (example, layer, head, query, key) float32 (keys beyond a call's cache are 0).
 
-    The layer axis lists ``rec.layers``; the query axis is the absolute position (the calls of a
-    ``generate`` are concatenated: prefill, then one query per step). ``rec.z_positions`` lists the
-    positions of the ``z`` axis. ``rec.calls`` counts forward calls seen by the first probed layer.
+    The ``example`` axis is the batch row; the layer axis lists ``rec.layers``; the query axis is the
+    absolute position (the calls of a ``generate`` are concatenated: prefill, then one query per step).
+    ``rec.z_positions`` lists the positions of the ``z`` axis. ``rec.calls`` counts forward calls seen by
+    the first probed layer.
+
+    :meth:`to_xarray` / :meth:`to_dataset` return the same arrays as xarray objects on the CPU, with the
+    dimension names of :data:`DIMS` (the vocabulary :data:`headlab.DIMENSIONS`) and coordinates.
     """
 
     dims = DIMS
 
-    def __init__(self, layers: list[int]):
+    def __init__(self, layers: list[int], probes: Probes | None = None):
         self.layers = layers
+        self.probes = probes
         self._chunks: dict[str, dict[int, list]] = {k: {ly: [] for ly in layers} for k in DIMS}
         self._zpos: dict[int, list[Tensor]] = {ly: [] for ly in layers}
         self._cache: dict[str, Tensor | None] = {}
@@ -330,6 +339,61 @@ class Recording:
         """The recorded arrays by name (only those recorded)."""
         return {k: v for k in DIMS if (v := self._get(k)) is not None}
 
+    def to_xarray(self, name: str) -> xr.DataArray:
+        """The recorded array ``name`` as a DataArray on the CPU, with the dims of ``DIMS[name]``.
+
+        Coordinates: ``example`` the batch rows ``0..B-1``; ``layer`` the recorded layers (``rec.layers``);
+        ``head`` ``0..H-1``; ``query`` and ``key`` absolute positions ``0..``; ``position`` the positions of
+        ``z`` (``rec.z_positions``); ``span`` ``0..S-1``, with ``span_start`` / ``span_end`` (example, span)
+        the probed key spans; ``offset`` the probed offsets ``delta`` when every row shares them, otherwise
+        ``0..O-1`` with ``delta`` (example, offset) the offsets of each row (-1: unused slot). ``head_dim``
+        has no coordinate. Values keep their dtype (bfloat16, which numpy lacks, becomes float32).
+        Raises KeyError for an unknown name and ValueError for an array that was not recorded.
+        """
+        if name not in DIMS:
+            raise KeyError(f"no recorded array {name!r}; the names are {', '.join(DIMS)}")
+        t = self._get(name)
+        if t is None:
+            raise ValueError(f"{name!r} was not recorded (recorded: {', '.join(self.as_dict()) or 'nothing'})")
+        t = t.detach().cpu()
+        if t.dtype == torch.bfloat16:
+            t = t.float()
+        dims = DIMS[name]
+        B, _, H = t.shape[:3]
+        coords: dict[str, Any] = {"example": np.arange(B), "layer": np.asarray(self.layers, dtype=np.int64),
+                                  "head": np.arange(H)}
+        if "query" in dims:
+            coords["query"] = np.arange(t.shape[3])
+        if name == "pattern":
+            coords["key"] = np.arange(t.shape[4])
+        if name == "z":
+            coords["position"] = np.asarray(self.z_positions, dtype=np.int64)
+        if name == "span_mass":
+            coords["span"] = np.arange(t.shape[4])
+            if self.probes is not None and self.probes.spans is not None:
+                sp = span_tensor(self.probes.spans, B, "cpu").numpy()
+                if sp.shape[1] == t.shape[4]:
+                    coords["span_start"] = (("example", "span"), sp[..., 0])
+                    coords["span_end"] = (("example", "span"), sp[..., 1])
+        if name == "offset_mass":
+            offs = None
+            if self.probes is not None and self.probes.offsets is not None:
+                offs = _offsets_tensor(self.probes.offsets, B).numpy()
+            if offs is not None and offs.shape[1] == t.shape[4] and (offs == offs[:1]).all() and (offs >= 0).all():
+                coords["offset"] = offs[0]
+            else:
+                coords["offset"] = np.arange(t.shape[4])
+                if offs is not None and offs.shape[1] == t.shape[4]:
+                    coords["delta"] = (("example", "offset"), offs)
+        return xr.DataArray(t.numpy(), dims=dims, coords=coords, name=name)
+
+    def to_dataset(self) -> xr.Dataset:
+        """Every recorded array as one Dataset (variables named as in :data:`DIMS`, see :meth:`to_xarray`),
+        with attributes ``calls`` and ``layers``."""
+        ds = xr.Dataset({name: self.to_xarray(name) for name in self.as_dict()})
+        ds.attrs.update(calls=self.calls, layers=list(self.layers))
+        return ds
+
 
 # --------------------------------------------------------------------------- session
 _ACTIVE: contextvars.ContextVar[_Session | None] = contextvars.ContextVar("headlab_instrument", default=None)
@@ -342,7 +406,7 @@ class _Session:
         self.n_layers = n_layers
         probed = plan.probes.layers if plan.probes.layers is not None else range(n_layers)
         self.probe_layers = sorted(int(ly) for ly in probed) if plan.probes.any() else []
-        self.rec = Recording(self.probe_layers)
+        self.rec = Recording(self.probe_layers, plan.probes)
         self.q_count: dict[int, int] = {}
         self.calls: dict[int, int] = {}
         self.cb_scale: dict[int, Tensor] = {}

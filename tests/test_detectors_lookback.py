@@ -66,7 +66,7 @@ def test_lookback_ratios_equal_eager_reference(tmp_path, setup, option):
             f"span_tags: {{context: c}}}}\n"
             f"steps:\n  - id: lb\n    detect: {{kind: lookback, max_new_tokens: {MAX_NEW}, batch_size: 3, length_slack: 10, {extra}}}\n")
     ds = headlab.run(spec, out=tmp_path / "runs").results["lb"]
-    lr = ds["lookback_ratio"].transpose("example", "gen_token", "layer", "head").values
+    lr = ds["lookback_ratio"].transpose("example", "step", "layer", "head").values
     lengths = []
     for i, r in enumerate(records):
         prompt = f"{r['doc']} Q {r['q']} A :"
@@ -93,7 +93,7 @@ def test_window_features_match_reference_loop():
     arr = rng.random((3, 7, 2, 3))
     arr[1, 4:] = np.nan  # example 1 produced 4 tokens
     arr[2, 2:] = np.nan  # example 2 produced 2 (< window): no window
-    got = window_features(xr.DataArray(arr, dims=("example", "gen_token", "layer", "head")), size=3)
+    got = window_features(xr.DataArray(arr, dims=("example", "step", "layer", "head")), size=3)
     expect = []
     for ex, n in ((arr[0], 7), (arr[1], 4), (arr[2], 2)):
         for j in range(3 - 1, n):  # Lookback Lens convert_to_token_level

@@ -129,7 +129,7 @@ def test_probes_parity_and_patterns(arch):
     assert rec.span_mass.shape == (2, L, H, N, 3)
     assert rec.pattern.shape == (2, L, H, N, N)
     assert rec.z.shape[:4] == (2, L, H, 1) and rec.z_positions == [N - 1]
-    assert rec.dims["span_mass"] == ("batch", "layer", "head", "query", "span")
+    assert rec.dims["span_mass"] == ("example", "layer", "head", "query", "span")
     pat_e = torch.stack(list(eo.attentions), dim=1).float()  # (B, L, H, Nq, Nk)
     rows = am.bool()  # real query rows
     for b in range(2):
@@ -340,7 +340,7 @@ def test_offset_mass_equals_eager_pattern_diagonals(arch):
         logits(m, ids, am)
     om = rec.offset_mass
     assert om.shape == (2, 2, 4, N, 4) and om.dtype == torch.float32
-    assert rec.dims["offset_mass"] == ("batch", "layer", "head", "query", "offset")
+    assert rec.dims["offset_mass"] == ("example", "layer", "head", "query", "offset")
     assert rec.pattern is None and "offset_mass" in rec.as_dict()
     for b in range(2):
         for o, d in enumerate(per_row[b]):

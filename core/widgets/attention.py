@@ -29,6 +29,7 @@ import traitlets
 import xarray as xr
 
 from ..context import Example
+from ..dims import head_array
 from ..model import LoadedModel
 from ..report import NAN_COLOR, PALETTE, color
 
@@ -292,11 +293,9 @@ class AttentionView(w.VBox):
             rec = self._single_query(q, Probes(spans=flat))
             self._mass[q] = rec.span_mass[0, :, :, -1, :].float().cpu().numpy()  # (layer, head, span)
         arr = self._mass[q]
-        geo = self.lm.geometry
         per_name = {n: arr[:, :, [i for i, m in enumerate(names) if m == n]].sum(-1) for n in self.token_spans}
-        return xr.DataArray(np.stack(list(per_name.values())), dims=("span", "layer", "head"),
-                            coords={"span": list(per_name), "layer": np.arange(geo.n_layers),
-                                    "head": np.arange(geo.n_heads)}, name="span_mass")
+        return head_array(np.stack(list(per_name.values())), "span", name="span_mass").assign_coords(
+            span=list(per_name))
 
     def top_keys(self, k: int = 5) -> list[tuple[int, str, float]]:
         """The ``k`` most attended keys of the current head and query: ``(position, token, weight)``."""

@@ -18,6 +18,7 @@ import numpy as np
 import traitlets
 import xarray as xr
 
+from ..dims import head_array
 from ..heads import Head, ranked, to_pasta_json
 from ..report import NAN_COLOR, PALETTE
 
@@ -183,8 +184,7 @@ def as_head_scores(scores: Any, **sel: Any) -> xr.DataArray:
     arr = np.asarray(scores, dtype=float)
     if arr.ndim != 2:
         raise ValueError(f"scores must be (layer, head), got shape {arr.shape}")
-    return xr.DataArray(arr, dims=("layer", "head"),
-                        coords={"layer": np.arange(arr.shape[0]), "head": np.arange(arr.shape[1])})
+    return head_array(arr)
 
 
 def spec_fragment(heads: Iterable[Head], key: str = "heads") -> str:

@@ -16,8 +16,8 @@ The ratios come from the streaming span-mass probe of :mod:`headlab.instrument` 
 context and new), during a batched greedy decode (see
 :func:`headlab.plugins.detectors.retrieval.probe_decode`); no attention matrix is stored.
 
-Outputs: ``lookback_ratio (example, gen_token, layer, head)`` (NaN after a row stopped; the generated
-token axis is called ``gen_token`` because the run's ``token`` axis indexes the prompt's
+Outputs: ``lookback_ratio (example, step, layer, head)`` (decode step ``t``: the query that chose the
+``t``-th generated token; NaN after a row stopped; the run's ``token`` axis indexes the prompt's
 ``input_ids``), ``features (example, layer, head)`` = mean ratio over the generated tokens (the
 reference's "predefined span" feature), ``score (layer, head)`` = mean of the features, ``n_tokens``
 and ``output (example)``. :func:`window_features` gives the reference's sliding-window features and
@@ -36,6 +36,7 @@ import xarray as xr
 from pydantic import Field
 
 from headlab import ComponentConfig, Example, StepContext, hookimpl
+from headlab.dims import head_array
 from headlab.generation import tokenize
 from headlab.model import LoadedModel
 
@@ -64,7 +65,7 @@ def lookback_ratios(lm: LoadedModel, examples: Sequence[Example], *, context: st
                     prompt_tail: int = 0, max_new_tokens: int = 32, stop: Sequence[str] = (),
                     batch_size: int = 8, length_slack: float = 0.125,
                     progress: Any = None) -> tuple[np.ndarray, list[str]]:
-    """Lookback ratios ``(example, gen_token, layer, head)`` (NaN past each output) and the outputs."""
+    """Lookback ratios ``(example, step, layer, head)`` (NaN past each output) and the outputs."""
     from headlab.instrument import Probes
 
     geo = lm.geometry
@@ -114,16 +115,14 @@ def lookback_ratios(lm: LoadedModel, examples: Sequence[Example], *, context: st
 
 def detect(config: Lookback, ctx: StepContext) -> xr.Dataset:
     """The ``lookback`` detector (see the module docstring)."""
-    geo = ctx.model.geometry
     lr, texts = lookback_ratios(ctx.model, ctx.examples, context=config.context, prompt_tail=config.prompt_tail,
                                 max_new_tokens=config.max_new_tokens, stop=config.stop,
                                 batch_size=config.batch_size, length_slack=config.length_slack,
                                 progress=ctx.progress)
-    coords = {"layer": np.arange(geo.n_layers), "head": np.arange(geo.n_heads)}
-    ratio = xr.DataArray(lr, dims=("example", "gen_token", "layer", "head"), coords=coords)
+    ratio = head_array(lr, "example", "step")
     n_tokens = np.isfinite(lr[:, :, 0, 0]).sum(1) if lr.shape[1] else np.zeros(len(texts), dtype=int)
     with np.errstate(invalid="ignore"):
-        features = ratio.mean("gen_token", skipna=True)
+        features = ratio.mean("step", skipna=True)
     ds = xr.Dataset({"lookback_ratio": ratio, "features": features, "score": features.mean("example"),
                      "n_tokens": ("example", n_tokens), "output": ("example", np.array(texts, dtype=object))})
     ds.attrs.update(method="lookback", model=ctx.model.name, context=config.context or "",
@@ -134,10 +133,10 @@ def detect(config: Lookback, ctx: StepContext) -> xr.Dataset:
 
 def window_features(ratio: xr.DataArray | np.ndarray, size: int = 8) -> np.ndarray:
     """Sliding-window features as the reference computes them: for each output (example, or one
-    ``(gen_token, layer, head)`` array) and each window end ``j >= size - 1`` inside the output, the mean
+    ``(step, layer, head)`` array) and each window end ``j >= size - 1`` inside the output, the mean
     ratio over tokens ``j - size + 1 .. j``. Returns ``(n_windows, layer, head)`` over all examples, in
     example order (outputs shorter than ``size`` give none)."""
-    arr = np.asarray(ratio.transpose("example", "gen_token", "layer", "head").values if
+    arr = np.asarray(ratio.transpose("example", "step", "layer", "head").values if
                      isinstance(ratio, xr.DataArray) else ratio, dtype=float)
     if arr.ndim == 3:
         arr = arr[None]

@@ -24,6 +24,7 @@ import xarray as xr
 from pydantic import Field
 
 from headlab import ComponentConfig, StepContext, hookimpl
+from headlab.dims import head_array
 from headlab.generation import tokenize
 
 #: a batch is scored from offset probes when every row's detection pattern (with the diagonal, when it is
@@ -172,19 +173,18 @@ def detect(config: _Pattern, ctx: StepContext) -> xr.Dataset:
         with torch.no_grad(), instrument(ctx.model.model, Plan(probes=probes)) as rec:
             ctx.model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
         if use_offsets:
-            om = rec.offset_mass.float().cpu()  # (batch, layer, head, query, offset)
-            sm = rec.span_mass.float().cpu()  # (batch, layer, head, query, 2)
+            om = rec.offset_mass.float().cpu()  # (example, layer, head, query, offset)
+            sm = rec.span_mass.float().cpu()  # (example, layer, head, query, 2)
             for r, i in enumerate(idx):
                 scores[i] = probe_scores(om[r, ..., :len(offsets[r])], offsets[r], sm[r, ..., 0], sm[r, ..., 1],
                                          dets[r], config.error_measure, config.exclude_bos,
                                          config.exclude_current_token).numpy()
             continue
-        pattern = rec.pattern.float().cpu()  # (batch, layer, head, query, key)
+        pattern = rec.pattern.float().cpu()  # (example, layer, head, query, key)
         for r, i in enumerate(idx):
             scores[i] = similarity(pattern[r], dets[r], config.error_measure, config.exclude_bos,
                                    config.exclude_current_token).numpy()
-    per_example = xr.DataArray(scores, dims=("example", "layer", "head"),
-                               coords={"layer": np.arange(geo.n_layers), "head": np.arange(geo.n_heads)})
+    per_example = head_array(scores, "example")
     ds = xr.Dataset({"score": per_example.mean("example"), "example_score": per_example})
     ds.attrs.update(method=config.kind, error_measure=config.error_measure, model=ctx.model.name,
                     reference="METHODS.md#pattern-detectors", probe="+".join(sorted(used)) or "none")

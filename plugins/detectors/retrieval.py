@@ -266,12 +266,12 @@ def _reference_text(ex: Example, which: str, span: str, i: int) -> str:
 
 
 def _dataset(per_example: np.ndarray, retrieved: np.ndarray, geo: Geometry) -> xr.Dataset:
-    coords = {"layer": np.arange(geo.n_layers), "head": np.arange(geo.n_heads)}
-    ex = xr.DataArray(per_example, dims=("example", "layer", "head"), coords=coords)
+    from headlab.dims import head_array
+
     kept = per_example[retrieved]
     mean = kept.mean(0) if len(kept) else np.zeros(per_example.shape[1:])
-    return xr.Dataset({"score": xr.DataArray(mean, dims=("layer", "head"), coords=coords),
-                       "example_score": ex,
+    return xr.Dataset({"score": head_array(mean),
+                       "example_score": head_array(per_example, "example"),
                        "retrieved": ("example", retrieved.astype(bool))})
 
 
@@ -331,6 +331,8 @@ def read_retrieval_json(path: str | Path, geometry: Geometry | None = None) -> x
     Heads missing from the file score 0. ``geometry`` (the model's) fixes the array shape and checks
     that every head of the file exists; without it the shape is the largest layer/head in the file.
     """
+    from headlab.dims import head_array
+
     data = json.loads(Path(path).read_text())
     if not isinstance(data, dict) or not all("-" in str(k) for k in data):
         raise ValueError(f"{path}: not a retrieval-head JSON file ({{\"<layer>-<head>\": [scores]}})")
@@ -343,8 +345,7 @@ def read_retrieval_json(path: str | Path, geometry: Geometry | None = None) -> x
             raise ValueError(f"{path}: head {layer}-{head} is outside this model ({n_layers} layers x "
                              f"{n_heads} heads)")
         score[layer, head] = value
-    coords = {"layer": np.arange(n_layers), "head": np.arange(n_heads)}
-    ds = xr.Dataset({"score": xr.DataArray(score, dims=("layer", "head"), coords=coords)})
+    ds = xr.Dataset({"score": head_array(score)})
     ds.attrs["source"] = str(path)
     return ds
 

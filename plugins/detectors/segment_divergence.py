@@ -29,6 +29,7 @@ import xarray as xr
 from pydantic import Field
 
 from headlab import ComponentConfig, StepContext, hookimpl
+from headlab.dims import head_array
 from headlab.generation import _pad_id, tokenize
 
 __all__ = ["SegmentDivergence", "detect", "last_z", "remove_spans", "segment_divergence"]
@@ -126,10 +127,9 @@ def detect(config: SegmentDivergence, ctx: StepContext) -> xr.Dataset:
                                   method=config.method, pad_id=_pad_id(ctx.model.tokenizer))
         vhd[idx] = d.double().cpu().numpy()
         norm[idx] = t.double().cpu().numpy()
-    coords = {"layer": np.arange(geo.n_layers), "head": np.arange(geo.n_heads)}
-    per = xr.DataArray(vhd, dims=("example", "layer", "head"), coords=coords)
+    per = head_array(vhd, "example")
     ds = xr.Dataset({"score": per.mean("example"), "example_score": per,
-                     "norm_without": xr.DataArray(norm, dims=("example", "layer", "head"), coords=coords)})
+                     "norm_without": head_array(norm, "example")})
     ds.attrs.update(method="segment_divergence", span=config.span, removal=config.method, model=ctx.model.name,
                     reference="METHODS.md#visionsegment-aware-head-divergence-vhd-he-et-al-2025-used-by-vhr")
     return ds

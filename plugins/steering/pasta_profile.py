@@ -35,6 +35,7 @@ import xarray as xr
 from pydantic import Field, field_validator
 
 from headlab import ComponentConfig, Example, StepContext, hookimpl
+from headlab.dims import head_array
 from headlab.generation import Batch, DecodeRequest, decode_loop, tokenize
 from headlab.heads import to_pasta_json
 from headlab.spec import HeadSelection
@@ -225,21 +226,19 @@ def profile(config: PastaProfile, ctx: StepContext) -> xr.Dataset:
             rank[t, ly, h] = i
     max_rank, mean_rank = rank.max(0), rank.mean(0)
     score = 1.0 - (max_rank + mean_rank / C) / C
-    coords = {"layer": np.arange(L), "head": np.arange(H)}
-    tcoords = {"task": [name for name, _ in sets], **coords}
     ds = xr.Dataset({
-        "score": xr.DataArray(score, dims=("layer", "head"), coords=coords),
-        "gain": xr.DataArray(gain, dims=("task", "layer", "head"), coords=tcoords),
-        "steered": xr.DataArray(steered, dims=("task", "layer", "head"), coords=tcoords),
-        "rank": xr.DataArray(rank, dims=("task", "layer", "head"), coords=tcoords),
-        "baseline": xr.DataArray(baseline, dims=("task",), coords={"task": tcoords["task"]}),
-    })
+        "score": head_array(score),
+        "gain": head_array(gain, "task"),
+        "steered": head_array(steered, "task"),
+        "rank": head_array(rank, "task"),
+        "baseline": ("task", baseline),
+    }).assign_coords(task=[name for name, _ in sets])
     attrs: dict[str, Any] = dict(method="pasta_profile", metric=config.metric, alpha=config.alpha,
                                  scale_position=config.scale_position, candidates=C, model=ctx.model.name,
                                  reference="METHODS.md#pasta")
     if config.top_k is not None:
         selected = max_rank < config.top_k
-        ds["selected"] = xr.DataArray(selected, dims=("layer", "head"), coords=coords)
+        ds["selected"] = head_array(selected)
         chosen = [(int(ly), int(h)) for ly, h in zip(*np.nonzero(selected), strict=True)]
         pasta = to_pasta_json(chosen)
         attrs.update(top_k=config.top_k, pasta_heads=json.dumps(pasta))

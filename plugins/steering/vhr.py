@@ -36,6 +36,7 @@ import xarray as xr
 from pydantic import Field
 
 from headlab import ComponentConfig, StepContext, hookimpl
+from headlab.dims import head_array
 from headlab.generation import Batch
 
 from .common import claim
@@ -172,10 +173,7 @@ def state_arrays(state: VhrState, rows: int, n_layers: int, n_heads: int) -> dic
     for layer, sel in state.selected.items():
         selected[:, layer] = sel.cpu().numpy()
         vhd[:, layer] = state.vhd[layer].cpu().numpy()
-    coords = {"layer": np.arange(n_layers), "head": np.arange(n_heads)}
-    dims = ("example", "layer", "head")
-    return {"vhr_selected": xr.DataArray(selected, dims=dims, coords=coords),
-            "vhr_vhd": xr.DataArray(vhd, dims=dims, coords=coords)}
+    return {"vhr_selected": head_array(selected, "example"), "vhr_vhd": head_array(vhd, "example")}
 
 
 @hookimpl
