@@ -358,7 +358,8 @@ def reference_context_lengths(lo: int = 128, hi: int = 2048, n: int = 20) -> lis
     return [int(round(lo + (hi - lo) * i / (n - 1))) for i in range(n)]
 
 
-def _token_spans(text: str) -> list[tuple[int, int]]:
+def token_spans(text: str) -> list[tuple[int, int]]:
+    """Character spans ``(start, end)`` of the words and punctuation runs of ``text`` (:func:`tokenize_words`)."""
     return [m.span() for m in _TOKEN_RE.finditer(text)]
 
 
@@ -393,14 +394,14 @@ def niah(
     needles = list(needles) if needles is not None else list(DEFAULT_NEEDLES)
     length_fn = length_fn or count_tokens
     hay = haystack if haystack is not None else haystack_text()
-    spans = _token_spans(hay)
+    spans = token_spans(hay)
     rng = random.Random(seed)
     out = []
     for L in context_lengths:
         for d in depths:
             for ni, (needle, question, answer) in enumerate(needles):
                 out.append(
-                    _niah_one(hay, spans, L, d, needle, question, answer, length_fn, rng,
+                    niah_one(hay, spans, L, d, needle, question, answer, length_fn, rng,
                               distractors, random_offset, ni)
                 )
     return out
@@ -416,7 +417,7 @@ def _cut(hay: str, spans: list[tuple[int, int]], start_tok: int, n_tok: int,
     if need + 1 > len(spans):
         reps = need // max(1, len(spans)) + 2
         hay = " ".join([hay] * reps)
-        spans = _token_spans(hay)
+        spans = token_spans(hay)
     start_tok = start_tok % max(1, len(spans) - need)
 
     def text_of(k: int) -> str:
@@ -434,8 +435,10 @@ def _cut(hay: str, spans: list[tuple[int, int]], start_tok: int, n_tok: int,
     return text_of(lo)
 
 
-def _niah_one(hay, spans, L, depth, needle, question, answer, length_fn, rng, distractors,
-              random_offset, needle_index) -> dict:
+def niah_one(hay, spans, L, depth, needle, question, answer, length_fn, rng, distractors,
+             random_offset, needle_index) -> dict:
+    """One needle-in-a-haystack record: ``needle`` (plus ``distractors`` random needles) inserted at about
+    ``depth`` into ``L`` tokens (``length_fn``) cut from ``hay`` (``spans``: its :func:`token_spans`)."""
     extra = []
     if distractors:
         subjects = [needle]
@@ -448,7 +451,7 @@ def _niah_one(hay, spans, L, depth, needle, question, answer, length_fn, rng, di
     n_hay = max(0, L - length_fn(needle) - sum(length_fn(e) for e in extra))
     start = rng.randrange(len(spans)) if random_offset else 0
     ctx = _cut(hay, spans, start, n_hay, length_fn)
-    ctx_spans = _token_spans(ctx)
+    ctx_spans = token_spans(ctx)
 
     def insert_at(text: str, tspans, frac: float) -> int:
         """Character index of a sentence boundary at about ``frac`` of ``text``."""
@@ -526,11 +529,12 @@ def kv_retrieval(
     out = []
     for m in sizes:
         for _ in range(n):
-            out.append(_kv_one(rng, m, vl))
+            out.append(kv_one(rng, m, vl))
     return out
 
 
-def _kv_one(rng: random.Random, m: int, vl: tuple[int, int]) -> dict:
+def kv_one(rng: random.Random, m: int, vl: tuple[int, int]) -> dict:
+    """One key-value retrieval record: ``m`` pairs with values of ``vl[0]..vl[1]`` number words, one key asked."""
     if m > len(KEYS):
         raise ValueError(f"num_pairs={m} exceeds the {len(KEYS)} distinct keys")
     keys = rng.sample(KEYS, m)

@@ -153,7 +153,7 @@ class Data:
         self.enc = enc
         self.rng = random.Random(seed)
         self.hay = S.haystack_text()
-        self.hay_spans = S._token_spans(self.hay)
+        self.hay_spans = S.token_spans(self.hay)
         self.rand_pool = [i for w, i in enc.vocab.items() if w not in SPECIALS]
         self.facts = list(S.FACTS)
 
@@ -165,7 +165,7 @@ class Data:
             d = rng.uniform(0.0, 0.4)
         else:
             d = rng.random() if rng.random() < 0.8 else rng.choice([0.0, 1.0])
-        ex = S._niah_one(
+        ex = S.niah_one(
             self.hay, self.hay_spans, max(16, n_tok - 12), d, needle, question, answer, S.count_tokens,
             rng, 1 if rng.random() < 0.3 else 0, True, -1,
         )
@@ -175,7 +175,7 @@ class Data:
         rng = self.rng
         m = max(2, min(len(S.KEYS), (n_tok - 4) // 5))
         m = rng.randint(2, m)
-        ex = S._kv_one(rng, m, (1, 2))
+        ex = S.kv_one(rng, m, (1, 2))
         return [(self.enc(ex["prompt"]), None), (self.enc(ex["target"]) + [EOS], "kv")]
 
     def induction(self, n_tok: int):
