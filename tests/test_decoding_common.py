@@ -127,9 +127,7 @@ def test_seen_tokens_equal_penalty_over_the_growing_sequence():
         generated = torch.cat([generated, torch.randint(0, 30, (2, 1), generator=g)], dim=1)
 
 
-def test_expand_plan_mirror_and_copy0(lm):
-    from headlab.plugins.decoding.common import expand_plan
-
+def test_tiled_plan_mirror_and_copy0(lm):
     batch = tokenize(lm, [Example(prompt=p) for p in random_prompts(3, seed=1)])
     B = batch.size
     plan = Plan().mask_heads([(1, 0), (2, 3)], rows=[1]).scale_heads([(0, 2)], 0.5)
@@ -144,29 +142,28 @@ def test_expand_plan_mirror_and_copy0(lm):
     plain = logits(Plan(), batch.input_ids, batch.attention_mask, pos)
     assert (edited - plain).abs().max() > 1e-3
     two = (batch.input_ids.repeat(2, 1), batch.attention_mask.repeat(2, 1), pos.repeat(2, 1))
-    mirrored = logits(expand_plan(plan, B, 2, mirror=True), *two)
+    mirrored = logits(plan.tile(2, B, mirror=True), *two)
     torch.testing.assert_close(mirrored[:B], edited, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(mirrored[B:], edited, atol=1e-5, rtol=1e-5)
-    first = logits(expand_plan(plan, B, 2, mirror=False), *two)
+    first = logits(plan.tile(2, B, mirror=False), *two)
     torch.testing.assert_close(first[:B], edited, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(first[B:], plain, atol=1e-5, rtol=1e-5)
     # dense per-row tensors and callbacks follow the same rule
     dense = Plan(out_scale=torch.rand(B, 4, 4, generator=torch.Generator().manual_seed(3)))
     dense.on_layer(lambda layer, z, ctx: torch.full((z.shape[0], z.shape[1]), 0.7) if layer == 2 else None)
     ref = logits(dense, batch.input_ids, batch.attention_mask, pos)
-    out = logits(expand_plan(dense, B, 2, mirror=True), *two)
+    out = logits(dense.tile(2, B, mirror=True), *two)
     torch.testing.assert_close(out[B:], ref, atol=1e-5, rtol=1e-5)
-    out = logits(expand_plan(dense, B, 2, mirror=False), *two)
+    out = logits(dense.tile(2, B, mirror=False), *two)
     torch.testing.assert_close(out[:B], ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out[B:], plain, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("mirror", [True, False])
-def test_expanded_callbacks_attend_on_copy0(lm, mirror):
+def test_tiled_callbacks_attend_on_copy0(lm, mirror):
     """A callback that recomputes its layer with extra key biases (VHR's ``ctx.attend``) behaves on copy 0 of
-    an expanded plan as on the batch alone: VHR's choice and the logits of copy 0 (and of the mirrored
+    a tiled plan as on the batch alone: VHR's choice and the logits of copy 0 (and of the mirrored
     copy) equal VHR on the batch."""
-    from headlab.plugins.decoding.common import expand_plan
     from headlab.plugins.steering.vhr import add_vhr
 
     batch = tokenize(lm, [Example(prompt=p) for p in random_prompts(3, seed=6, lo=6, hi=9)])
@@ -186,7 +183,7 @@ def test_expanded_callbacks_attend_on_copy0(lm, mirror):
     assert (ref - plain).abs().max() > 1e-3
     single = Plan()
     state2 = add_vhr(single, segments, None, 3.0)
-    out = run(expand_plan(single, B, 2, mirror=mirror), 2)
+    out = run(single.tile(2, B, mirror=mirror), 2)
     for layer in state.selected:
         assert torch.equal(state2.selected[layer], state.selected[layer])
     torch.testing.assert_close(out[:B], ref, atol=1e-5, rtol=1e-5)

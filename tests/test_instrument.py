@@ -464,3 +464,128 @@ def test_shared_trunk_refuses_copies_that_differ_below_it():
         logits(m, ids, am)
     with pytest.raises(ValueError, match="layer must be in 0..2"), ins.shared_trunk(m, 3, 2):
         pass
+
+
+# --------------------------------------------------------------------------- plan: typed edits, tile, conflicts
+def _row_scale(layer, z, ctx):
+    """A callback whose scale depends on each row's own ``z`` (so copy 0's rows must be the ones it sees)."""
+    if layer != 1 or ctx.call != 0:
+        return None
+    return 1.0 + 0.5 * torch.tanh(z[:, :, -1, 0].float())
+
+
+def _steered(B):
+    """A plan for ``B`` rows using every edit type, per-row and shared, plus dense tensors and probes."""
+    g = torch.Generator().manual_seed(5)
+    plan = ins.Plan(q_scale=0.5 + torch.rand(2, 4, generator=g), out_scale=0.5 + torch.rand(B, 2, 4, generator=g),
+                    probes=ins.Probes(spans=[[(0, 3)], [(4, 9)]], offsets=[[0, 1], [2]], argmax=True))
+    plan.add(ins.QueryScale([(0, 1)], 0.0, [1], owner="a"), ins.ScoreZero([(1, 0)], [0]),
+             ins.OutputScale([(1, None)], 1.5), ins.KeyBias([(0, 3)], [[(1, 4)], [(5, 8)]], -2.0),
+             ins.KeyBias([(1, 2), (1, 3)], [(2, 6), (7, 9)], [-1.0, 0.5], [1]))
+    return plan.on_layer(_row_scale)
+
+
+def _by_hand(B, mirror):
+    """:func:`_steered` written directly for two copies of ``B`` rows, row by row."""
+    g = torch.Generator().manual_seed(5)
+    q2, osc = 0.5 + torch.rand(2, 4, generator=g), 0.5 + torch.rand(B, 2, 4, generator=g)
+    rows = (lambda rs: [r + c * B for c in range(2) for r in rs]) if mirror else (lambda rs: list(rs))
+    plan = ins.Plan(q_scale=q2 if mirror else torch.cat([q2[None].expand(B, 2, 4), torch.ones(B, 2, 4)]),
+                    out_scale=torch.cat([osc, osc if mirror else torch.ones_like(osc)]),
+                    probes=ins.Probes(spans=[[(0, 3)], [(4, 9)]] * 2, offsets=[[0, 1], [2]] * 2, argmax=True))
+    spans = [[(1, 4)], [(5, 8)]] * (2 if mirror else 1)
+    plan.add(ins.QueryScale([(0, 1)], 0.0, rows([1])), ins.ScoreZero([(1, 0)], rows([0])),
+             ins.OutputScale([(1, None)], 1.5, rows(range(B))), ins.KeyBias([(0, 3)], spans, -2.0, rows(range(B))),
+             ins.KeyBias([(1, 2), (1, 3)], [(2, 6), (7, 9)], [-1.0, 0.5], rows([1])))
+
+    def scale(layer, z, ctx):
+        s = _row_scale(layer, z, ctx)
+        if s is None or mirror:
+            return s
+        return torch.cat([s[:B], torch.ones_like(s[B:])])
+
+    return plan.on_layer(scale)
+
+
+@pytest.mark.parametrize("mirror", [True, False])
+def test_tile_equals_the_plan_written_row_by_row(mirror):
+    """``Plan.tile`` (mirror: every copy like its source row; else copy 0 only) == the plan for ``2B`` rows
+    written by hand: same logits and probes on two copies of a left-padded batch."""
+    ids, am = batch()
+    B = ids.shape[0]
+    m = load("llama", "headlab")
+    two = (ids.repeat(2, 1), am.repeat(2, 1))
+    plan = _steered(B)
+    tiled = plan.tile(2, B, mirror=mirror)
+    assert [type(e) for e in tiled.edits] == [type(e) for e in plan.edits] and len(plan.edits) == 6
+    assert tiled.edits[0].owner == "a" and tiled.edits[0].rows == ([1, 3] if mirror else [1])
+    with ins.instrument(m, tiled) as rec:
+        out = logits(m, *two)
+    with ins.instrument(m, _by_hand(B, mirror)) as ref_rec:
+        ref = logits(m, *two)
+    with ins.instrument(m, plan) as alone_rec:
+        alone = logits(m, ids, am)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=0)
+    torch.testing.assert_close(real(out[:B], am), real(alone, am), atol=1e-5, rtol=0)
+    assert (real(out[B:], am) - real(alone, am)).abs().max() < 1e-5 if mirror else \
+        (real(out[B:], am) - real(alone, am)).abs().max() > 1e-3
+    for name in ("span_mass", "offset_mass", "argmax"):
+        torch.testing.assert_close(getattr(rec, name), getattr(ref_rec, name), atol=1e-6, rtol=0)
+        torch.testing.assert_close(getattr(rec, name)[:B], getattr(alone_rec, name), atol=1e-5, rtol=0)
+    assert plan.tile(1, B).edits == plan.edits and plan.tile(1, B) is not plan
+    with pytest.raises(ValueError, match="copies and rows"):
+        plan.tile(0, B)
+
+
+def test_edits_and_edits_on():
+    cb_any, cb_13 = (lambda *a: None), (lambda *a: None)
+    plan = ins.Plan().scale_queries([(0, 1)], 0.5).scale_heads([0], 0.0).bias_keys([(1, 2)], [(0, 2)], -1.0)
+    plan.on_layer(cb_any).on_layer(cb_13, heads=[(1, 3)])
+    qs, osc, kb, la, lb = plan.edits
+    assert isinstance(qs, ins.QueryScale) and qs.heads == [(0, 1)] and qs.factor == 0.5 and qs.rows is None
+    assert isinstance(osc, ins.OutputScale) and osc.heads == [(0, None)]
+    assert isinstance(kb, ins.KeyBias) and isinstance(la, ins.LayerCallback) and la.heads is None
+    assert plan.callbacks == (cb_any, cb_13)
+    assert plan.edits_on(0, 1) == [qs, osc, la]
+    assert plan.edits_on(0, 2) == [osc, la]
+    assert plan.edits_on(1, 2) == [kb, la]
+    assert plan.edits_on(1, 3) == [la, lb]
+    assert [e.kind for e in plan.edits] == ["q_scale", "out_scale", "key_bias", "out_scale", "out_scale"]
+    assert ins.per_row_spans([(1, 2)], 2) == [[(1, 2)], [(1, 2)]]
+    assert ins.per_row_spans([[(1, 2)], []], 2) == [[(1, 2)], []]
+    with pytest.raises(ValueError, match="expected 3"):
+        ins.per_row_spans([[(1, 2)], []], 3)
+
+
+class _Config:
+    def __init__(self, kind):
+        self.kind = kind
+
+
+def test_conflicts_name_both_methods_the_head_and_the_edit():
+    plan = ins.Plan().scale_heads([(1, 2)], 2.0, owner="head_scale")
+    with pytest.raises(ins.SteeringConflictError,
+                       match=r"steering conflict: 'head_scale' and 'head_mask' both apply a output scale/mask to "
+                             r"head \(1, 2\) on the same batch rows"):
+        plan.mask_heads([(1, 2)], mode="output", owner="head_mask")
+    assert issubclass(ins.SteeringConflictError, ValueError) and len(plan.edits) == 1
+    plan.scale_heads([(1, 2)], 3.0, owner="head_scale")  # the same owner may add again
+    plan.mask_heads([(1, 2)], mode="query", owner="head_mask")  # another kind of edit
+    plan.mask_heads([(1, 2)], mode="output")  # no owner: never checked
+    with pytest.raises(ins.SteeringConflictError, match=r"'head_scale' and 'vhr'.*head \(1, 2\)"):
+        plan.on_layer(lambda *a: None, heads=[1], rows=[0], owner="vhr")  # a callback declaring layer 1
+    plan.on_layer(lambda *a: None, owner="vhr")  # declaring no heads: never checked
+    with pytest.raises(ins.SteeringConflictError, match=r"query scale/mask to every head of layer 0"):
+        ins.Plan().scale_queries([0], 0.5, owner="x").scale_queries([0], 2.0, owner="y")
+    # configs as owners: named by their kind, one owner per object
+    a, b = _Config("pasta"), _Config("pasta")
+    rows = ins.Plan().bias_keys([(0, 0)], [(1, 2)], -1.0, rows=[0], owner=a)
+    assert rows.edits[0].owner == "pasta" and rows.edits[0].instance is a
+    rows.bias_keys([(0, 0)], [(1, 2)], -1.0, rows=[0], owner=a).bias_keys([(0, 0)], [(1, 2)], -1.0, rows=[1], owner=b)
+    with pytest.raises(ins.SteeringConflictError, match="'pasta' and 'pasta'"):
+        rows.bias_keys([(0, 0), (0, 1)], [(1, 2)], -1.0, owner=b)
+    # add() is all or none
+    n = len(rows.edits)
+    with pytest.raises(ins.SteeringConflictError):
+        rows.add(ins.QueryScale([(0, 0)], 0.0, owner="p"), ins.QueryScale([(0, 0)], 2.0, owner="q"))
+    assert len(rows.edits) == n

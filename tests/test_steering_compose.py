@@ -11,10 +11,11 @@ import pytest
 
 from headlab import instrument as ins
 from headlab.generation import tokenize
+from headlab.instrument import SteeringConflictError
 from headlab.plugins.steering import heads as HS
 from headlab.plugins.steering import pasta as P
 from headlab.plugins.steering import vhr as V
-from headlab.plugins.steering.common import SteeringConflictError, claim, claims
+from headlab.plugins.steering.common import claims
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_steering_heads import hooked  # noqa: E402
@@ -101,15 +102,16 @@ def test_compatible_pairs_are_accepted():
 def test_claims_on_disjoint_rows_compose():
     plan = ins.Plan()
     a, b = P.Pasta(heads=[[0, 0]]), P.Pasta(heads=[[0, 0]])
-    claim(plan, a, "key_bias", [(0, 0)], rows=[0, 1])
-    claim(plan, a, "key_bias", [(0, 0)], rows=[2])  # the same method may claim again
-    claim(plan, b, "key_bias", [(0, 0)], rows=[3])
+    plan.bias_keys([(0, 0)], [(1, 2)], -1.0, rows=[0, 1], owner=a)
+    plan.bias_keys([(0, 0)], [(1, 2)], -1.0, rows=[2], owner=a)  # the same method may add again
+    plan.bias_keys([(0, 0)], [(1, 2)], -1.0, rows=[3], owner=b)
     with pytest.raises(SteeringConflictError):
-        claim(plan, b, "key_bias", [(0, 0)], rows=[1])
+        plan.bias_keys([(0, 0)], [(1, 2)], -1.0, rows=[1], owner=b)
     with pytest.raises(SteeringConflictError):
-        claim(plan, P.Pasta(heads=[[0, 0]]), "key_bias", [(0, 0)])  # all rows
-    with pytest.raises(ValueError, match="unknown edit kind"):
-        claim(plan, a, "bias", [(0, 0)])
+        plan.bias_keys([(0, 0)], [(1, 2)], -1.0, owner=P.Pasta(heads=[[0, 0]]))  # all rows
+    with pytest.raises(TypeError, match="typed edits"):
+        plan.add(("key_bias", [(0, 0)]))
+    assert len(plan.edits) == 3
 
 
 def test_conflict_in_a_spec_is_a_clear_error(tmp_path):

@@ -126,8 +126,8 @@ def test_mask_from_a_detect_step_with_random_control():
     ctx = step_ctx(mh, results={"det": xr.Dataset({"score": score})})
     plan = ins.Plan()
     HS.steer_mask(HS.HeadMask(heads=HeadsFrom.model_validate({"from": "det", "top": 2})), ctx, None, plan)
-    assert plan._edits[0].heads == [(1, 3), (1, 2)]
+    assert plan.edits[0].heads == [(1, 3), (1, 2)]
     rnd = ins.Plan()
     HS.steer_mask(HS.HeadMask(heads=HeadsFrom.model_validate({"from": "det", "top": 2, "random": True})),
                   ctx, None, rnd)
-    assert len(rnd._edits[0].heads) == 2
+    assert len(rnd.edits[0].heads) == 2

@@ -1,14 +1,13 @@
-"""Pieces the decoding strategies share: token selection, repetition penalty, early-exit heads, plans
-copied over the rows of a batched contrast, and the forwards of the ``score`` action.
+"""Pieces the decoding strategies share: token selection, repetition penalty, early-exit heads, batches of
+copies for a batched contrast, and the forwards of the ``score`` action.
 
 Contrastive strategies run several versions of one prompt in one batched forward: ``k`` copies of a
 batch of ``B`` prompts are rows ``0..B-1`` (copy 0), ``B..2B-1`` (copy 1), ... A steering plan written
-for the ``B`` rows of the request is carried over to the copies with :func:`expand_plan`.
+for the ``B`` rows of the request is carried over to the copies with :meth:`headlab.instrument.Plan.tile`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -18,7 +17,6 @@ from pydantic import Field
 
 from headlab import ComponentConfig
 from headlab.generation import Batch, ScoreRequest, instrumented
-from headlab.instrument import LayerContext, Plan, _BiasEdit, _HeadEdit, _per_row_spans
 
 
 class Selection(ComponentConfig):
@@ -139,92 +137,6 @@ def pad_id_of(lm: Any) -> int:
     from headlab.generation import _pad_id
 
     return _pad_id(lm.tokenizer)
-
-
-def expand_plan(plan: Plan | None, B: int, k: int, *, mirror: bool = True) -> Plan:
-    """A plan for ``k * B`` rows from a steering plan for ``B`` rows.
-
-    ``mirror=True``: every copy gets the edits of its source row (DeCoRe: the masked copy of a prompt is
-    steered like the base row). ``mirror=False``: only copy 0 (rows ``0..B-1``) is edited; the other copies
-    run unedited (CAD: the prompt without the context has other positions, so steering spans written for
-    the full prompt do not apply to it). ``on_layer`` callbacks see the ``z`` of copy 0 only; the scale
-    they return is applied to every copy (``mirror``) or to copy 0.
-    """
-    out = Plan()
-    if plan is None:
-        return out
-    if k == 1:
-        return plan
-    rows_for = (lambda r: [r + c * B for c in range(k)]) if mirror else (lambda r: [r])
-    out.backend = plan.backend
-    out.probes = plan.probes
-    if plan.probes.spans is not None and not isinstance(plan.probes.spans, torch.Tensor):
-        per_row = _per_row_spans(plan.probes.spans, B)
-        out.probes = type(plan.probes)(**{**vars(plan.probes), "spans": per_row * k})
-
-    def dense(t: torch.Tensor | None, fill: float | bool) -> torch.Tensor | None:
-        if t is None:
-            return None
-        t = torch.as_tensor(t)
-        if t.dim() == 2 and mirror:
-            return t
-        t = t if t.dim() == 3 else t[None].expand(B, *t.shape)
-        rest = t.repeat(k - 1, 1, 1) if mirror else torch.full_like(t, fill).repeat(k - 1, 1, 1)
-        return torch.cat([t, rest])
-
-    out.q_scale = dense(plan.q_scale, 1.0)
-    out.out_scale = dense(plan.out_scale, 1.0)
-    out.score_zero = dense(plan.score_zero, False)
-    if plan.key_spans is not None:
-        ks = torch.as_tensor(plan.key_spans)
-        ks = ks if ks.dim() == 3 else ks[None]
-        ks = ks.expand(B, *ks.shape[1:])
-        kb = torch.as_tensor(plan.key_bias)
-        kb = kb if kb.dim() == 4 else kb[None]
-        kb = kb.expand(B, *kb.shape[1:])
-        out.key_spans = torch.cat([ks] * k) if mirror else torch.cat([ks, torch.zeros_like(ks).repeat(k - 1, 1, 1)])
-        out.key_bias = torch.cat([kb] * k) if mirror else torch.cat([kb, torch.zeros_like(kb).repeat(k - 1, 1, 1, 1)])
-    for e in plan._edits:
-        src = list(range(B)) if e.rows is None else list(e.rows)
-        rows = [r2 for r in src for r2 in rows_for(r)]
-        if isinstance(e, _HeadEdit):
-            out._edits.append(_HeadEdit(e.kind, list(e.heads), e.value, None if (e.rows is None and mirror) else rows))
-        else:
-            per_row = _per_row_spans(e.spans, len(src))
-            spans = [per_row[i] for i, r in enumerate(src) for _ in rows_for(r)]
-            out._edits.append(_BiasEdit(list(e.heads), spans, e.bias, rows))
-    for fn in plan._callbacks:
-        out._callbacks.append(_copy0_callback(fn, B, k, mirror))
-    return out
-
-
-def _copy0_callback(fn: Any, B: int, k: int, mirror: bool) -> Any:
-    """``fn`` written for ``B`` rows, run on copy 0 of ``k * B`` rows: it sees copy 0's ``z`` and an
-    ``attend`` taking and returning copy 0's rows (the extra key biases reach the other copies when
-    mirrored); the scale it returns goes to every copy (``mirror``) or to copy 0."""
-
-    def wrapped(layer: int, z: torch.Tensor, ctx: LayerContext) -> torch.Tensor | None:
-        inner = ctx
-        if ctx.attend is not None:
-            full_attend = ctx.attend
-
-            def attend(key_spans: torch.Tensor, key_bias: torch.Tensor) -> torch.Tensor:
-                ks = torch.as_tensor(key_spans, device=z.device).long()
-                ks = torch.broadcast_to(ks, (B, *ks.shape[-2:]))
-                kb = torch.broadcast_to(torch.as_tensor(key_bias, device=z.device, dtype=torch.float32),
-                                        (B, z.shape[1], ks.shape[1]))
-                rest = kb.repeat(k - 1, 1, 1) if mirror else torch.zeros_like(kb).repeat(k - 1, 1, 1)
-                return full_attend(ks.repeat(k, 1, 1), torch.cat([kb, rest]))[:B]
-
-            inner = dataclasses.replace(ctx, attend=attend)
-        scale = fn(layer, z[:B], inner)
-        if scale is None:
-            return None
-        scale = torch.broadcast_to(torch.as_tensor(scale, device=z.device, dtype=torch.float32), (B, z.shape[1]))
-        rest = scale.repeat(k - 1, 1) if mirror else torch.ones_like(scale).repeat(k - 1, 1)
-        return torch.cat([scale, rest])
-
-    return wrapped
 
 
 # --------------------------------------------------------------------------- scoring forwards

@@ -44,7 +44,6 @@ from headlab.spec import ModelSpec
 
 from .common import (
     Selection,
-    expand_plan,
     generator_for,
     pad_id_of,
     pick,
@@ -194,7 +193,7 @@ def cad(config: CAD, request: DecodeRequest) -> Decoded:
                       pad_id_of(request.lm))
     if rows[0].shape[1] > batch.length and request.plan is not None:
         raise ValueError("cad: a prompt without its context is longer than the batch; steering positions would shift")
-    plan = expand_plan(request.plan, B, 2, mirror=False) if request.plan is not None else None
+    plan = request.plan.tile(2, B, mirror=False) if request.plan is not None else None
     gen = generator_for(request, config)
 
     def choose(out, generated: torch.Tensor) -> torch.Tensor:
@@ -218,7 +217,7 @@ def score_cad(config: CAD, request: ScoreRequest) -> Scored:
             raise ValueError("cad: the continuation tokenizes differently without the context")
     rows = stack_left([(request.batch.input_ids, request.batch.attention_mask),
                        (plain.input_ids, plain.attention_mask)], pad_id_of(request.lm))
-    plan = expand_plan(request.plan, R, 2, mirror=False) if request.plan is not None else None
+    plan = request.plan.tile(2, R, mirror=False) if request.plan is not None else None
     if plan is not None and rows[0].shape[1] > request.batch.length:
         raise ValueError("cad: a prompt without its context is longer than the batch; steering positions would shift")
     logits = score_forward(request, plan=plan, rows=rows).logits

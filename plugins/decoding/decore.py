@@ -43,7 +43,7 @@ from headlab.generation import Decoded, DecodeRequest, Scored, ScoreRequest, dec
 from headlab.instrument import Plan, shared_trunk
 from headlab.spec import HeadSelection
 
-from .common import Selection, entropy_alpha, expand_plan, generator_for, pick, predicting, score_forward
+from .common import Selection, entropy_alpha, generator_for, pick, predicting, score_forward
 
 
 class DeCoRe(Selection):
@@ -99,7 +99,7 @@ def contrast(config: DeCoRe, base_logits: torch.Tensor, masked_logits: torch.Ten
 
 def trunk_layer(config: DeCoRe, heads: list[tuple[int, int]], plan: Plan) -> int | None:
     """The first layer with a masked head, when the layers below it can run once for both copies."""
-    if not config.share_trunk or not heads or plan.probes.any() or plan._callbacks:
+    if not config.share_trunk or not heads or plan.probes.any() or plan.callbacks:
         return None
     first = min(layer for layer, _ in heads)
     return first if first > 0 else None
@@ -109,7 +109,7 @@ def decore(config: DeCoRe, request: DecodeRequest) -> Decoded:
     """Generate with DeCoRe: base and masked copies of the batch in one forward per step."""
     B = request.batch.size
     heads = resolve_heads(config, request)
-    plan = expand_plan(request.plan, B, 2, mirror=True)
+    plan = Plan() if request.plan is None else request.plan.tile(2, B, mirror=True)
     masked_rows = list(range(B, 2 * B))
 
     def add_mask() -> None:
@@ -141,7 +141,7 @@ def score_decore(config: DeCoRe, request: ScoreRequest) -> Scored:
     forward, per-token alpha from the base distribution."""
     R = request.batch.size
     heads = resolve_heads(config, request)
-    plan = expand_plan(request.plan, R, 2, mirror=True)
+    plan = Plan() if request.plan is None else request.plan.tile(2, R, mirror=True)
     plan.mask_heads(heads, rows=list(range(R, 2 * R)), mode=config.mask)
     trunk = trunk_layer(config, heads, plan)
     if trunk is None:

@@ -30,7 +30,7 @@ from headlab import ComponentConfig, StepContext, hookimpl
 from headlab.generation import Batch
 from headlab.spec import HeadSelection
 
-from .common import claim, resolve_heads
+from .common import resolve_heads
 
 
 class HeadMask(ComponentConfig):
@@ -55,9 +55,6 @@ class HeadScale(ComponentConfig):
         "group); queries: q *= factor")
 
 
-_MASK_KIND = {"query": "q_scale", "score": "score_zero", "output": "out_scale"}
-
-
 def kv_group(heads: list[tuple[int, int]], n_heads: int, n_kv_heads: int) -> list[tuple[int, int]]:
     """Every query head that reads the same key/value head as one of ``heads`` (sorted, unique)."""
     group = n_heads // n_kv_heads
@@ -68,9 +65,8 @@ def kv_group(heads: list[tuple[int, int]], n_heads: int, n_kv_heads: int) -> lis
 def steer_mask(config: HeadMask, ctx: StepContext, batch: Batch, plan: Any) -> None:
     """Add the mask to ``plan`` for every row."""
     heads = resolve_heads(ctx, config.heads)
-    claim(plan, config, _MASK_KIND[config.mode], heads)
     if heads:
-        plan.mask_heads(heads, mode=config.mode)
+        plan.mask_heads(heads, mode=config.mode, owner=config)
 
 
 def steer_scale(config: HeadScale, ctx: StepContext, batch: Batch, plan: Any) -> None:
@@ -79,14 +75,12 @@ def steer_scale(config: HeadScale, ctx: StepContext, batch: Batch, plan: Any) ->
     if config.target == "values":
         geo = ctx.model.geometry
         heads = kv_group(heads, geo.n_heads, geo.n_kv_heads)
-    kind = "q_scale" if config.target == "queries" else "out_scale"
-    claim(plan, config, kind, heads)
     if not heads:
         return
     if config.target == "queries":
-        plan.scale_queries(heads, config.factor)
+        plan.scale_queries(heads, config.factor, owner=config)
     else:
-        plan.scale_heads(heads, config.factor)
+        plan.scale_heads(heads, config.factor, owner=config)
 
 
 @hookimpl

@@ -36,9 +36,10 @@ from pydantic import Field
 
 from headlab import ComponentConfig, StepContext, hookimpl
 from headlab.generation import Batch
+from headlab.instrument import KeyBias
 from headlab.spec import HeadSelection
 
-from .common import claim, resolve_heads
+from .common import resolve_heads
 
 ScalePosition = Literal["exclude", "include", "generation"]
 Span = tuple[int, int]
@@ -89,12 +90,13 @@ def pasta_bias(sections: Sequence[Span], region: Span, alpha: float,
 
 def apply_pasta(plan: Any, heads: Sequence[tuple[int, int]], sections: Sequence[Sequence[Span]],
                 regions: Sequence[Span], alpha: float, scale_position: ScalePosition = "exclude",
-                rows: Sequence[int] | None = None) -> None:
+                rows: Sequence[int] | None = None, *, owner: Any = None) -> None:
     """Add PASTA's biases to ``plan`` for ``heads``.
 
     ``sections[i]`` and ``regions[i]`` belong to batch row ``rows[i]`` (``rows`` defaults to
     ``range(len(sections))``). Rows with no section are left unsteered. Rows whose biases line up (same
-    number of sections) share one :meth:`~headlab.instrument.Plan.bias_keys` edit.
+    number of sections) share one :class:`~headlab.instrument.KeyBias` edit. ``owner``: the method adding
+    them (its config or name), for the plan's conflict check; the edits are added all or none.
     """
     rows = list(range(len(sections))) if rows is None else [int(r) for r in rows]
     if not (len(rows) == len(sections) == len(regions)):
@@ -109,8 +111,8 @@ def apply_pasta(plan: Any, heads: Sequence[tuple[int, int]], sections: Sequence[
     heads = [(int(a), int(b)) for a, b in heads]
     if not heads:
         return
-    for biases, members in groups.items():
-        plan.bias_keys(heads, [spans for _, spans in members], list(biases), rows=[r for r, _ in members])
+    plan.add(*(KeyBias(heads, [spans for _, spans in members], list(biases), [r for r, _ in members], owner=owner)
+               for biases, members in groups.items()))
 
 
 def emphasis_sections(batch: Batch, span: str, missing: str = "error") -> list[list[Span]]:
@@ -130,10 +132,8 @@ def steer(config: Pasta, ctx: StepContext, batch: Batch, plan: Any) -> None:
     """Add PASTA's key biases for every row of ``batch`` to ``plan``."""
     heads = resolve_heads(ctx, config.heads)
     sections = emphasis_sections(batch, config.span, config.missing)
-    rows = [r for r, s in enumerate(sections) if s]
-    claim(plan, config, "key_bias", heads, rows)
     regions = [(batch.pad[r], batch.length) for r in range(batch.size)]
-    apply_pasta(plan, heads, sections, regions, config.alpha, config.scale_position)
+    apply_pasta(plan, heads, sections, regions, config.alpha, config.scale_position, owner=config)
 
 
 @hookimpl

@@ -39,8 +39,6 @@ from headlab import ComponentConfig, StepContext, hookimpl
 from headlab.dims import head_array
 from headlab.generation import Batch
 
-from .common import claim
-
 Span = tuple[int, int]
 #: pre-softmax bias that removes a key (exp underflows to exactly 0; finite, so no 0 * inf)
 REMOVE = -1.0e30
@@ -98,12 +96,14 @@ def vhr_select(vhd: torch.Tensor, ta: torch.Tensor, outlier_filter: bool = True)
 
 
 def add_vhr(plan: Any, segments: Sequence[Sequence[Span]], layers: Sequence[int] | None, alpha: float = 2.0,
-            outlier_filter: bool = True) -> VhrState:
+            outlier_filter: bool = True, *, owner: Any = None) -> VhrState:
     """Register VHR on ``plan`` (an :meth:`~headlab.instrument.Plan.on_layer` callback).
 
     ``segments[r]``: the segment's absolute key spans in batch row ``r`` (empty: row not steered);
-    ``layers``: the layers to reinforce (None = all). Returns the :class:`VhrState` filled during the
-    first forward.
+    ``layers``: the layers to reinforce (None = all). The callback declares every head of ``layers`` on
+    the rows with a segment as heads it may scale (``owner``: the method, for the plan's conflict check;
+    nothing is declared when ``layers`` is None). Returns the :class:`VhrState` filled during the first
+    forward.
     """
     state = VhrState()
     rows = len(segments)
@@ -130,7 +130,8 @@ def add_vhr(plan: Any, segments: Sequence[Sequence[Span]], layers: Sequence[int]
         state.vhd[layer], state.ta[layer], state.selected[layer] = vhd, ta, sel
         return torch.where(sel, torch.tensor(float(alpha), device=z.device), torch.tensor(1.0, device=z.device))
 
-    plan.on_layer(callback)
+    declared = None if keep is None else [(ly, None) for ly in sorted(keep)]
+    plan.on_layer(callback, heads=declared, rows=[r for r, s in enumerate(segments) if s], owner=owner)
     return state
 
 
@@ -160,8 +161,7 @@ def steer(config: Vhr, ctx: StepContext, batch: Batch, plan: Any) -> Callable[[]
     if not rows:
         raise ValueError(f"vhr: no row of the batch has a '{config.segment}' segment"
                          + ("" if config.segment_token_id is None else f" (token id {config.segment_token_id})"))
-    claim(plan, config, "out_scale", [(ly, h) for ly in layers for h in range(n_heads)], rows)
-    state = add_vhr(plan, segments, layers, config.alpha, config.outlier_filter)
+    state = add_vhr(plan, segments, layers, config.alpha, config.outlier_filter, owner=config)
     return lambda: state_arrays(state, batch.size, n_layers, n_heads)
 
 
