@@ -41,6 +41,8 @@ def test_every_hook_is_documented():
         assert inspect.getdoc(getattr(hookspecs, name)), f"{name} has no docstring"
         assert f"`{name}`" in docs, f"{name} is missing from docs/plugins.md"
     assert {c.hook for c in CATEGORIES.values()} == set(hook_names())
+    for c in CATEGORIES.values():  # the table of categories in the docs is the one in the code
+        assert f"| `{c.name}` | `{c.hook}` |" in docs, f"category {c.name} is missing from docs/plugins.md"
 
 
 def test_builtins_register_through_the_hooks():
