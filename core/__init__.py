@@ -15,6 +15,7 @@ from importlib.metadata import PackageNotFoundError, version
 from .context import Example, StepContext, TaskContext
 from .dims import DIMENSIONS
 from .hookspecs import hookimpl
+from .plugin_manager import PluginError, register_plugin, unregister_plugin
 from .results import Run, list_runs, open_run
 from .runner import run
 from .spec import ComponentConfig, HeadSelection, SpecError, json_schema, load_spec
@@ -25,6 +26,7 @@ except PackageNotFoundError:  # running from a source tree without installation
     __version__ = "0+unknown"
 
 __all__ = [
-    "DIMENSIONS", "ComponentConfig", "Example", "HeadSelection", "Run", "SpecError", "StepContext", "TaskContext",
-    "__version__", "hookimpl", "json_schema", "list_runs", "load_spec", "open_run", "run",
+    "DIMENSIONS", "ComponentConfig", "Example", "HeadSelection", "PluginError", "Run", "SpecError", "StepContext",
+    "TaskContext", "__version__", "hookimpl", "json_schema", "list_runs", "load_spec", "open_run",
+    "register_plugin", "run", "unregister_plugin",
 ]

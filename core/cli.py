@@ -111,8 +111,8 @@ def schema(output: Annotated[Path | None, typer.Option("-o", "--output", help="w
 
 @app.command()
 def plugins(as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False) -> None:
-    """List plugins, where they come from, and the components they register."""
-    from .plugin_manager import get_manager
+    """List plugins, where they come from, and the components they register (by category)."""
+    from .plugin_manager import CATEGORIES, get_manager
 
     mgr = get_manager()
     rows = [{"name": info.name, "source": info.source, "version": info.version, "error": info.error,
@@ -123,9 +123,17 @@ def plugins(as_json: Annotated[bool, typer.Option("--json", help="machine-readab
         return
     table = Table("plugin", "source", "version", "components")
     for r in rows:
-        comps = ", ".join(f"{c['category']}:{c['kind']}" for c in r["components"])
+        comps = "; ".join(f"{CATEGORIES[cat].label}: " + ", ".join(c["kind"] for c in r["components"]
+                                                                  if c["category"] == cat)
+                          for cat in CATEGORIES if any(c["category"] == cat for c in r["components"]))
         table.add_row(r["name"], r["source"], r["version"], f"[red]failed: {r['error']}[/red]" if r["error"] else comps)
     console.print(table)
+    kinds = Table("category", "hook", "kinds", title="components by category")
+    for cat in CATEGORIES.values():
+        registered = mgr.components[cat.name]
+        kinds.add_row(f"{cat.name}\n[dim]{cat.description}[/dim]", cat.hook,
+                      ", ".join(k + (" (default)" if c.default else "") for k, c in registered.items()) or "-")
+    console.print(kinds)
 
 
 @app.command()

@@ -2,8 +2,9 @@
 
 Every hook registers components. A plugin implements a hook and calls ``register`` once per
 component it provides. Built-in plugins in ``headlab.plugins`` use exactly these hooks, so a
-third-party package installed with pip (entry-point group ``headlab``) is indistinguishable from a
-built-in one.
+third-party package installed with pip (entry-point group ``headlab``), or a module, class or
+instance registered from a notebook cell with :func:`headlab.register_plugin`, is indistinguishable
+from a built-in one. ``headlab.plugin_manager.CATEGORIES`` lists the categories, one hook each.
 
 A component is a pydantic *config model* (a subclass of :class:`headlab.spec.ComponentConfig`
 with a ``kind: Literal["name"]`` field) plus an *implementation* callable. The config model joins
@@ -27,6 +28,9 @@ Example (a complete plugin module)::
     @hookimpl
     def headlab_register_detectors(register):
         register(MyDetector, detect)
+
+The same module, defined in a notebook cell, is registered with ``headlab.register_plugin(module)``
+(or a class whose hooks take no ``self``, or an instance).
 """
 
 from __future__ import annotations
@@ -82,6 +86,11 @@ def headlab_register_decoders(register: Register) -> None:
     generates continuations for a batch of prompts (the request carries the model, the tokenized
     batch, the steering plan, ``max_new_tokens``, stop strings, the seed and the step context).
 
+    ``register(ConfigModel, decode, default=True)`` makes the kind the default decoder: the one a
+    ``generate`` or ``score`` step without ``decode`` uses (the built-in default is ``greedy``). At most
+    one plugin registers the default (any ``register(Config, impl)`` hook accepts ``default=True``;
+    an action reads it with :meth:`headlab.spec.SpecTypes.default`).
+
     A decoder that can also score choices (the ``score`` action) carries the scorer as an attribute of
     its implementation: ``decode.score = score`` with ``score(config, request:
     headlab.generation.ScoreRequest) -> headlab.generation.Scored`` (one summed score per row, a row
@@ -94,7 +103,62 @@ def headlab_register_metrics(register: Register) -> None:
     """Register metric kinds: ``register(ConfigModel, compute)``.
 
     ``compute(config, examples: list[headlab.Example], outputs: list[str]) -> numpy.ndarray`` returns
-    one float per example; the run summary shows the mean.
+    one float per example; the run summary shows the mean. A ``generate`` step lists them in
+    ``metrics:`` (a bare kind or a mapping with options).
+    """
+
+
+@hookspec
+def headlab_register_choice_metrics(register: Register) -> None:
+    """Register multiple-choice metric kinds: ``register(ConfigModel, compute)``.
+
+    ``compute(config, examples: list[headlab.Example], scores: numpy.ndarray) -> numpy.ndarray`` returns
+    one float per example from the ``(example, choice)`` scores of a ``score`` step (NaN beyond an
+    example's choices; the true choices are ``meta["labels"]``, else ``label``). A ``score`` step lists
+    them in ``metrics:`` (default: TruthfulQA's ``mc1``, ``mc2``, ``mc3`` and ``accuracy``); the run
+    summary shows the mean.
+    """
+
+
+@hookspec
+def headlab_register_actions(register: Register) -> None:
+    """Register step actions: ``register(name, config, run, description="")``.
+
+    A step holds exactly one action, under its name (``{id: s, <name>: <config>}``). ``run(config,
+    ctx: headlab.StepContext) -> xarray.Dataset`` executes it (``ctx.examples``, ``ctx.model``,
+    ``ctx.results`` of earlier steps); the runner merges the examples' inputs into the dataset, adds the
+    attributes ``step``, ``action``, ``task``, ``config`` and ``model``, and stores it.
+    ``description`` documents the step key in the JSON Schema.
+
+    ``config`` is the type of the step key's value: a pydantic model (e.g. a
+    :class:`headlab.spec.StrictModel` subclass), or a *builder* ``config(types:
+    headlab.spec.SpecTypes) -> type`` called each time the spec model is built, for a config that holds
+    components: ``types.union("decoders")`` is the union of every registered decoder kind then,
+    ``types.default("decoders")`` the default decoder's config model. The built-ins ``detect``,
+    ``generate`` and ``score`` (``headlab.plugins.actions``) are registered this way. Example::
+
+        from pydantic import Field
+        import xarray as xr
+        from headlab import hookimpl
+        from headlab.plugin_manager import get_manager
+        from headlab.spec import StrictModel
+
+        def patch_config(types):
+            class Patch(StrictModel):
+                \"\"\"Patch heads, then decode.\"\"\"
+                decode: types.union("decoders") = Field(default_factory=types.default("decoders"))
+                scale: float = 0.0
+            return Patch
+
+        def patch(config, ctx) -> xr.Dataset:
+            decoder = get_manager().get("decoders", config.decode.kind)
+            ...
+
+        @hookimpl
+        def headlab_register_actions(register):
+            register("patch", patch_config, patch, description="patch heads, then decode")
+
+    Action names are identifiers, unique across plugins; ``id``, ``task`` and ``action`` are reserved.
     """
 
 

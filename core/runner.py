@@ -1,5 +1,8 @@
 """Executing a spec: model once, sweep cells, steps in order, each finished cell written to zarr.
 
+A step runs its action, a component like any other (``headlab_register_actions``; the built-in
+``detect``, ``generate`` and ``score`` live in ``headlab.plugins.actions``), dispatched by name.
+
 A cell's results are a function of (spec, cell) alone: the seed is reset at the start of every
 cell and examples are rebuilt from the task config, so cells can run in any order or in parallel
 and an interrupted run resumes with exactly the results an uninterrupted one would have.
@@ -17,9 +20,10 @@ from typing import Any
 import numpy as np
 import torch
 import xarray as xr
+from pydantic import BaseModel
+from pydantic_core import to_jsonable_python
 
 from .context import Example, Reporter, StepContext, TaskContext
-from .generation import DecodeRequest, ScoreRequest, continuation_batch, tokenize
 from .model import LoadedModel, load_model
 from .plugin_manager import get_manager
 from .results import Run, RunWriter, now, open_run
@@ -83,53 +87,13 @@ def examples_dataset(examples: list[Example], lm: LoadedModel) -> xr.Dataset:
     return ds.assign_coords(example=np.arange(len(examples)), token=np.arange(n))
 
 
-def run_generate(action: Any, ctx: StepContext) -> xr.Dataset:
-    """The ``generate`` action: steer, decode in batches, score with metrics."""
-    from .instrument import Plan
-
-    mgr = get_manager()
-    decoder = mgr.get("decoders", action.decode.kind)
-    outputs: list[str] = []
-    infos: list[tuple[dict[str, Any], list[int]]] = []
-    steered: dict[str, list[xr.DataArray]] = {}
-    batches = [ctx.examples[i: i + action.batch_size] for i in range(0, len(ctx.examples), action.batch_size)]
-    for chunk in ctx.progress(batches, "generating", total=len(batches)):
-        batch = tokenize(ctx.model, chunk)
-        plan = None
-        reports = []
-        if action.steer:
-            plan = Plan()
-            for cfg in action.steer:
-                report = mgr.get("steering", cfg.kind).impl(cfg, ctx, batch, plan)
-                if callable(report):
-                    reports.append(report)
-        request = DecodeRequest(ctx.model, batch, action.max_new_tokens, list(action.stop), plan, ctx.seed, ctx)
-        decoded = decoder.impl(action.decode, request)
-        outputs.extend(decoded.texts)
-        infos.append((decoded.info, [len(t) for t in decoded.tokens]))
-        for report in reports:
-            for name, array in report().items():
-                steered.setdefault(name, []).append(array)
-    ds = xr.Dataset({"output": ("example", np.array(outputs, dtype=object))})
-    arrays, attrs = decode_info(infos, ctx.model.geometry)
-    ds = ds.assign(arrays)
-    for name, parts in steered.items():
-        if len(parts) == len(batches):
-            ds[name] = xr.concat(parts, dim="example", join="outer")
-    ds.attrs.update(attrs)
-    names = []
-    for cfg in action.metrics:
-        comp = mgr.get("metrics", cfg.kind)
-        values = np.asarray(comp.impl(cfg, ctx.examples, outputs), dtype=float)
-        ds[cfg.kind] = ("example", values)
-        names.append(cfg.kind)
-    ds.attrs.update(decode=action.decode.kind, steer=[c.kind for c in action.steer], metrics=names)
-    return ds
-
-
 def decode_info(parts: list[tuple[dict[str, Any], list[int]]], geometry: Any,
                 ) -> tuple[dict[str, xr.DataArray], dict[str, Any]]:
     """The arrays and attributes a ``generate`` step stores from its batches' ``Decoded.info``.
+
+    A public helper of core, not of one action: it is the storage convention of the ``Decoded.info``
+    contract (:class:`headlab.generation.Decoded`), so any action that decodes (the built-in ``generate``,
+    or a third party's) stores a strategy's diagnostics the same way.
 
     ``parts``: per batch, ``(info, generated length per row)``. Per-step values (a list over steps of
     per-row values) become ``(example, step)`` arrays, kept up to each row's last token (the step that
@@ -171,86 +135,6 @@ def _per_step(value: Any, rows: int) -> bool:
     return isinstance(value, list) and all(isinstance(step, list) and len(step) == rows for step in value)
 
 
-def mc_metrics(logprobs: np.ndarray, examples: list[Example]) -> dict[str, np.ndarray]:
-    """TruthfulQA's multiple-choice metrics from per-choice scores ``(example, choice)`` (NaN = no choice).
-
-    The true choices are ``meta["labels"]`` (1 = true) when given, else ``label`` alone. MC1: the labelled
-    choice scores above every false one; MC2: the normalised probability mass ``sum_true exp(s) /
-    sum_all exp(s)``; MC3: the fraction of true choices scoring above every false one; accuracy: the
-    best-scoring choice is true. ``predicted`` is the best-scoring choice.
-    """
-    n = len(examples)
-    out = {k: np.full(n, np.nan) for k in ("mc1", "mc2", "mc3", "accuracy")}
-    out["predicted"] = np.full(n, -1, dtype=np.int64)
-    for i, ex in enumerate(examples):
-        k = len(ex.choices or [])
-        s = logprobs[i, :k]
-        labels = np.asarray(ex.meta.get("labels") or [int(j == ex.label) for j in range(k)], dtype=bool)
-        best = int(np.argmax(s))
-        out["predicted"][i] = best
-        out["accuracy"][i] = float(labels[best])
-        if not labels.any() or labels.all():
-            continue
-        true, false = s[labels], s[~labels]
-        label = ex.label if ex.label is not None and labels[ex.label] else int(np.flatnonzero(labels)[0])
-        out["mc1"][i] = float(s[label] > false.max())
-        out["mc3"][i] = float(np.mean(true > false.max()))
-        shifted = np.exp(s - s.max())
-        out["mc2"][i] = float(shifted[labels].sum() / shifted.sum())
-    return out
-
-
-def run_score(action: Any, ctx: StepContext) -> xr.Dataset:
-    """The ``score`` action: every (example, choice) row scored under the decoder's ``score``.
-
-    A decoder supports scoring when its implementation carries a ``score`` attribute:
-    ``decode.score(config, request: ScoreRequest) -> Scored`` (see docs/plugins.md).
-    """
-    from .instrument import Plan
-
-    mgr = get_manager()
-    decoder = mgr.get("decoders", action.decode.kind)
-    scorer = getattr(decoder.impl, "score", None)
-    if scorer is None:
-        raise ValueError(f"decoder '{action.decode.kind}' does not support scoring (its implementation has no "
-                         "`score` attribute)")
-    missing = [i for i, ex in enumerate(ctx.examples) if not ex.choices]
-    if missing:
-        raise ValueError(f"the score action needs examples with `choices` (example {missing[0]} has none)")
-    pairs = [(i, j) for i, ex in enumerate(ctx.examples) for j in range(len(ex.choices or []))]
-    width = max(len(ex.choices or []) for ex in ctx.examples)
-    logprobs = np.full((len(ctx.examples), width), np.nan)
-    n_tok = np.zeros((len(ctx.examples), width), dtype=np.int64)
-    chunks = [pairs[i: i + action.batch_size] for i in range(0, len(pairs), action.batch_size)]
-    for chunk in ctx.progress(chunks, "scoring", total=len(chunks)):
-        sources = [ctx.examples[i] for i, _ in chunk]
-        conts = [ctx.examples[i].choices[j] for i, j in chunk]
-        batch, n_tokens = continuation_batch(ctx.model, list(zip(sources, conts, strict=True)))
-        plan = None
-        if action.steer:
-            plan = Plan()
-            for cfg in action.steer:
-                mgr.get("steering", cfg.kind).impl(cfg, ctx, batch, plan)
-        request = ScoreRequest(ctx.model, batch, n_tokens, sources, conts, plan, ctx.seed, ctx)
-        scored = scorer(action.decode, request)
-        for (i, j), value, n in zip(chunk, scored.logprobs, n_tokens, strict=True):
-            logprobs[i, j], n_tok[i, j] = value, n
-    metrics = mc_metrics(logprobs, ctx.examples)
-    choices = np.full((len(ctx.examples), width), "", dtype=object)
-    for i, ex in enumerate(ctx.examples):
-        choices[i, : len(ex.choices or [])] = ex.choices
-    ds = xr.Dataset({
-        "logprob": (("example", "choice"), logprobs),
-        "choice_tokens": (("example", "choice"), n_tok),
-        "choice_text": (("example", "choice"), choices),
-        "label": ("example", np.array([-1 if ex.label is None else ex.label for ex in ctx.examples])),
-        **{k: ("example", v) for k, v in metrics.items()},
-    }).assign_coords(choice=np.arange(width))
-    names = ["mc1", "mc2", "mc3", "accuracy"]
-    ds.attrs.update(decode=action.decode.kind, steer=[c.kind for c in action.steer], metrics=names)
-    return ds
-
-
 def run_cell(loaded: LoadedSpec, cell: Cell, models: ModelCache, reporter: Reporter | None = None,
              cancel: Callable[[], bool] | None = None) -> dict[str, xr.Dataset]:
     """Run every step of one sweep cell; returns step id -> Dataset."""
@@ -269,23 +153,21 @@ def run_cell(loaded: LoadedSpec, cell: Cell, models: ModelCache, reporter: Repor
         ctx = StepContext(model=lm, examples=examples, results=results, seed=spec.seed, step_id=step.id,
                           reporter=reporter, cancel=cancel or (lambda: False))
         _seed(spec.seed)
-        if step.detect is not None:
-            ds = get_manager().get("detectors", step.detect.kind).impl(step.detect, ctx)
-            ds.attrs.setdefault("method", step.detect.kind)
-            config = step.detect.model_dump(mode="json", by_alias=True)
-        elif step.score is not None:
-            ds = run_score(step.score, ctx)
-            config = step.score.model_dump(mode="json", by_alias=True)
-        else:
-            ds = run_generate(step.generate, ctx)
-            config = step.generate.model_dump(mode="json", by_alias=True)
+        config = getattr(step, step.action)
+        ds = get_manager().get("actions", step.action).impl(config, ctx)
         ex = examples_dataset(examples, lm)
         ds = ds.merge(ex, compat="override", join="left"
                       if "example" in ds.dims else "outer")
-        ds.attrs.update(step=step.id, action=step.action, task=task.kind, config=json.dumps(config),
+        ds.attrs.update(step=step.id, action=step.action, task=task.kind, config=json.dumps(_jsonable(config)),
                         model=lm.name)
         results[step.id] = ds
     return results
+
+
+def _jsonable(config: Any) -> Any:
+    if isinstance(config, BaseModel):
+        return config.model_dump(mode="json", by_alias=True)
+    return to_jsonable_python(config, by_alias=True)
 
 
 def provenance(lm: LoadedModel | None) -> dict[str, Any]:

@@ -24,22 +24,26 @@ import io
 import itertools
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional, Union, get_origin
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
+    create_model,
     field_validator,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
 
+if TYPE_CHECKING:
+    from .plugin_manager import Registry
+
 DEFAULT_MODEL = "headlab-tiny"
-CATEGORIES = ("tasks", "detectors", "steering", "decoders", "metrics")
 
 
 class SpecError(Exception):
@@ -158,18 +162,6 @@ def _coerce_model(value: Any) -> Any:
     return {"id": value} if isinstance(value, str) else value
 
 
-def _coerce_metric(value: Any) -> Any:
-    return {"kind": value} if isinstance(value, str) else value
-
-
-@dataclass
-class Registry:
-    """Component config models by category and kind (filled by the plugin manager)."""
-
-    configs: dict[str, dict[str, type[ComponentConfig]]] = field(
-        default_factory=lambda: {c: {} for c in CATEGORIES})
-
-
 def _union(category: str, models: dict[str, type[ComponentConfig]]) -> Any:
     if not models:
         return Annotated[dict, Field(json_schema_extra={"description": f"no {category} plugins installed"})]
@@ -179,7 +171,7 @@ def _union(category: str, models: dict[str, type[ComponentConfig]]) -> Any:
     return Annotated[Union[members], Field(discriminator="kind")]  # noqa: UP007
 
 
-def _check_kind(category: str, kinds: list[str]):
+def _check_kind(label: str, kinds: list[str]):
     def check(value: Any) -> Any:
         if isinstance(value, Mapping):
             kind = value.get("kind")
@@ -189,68 +181,91 @@ def _check_kind(category: str, kinds: list[str]):
             if kind not in kinds:
                 raise PydanticCustomError(
                     "unknown_kind", "unknown {category} kind '{kind}'{hint}; installed: {kinds}",
-                    {"category": category.rstrip("s"), "kind": str(kind), "hint": _suggest(kind, kinds),
+                    {"category": label, "kind": str(kind), "hint": _suggest(kind, kinds),
                      "kinds": ", ".join(kinds) or "none (install a plugin that provides one)"})
         return value
     return check
 
 
-def build_spec_model(registry: Registry) -> type[BaseModel]:
-    """Build the ``Spec`` pydantic model whose unions hold every registered component kind."""
-    from pydantic import BeforeValidator
+class SpecTypes:
+    """The spec's types of the registered components, as an action's config builder receives them.
 
-    def typed(category: str) -> Any:
-        models = registry.configs[category]
-        return Annotated[_union(category, models), BeforeValidator(_check_kind(category, sorted(models)))]
+    A step action registers a config *builder* when its config holds components (the ``generate``
+    action's config holds a decoder and steering methods): ``builder(types: SpecTypes) -> type`` is
+    called each time the spec model is built, so the config sees exactly the kinds registered then
+    (see :func:`headlab.hookspecs.headlab_register_actions`).
+    """
 
-    Task, Detector, Steer, Decoder, Metric = (typed(c) for c in CATEGORIES)
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+        self._unions: dict[str, Any] = {}
 
-    class _Decoding(StrictModel):
-        decode: Decoder = Field(description="decoding strategy (default: greedy)")
-        steer: list[Steer] = Field(default_factory=list, description="steering methods applied together")
-        batch_size: int = Field(8, ge=1, description="prompts (generate) or prompt+choice rows (score) per forward")
+    def union(self, category: str) -> Any:
+        """The type of one component of ``category`` in a spec: its registered config models as a union
+        discriminated by ``kind`` (an unknown or missing kind is a located error with a suggestion)."""
+        from .plugin_manager import CATEGORIES
 
-        @model_validator(mode="before")
-        @classmethod
-        def _default_decoder(cls, data: Any) -> Any:
-            if isinstance(data, Mapping) and data.get("decode") is None:
-                data = {**data, "decode": {"kind": "greedy"}}
-            return data
+        if category not in self._unions:
+            if category not in CATEGORIES or CATEGORIES[category].style != "config":
+                configs = [c for c, v in CATEGORIES.items() if v.style == "config"]
+                raise KeyError(f"'{category}' is not a category of config components (one of: {', '.join(configs)})")
+            models = self.registry.configs(category)
+            check = _check_kind(CATEGORIES[category].label, sorted(models))
+            self._unions[category] = Annotated[_union(category, models), BeforeValidator(check)]
+        return self._unions[category]
 
-    class Generate(_Decoding):
-        """Generate continuations for every example, optionally steered and with a decoding strategy."""
+    def kinds(self, category: str) -> list[str]:
+        """The kinds registered in ``category``, in registration order."""
+        return list(self.registry.components[category])
 
-        metrics: list[Annotated[Metric, BeforeValidator(_coerce_metric)]] = Field(default_factory=list)
-        max_new_tokens: int = Field(16, ge=1)
-        stop: list[str] = Field(default_factory=list, description="stop strings")
+    def default(self, category: str) -> type[ComponentConfig] | None:
+        """The config model registered with ``default=True`` in ``category`` (None when there is none)."""
+        comp = self.registry.default(category)
+        return None if comp is None else comp.config
 
-    class Score(_Decoding):
-        """Score every example's choices (``prompt + choice``, summed over the choice's tokens) under a
-        decoding strategy (greedy: the model's log-likelihood); metrics MC1, MC2, MC3 and accuracy."""
+    def action(self, name: str) -> Any:
+        """The config type of the step action ``name`` (its builder called with these types)."""
+        config = self.registry.actions[name].config
+        if isinstance(config, type) or get_origin(config) is not None:
+            return config
+        return config(self)
 
-    class Step(StrictModel):
-        """One step of the experiment: exactly one action."""
 
-        id: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_-]*$")
-        detect: Detector | None = Field(None, description="score heads")
-        generate: Generate | None = Field(None, description="generate outputs and metrics")
-        score: Score | None = Field(None, description="score multiple-choice answers under a decoding strategy")
-        task: Task | None = Field(None, description="use another task for this step instead of the spec's")
+def build_spec_model(registry: Registry | None = None) -> type[BaseModel]:
+    """Build the ``Spec`` pydantic model whose unions hold every registered component kind and whose
+    steps offer every registered action."""
+    from .plugin_manager import get_manager
 
+    registry = registry or get_manager().registry
+    types = SpecTypes(registry)
+    Task = types.union("tasks")
+    actions = tuple(registry.actions)
+    listed = " or ".join([", ".join(actions[:-1]), actions[-1]] if len(actions) > 1 else actions) or "none installed"
+
+    class StepBase(StrictModel):
         @model_validator(mode="before")
         @classmethod
         def _one_action(cls, data: Any) -> Any:
             if isinstance(data, Mapping) and set(data) <= set(cls.model_fields):
-                actions = [a for a in ("detect", "generate", "score") if data.get(a) is not None]
-                if len(actions) != 1:
+                given = [a for a in actions if data.get(a) is not None]
+                if len(given) != 1:
                     raise PydanticCustomError(
-                        "step_action", "a step needs exactly one action: detect, generate or score (got {got})",
-                        {"got": ", ".join(actions) or "none"})
+                        "step_action", "a step needs exactly one action: {actions} (got {got})",
+                        {"actions": listed, "got": ", ".join(given) or "none"})
             return data
 
         @property
         def action(self) -> str:
-            return next(a for a in ("detect", "generate", "score") if getattr(self, a) is not None)
+            """The name of the step's action."""
+            return next(a for a in actions if getattr(self, a) is not None)
+
+    fields: dict[str, Any] = {"id": (str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_-]*$"))}
+    for name, comp in registry.actions.items():
+        fields[name] = (Optional[types.action(name)], Field(None, description=comp.description))  # noqa: UP045
+    fields["task"] = (Optional[Task], Field(  # noqa: UP045
+        None, description="use another task for this step instead of the spec's"))
+    Step = create_model("Step", __base__=StepBase, __doc__="One step of the experiment: exactly one action.",
+                        __module__=__name__, **fields)
 
     class Spec(StrictModel):
         """A headlab experiment."""
@@ -267,7 +282,7 @@ def build_spec_model(registry: Registry) -> type[BaseModel]:
 
         @field_validator("steps")
         @classmethod
-        def _unique_ids(cls, steps: list[Step]) -> list[Step]:
+        def _unique_ids(cls, steps: list[Any]) -> list[Any]:
             seen: set[str] = set()
             for i, step in enumerate(steps):
                 if step.id in seen:
@@ -427,21 +442,28 @@ def first_error(exc: ValidationError, data: Any, tree: Any, source: str) -> Spec
 
 # --- sweeps ---------------------------------------------------------------------------------------
 
-def set_path(data: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
+def set_path(data: dict[str, Any], dotted: str, value: Any, *, registry: Registry | None = None) -> dict[str, Any]:
     """Return a copy of raw spec data with ``dotted`` set to ``value``.
 
     The first segment is a top-level key (``task``, ``model``, ``seed``) or a step id; the rest walk
-    into that step's action (``answer.decode.alpha``) or the mapping. Raises KeyError with a message.
+    into that step's action (``answer.decode.alpha``) or the mapping. A mapping missing on the way is
+    created with the value the validated spec has there (a generate step without ``decode`` gets its
+    default decoder's config), so ``answer.decode.alpha`` can be swept. Raises KeyError with a message.
     """
+    original = data
     data = copy.deepcopy(data)
     parts = dotted.split(".")
     head, rest = parts[0], parts[1:]
-    steps = {s.get("id"): s for s in data.get("steps", []) if isinstance(s, Mapping)}
+    steps = {s.get("id"): (i, s) for i, s in enumerate(data.get("steps", [])) if isinstance(s, Mapping)}
+    where: list[Any]
     if head in steps:
-        node: Any = steps[head]
-        action = next((a for a in ("detect", "generate", "score") if a in node), None)
-        if rest and rest[0] not in ("detect", "generate", "score", "task") and action:
+        index, node = steps[head]
+        where = ["steps", index]
+        actions = _action_names(registry)
+        action = next((a for a in actions if a in node), None)
+        if rest and rest[0] not in (*actions, "task") and action:
             node = node[action]
+            where.append(action)
     elif head in data or head in ("seed", "model", "task", "name", "output"):
         if not rest:
             data[head] = value
@@ -449,20 +471,23 @@ def set_path(data: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
         if head == "model" and isinstance(data.get("model"), str):
             data["model"] = {"id": data["model"]}
         node = data.setdefault(head, {})
-        head, rest = rest[0], rest[1:]
-        rest = [head, *rest]
+        where = [head]
     else:
         raise KeyError(f"'{dotted}': '{head}' is neither a top-level key nor a step id"
                        f"{_suggest(head, [*data, *steps])}")
     if not rest:
-        raise KeyError(f"'{dotted}': name a key inside step '{head}', e.g. {head}.decode.alpha")
+        raise KeyError(f"'{dotted}': name a key inside step '{head}', e.g. {head}.<key>")
     for part in rest[:-1]:
         if isinstance(node, list) and part.isdigit() and int(part) < len(node):
             node = node[int(part)]
+            where.append(int(part))
         elif isinstance(node, Mapping) and isinstance(node.get(part), (Mapping, list)):
             node = node[part]
-        elif isinstance(node, Mapping) and part in ("decode",) and part not in node:
-            node = node.setdefault(part, {"kind": "greedy"})
+            where.append(part)
+        elif isinstance(node, Mapping) and part not in node and isinstance(
+                default := _resolved(original, [*where, part], registry), Mapping):
+            node = node.setdefault(part, default)
+            where.append(part)
         else:
             raise KeyError(f"'{dotted}': no mapping at '{part}'")
     last = rest[-1]
@@ -473,6 +498,27 @@ def set_path(data: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
     else:
         raise KeyError(f"'{dotted}': cannot set '{last}'")
     return data
+
+
+def _action_names(registry: Registry | None) -> list[str]:
+    from .plugin_manager import get_manager
+
+    return list((registry or get_manager().registry).actions)
+
+
+def _resolved(data: Mapping[str, Any], path: list[Any], registry: Registry | None) -> Any:
+    """The value at ``path`` of the validated spec (defaults filled in), or None if there is none."""
+    try:
+        spec = build_spec_model(registry).model_validate({k: v for k, v in data.items() if k != "sweep"})
+    except ValidationError:
+        return None
+    node: Any = spec.model_dump(mode="json", by_alias=True)
+    for part in path:
+        try:
+            node = node[part]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return copy.deepcopy(node)
 
 
 @dataclass(frozen=True)
@@ -501,6 +547,7 @@ class LoadedSpec:
     text: str
     source: str
     tree: Any = None
+    registry: Any = None
 
     @property
     def cells(self) -> list[Cell]:
@@ -513,7 +560,7 @@ class LoadedSpec:
         """The spec object with the cell's sweep values applied."""
         data = self.data
         for key, value in cell.values:
-            data = set_path(data, key, value)
+            data = set_path(data, key, value, registry=self.registry)
         data = {k: v for k, v in data.items() if k != "sweep"}
         return self.spec.__class__.model_validate(data)
 
@@ -522,25 +569,27 @@ class LoadedSpec:
         data = self.data
         for key, value in overrides.items():
             try:
-                data = set_path(data, key, value)
+                data = set_path(data, key, value, registry=self.registry)
             except KeyError as e:
                 raise SpecError(f"--set {e.args[0]}", source=self.source) from None
-        return validate_data(data, text=self.text, source=self.source, tree=None)
+        return validate_data(data, text=self.text, source=self.source, tree=None, registry=self.registry)
 
 
 def validate_data(data: dict[str, Any], *, text: str = "", source: str = "<spec>", tree: Any = None,
                   registry: Registry | None = None) -> LoadedSpec:
-    """Validate raw spec data, sweep included; raise SpecError located in the YAML."""
+    """Validate raw spec data, sweep included; raise SpecError located in the YAML.
+
+    ``registry`` defaults to the plugin manager's registry at the time of each call.
+    """
     from .plugin_manager import get_manager
 
-    registry = registry or get_manager().registry
-    Spec = build_spec_model(registry)
+    Spec = build_spec_model(registry or get_manager().registry)
     try:
         spec = Spec.model_validate(data)
     except ValidationError as e:
         raise first_error(e, data, tree, source) from None
     _check_references(spec, tree, source)
-    loaded = LoadedSpec(spec=spec, data=data, text=text, source=source, tree=tree)
+    loaded = LoadedSpec(spec=spec, data=data, text=text, source=source, tree=tree, registry=registry)
     for key, values in spec.sweep.items():
         line, col = _position(tree, ["sweep", key]) if tree is not None else (None, None)
         if not values:
@@ -548,7 +597,7 @@ def validate_data(data: dict[str, Any], *, text: str = "", source: str = "<spec>
                             path=f"sweep.{key}")
         for value in values:
             try:
-                swept = set_path(data, key, value)
+                swept = set_path(data, key, value, registry=registry)
             except KeyError as e:
                 raise SpecError(f"bad sweep path {e.args[0]}", source=source, line=line, col=col,
                                 path=f"sweep.{key}") from None

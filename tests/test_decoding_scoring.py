@@ -28,7 +28,7 @@ from headlab.plugins.decoding.contrastive import CAD, Contrastive, amateur_model
 from headlab.plugins.decoding.decore import DeCoRe, decore
 from headlab.plugins.decoding.dola import DoLa, dola
 from headlab.plugins.decoding.greedy import Greedy, Sample, greedy, sample
-from headlab.runner import mc_metrics
+from headlab.plugins.metrics.multiple_choice import mc_metrics
 
 EXAMPLES = [
     Example(prompt="the capital of france is rome . question : what is the capital of france ? answer :",

@@ -1,22 +1,31 @@
-"""Plugins: the hook contract, third-party packages via entry points, broken plugins, allow-listing."""
+"""Plugins: the hook contract, third-party packages via entry points, broken plugins, allow-listing,
+in-process registration (a notebook cell) and third-party step actions."""
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import pytest
 import torch
+import xarray as xr
+from pydantic import Field
 
+import headlab
 from headlab import hookspecs
-from headlab.plugin_manager import HOOK_FOR, get_manager
+from headlab.generation import DecodeRequest, tokenize
+from headlab.plugin_manager import CATEGORIES, get_manager
+from headlab.spec import StrictModel
 
-from conftest import spec_text
+from conftest import TINY_LLAMA, spec_text
 
 ROOT = Path(__file__).parent.parent
 EXAMPLE = ROOT / "examples" / "headlab-plugin-example"
@@ -31,7 +40,9 @@ def test_every_hook_is_documented():
     for name in hook_names():
         assert inspect.getdoc(getattr(hookspecs, name)), f"{name} has no docstring"
         assert f"`{name}`" in docs, f"{name} is missing from docs/plugins.md"
-    assert set(HOOK_FOR.values()) | {"headlab_register_models"} == set(hook_names())
+    assert {c.hook for c in CATEGORIES.values()} == set(hook_names())
+    for c in CATEGORIES.values():  # the table of categories in the docs is the one in the code
+        assert f"| `{c.name}` | `{c.hook}` |" in docs, f"category {c.name} is missing from docs/plugins.md"
 
 
 def test_builtins_register_through_the_hooks():
@@ -121,3 +132,270 @@ def test_example_plugin_installs_lists_and_runs(example_plugin_installed, tmp_pa
     counts = run.results["gen"]["word_count"].values
     outputs = run.results["gen"]["output"].values
     assert counts.tolist() == [float(len(str(o).split())) for o in outputs]
+
+
+# --- in-process registration (a notebook cell), actions as components ------------------------------
+
+CELL_STEPS = "  - id: const\n    detect: {kind: const_heads, value: 0.25}\n"
+
+
+class ConstHeads(headlab.ComponentConfig):
+    """Every head scores `value` (a detector defined 'in a notebook cell')."""
+
+    kind: Literal["const_heads"] = "const_heads"
+    value: float = 1.0
+
+
+def const_heads(config: ConstHeads, ctx) -> xr.Dataset:
+    geo = ctx.model.geometry
+    return xr.Dataset({"score": (("layer", "head"), np.full((geo.n_layers, geo.n_heads), config.value))})
+
+
+class CellPlugin:
+    """A plugin class as a notebook cell would define it: hooks without `self`."""
+
+    @headlab.hookimpl
+    def headlab_register_detectors(register):
+        register(ConstHeads, const_heads)
+
+
+@pytest.fixture
+def registered():
+    """Register plugins for one test; whatever is still registered afterwards is unregistered."""
+    names: list[str] = []
+
+    def register(plugin, name=None, **kw):
+        names.append(headlab.register_plugin(plugin, name, **kw))
+        return names[-1]
+
+    yield register
+    for name in names:
+        if get_manager().pm.has_plugin(name):
+            headlab.unregister_plugin(name)
+
+
+def test_cell_plugin_is_seen_at_once_and_gone_after_unregister(registered, tmp_path):
+    from typer.testing import CliRunner
+
+    from headlab.cli import app
+
+    text = spec_text(CELL_STEPS)
+    with pytest.raises(headlab.SpecError, match="unknown detector kind 'const_heads'"):
+        headlab.load_spec(text)
+    name = registered(CellPlugin)
+    assert name == "CellPlugin"
+    assert headlab.load_spec(text).spec.steps[0].detect.value == 0.25
+    assert "const_heads" in json.dumps(headlab.json_schema())
+    listed = {r["name"]: r for r in json.loads(CliRunner().invoke(app, ["plugins", "--json"]).stdout)}
+    assert listed["CellPlugin"]["source"] == "in-process"
+    assert listed["CellPlugin"]["components"][0]["kind"] == "const_heads"
+    run = headlab.run(text, out=tmp_path)
+    assert (run.results["const"]["score"].values == 0.25).all()
+    assert run.results["const"].attrs["method"] == "const_heads"
+    if importlib.util.find_spec("ipywidgets") is not None:
+        from headlab.widgets import SpecRunner
+
+        assert SpecRunner(text, out=tmp_path).error is None
+    headlab.unregister_plugin(name)
+    with pytest.raises(headlab.SpecError, match="unknown detector kind 'const_heads'"):
+        headlab.load_spec(text)
+    assert "const_heads" not in json.dumps(headlab.json_schema())
+    assert "CellPlugin" not in get_manager().infos
+    if importlib.util.find_spec("ipywidgets") is not None:
+        assert "unknown detector kind" in str(SpecRunner(text, out=tmp_path).error)
+    with pytest.raises(headlab.PluginError, match="no plugin named 'CellPlugin'"):
+        headlab.unregister_plugin("CellPlugin")
+
+
+def test_modules_instances_and_pluggy_register_work_too(registered):
+    module = types.ModuleType("cell_module")
+
+    @headlab.hookimpl
+    def headlab_register_detectors(register):
+        register(ConstHeads, const_heads)
+
+    module.headlab_register_detectors = headlab_register_detectors
+    assert registered(module) == "cell_module"
+    assert "const_heads" in get_manager().components["detectors"]
+    headlab.unregister_plugin("cell_module")
+
+    class WithSelf:
+        @headlab.hookimpl
+        def headlab_register_detectors(self, register):
+            register(ConstHeads, const_heads)
+
+    registered(WithSelf(), "instance")
+    assert get_manager().get("detectors", "const_heads").plugin == "instance"
+    headlab.unregister_plugin("instance")
+    # pluggy's own registration: components are collected again when the set of plugins changes
+    pm = get_manager().pm
+    pm.register(module, name="raw")
+    try:
+        assert get_manager().get("detectors", "const_heads").plugin == "raw"
+        assert headlab.load_spec(spec_text(CELL_STEPS))
+    finally:
+        pm.unregister(name="raw")
+    assert "const_heads" not in get_manager().components["detectors"]
+
+
+def test_registering_an_existing_kind_names_both_plugins(registered):
+    from headlab.plugins.detectors.patterns import Induction
+
+    class Clash:
+        @headlab.hookimpl
+        def headlab_register_detectors(register):
+            register(ConstHeads, const_heads)
+            register(Induction, const_heads)
+
+    with pytest.raises(headlab.PluginError) as info:
+        registered(Clash)
+    assert "Clash" in str(info.value) and "headlab.plugins.detectors.patterns" in str(info.value)
+    assert "kind 'induction'" in str(info.value)
+    # nothing of it stays registered, its valid kind included
+    assert "Clash" not in get_manager().infos and "const_heads" not in get_manager().components["detectors"]
+    registered(CellPlugin)
+    with pytest.raises(headlab.PluginError, match="already registered"):
+        registered(CellPlugin)
+    registered(CellPlugin, replace=True)
+    assert get_manager().get("detectors", "const_heads").plugin == "CellPlugin"
+
+
+def test_invalid_registrations_are_clear_errors(registered):
+    from headlab.plugins.decoding.greedy import Greedy
+
+    class Default(headlab.ComponentConfig):
+        kind: Literal["my_default"] = "my_default"
+
+    class SecondDefault:
+        @headlab.hookimpl
+        def headlab_register_decoders(register):
+            register(Default, lambda config, request: None, default=True)
+
+    with pytest.raises(headlab.PluginError, match="'greedy' of headlab.plugins.decoding.greedy is already the default"):
+        registered(SecondDefault)
+
+    class Typo:
+        @headlab.hookimpl
+        def headlab_register_detector(register):
+            register(ConstHeads, const_heads)
+
+    with pytest.raises(headlab.PluginError, match="did you mean headlab_register_detectors"):
+        registered(Typo)
+
+    class ReservedAction:
+        @headlab.hookimpl
+        def headlab_register_actions(register):
+            register("task", Greedy, lambda config, ctx: None)
+
+    with pytest.raises(headlab.PluginError, match="action name 'task'"):
+        registered(ReservedAction)
+    assert set(get_manager().components["actions"]) == {"detect", "generate", "score"}
+
+
+def test_plugin_exiting_at_import_does_not_kill_headlab(tmp_path, monkeypatch):
+    from headlab.plugin_manager import Manager
+
+    fake_distribution(tmp_path, "exiting_plugin", "raise SystemExit(3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    info = Manager().infos["exiting_plugin"]
+    assert info.error == "SystemExit: 3" and info.source == "distribution exiting_plugin" and not info.components
+    monkeypatch.setenv("HEADLAB_PLUGINS", "none")
+    assert "exiting_plugin" not in Manager().infos
+
+
+# A third-party action, written against public names only: it needs no change to headlab's core.
+
+def patch_config(types):
+    """The config of a `patch` step: holds the decoder union (default: the registered default decoder)."""
+    Decoder = types.union("decoders")
+    default = types.default("decoders")
+
+    class Patch(StrictModel):
+        """Scale each example's token count (a toy action)."""
+
+        decode: Decoder = Field(default_factory=default)
+        scale: float = 1.0
+
+    return Patch
+
+
+def patch(config, ctx) -> xr.Dataset:
+    """Store `scale * tokens` per example and the greedy decoding of one new token."""
+    decoded = get_manager().get("decoders", config.decode.kind).impl(
+        config.decode, DecodeRequest(ctx.model, tokenize(ctx.model, ctx.examples), 1, seed=ctx.seed, ctx=ctx))
+    scaled = [config.scale * len(ex.input_ids) for ex in ctx.examples]
+    return xr.Dataset({"scaled": ("example", np.array(scaled)),
+                       "next_token": ("example", np.array([t[0] for t in decoded.tokens]))},
+                      attrs={"decoder": config.decode.kind})
+
+
+@headlab.hookimpl
+def headlab_register_actions(register):
+    register("patch", patch_config, patch, description="scale token counts (toy action)")
+
+
+def test_a_third_party_action_runs_from_a_spec(registered, tmp_path):
+    import torch
+
+    from headlab.model import from_config
+    from headlab.runner import build_examples
+    from headlab.spec import ModelSpec
+
+    steps = "  - id: ind\n    detect: {kind: induction}\n  - id: p\n    patch: {scale: 2.0}\n"
+    text = spec_text(steps, sweep="  p.decode.kind: [greedy, sample]\n")
+    with pytest.raises(headlab.SpecError, match="unknown key 'patch'"):
+        headlab.load_spec(text)
+    registered(sys.modules[__name__], "toy_actions")
+    assert "patch" in headlab.json_schema()["$defs"]["Step"]["properties"]
+    with pytest.raises(headlab.SpecError, match="unknown key 'scal'"):
+        headlab.load_spec(text.replace("scale:", "scal:"))
+    with pytest.raises(headlab.SpecError, match="exactly one action: detect, generate, score or patch"):
+        headlab.load_spec(text.replace("detect: {kind: induction}\n", "detect: {kind: induction}\n    patch: {}\n"))
+    loaded = headlab.load_spec(text)
+    assert loaded.spec.steps[1].patch.decode.kind == "greedy"  # the default decoder, named by no core code
+    run = headlab.run(loaded, out=tmp_path)
+    ds = run.results["p"]
+    assert ds.attrs["action"] == "patch" and json.loads(ds.attrs["config"])["scale"] == 2.0
+    assert list(ds["p.decode.kind"].values) == ["greedy", "sample"]
+    lm = from_config(ModelSpec(config=TINY_LLAMA), seed=0)
+    examples = build_examples(loaded.spec.task, lm, 0)
+    expected = [2.0 * len(ex.input_ids) for ex in examples]
+    np.testing.assert_array_equal(ds["scaled"].sel({"p.decode.kind": "greedy"}).values, expected)
+    with torch.no_grad():
+        logits = lm.model(input_ids=torch.tensor([ex.input_ids for ex in examples])).logits[:, -1]
+    greedy_next = ds["next_token"].sel({"p.decode.kind": "greedy"}).values
+    assert greedy_next.tolist() == logits.argmax(-1).tolist()
+
+
+def test_the_default_decoder_is_whatever_a_plugin_registers_as_default():
+    from headlab.plugin_manager import Manager
+
+    class Mine(headlab.ComponentConfig):
+        """A decoder registered as the default."""
+
+        kind: Literal["mine"] = "mine"
+
+    class MinePlugin:
+        @headlab.hookimpl
+        def headlab_register_decoders(register):
+            register(Mine, lambda config, request: None, default=True)
+
+    mgr = Manager(entry_points=False)  # not the process-wide manager: other tests keep their built-ins
+    text = spec_text("  - id: gen\n    generate: {max_new_tokens: 2}\n")
+    assert headlab.load_spec(text, registry=mgr.registry).spec.steps[0].generate.decode.kind == "greedy"
+    mgr.unregister("headlab.plugins.decoding.greedy")
+    with pytest.raises(headlab.SpecError, match="steps\\[0\\].generate.decode: missing required key 'decode'"):
+        headlab.load_spec(text, registry=mgr.registry)
+    mgr.register(MinePlugin)
+    assert headlab.load_spec(text, registry=mgr.registry).spec.steps[0].generate.decode.kind == "mine"
+    schema = headlab.json_schema(mgr.registry)
+    assert schema["$defs"]["Generate"]["properties"]["decode"]["description"] == "decoding strategy (default: mine)"
+
+
+def test_core_names_no_action_and_no_decoder():
+    """spec.py and runner.py dispatch by the registry: no built-in action or decoder is named there."""
+    for path in (ROOT / "core" / "spec.py", ROOT / "core" / "runner.py"):
+        source = path.read_text()
+        for literal in ('"greedy"', "'greedy'", '"detect"', '"generate"', '"score"', "mc_metrics"):
+            assert literal not in source, f"{path.name} names {literal}"

@@ -82,5 +82,5 @@ sample.score = score_sample  # type: ignore[attr-defined]
 
 @hookimpl
 def headlab_register_decoders(register):
-    register(Greedy, greedy)
+    register(Greedy, greedy, default=True)
     register(Sample, sample)

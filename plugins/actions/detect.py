@@ -1,0 +1,26 @@
+"""The ``detect`` action: score heads with a detector (``detect: {kind: induction, ...}``)."""
+
+from typing import Any
+
+import xarray as xr
+
+from headlab import StepContext, hookimpl
+from headlab.plugin_manager import get_manager
+from headlab.spec import SpecTypes
+
+
+def detect_config(types: SpecTypes) -> Any:
+    """A detect step's value is one detector config."""
+    return types.union("detectors")
+
+
+def detect(config: Any, ctx: StepContext) -> xr.Dataset:
+    """Run the detector ``config.kind``; its dataset gets the attribute ``method`` (the kind) if unset."""
+    ds = get_manager().get("detectors", config.kind).impl(config, ctx)
+    ds.attrs.setdefault("method", config.kind)
+    return ds
+
+
+@hookimpl
+def headlab_register_actions(register):
+    register("detect", detect_config, detect, description="score heads")

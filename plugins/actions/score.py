@@ -1,0 +1,86 @@
+"""The ``score`` action: every (example, choice) row scored under a decoding strategy, then
+multiple-choice metrics (``choice_metrics`` kinds; TruthfulQA's MC1, MC2, MC3 and accuracy by default).
+
+A decoder supports scoring when its implementation carries a ``score`` attribute:
+``decode.score(config, request: ScoreRequest) -> Scored`` (see docs/plugins.md).
+"""
+
+from typing import Annotated, Any
+
+import numpy as np
+import xarray as xr
+from pydantic import BeforeValidator, Field
+
+from headlab import StepContext, hookimpl
+from headlab.generation import ScoreRequest, continuation_batch
+from headlab.plugin_manager import get_manager
+from headlab.spec import SpecTypes, StrictModel
+
+from .common import decoding_config, kind_shorthand, steering_plan
+
+DEFAULT_METRICS = ("mc1", "mc2", "mc3", "accuracy")
+
+
+def score_config(types: SpecTypes) -> type[StrictModel]:
+    """The config of a score step: decoder, steering, batch size and multiple-choice metrics."""
+    ChoiceMetric = Annotated[types.union("choice_metrics"), BeforeValidator(kind_shorthand)]
+    defaults = [k for k in DEFAULT_METRICS if k in types.kinds("choice_metrics")]
+
+    class Score(decoding_config(types)):
+        """Score every example's choices (``prompt + choice``, summed over the choice's tokens) under a
+        decoding strategy (greedy: the model's log-likelihood); metrics MC1, MC2, MC3 and accuracy."""
+
+        metrics: list[ChoiceMetric] = Field(defaults, validate_default=True,
+                                            description="multiple-choice metrics of the choices' scores")
+
+    return Score
+
+
+def score(action: Any, ctx: StepContext) -> xr.Dataset:
+    """The ``score`` action: every (example, choice) row scored under the decoder's ``score``."""
+    mgr = get_manager()
+    decoder = mgr.get("decoders", action.decode.kind)
+    scorer = getattr(decoder.impl, "score", None)
+    if scorer is None:
+        raise ValueError(f"decoder '{action.decode.kind}' does not support scoring (its implementation has no "
+                         "`score` attribute)")
+    missing = [i for i, ex in enumerate(ctx.examples) if not ex.choices]
+    if missing:
+        raise ValueError(f"the score action needs examples with `choices` (example {missing[0]} has none)")
+    pairs = [(i, j) for i, ex in enumerate(ctx.examples) for j in range(len(ex.choices or []))]
+    width = max(len(ex.choices or []) for ex in ctx.examples)
+    logprobs = np.full((len(ctx.examples), width), np.nan)
+    n_tok = np.zeros((len(ctx.examples), width), dtype=np.int64)
+    chunks = [pairs[i: i + action.batch_size] for i in range(0, len(pairs), action.batch_size)]
+    for chunk in ctx.progress(chunks, "scoring", total=len(chunks)):
+        sources = [ctx.examples[i] for i, _ in chunk]
+        conts = [ctx.examples[i].choices[j] for i, j in chunk]
+        batch, n_tokens = continuation_batch(ctx.model, list(zip(sources, conts, strict=True)))
+        plan, _ = steering_plan(action.steer, ctx, batch)
+        request = ScoreRequest(ctx.model, batch, n_tokens, sources, conts, plan, ctx.seed, ctx)
+        scored = scorer(action.decode, request)
+        for (i, j), value, n in zip(chunk, scored.logprobs, n_tokens, strict=True):
+            logprobs[i, j], n_tok[i, j] = value, n
+    metrics = {cfg.kind: np.asarray(mgr.get("choice_metrics", cfg.kind).impl(cfg, ctx.examples, logprobs),
+                                    dtype=float) for cfg in action.metrics}
+    predicted = np.array([int(np.argmax(logprobs[i, : len(ex.choices or [])])) for i, ex in enumerate(ctx.examples)],
+                         dtype=np.int64)
+    choices = np.full((len(ctx.examples), width), "", dtype=object)
+    for i, ex in enumerate(ctx.examples):
+        choices[i, : len(ex.choices or [])] = ex.choices
+    ds = xr.Dataset({
+        "logprob": (("example", "choice"), logprobs),
+        "choice_tokens": (("example", "choice"), n_tok),
+        "choice_text": (("example", "choice"), choices),
+        "label": ("example", np.array([-1 if ex.label is None else ex.label for ex in ctx.examples])),
+        **{k: ("example", v) for k, v in metrics.items()},
+        "predicted": ("example", predicted),
+    }).assign_coords(choice=np.arange(width))
+    ds.attrs.update(decode=action.decode.kind, steer=[c.kind for c in action.steer], metrics=list(metrics))
+    return ds
+
+
+@hookimpl
+def headlab_register_actions(register):
+    register("score", score_config, score,
+             description="score multiple-choice answers under a decoding strategy")
