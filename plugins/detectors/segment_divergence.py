@@ -29,7 +29,7 @@ import xarray as xr
 from pydantic import Field
 
 from headlab import ComponentConfig, StepContext, hookimpl
-from headlab.generation import _pad_id, tokenize
+from headlab.generation import tokenize
 
 __all__ = ["SegmentDivergence", "detect", "last_z", "remove_spans", "segment_divergence"]
 
@@ -123,7 +123,7 @@ def detect(config: SegmentDivergence, ctx: StepContext) -> xr.Dataset:
         batch = tokenize(ctx.model, [ctx.examples[i] for i in idx])
         spans = batch.spans(config.span)
         d, t = segment_divergence(ctx.model.model, batch.input_ids, batch.attention_mask, spans,
-                                  method=config.method, pad_id=_pad_id(ctx.model.tokenizer))
+                                  method=config.method, pad_id=ctx.model.pad_id)
         vhd[idx] = d.double().cpu().numpy()
         norm[idx] = t.double().cpu().numpy()
     coords = {"layer": np.arange(geo.n_layers), "head": np.arange(geo.n_heads)}
