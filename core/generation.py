@@ -1,7 +1,9 @@
-"""Batches of prompts and the KV-cache decoding loop decoding strategies build on.
+"""Batches of prompts, and headlab's one KV-cache decoding loop (:func:`decode_loop` over a
+:class:`DecodeState`) that every decoding strategy and every detector that decodes runs.
 
 Prompts are left-padded so every row's last prompt token sits at the same position; position ids
-follow the attention mask, so padded rows decode exactly like unpadded ones.
+follow the attention mask, so padded rows decode exactly like unpadded ones. Multiple-choice scoring
+(:class:`ScoreRequest`, :class:`Scored`) lives here too.
 """
 
 from __future__ import annotations
