@@ -58,11 +58,11 @@ def reference_scores(lm, examples, max_new: int, vectorised: bool):
     import numpy as np
     import torch
 
-    from headlab.generation import _eos_ids, tokenize
+    from headlab.generation import tokenize
 
     model = lm.model
     L, H = lm.geometry.n_layers, lm.geometry.n_heads
-    eos = set(_eos_ids(lm).tolist())
+    eos = set(lm.eos_ids)
     out = np.zeros((len(examples), L, H))
     for n, ex in enumerate(examples):
         batch = tokenize(lm, [ex])

@@ -1,7 +1,9 @@
-"""Batches of prompts and the KV-cache decoding loop decoding strategies build on.
+"""Batches of prompts, and headlab's one KV-cache decoding loop (:func:`decode_loop` over a
+:class:`DecodeState`) that every decoding strategy and every detector that decodes runs.
 
 Prompts are left-padded so every row's last prompt token sits at the same position; position ids
-follow the attention mask, so padded rows decode exactly like unpadded ones.
+follow the attention mask, so padded rows decode exactly like unpadded ones. Multiple-choice scoring
+(:class:`ScoreRequest`, :class:`Scored`) lives here too.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def tokenize(lm: LoadedModel, examples: list[Example], device: str | None = None
         enc = tok(ex.prompt, return_offsets_mapping=True, add_special_tokens=True)
         rows.append(list(enc["input_ids"]))
         offsets.append([tuple(o) for o in enc["offset_mapping"]])
-    pad_id = _pad_id(tok)
+    pad_id = lm.pad_id
     n = max(len(r) for r in rows)
     ids = torch.full((len(rows), n), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), n), dtype=torch.long)
@@ -73,16 +75,6 @@ def tokenize(lm: LoadedModel, examples: list[Example], device: str | None = None
         pads.append(n - len(r))
     device = device or lm.device
     return Batch(ids.to(device), mask.to(device), offsets, pads, list(examples))
-
-
-def _pad_id(tok: Any) -> int:
-    if tok is None:
-        return 0
-    for attr in ("pad_token_id", "eos_token_id", "unk_token_id"):
-        value = getattr(tok, attr, None)
-        if value is not None:
-            return int(value)
-    return 0
 
 
 @dataclass
@@ -140,56 +132,254 @@ def instrumented(lm: LoadedModel, plan: Any) -> contextlib.AbstractContextManage
     return instrument(lm.model, plan)
 
 
-def decode_loop(request: DecodeRequest, choose: Callable[[Any, torch.Tensor], torch.Tensor], *,
-                forward_kwargs: dict[str, Any] | None = None,
+class DecodeState:
+    """A batch of prompts being decoded with a KV cache: everything :func:`decode_loop` keeps between steps.
+
+    A step feeds :attr:`input_ids` (with :attr:`attention_mask`, :attr:`positions` and :attr:`cache`) to the
+    model; a strategy chooses one token per prompt from the step's :attr:`outputs`; :meth:`record` stores
+    the tokens and finds the prompts that end (EOS, stop strings); :meth:`advance` prepares the next
+    step. Rows are left-padded and position ids follow the attention mask, so a padded prompt decodes
+    exactly like the same prompt alone.
+
+    The request has ``B`` prompts; the model may run ``copies`` rows per prompt (``rows``: ``copies * B``
+    left-padded rows, copy-major: row ``r + c * B`` is copy ``c`` of prompt ``r``), and the token chosen for
+    a prompt is fed to all its copies. With ``drop_finished`` a prompt that has finished leaves the batch
+    and the KV cache after its last step (the others decode exactly as they would with it).
+
+    Attributes, for ``choose`` and the hooks of :func:`decode_loop`:
+
+    - ``request`` (:class:`DecodeRequest`); ``stop`` its stop strings; ``eos`` the EOS ids (a tensor, from
+      :attr:`headlab.model.LoadedModel.eos_ids`); ``pad_id`` (:attr:`~headlab.model.LoadedModel.pad_id`).
+    - ``step``: tokens generated so far; ``generated`` ``(B, step)`` the tokens of every prompt, ``pad_id``
+      once a prompt has finished; ``active`` ``(B, step)``: whether the prompt was still generating at each
+      step (the step that chose EOS or completed a stop string included); ``finished`` ``(B,)``.
+    - ``rows``: the prompts (indices into the ``B``) the model runs, in order: all of them, or with
+      ``drop_finished`` those not finished. ``outputs`` hold ``copies * len(rows)`` rows and ``choose``
+      returns one token per entry of ``rows``.
+    - ``input_ids``, ``attention_mask``, ``positions``: the inputs of the next forward; ``cache``: the KV
+      cache (None before the first forward); ``outputs``: what the last forward returned.
+    """
+
+    def __init__(self, request: DecodeRequest, rows: tuple[torch.Tensor, torch.Tensor] | None = None, *,
+                 drop_finished: bool = False) -> None:
+        batch = request.batch
+        ids, mask = rows if rows is not None else (batch.input_ids, batch.attention_mask)
+        if ids.shape[0] % batch.size:
+            raise ValueError(f"rows: {ids.shape[0]} forward rows is not a multiple of {batch.size} prompts")
+        B, dev = batch.size, mask.device
+        self.request = request
+        self.copies = int(ids.shape[0] // B)
+        self.drop_finished = drop_finished
+        self.stop = list(request.stop)
+        self.pad_id = request.lm.pad_id
+        self.eos = torch.tensor(request.lm.eos_ids, dtype=torch.long, device=dev)
+        self.input_ids = ids
+        self.attention_mask = mask
+        self.positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        self.cache: Any = None
+        self.outputs: Any = None
+        self.step = 0
+        self.generated = torch.empty((B, 0), dtype=torch.long, device=dev)
+        self.active = torch.empty((B, 0), dtype=torch.bool, device=dev)
+        self.finished = torch.zeros(B, dtype=torch.bool, device=dev)
+        self.rows = torch.arange(B, device=dev)
+
+    @property
+    def done(self) -> bool:
+        """Every prompt has finished, or ``max_new_tokens`` tokens were generated."""
+        return self.step >= self.request.max_new_tokens or bool(self.finished.all())
+
+    def split_prompt(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(input_ids, attention_mask, position_ids)`` of the prompt rows without their last token, to
+        prefill; the last prompt token becomes the next input (its step attends to the whole prompt)."""
+        if self.cache is not None or self.step:
+            raise ValueError("DecodeState.split_prompt: only before the first forward")
+        ids, mask, pos = self.input_ids, self.attention_mask, self.positions
+        self.input_ids, self.positions = ids[:, -1:], pos[:, -1:]
+        return ids[:, :-1], mask[:, :-1], pos[:, :-1]
+
+    def record(self, tokens: torch.Tensor) -> None:
+        """Store the tokens chosen at this step, one per entry of :attr:`rows` (a prompt that has finished
+        gets ``pad_id``), and mark the prompts that end with it: EOS, or a stop string in their text."""
+        B = self.finished.shape[0]
+        tokens = tokens.to(self.generated.device)
+        active = ~self.finished
+        if self.rows.shape[0] == B:
+            column = torch.where(active, tokens, torch.full_like(tokens, self.pad_id))
+        else:
+            column = torch.full((B,), self.pad_id, dtype=tokens.dtype, device=tokens.device)
+            column[self.rows] = torch.where(active[self.rows], tokens, torch.full_like(tokens, self.pad_id))
+        self.generated = torch.cat([self.generated, column[:, None]], dim=1)
+        self.active = torch.cat([self.active, active[:, None]], dim=1)
+        self.step += 1
+        if self.eos.numel():
+            self.finished |= torch.isin(column, self.eos)
+        tok = self.request.lm.tokenizer
+        if self.stop and tok is not None:
+            for r in (~self.finished).nonzero().flatten().tolist():
+                text = tok.decode(self.generated[r], skip_special_tokens=True)
+                self.finished[r] = any(s in text for s in self.stop)
+
+    def advance(self) -> None:
+        """Prepare the next forward: with ``drop_finished`` the finished prompts leave the batch and the
+        cache; every remaining row is fed the token chosen for its prompt; the mask and the positions
+        grow by one."""
+        mask, pos = self.attention_mask, self.positions
+        if self.drop_finished:
+            keep = (~self.finished[self.rows]).nonzero().flatten()
+            n = self.rows.shape[0]
+            if keep.shape[0] < n:
+                idx = torch.cat([keep + c * n for c in range(self.copies)])
+                _select_rows(self.cache, idx)
+                self.rows = self.rows[keep]
+                mask, pos = mask[idx], pos[idx]
+        last = self.generated[:, -1] if self.rows.shape[0] == self.finished.shape[0] else \
+            self.generated[self.rows, -1]
+        self.input_ids = (last.repeat(self.copies) if self.copies > 1 else last)[:, None]
+        self.attention_mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        self.positions = pos[:, -1:] + 1
+
+    def tokens(self) -> list[list[int]]:
+        """Per prompt, the tokens it generated, up to its first EOS (excluded)."""
+        eos = set(self.eos.tolist())
+        out = []
+        for row, act in zip(self.generated.tolist(), self.active.tolist(), strict=True):
+            toks = [t for t, a in zip(row, act, strict=True) if a]
+            end = next((i for i, t in enumerate(toks) if t in eos), len(toks))
+            out.append(toks[:end])
+        return out
+
+    def texts(self, tokens: list[list[int]] | None = None) -> list[str]:
+        """Per prompt, the text of :meth:`tokens` (special tokens skipped), cut at the first stop string;
+        token ids joined by spaces when the model has no tokenizer."""
+        tok = self.request.lm.tokenizer
+        tokens = self.tokens() if tokens is None else tokens
+        if tok is None:
+            return [" ".join(map(str, t)) for t in tokens]
+        out = []
+        for t in tokens:
+            text = tok.decode(t, skip_special_tokens=True)
+            out.append(text[:min((text.index(s) for s in self.stop if s in text), default=len(text))])
+        return out
+
+    def decoded(self) -> Decoded:
+        """The :class:`Decoded` result: :meth:`tokens` and :meth:`texts`."""
+        tokens = self.tokens()
+        return Decoded(tokens, self.texts(tokens))
+
+
+def _select_rows(cache: Any, index: torch.Tensor) -> None:
+    """Keep the rows ``index`` of a KV cache (or of each cache of a tuple, e.g. an expert's and an amateur's)."""
+    if isinstance(cache, (tuple, list)):
+        for part in cache:
+            _select_rows(part, index)
+    elif cache is not None:
+        cache.batch_select_indices(index)
+
+
+Choose = Callable[[Any, DecodeState], torch.Tensor]
+"""``choose(outputs, state) -> tokens``: one token id per prompt of ``state.rows``, from the step's model
+outputs (``outputs.logits[:, -1]``: the next-token logits of every forward row)."""
+
+
+def decode_loop(request: DecodeRequest | DecodeState, choose: Choose, *,
                 rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+                drop_finished: bool = False,
+                forward_kwargs: dict[str, Any] | None = None,
                 forward: Callable[..., Any] | None = None,
                 split_prompt: Callable[[], None] | None = None,
-                shared_until: int | None = None) -> Decoded:
-    """Run the KV-cache loop: prefill, then one token per step chosen by ``choose(outputs, generated)``.
+                prefill: Callable[..., Any] | None = None,
+                shared_until: int | None = None,
+                on_step: Callable[[DecodeState], None] | None = None,
+                around_forward: Callable[[DecodeState], contextlib.AbstractContextManager[Any]] | None = None,
+                ) -> Decoded:
+    """headlab's KV-cache decoding loop: prefill, then one token per step chosen by ``choose(outputs, state)``.
 
-    ``choose`` receives the model outputs of the step (logits of the last position at
-    ``outputs.logits[:, -1]``) and the tokens generated so far ``(batch, t)``; it returns ``(batch,)``
-    token ids. Rows stop at EOS or a stop string; the loop stops when every row has.
+    Every decoding strategy and every detector that decodes runs this loop. A step runs the model on the
+    next inputs (the whole prompt at the first step), calls ``choose`` with the model outputs and the
+    :class:`DecodeState` (``state.generated``, ``state.step``, ``state.rows``, ...), and records the tokens
+    it returns, one per prompt. A prompt stops at EOS (:attr:`~headlab.model.LoadedModel.eos_ids`) or when
+    its text contains a stop string; the loop stops when every prompt has, or after
+    ``request.max_new_tokens`` tokens. The request's steering plan applies to every forward. Returns
+    :class:`Decoded` (tokens up to EOS, texts cut at the first stop string). A strategy is a ``choose``::
 
-    Options for strategies that contrast several forwards of one prompt in one batched forward:
+        def decode(config, request):  # greedy that never repeats the previous token
+            def choose(outputs, state):
+                logits = outputs.logits[:, -1].clone()
+                if state.step:
+                    last = state.generated[state.rows, -1]
+                    logits[torch.arange(len(last)), last] = -torch.inf
+                return logits.argmax(-1)
+            return decode_loop(request, choose)
 
-    - ``rows``: ``(input_ids, attention_mask)`` of the forward batch when it is not the request's batch:
-      ``k * B`` left-padded rows for ``B`` prompts; forward row ``i`` continues prompt ``i % B`` (the token
-      chosen for prompt ``r`` is fed to rows ``r, r + B, ...``). ``outputs`` then has ``k * B`` rows and
-      ``choose`` still returns ``B`` tokens.
+    ``request`` may be a :class:`DecodeState` built beforehand, to read it after the loop (``generated``,
+    ``active``). Options:
+
+    - ``rows``: ``(input_ids, attention_mask)`` of the forward rows when they are not the request's batch:
+      ``k * B`` left-padded rows for ``B`` prompts, copy-major (row ``r + c * B`` continues prompt ``r``; the
+      token chosen for prompt ``r`` is fed to all its rows). ``outputs`` then have ``k * B`` rows and
+      ``choose`` still returns ``B`` tokens (DeCoRe's base + masked copies, CAD's with + without context).
+    - ``drop_finished``: finished prompts leave the batch and the KV cache (outputs as without it);
+      ``outputs`` and ``choose``'s tokens are then over ``state.rows``. Not with a plan (its edits are
+      per row) nor ``shared_until``.
+    - ``forward_kwargs``: extra model arguments (``output_hidden_states`` for DoLa).
     - ``forward``: called instead of the model with the same keyword arguments (``input_ids``,
-      ``attention_mask``, ``position_ids``, ``use_cache``, ``cache`` after the prefill, and
-      ``forward_kwargs``); it returns an object with ``.logits`` and ``.cache`` (e.g. an expert and an
-      amateur model run together).
-    - ``split_prompt``: prefill the prompt without its last token, call ``split_prompt()`` (e.g. to add
-      edits to the plan), then run the last prompt token as its own step (DeCoRe's reference prefix).
-    - ``shared_until``: with ``rows`` made of ``k`` identical copies of the batch whose plan edits differ
-      only from this layer on (DeCoRe), the layers below it run once on one copy
-      (:func:`~headlab.instrument.shared_trunk`); with ``split_prompt`` the prefix is prefilled once and
-      its cache repeated. Outputs are those of the ``k * B`` rows, as without it.
+      ``attention_mask``, ``position_ids``, ``cache``, ``use_cache`` and ``forward_kwargs``); it returns an
+      object with ``.logits`` and ``.cache`` (an expert and an amateur model stepping together).
+    - ``split_prompt``: prefill the prompt without its last token, call ``split_prompt()`` (e.g. to add edits
+      to the plan), then run the last prompt token as the first step (DeCoRe's reference prefix).
+    - ``prefill``: ``prefill(model, input_ids, attention_mask, position_ids) -> cache`` computes the cache of
+      the prompt without its last token (implies the split; e.g. :func:`prefill`, one unpadded row at a
+      time on a CPU). Not with a plan, ``forward`` or ``shared_until``.
+    - ``shared_until``: with ``rows`` made of ``k`` identical copies of the batch whose plan edits differ only
+      from this layer on (DeCoRe), the layers below it run once on one copy
+      (:func:`~headlab.instrument.shared_trunk`); with ``split_prompt`` the prefix is prefilled once and its
+      cache repeated. Outputs are those of the ``k * B`` rows, as without it.
+    - ``on_step(state)``: called after every step, once its tokens are recorded (``state.generated[:, -1]``)
+      and before finished prompts leave the batch.
+    - ``around_forward(state)``: returns a context manager entered around the model call of every step
+      (the prefill of a split prompt excluded), e.g. an :func:`~headlab.instrument.instrument` context whose
+      probes follow ``state.rows``; ``state.step`` is the index of the token being produced.
     """
+    if isinstance(request, DecodeState):
+        if rows is not None or drop_finished or shared_until is not None:
+            raise ValueError("decode_loop: rows, drop_finished and shared_until are options of a new state; "
+                             "give them to DecodeState (shared_until: pass the request)")
+        state: DecodeState | None = request
+        request = request.request
+    else:
+        state = None
     lm, batch = request.lm, request.batch
-    model, tok = lm.model, lm.tokenizer
+    model = lm.model
     run = forward or model
-    eos = _eos_ids(lm)
     kwargs = dict(forward_kwargs or {})
-    input_ids, mask = rows if rows is not None else (batch.input_ids, batch.attention_mask)
-    if input_ids.shape[0] % batch.size:
-        raise ValueError(f"rows: {input_ids.shape[0]} forward rows is not a multiple of {batch.size} prompts")
-    copies = input_ids.shape[0] // batch.size
-    trunk = shared_until if shared_until is not None and copies > 1 else None
-    if trunk is not None:
-        if forward is not None:
-            raise ValueError("decode_loop: shared_until runs the model itself; it cannot take a forward function")
-        B = batch.size
-        if not (torch.equal(input_ids, input_ids[:B].repeat(copies, 1)) and torch.equal(mask, mask[:B].repeat(copies, 1))):
-            raise ValueError("decode_loop: shared_until needs rows that are identical copies of the batch")
-        input_ids, mask = input_ids[:B], mask[:B]
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    generated = torch.empty((batch.size, 0), dtype=torch.long, device=mask.device)
-    finished = torch.zeros(batch.size, dtype=torch.bool, device=mask.device)
-    texts = [""] * batch.size
+    trunk = None
+    if state is None:
+        input_ids, mask = rows if rows is not None else (batch.input_ids, batch.attention_mask)
+        if input_ids.shape[0] % batch.size:
+            raise ValueError(f"rows: {input_ids.shape[0]} forward rows is not a multiple of {batch.size} prompts")
+        copies = input_ids.shape[0] // batch.size
+        trunk = shared_until if shared_until is not None and copies > 1 else None
+        if trunk is not None:
+            if forward is not None or drop_finished or prefill is not None:
+                raise ValueError("decode_loop: shared_until runs the model itself; it cannot take a forward "
+                                 "function, a prefill function or drop_finished")
+            B = batch.size
+            if not (torch.equal(input_ids, input_ids[:B].repeat(copies, 1))
+                    and torch.equal(mask, mask[:B].repeat(copies, 1))):
+                raise ValueError("decode_loop: shared_until needs rows that are identical copies of the batch")
+            rows = (input_ids[:B], mask[:B])  # the model runs copy 0; shared_trunk repeats it at `trunk`
+        state = DecodeState(request, rows, drop_finished=drop_finished)
+    else:
+        copies = state.copies
+    if state.drop_finished and request.plan is not None:
+        raise ValueError("decode_loop: drop_finished cannot be used with a plan (its edits are per row)")
+    if prefill is not None:
+        if forward is not None or request.plan is not None:
+            raise ValueError("decode_loop: a prefill function runs the bare model; not with forward or a plan")
+        if state.input_ids.shape[1] < 2:
+            raise ValueError("decode_loop: a prefill function needs prompts of at least 2 tokens")
+    split = prefill is not None or (split_prompt is not None and state.input_ids.shape[1] > 1)
 
     def trunk_at(layer: int | None) -> contextlib.AbstractContextManager[Any]:
         from .instrument import shared_trunk
@@ -197,43 +387,33 @@ def decode_loop(request: DecodeRequest, choose: Callable[[Any, torch.Tensor], to
         return contextlib.nullcontext() if layer is None else shared_trunk(model, layer, copies)
 
     with torch.no_grad(), instrumented(lm, request.plan):
-        cache = None
-        if split_prompt is not None and input_ids.shape[1] > 1:
-            with trunk_at(None if trunk is None else lm.geometry.n_layers):
-                cache = run(input_ids=input_ids[:, :-1], attention_mask=mask[:, :-1], position_ids=pos[:, :-1],
-                            use_cache=True, **kwargs).cache
-            if trunk is not None:
-                from .instrument import expand_cache
-
-                expand_cache(cache, trunk, copies)
-            split_prompt()
-        with trunk_at(trunk):
-            if cache is not None:
-                out = run(input_ids=input_ids[:, -1:], attention_mask=mask, position_ids=pos[:, -1:],
-                          cache=cache, use_cache=True, **kwargs)
+        if split:
+            ids, mask, pos = state.split_prompt()
+            if prefill is not None:
+                state.cache = prefill(model, ids, mask, pos)
             else:
-                out = run(input_ids=input_ids, attention_mask=mask, position_ids=pos, use_cache=True, **kwargs)
-            for _ in range(request.max_new_tokens):
-                nxt = choose(out, generated).to(generated.device)
-                nxt = torch.where(finished, torch.full_like(nxt, _pad_id(tok)), nxt)
-                generated = torch.cat([generated, nxt[:, None]], dim=1)
-                finished |= torch.isin(nxt, eos) if eos.numel() else torch.zeros_like(finished)
-                if request.stop and tok is not None:
-                    for r in range(batch.size):
-                        if not finished[r]:
-                            texts[r] = tok.decode(generated[r], skip_special_tokens=True)
-                            finished[r] = any(s in texts[r] for s in request.stop)
-                if bool(finished.all()):
+                with trunk_at(None if trunk is None else lm.geometry.n_layers):
+                    state.cache = run(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                                      **kwargs).cache
+                if trunk is not None:
+                    from .instrument import expand_cache
+
+                    expand_cache(state.cache, trunk, copies)
+            if split_prompt is not None:
+                split_prompt()
+        with trunk_at(trunk):
+            while state.step < request.max_new_tokens:
+                with around_forward(state) if around_forward is not None else contextlib.nullcontext():
+                    out = run(input_ids=state.input_ids, attention_mask=state.attention_mask,
+                              position_ids=state.positions, cache=state.cache, use_cache=True, **kwargs)
+                state.outputs, state.cache = out, out.cache
+                state.record(choose(out, state))
+                if on_step is not None:
+                    on_step(state)
+                if state.done:
                     break
-                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-                pos = pos[:, -1:] + 1
-                feed = nxt.repeat(copies) if copies > 1 and trunk is None else nxt
-                out = run(input_ids=feed[:, None], attention_mask=mask, position_ids=pos,
-                          cache=out.cache, use_cache=True, **kwargs)
-    tokens = [_trim(row.tolist(), eos.tolist()) for row in generated]
-    texts = [_cut_stop(tok.decode(t, skip_special_tokens=True), request.stop) if tok is not None else
-             " ".join(map(str, t)) for t in tokens]
-    return Decoded(tokens, texts)
+                state.advance()
+    return state.decoded()
 
 
 def prefill(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
@@ -270,29 +450,6 @@ def prefill(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, p
                                                     for t in parts]))
             return cache
     return run(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).cache
-
-
-def _eos_ids(lm: LoadedModel) -> torch.Tensor:
-    ids: list[int] = []
-    gen = getattr(lm.model, "generation_config", None)
-    for src in (getattr(gen, "eos_token_id", None), getattr(lm.tokenizer, "eos_token_id", None)):
-        if isinstance(src, int):
-            ids.append(src)
-        elif isinstance(src, list):
-            ids.extend(src)
-    return torch.tensor(sorted(set(ids)), dtype=torch.long, device=lm.device)
-
-
-def _trim(tokens: list[int], eos: list[int]) -> list[int]:
-    for i, t in enumerate(tokens):
-        if t in eos:
-            return tokens[:i]
-    return tokens
-
-
-def _cut_stop(text: str, stop: list[str]) -> str:
-    cut = min((text.index(s) for s in stop if s in text), default=len(text))
-    return text[:cut]
 
 
 # --------------------------------------------------------------------------- scoring

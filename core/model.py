@@ -50,6 +50,28 @@ class LoadedModel:
     device: str = "cpu"
     dtype: str = "float32"
 
+    @property
+    def pad_id(self) -> int:
+        """The token id that pads batches: the tokenizer's pad token, else its EOS, else UNK, else 0."""
+        for attr in ("pad_token_id", "eos_token_id", "unk_token_id"):
+            value = getattr(self.tokenizer, attr, None)
+            if value is not None:
+                return int(value)
+        return 0
+
+    @property
+    def eos_ids(self) -> list[int]:
+        """The token ids that end a generation, sorted: the model's ``generation_config.eos_token_id`` (one
+        or several) and the tokenizer's EOS. Read on every access, so a changed config takes effect."""
+        ids: set[int] = set()
+        gen = getattr(self.model, "generation_config", None)
+        for src in (getattr(gen, "eos_token_id", None), getattr(self.tokenizer, "eos_token_id", None)):
+            if isinstance(src, int):
+                ids.add(src)
+            elif isinstance(src, list):
+                ids.update(int(i) for i in src)
+        return sorted(ids)
+
     def provenance(self) -> dict[str, Any]:
         """Model facts recorded in every run's attributes."""
         return {"model": self.name, "model_revision": self.revision or "", "model_digest": self.digest or "",

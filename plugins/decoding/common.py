@@ -134,9 +134,7 @@ def stack_left(parts: Sequence[tuple[torch.Tensor, torch.Tensor]], pad_id: int) 
 
 def pad_id_of(lm: Any) -> int:
     """The id used for padding (pad, else eos, else unk, else 0)."""
-    from headlab.generation import _pad_id
-
-    return _pad_id(lm.tokenizer)
+    return int(lm.pad_id)
 
 
 # --------------------------------------------------------------------------- scoring forwards

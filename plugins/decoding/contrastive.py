@@ -32,6 +32,7 @@ from headlab import Example, hookimpl
 from headlab.generation import (
     Decoded,
     DecodeRequest,
+    DecodeState,
     Scored,
     ScoreRequest,
     continuation_batch,
@@ -122,7 +123,7 @@ def contrastive(config: Contrastive, request: DecodeRequest) -> Decoded:
     amateur = amateur_model(config.amateur, request.seed, request.lm.device)
     gen = generator_for(request, config)
 
-    def choose(out: _Pair, generated: torch.Tensor) -> torch.Tensor:
+    def choose(out: _Pair, state: DecodeState) -> torch.Tensor:
         scores = contrastive_scores(config, out.logits[:, -1], out.amateur_logits[:, -1])
         return pick(scores, config, gen)
 
@@ -196,7 +197,7 @@ def cad(config: CAD, request: DecodeRequest) -> Decoded:
     plan = request.plan.tile(2, B, mirror=False) if request.plan is not None else None
     gen = generator_for(request, config)
 
-    def choose(out, generated: torch.Tensor) -> torch.Tensor:
+    def choose(out, state: DecodeState) -> torch.Tensor:
         logits = out.logits[:, -1].float()
         scores = (1 + config.alpha) * logits[:B] - config.alpha * logits[B:]
         return pick(scores, config, gen)

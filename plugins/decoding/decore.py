@@ -39,7 +39,15 @@ import torch
 from pydantic import Field
 
 from headlab import hookimpl
-from headlab.generation import Decoded, DecodeRequest, Scored, ScoreRequest, decode_loop, sum_continuation
+from headlab.generation import (
+    Decoded,
+    DecodeRequest,
+    DecodeState,
+    Scored,
+    ScoreRequest,
+    decode_loop,
+    sum_continuation,
+)
 from headlab.instrument import Plan, shared_trunk
 from headlab.spec import HeadSelection
 
@@ -124,7 +132,7 @@ def decore(config: DeCoRe, request: DecodeRequest) -> Decoded:
     gen = generator_for(request, config)
     alphas: list[list[float]] = []
 
-    def choose(out, generated: torch.Tensor) -> torch.Tensor:
+    def choose(out, state: DecodeState) -> torch.Tensor:
         logits = out.logits[:, -1]
         scores, a = contrast(config, logits[:B], logits[B:])
         alphas.append(a.tolist())

@@ -34,7 +34,15 @@ import torch
 from pydantic import Field
 
 from headlab import hookimpl
-from headlab.generation import Decoded, DecodeRequest, Scored, ScoreRequest, decode_loop, sum_continuation
+from headlab.generation import (
+    Decoded,
+    DecodeRequest,
+    DecodeState,
+    Scored,
+    ScoreRequest,
+    decode_loop,
+    sum_continuation,
+)
 
 from .common import (
     SeenTokens,
@@ -177,7 +185,7 @@ def dola(config: DoLa, request: DecodeRequest) -> Decoded:
     seen = SeenTokens(request.batch.input_ids, request.batch.attention_mask, contrast.vocab)
     chosen: list[list[int]] = []
 
-    def choose(out, generated: torch.Tensor) -> torch.Tensor:
+    def choose(out, state: DecodeState) -> torch.Tensor:
         final = out.logits[:, -1].float()
         prem = contrast.premature(out.hidden_states, (slice(None), -1))
         idx = contrast.choose_layer(final, prem, config.layer_choice == "batch")
@@ -185,7 +193,7 @@ def dola(config: DoLa, request: DecodeRequest) -> Decoded:
         base = prem.gather(0, idx[None, :, None].expand(1, *prem.shape[1:]))[0]
         logp = final.log_softmax(-1)
         scores = torch.where(plausible(logp, config.relative_top), logp - base.log_softmax(-1), -torch.inf)
-        scores = seen.penalise(scores, generated, config.repetition_penalty)
+        scores = seen.penalise(scores, state.generated, config.repetition_penalty)
         return pick(scores, config, gen)
 
     result = decode_loop(request, choose, forward_kwargs={"output_hidden_states": True})

@@ -45,7 +45,7 @@ import xarray as xr
 from pydantic import Field
 
 from headlab import ComponentConfig, Example, StepContext, hookimpl
-from headlab.generation import Batch, _cut_stop, _eos_ids, _pad_id, _trim, prefill, tokenize
+from headlab.generation import Batch, tokenize
 from headlab.heads import from_retrieval_json, to_retrieval_json
 from headlab.model import Geometry, LoadedModel
 
@@ -118,72 +118,46 @@ def probe_decode(lm: LoadedModel, batch: Batch, probes: Any, max_new_tokens: int
                  stop: Sequence[str] = ()) -> ProbeDecode:
     """Greedy decoding of a batch with ``probes`` recorded at every decode query, none at the prefill.
 
-    The prompt minus its last token is prefilled outside any instrumentation (SDPA; on a CPU one unpadded
-    row at a time, :func:`headlab.generation.prefill`), then the last
-    prompt token and each generated token are fed one at a time, each step inside an ``instrument``
-    context with ``Plan(probes=probes)``. Rows leave the batch (and the KV cache) as soon as they finish,
-    so a long output does not make the finished rows decode on. Key positions in the recording are
-    absolute (left-padded) positions: every decode step sees the whole cache. Per-row probe ``spans``
-    (a list per row or a (B, P, 2) tensor) follow their rows.
+    Runs :func:`headlab.generation.decode_loop`: the prompt minus its last token is prefilled outside any
+    instrumentation (SDPA; on a CPU one unpadded row at a time, :func:`headlab.generation.prefill`), then
+    the last prompt token and each generated token are fed one at a time, each step inside an
+    ``instrument`` context with ``Plan(probes=probes)``. Rows leave the batch (and the KV cache) as soon as
+    they finish (``drop_finished``), so a long output does not make the finished rows decode on. Key
+    positions in the recording are absolute (left-padded) positions: every decode step sees the whole
+    cache. Per-row probe ``spans`` (a list per row or a (B, P, 2) tensor) follow their rows.
     """
+    import contextlib
     import dataclasses
 
+    from headlab.generation import DecodeRequest, DecodeState, decode_loop, prefill
     from headlab.instrument import Plan, instrument, span_tensor
 
     if batch.length < 2:
         raise ValueError("probe_decode needs prompts of at least 2 tokens")
-    model, tok = lm.model, lm.tokenizer
-    eos = _eos_ids(lm)
-    ids, mask = batch.input_ids, batch.attention_mask
-    dev = ids.device
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    model = lm.model
     B = batch.size
-    spans = None if probes.spans is None else span_tensor(probes.spans, B, dev)
-    generated = torch.full((B, max_new_tokens), _pad_id(tok), dtype=torch.long, device=dev)
-    active = torch.zeros((B, max_new_tokens), dtype=torch.bool, device=dev)
+    spans = None if probes.spans is None else span_tensor(probes.spans, B, batch.input_ids.device)
     store: dict[str, torch.Tensor] = {}
-    alive = torch.arange(B, device=dev)
-    steps = 0
-    with torch.no_grad():
-        cache = prefill(model, ids[:, :-1], mask[:, :-1], pos[:, :-1])
-        inp, cur_pos, cur_mask = ids[:, -1:], pos[:, -1:], mask
-        for t in range(max_new_tokens):
-            step_probes = probes if spans is None else dataclasses.replace(probes, spans=spans[alive])
-            with instrument(model, Plan(probes=step_probes)) as rec:
-                out = model(input_ids=inp, attention_mask=cur_mask, position_ids=cur_pos, cache=cache,
-                            use_cache=True)
-            cache = out.cache
-            nxt = out.logits[:, -1].argmax(-1)
-            generated[alive, t] = nxt
-            active[alive, t] = True
-            steps = t + 1
-            for name, value in rec.as_dict().items():  # (alive, layer, head, 1, ...) -> step t of the rows
-                if name not in store:
-                    shape = (B, *value.shape[1:3], max_new_tokens, *value.shape[4:])
-                    fill = -1 if name == "argmax" else 0
-                    store[name] = torch.full(shape, fill, dtype=value.dtype, device=value.device)
-                store[name][alive.to(value.device), :, :, t] = value[:, :, :, -1]
-            done = torch.isin(nxt, eos) if eos.numel() else torch.zeros_like(nxt, dtype=torch.bool)
-            if stop and tok is not None:
-                for j, r in enumerate(alive.tolist()):
-                    if not done[j]:
-                        text = tok.decode(generated[r, :steps], skip_special_tokens=True)
-                        done[j] = any(x in text for x in stop)
-            if bool(done.all()):
-                break
-            if bool(done.any()):
-                keep = (~done).nonzero().squeeze(1)
-                cache.batch_select_indices(keep)
-                alive, nxt, cur_mask, cur_pos = alive[keep], nxt[keep], cur_mask[keep], cur_pos[keep]
-            cur_mask = torch.cat([cur_mask, torch.ones_like(cur_mask[:, :1])], dim=1)
-            cur_pos = cur_pos + 1
-            inp = nxt[:, None]
-    generated, active = generated[:, :steps], active[:, :steps]
+
+    @contextlib.contextmanager
+    def probed(state: DecodeState):
+        rows = state.rows
+        step_probes = probes if spans is None else dataclasses.replace(probes, spans=spans[rows])
+        with instrument(model, Plan(probes=step_probes)) as rec:
+            yield
+        for name, value in rec.as_dict().items():  # (rows, layer, head, 1, ...) -> step t of the rows
+            if name not in store:
+                shape = (B, *value.shape[1:3], max_new_tokens, *value.shape[4:])
+                fill = -1 if name == "argmax" else 0
+                store[name] = torch.full(shape, fill, dtype=value.dtype, device=value.device)
+            store[name][rows.to(value.device), :, :, state.step] = value[:, :, :, -1]
+
+    state = DecodeState(DecodeRequest(lm, batch, max_new_tokens, list(stop)), drop_finished=True)
+    decoded = decode_loop(state, lambda out, _: out.logits[:, -1].argmax(-1), prefill=prefill,
+                          around_forward=probed)
+    steps = state.step
     rec = StepRecords({name: value[:, :, :, :steps] for name, value in store.items()})
-    tokens = [_trim(row[active[r]].tolist(), eos.tolist()) for r, row in enumerate(generated)]
-    texts = [_cut_stop(tok.decode(t, skip_special_tokens=True), list(stop)) if tok is not None
-             else " ".join(map(str, t)) for t in tokens]
-    return ProbeDecode(generated, active, rec, texts, tokens)
+    return ProbeDecode(state.generated, state.active, rec, decoded.texts, decoded.tokens)
 
 
 def length_batches(lengths: Sequence[int], batch_size: int, slack: float = 0.125) -> list[list[int]]:

@@ -30,7 +30,7 @@ from pydantic import Field
 
 from headlab import ComponentConfig, StepContext, hookimpl
 from headlab.dims import head_array
-from headlab.generation import _pad_id, tokenize
+from headlab.generation import tokenize
 
 __all__ = ["SegmentDivergence", "detect", "last_z", "remove_spans", "segment_divergence"]
 
@@ -124,7 +124,7 @@ def detect(config: SegmentDivergence, ctx: StepContext) -> xr.Dataset:
         batch = tokenize(ctx.model, [ctx.examples[i] for i in idx])
         spans = batch.spans(config.span)
         d, t = segment_divergence(ctx.model.model, batch.input_ids, batch.attention_mask, spans,
-                                  method=config.method, pad_id=_pad_id(ctx.model.tokenizer))
+                                  method=config.method, pad_id=ctx.model.pad_id)
         vhd[idx] = d.double().cpu().numpy()
         norm[idx] = t.double().cpu().numpy()
     per = head_array(vhd, "example")
