@@ -91,8 +91,8 @@ def headlab_register_decoders(register: Register) -> None:
     one plugin registers the default (any ``register(Config, impl)`` hook accepts ``default=True``;
     an action reads it with :meth:`headlab.spec.SpecTypes.default`).
 
-    A decoder that can also score choices (the ``score`` action) carries the scorer as an attribute of
-    its implementation: ``decode.score = score`` with ``score(config, request:
+    A decoder that can also score choices (the ``score`` action) registers its scorer with it:
+    ``register(ConfigModel, decode, score=score)`` with ``score(config, request:
     headlab.generation.ScoreRequest) -> headlab.generation.Scored`` (one summed score per row, a row
     being an example's prompt followed by one of its choices).
     """

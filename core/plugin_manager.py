@@ -112,7 +112,8 @@ class Component:
 
     ``config`` is the config model (``"config"`` categories), the action's config type or config builder
     (actions), or None (models). ``default`` marks the category's default kind (``register(...,
-    default=True)``; the generate and score actions use the default decoder).
+    default=True)``; the generate and score actions use the default decoder). ``score`` is a decoder's
+    scorer for the ``score`` action (``register(Config, decode, score=score_fn)``), None if it has none.
     """
 
     category: str
@@ -122,6 +123,7 @@ class Component:
     plugin: str
     description: str = ""
     default: bool = False
+    score: Callable[..., Any] | None = None
 
 
 @dataclass
@@ -335,7 +337,7 @@ class Manager:
             staged.append(comp)
 
         def register_config(config: type[ComponentConfig], impl: Callable[..., Any], *,
-                            default: bool = False) -> None:
+                            default: bool = False, score: Callable[..., Any] | None = None) -> None:
             if not (isinstance(config, type) and issubclass(config, ComponentConfig)):
                 raise PluginError(f"{info.name}: {category.name} config must subclass headlab.ComponentConfig")
             kind = config.kind_name()
@@ -349,8 +351,11 @@ class Manager:
                 if other is not None:
                     raise PluginError(f"{info.name}: default {category.label} '{kind}': '{other.kind}' of "
                                       f"{other.plugin} is already the default")
+            if score is not None and (category.name != "decoders" or not callable(score)):
+                raise PluginError(f"{info.name}: {category.label} '{kind}': only decoders take a callable score=")
             doc = (config.__doc__ or impl.__doc__ or "").strip().splitlines()
-            add(Component(category.name, kind, config, impl, info.name, doc[0] if doc else "", bool(default)))
+            add(Component(category.name, kind, config, impl, info.name, doc[0] if doc else "", bool(default),
+                          score))
 
         def register_action(name: str, config: Any, run: Callable[..., Any], description: str = "") -> None:
             if not (isinstance(name, str) and re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", name)) \

@@ -21,6 +21,7 @@ from test_decoding_common import (
     word_model,
 )
 
+from headlab.plugin_manager import get_manager
 from headlab.plugins.decoding.decore import DeCoRe, decore, resolve_heads
 from headlab.plugins.decoding.greedy import Greedy, greedy
 
@@ -48,6 +49,11 @@ class masked_queries:
     def __exit__(self, *exc):
         for h in self.handles:
             h.remove()
+
+
+def scorer(kind: str):
+    """The registered scorer of a decoder kind (the ``score`` action's route to it)."""
+    return get_manager().get("decoders", kind).score
 
 
 def entropy(logits: torch.Tensor) -> float:
@@ -250,6 +256,6 @@ def test_score_with_shared_trunk_equals_full_rows(model):
     pairs = [(Example(prompt=p), " " + random_prompts(1, seed=50 + i, lo=2, hi=4)[0]) for i, p in enumerate(words)]
     batch, n_tokens = continuation_batch(lm, pairs)
     req = ScoreRequest(lm, batch, n_tokens, [p for p, _ in pairs], [c for _, c in pairs])
-    on = decore.score(DeCoRe(heads=[list(h) for h in UPPER], alpha="entropy"), req)
-    off = decore.score(DeCoRe(heads=[list(h) for h in UPPER], alpha="entropy", share_trunk=False), req)
+    on = scorer("decore")(DeCoRe(heads=[list(h) for h in UPPER], alpha="entropy"), req)
+    off = scorer("decore")(DeCoRe(heads=[list(h) for h in UPPER], alpha="entropy", share_trunk=False), req)
     np.testing.assert_allclose(on.logprobs, off.logprobs, rtol=1e-5, atol=1e-5)

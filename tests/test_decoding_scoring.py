@@ -24,10 +24,11 @@ from test_decoding_decore import masked_queries
 import headlab
 from headlab.context import Example
 from headlab.generation import ScoreRequest, continuation_batch
+from headlab.plugin_manager import get_manager
 from headlab.plugins.decoding.contrastive import CAD, Contrastive, amateur_model, without_context
-from headlab.plugins.decoding.decore import DeCoRe, decore
-from headlab.plugins.decoding.dola import DoLa, dola
-from headlab.plugins.decoding.greedy import Greedy, Sample, greedy, sample
+from headlab.plugins.decoding.decore import DeCoRe
+from headlab.plugins.decoding.dola import DoLa
+from headlab.plugins.decoding.greedy import Greedy, Sample
 from headlab.plugins.metrics.multiple_choice import mc_metrics
 
 EXAMPLES = [
@@ -45,6 +46,11 @@ def setup():
     batch, n = continuation_batch(lm, pairs)
     req = ScoreRequest(lm, batch, n, [p[0] for p in pairs], [p[1] for p in pairs])
     return lm, eager_twin(lm), pairs, req
+
+
+def scorer(kind: str):
+    """The registered scorer of a decoder kind (the ``score`` action's route to it)."""
+    return get_manager().get("decoders", kind).score
 
 
 def split_ids(lm, prompt: str, cont: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,7 +71,7 @@ def test_continuation_tokens(setup):
 
 def test_loglik_scores(setup):
     lm, twin, pairs, req = setup
-    got_g, got_s = greedy.score(Greedy(), req).logprobs, sample.score(Sample(temperature=2.0), req).logprobs
+    got_g, got_s = scorer("greedy")(Greedy(), req).logprobs, scorer("sample")(Sample(temperature=2.0), req).logprobs
     for r, (ex, c) in enumerate(pairs):
         full, cont = split_ids(lm, ex.prompt, c)
         with torch.no_grad():
@@ -108,7 +114,7 @@ def reference_dola_score(twin, full, cont, layers, relative_top, post_softmax, v
 def test_dola_score_equals_reference_lm_score(setup, opts):
     lm, twin, pairs, req = setup
     layers = [0, 1, 2, 3, 4, 5]
-    got = dola.score(DoLa(layers=layers, **opts), req).logprobs
+    got = scorer("dola")(DoLa(layers=layers, **opts), req).logprobs
     for r, (ex, c) in enumerate(pairs):
         full, cont = split_ids(lm, ex.prompt, c)
         ref = reference_dola_score(twin, full, cont, layers, opts.get("score_relative_top", 0.0),
@@ -120,7 +126,7 @@ def test_decore_score_equals_reference_lm_score(setup):
     lm, twin, pairs, req = setup
     heads = [(0, 1), (2, 3), (4, 0)]
     for opts in ({"alpha": "entropy"}, {"alpha": 0.5, "score_post_softmax": True}):
-        got = decore.score(DeCoRe(heads=[list(h) for h in heads], **opts), req).logprobs
+        got = scorer("decore")(DeCoRe(heads=[list(h) for h in heads], **opts), req).logprobs
         for r, (ex, c) in enumerate(pairs):
             full, cont = split_ids(lm, ex.prompt, c)
             with torch.no_grad():
@@ -142,13 +148,10 @@ def test_decore_score_equals_reference_lm_score(setup):
 
 def test_cad_and_contrastive_scores(setup):
     lm, twin, pairs, req = setup
-    from headlab.plugins.decoding.contrastive import cad as cad_fn
-    from headlab.plugins.decoding.contrastive import contrastive as cd_fn
-
-    got = cad_fn.score(CAD(alpha=0.5), req).logprobs
+    got = scorer("cad")(CAD(alpha=0.5), req).logprobs
     cfg = Contrastive(amateur=AMATEUR, score_plausibility=True)
     am_twin = eager_twin(amateur_model(cfg.amateur, 0, "cpu"))
-    got_cd = cd_fn.score(cfg, req).logprobs
+    got_cd = scorer("contrastive")(cfg, req).logprobs
     for r, (ex, c) in enumerate(pairs):
         full, cont = split_ids(lm, ex.prompt, c)
         plain, cont2 = split_ids(lm, without_context(ex), c)
@@ -246,7 +249,7 @@ sweep:
     examples = build_examples(loaded.spec.task, lm, 0)
     pairs = [(ex, c) for ex in examples for c in ex.choices]
     batch, n = continuation_batch(lm, pairs)
-    direct = greedy.score(Greedy(), ScoreRequest(lm, batch, n, [p[0] for p in pairs], [p[1] for p in pairs]))
+    direct = scorer("greedy")(Greedy(), ScoreRequest(lm, batch, n, [p[0] for p in pairs], [p[1] for p in pairs]))
     flat = base["logprob"].isel({d: 0 for d in base["logprob"].dims if d not in ("example", "choice")}).values
     got = [flat[i, j] for i, ex in enumerate(examples) for j in range(len(ex.choices))]
     np.testing.assert_allclose(got, direct.logprobs, atol=1e-4)

@@ -1,8 +1,8 @@
 """The ``score`` action: every (example, choice) row scored under a decoding strategy, then
 multiple-choice metrics (``choice_metrics`` kinds; TruthfulQA's MC1, MC2, MC3 and accuracy by default).
 
-A decoder supports scoring when its implementation carries a ``score`` attribute:
-``decode.score(config, request: ScoreRequest) -> Scored`` (see docs/plugins.md).
+A decoder supports scoring when it is registered with a scorer: ``register(Config, decode,
+score=score_fn)`` with ``score_fn(config, request: ScoreRequest) -> Scored`` (see docs/plugins.md).
 """
 
 from typing import Annotated, Any
@@ -40,10 +40,10 @@ def score(action: Any, ctx: StepContext) -> xr.Dataset:
     """The ``score`` action: every (example, choice) row scored under the decoder's ``score``."""
     mgr = get_manager()
     decoder = mgr.get("decoders", action.decode.kind)
-    scorer = getattr(decoder.impl, "score", None)
+    scorer = decoder.score
     if scorer is None:
-        raise ValueError(f"decoder '{action.decode.kind}' does not support scoring (its implementation has no "
-                         "`score` attribute)")
+        raise ValueError(f"decoder '{action.decode.kind}' does not support scoring (it was registered without "
+                         "`score=`)")
     missing = [i for i, ex in enumerate(ctx.examples) if not ex.choices]
     if missing:
         raise ValueError(f"the score action needs examples with `choices` (example {missing[0]} has none)")

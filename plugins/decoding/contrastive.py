@@ -144,9 +144,6 @@ def score_contrastive(config: Contrastive, request: ScoreRequest) -> Scored:
     return sum_continuation(scores, request)
 
 
-contrastive.score = score_contrastive  # type: ignore[attr-defined]
-
-
 # --------------------------------------------------------------------------- CAD
 class CAD(Selection):
     """Context-aware decoding: with-context logits contrasted with no-context logits, one batched forward."""
@@ -227,10 +224,7 @@ def score_cad(config: CAD, request: ScoreRequest) -> Scored:
     return sum_continuation(scores, request)
 
 
-cad.score = score_cad  # type: ignore[attr-defined]
-
-
 @hookimpl
 def headlab_register_decoders(register):
-    register(Contrastive, contrastive)
-    register(CAD, cad)
+    register(Contrastive, contrastive, score=score_contrastive)
+    register(CAD, cad, score=score_cad)

@@ -164,9 +164,6 @@ def score_decore(config: DeCoRe, request: ScoreRequest) -> Scored:
     return sum_continuation(scores, request)
 
 
-decore.score = score_decore  # type: ignore[attr-defined]
-
-
 @hookimpl
 def headlab_register_decoders(register):
-    register(DeCoRe, decore)
+    register(DeCoRe, decore, score=score_decore)

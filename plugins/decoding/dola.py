@@ -220,9 +220,6 @@ def score_dola(config: DoLa, request: ScoreRequest) -> Scored:
     return sum_continuation(diff, request)
 
 
-dola.score = score_dola  # type: ignore[attr-defined]
-
-
 @hookimpl
 def headlab_register_decoders(register):
-    register(DoLa, dola)
+    register(DoLa, dola, score=score_dola)

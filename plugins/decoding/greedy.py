@@ -76,11 +76,7 @@ def score_sample(config: Sample, request: ScoreRequest) -> Scored:
     return sum_continuation((logits.float() / config.temperature).log_softmax(-1), request)
 
 
-greedy.score = score_loglik  # type: ignore[attr-defined]
-sample.score = score_sample  # type: ignore[attr-defined]
-
-
 @hookimpl
 def headlab_register_decoders(register):
-    register(Greedy, greedy, default=True)
-    register(Sample, sample)
+    register(Greedy, greedy, default=True, score=score_loglik)
+    register(Sample, sample, score=score_sample)
