@@ -107,8 +107,8 @@ def test_example_plugin_installs_lists_and_runs(example_plugin_installed, tmp_pa
     res = run_cli("plugins", "--json")
     rows = {r["name"]: r for r in json.loads(res.stdout)}
     example = rows["example"]
-    assert example["source"] == "distribution headlab-plugin-example" and example["version"] == "0.2.0"
-    assert {c["kind"] for c in example["components"]} == {"output_norm", "word_count"}
+    assert example["source"] == "distribution headlab-plugin-example" and example["version"] == "0.3.0"
+    assert {c["kind"] for c in example["components"]} == {"output_norm", "word_count", "head_temperature", "head_contrast"}
     assert "output_norm" in run_cli("schema").stdout
     steps = ("  - id: norms\n    detect: {kind: output_norm}\n"
              "  - id: gen\n    generate: {max_new_tokens: 3, metrics: [word_count]}\n")

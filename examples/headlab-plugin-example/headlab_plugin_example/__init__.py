@@ -1,4 +1,5 @@
-"""An example headlab plugin: the ``output_norm`` detector and the ``word_count`` metric."""
+"""An example headlab plugin: the ``output_norm`` detector, the ``word_count`` metric, the
+``head_temperature`` steering method and the ``head_contrast`` decoding strategy (with a scorer)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import xarray as xr
 from pydantic import Field
 
 from headlab import ComponentConfig, Example, StepContext, hookimpl
+from headlab.dims import head_array
+
+from . import decoding, steering
 
 
 class OutputNorm(ComponentConfig):
@@ -41,9 +45,7 @@ def output_norm(config: OutputNorm, ctx: StepContext) -> xr.Dataset:
         w = _o_proj(layer).detach().float()
         for h in range(geo.n_heads):
             scores[li, h] = torch.linalg.matrix_norm(w[:, h * geo.head_dim:(h + 1) * geo.head_dim], ord=config.ord)
-    score = xr.DataArray(scores, dims=("layer", "head"),
-                         coords={"layer": np.arange(geo.n_layers), "head": np.arange(geo.n_heads)})
-    return xr.Dataset({"score": score}, attrs={"method": "output_norm"})
+    return xr.Dataset({"score": head_array(scores)}, attrs={"method": "output_norm"})
 
 
 def word_count(config: WordCount, examples: list[Example], outputs: list[str]) -> np.ndarray:
@@ -59,3 +61,13 @@ def headlab_register_detectors(register):
 @hookimpl
 def headlab_register_metrics(register):
     register(WordCount, word_count)
+
+
+@hookimpl
+def headlab_register_steering(register):
+    register(steering.HeadTemperature, steering.steer)
+
+
+@hookimpl
+def headlab_register_decoders(register):
+    register(decoding.HeadContrast, decoding.decode, score=decoding.score)
