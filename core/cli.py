@@ -7,6 +7,7 @@
     headlab runs [DIR]
     headlab show RUN
     headlab report RUN [-o FILE]
+    headlab new-plugin {detector|steering|decoder|task|metric} NAME [DIR]
 """
 
 from __future__ import annotations
@@ -184,6 +185,24 @@ def report(
 
     path = write_report(run_path, output, n_examples=examples)
     console.print(f"report written to {path}")
+
+
+@app.command("new-plugin")
+def new_plugin(
+    kind: Annotated[str, typer.Argument(metavar="KIND", help="detector, steering, decoder, task or metric")],
+    name: Annotated[str, typer.Argument(help="the plugin's kind in specs, e.g. attention_sink")],
+    directory: Annotated[Path | None, typer.Argument(metavar="DIR", help="where to write (default: ./headlab-NAME)")]
+    = None,
+) -> None:
+    """Write a pip-installable plugin package: pyproject, a working method, its test, a README."""
+    from .scaffold import new_plugin as write
+
+    files = write(kind, name, directory)
+    root = files[0].parent
+    console.print(f"[bold]{kind} plugin {name!r}[/bold] written to {root}:", soft_wrap=True)
+    for path in files:
+        console.print(f"  {path.relative_to(root)}")
+    console.print(f"next: pip install -e {root} && pytest {root}", soft_wrap=True)
 
 
 def main() -> None:

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import tomllib
 
+from headlab.scaffold import KINDS
+
 ROOT = Path(__file__).parent.parent
 ROOTS = {"headlab": "core", "headlab.plugins": "plugins", "headlab.kernels": "kernels"}
 
@@ -56,15 +58,19 @@ def wheel(tmp_path_factory) -> Path:
 def test_wheel_contents_and_import(wheel, tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     for expected in ("headlab/__init__.py", "headlab/spec.py", "headlab/plugins/detectors/patterns.py",
-                     "headlab/kernels/__init__.py"):
+                     "headlab/kernels/__init__.py", "headlab/templates/new_plugin/pyproject.toml.tmpl",
+                     *(f"headlab/templates/new_plugin/{kind}/{name}.tmpl" for kind in KINDS
+                       for name in ("plugin.py", "test_plugin.py", "README.md"))):
         assert expected in names
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
                    check=True, capture_output=True, timeout=300)
     code = ("import headlab, headlab.kernels, headlab.plugins.detectors.patterns as p; "
             "from headlab.plugin_manager import get_manager; "
-            "print(headlab.__file__); print(sorted(get_manager().components['detectors']))")
+            "print(headlab.__file__); print(sorted(get_manager().components['detectors'])); "
+            "import headlab.scaffold as s; s.new_plugin('metric', 'wheel_metric', 'pkg', check_installed=False)")
     res = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(target)!r}); {code}"],
                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert str(target) in res.stdout and "induction" in res.stdout
+    assert (tmp_path / "pkg" / "headlab_wheel_metric" / "__init__.py").is_file()  # templates ship in the wheel
