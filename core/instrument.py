@@ -5,8 +5,10 @@ headlab registers an attention implementation named ``"headlab"`` with transform
 newly registered attention function receives ``attention_mask=None`` for left-padded batches). Models are
 loaded with ``attn_implementation="headlab"`` after :func:`register`. Outside an :func:`instrument`
 context, or for a layer the active :class:`Plan` does not touch, the function calls transformers' SDPA
-attention exactly, so logits are identical to ``attn_implementation="sdpa"``. Inside a context, the layers
-the plan touches run :func:`headlab.kernels.attention` with the plan's edits and probes for that layer.
+attention exactly, so logits are identical to ``attn_implementation="sdpa"``. Inside a context,
+:func:`headlab.kernels.choose_backend` decides each layer's path: that same SDPA call when the plan's edits
+on the layer are only query/output scales (applied around it) and nothing reads the layer's outputs, else
+:func:`headlab.kernels.attention` with the plan's edits and probes for that layer.
 
 Example::
 
@@ -40,6 +42,7 @@ import torch
 import xarray as xr
 from torch import Tensor
 
+from headlab.kernels import HeadEdits, ProbeRequest, choose_backend
 from headlab.kernels import attention as kernel_attention
 from headlab.kernels.attention import visibility
 
@@ -606,6 +609,8 @@ class Recording:
 
     :meth:`to_xarray` / :meth:`to_dataset` return the same arrays as xarray objects on the CPU, with the
     dimension names of :data:`DIMS` (the vocabulary :data:`headlab.DIMENSIONS`) and coordinates.
+    ``rec.backends[layer]``: ``(backend, reason)`` of the layer's last call, as
+    :func:`headlab.kernels.choose_backend` decided it (``"native"``: the model's own SDPA call).
     """
 
     dims = DIMS
@@ -617,6 +622,7 @@ class Recording:
         self._zpos: dict[int, list[Tensor]] = {ly: [] for ly in layers}
         self._cache: dict[str, Tensor | None] = {}
         self.calls = 0
+        self.backends: dict[int, tuple[str, str]] = {}
 
     def _add(self, name: str, layer: int, value):
         self._chunks[name][layer].append(value)
@@ -979,27 +985,7 @@ def attention_forward(
             raise UnsupportedModelError(
                 f"headlab: attention with `{name}` ({type(module).__name__}) is not supported; load the model "
                 "with another attn_implementation")
-    if layer is None or not sess.plan.touches(layer):
-        if sess is not None and layer is not None:
-            _advance(sess, layer, query.shape[2])
-        if softcap is None:
-            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                          scaling=scaling, **kwargs)
-        plan = None
-    else:
-        plan = sess.plan
-        if softcap is None and _scales_only(plan, layer) and not (dropout and module.training):
-            # only query / output scales on this layer (head masking, DeCoRe, ablation): exactly SDPA with
-            # the query scaled before and the head outputs scaled after
-            edits = sess.edits_for(layer, query.shape[0], query.shape[1], key.shape[2], 0, query.device)
-            qs, osc = edits["q_scale"], edits["out_scale"]
-            q = query if qs is None else query * qs[:, :, None, None].to(query.dtype)
-            out, _ = sdpa_attention_forward(module, q, key, value, attention_mask, dropout=dropout,
-                                            scaling=scaling, **kwargs)
-            if osc is not None:
-                out = out * osc[:, None, :, None].to(out.dtype)
-            _advance(sess, layer, query.shape[2])
-            return out, None
+    plan = sess.plan if layer is not None and sess.plan.touches(layer) else None
     if dropout and module.training and plan is not None:
         raise UnsupportedModelError("headlab: attention dropout is not supported inside instrument()")
 
@@ -1010,47 +996,59 @@ def attention_forward(
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
     if window is not None and window <= 0:
         window = None
+    k_in, v_in = key, value
     if attention_mask is None and is_causal and 1 < Nq < Nk:
         # empty static-cache slots after a prefill (sdpa crops them the same way)
-        key, value, Nk = key[:, :, :Nq], value[:, :, :Nq], Nq
+        k_in, v_in, Nk = key[:, :, :Nq], value[:, :, :Nq], Nq
+    q_start = 0 if layer is None else sess.q_count.get(layer, 0)
+    key_offset = max(0, q_start + Nq - Nk)
+    edits = probes = None
+    reads_z = False  # the head outputs are recorded or handed to callbacks
+    if plan is not None:
+        edits = HeadEdits(**sess.edits_for(layer, B, H, Nk, key_offset, query.device))
+        reads_z = bool(plan.callbacks)
+        if plan.probes.covers(layer):
+            p = plan.probes
+            probes = ProbeRequest(p.argmax, p.entropy, sess.probe_spans(B, Nk, key_offset, query.device),
+                                  sess.probe_offsets(B, Nq, Nk, q_start, query.device), p.pattern)
+            reads_z = reads_z or p.z_positions is not None
+    backend, reason = choose_backend("auto" if plan is None else plan.backend, edits=edits, probes=probes,
+                                     softcap=softcap, device=query.device, native=True, reads_outputs=reads_z)
+    if layer is not None:
+        sess.rec.backends[layer] = (backend, reason)
+    if backend == "native":
+        # exactly the SDPA call of attn_implementation="sdpa", with query / output scales around it
+        if edits is not None and edits.q_scale is not None:
+            query = query * edits.q_scale[:, :, None, None].to(query.dtype)
+        out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                        scaling=scaling, **kwargs)
+        if edits is not None and edits.out_scale is not None:
+            out = out * edits.out_scale[:, None, :, None].to(out.dtype)
+        if layer is not None:
+            _advance(sess, layer, Nq)
+        return out, None
+
+    key, value = k_in, v_in
     if scaling is None:
         scaling = D**-0.5
-    if sess is None or layer is None:
-        margs = _mask_args(attention_mask, Nq, Nk, is_causal, window)
-        z, _ = kernel_attention(query, key, value, scale=scaling, softcap=softcap, **margs)
-        return z.transpose(1, 2).contiguous(), None
-
-    q_start = sess.q_count.get(layer, 0)
-    call = sess.calls.get(layer, 0)
-    key_offset = max(0, q_start + Nq - Nk)
-    margs = sess.mask_args(attention_mask, Nq, Nk, is_causal, window)
+    margs = _mask_args(attention_mask, Nq, Nk, is_causal, window) if layer is None else \
+        sess.mask_args(attention_mask, Nq, Nk, is_causal, window)
+    z, st = kernel_attention(query, key, value, edits=edits, probes=probes, scale=scaling, softcap=softcap,
+                             **margs, backend=backend)
     if plan is None:
-        z, _ = kernel_attention(query, key, value, scale=scaling, softcap=softcap, **margs)
-        _advance(sess, layer, Nq)
+        if layer is not None:
+            _advance(sess, layer, Nq)
         return z.transpose(1, 2).contiguous(), None
 
-    edits = sess.edits_for(layer, B, H, Nk, key_offset, query.device)
-    probes = plan.probes
-    probed = probes.covers(layer)
-    pspans = sess.probe_spans(B, Nk, key_offset, query.device) if probed else None
-    poffs = sess.probe_offsets(B, Nq, Nk, q_start, query.device) if probed else None
-    z, st = kernel_attention(
-        query, key, value, scale=scaling, softcap=softcap, **margs, **edits,
-        probe_argmax=probed and probes.argmax, probe_entropy=probed and probes.entropy,
-        probe_spans=pspans, probe_offsets=poffs, return_pattern=probed and probes.pattern, backend=plan.backend,
-    )
+    call = sess.calls.get(layer, 0)
     callbacks = plan.callbacks
     if callbacks:
         def attend(key_spans: Tensor, key_bias: Tensor) -> Tensor:
             ks = (torch.as_tensor(key_spans, device=query.device).long() - key_offset).clamp(0, Nk)
             kb = torch.broadcast_to(torch.as_tensor(key_bias, device=query.device, dtype=torch.float32),
                                     (B, H, ks.shape[1]))
-            ed = dict(edits)
-            if ed.get("key_spans") is not None:
-                ks, kb = torch.cat([ed["key_spans"], ks], 1), torch.cat([ed["key_bias"], kb], 2)
-            ed.update(key_spans=ks, key_bias=kb)
-            return kernel_attention(query, key, value, scale=scaling, softcap=softcap, **margs, **ed,
-                                    backend=plan.backend)[0]
+            return kernel_attention(query, key, value, edits=edits.plus_key_bias(ks, kb), scale=scaling,
+                                    softcap=softcap, **margs, backend=plan.backend)[0]
 
         ctx = LayerContext(layer=layer, call=call, q_start=q_start, n_queries=Nq, store=sess.store,
                            attend=attend)
@@ -1060,7 +1058,7 @@ def attention_forward(
                 scale = torch.broadcast_to(torch.as_tensor(scale, device=z.device, dtype=torch.float32), (B, H))
                 sess.cb_scale[layer] = scale.clone()
                 z = (z.float() * scale[:, :, None, None]).to(z.dtype)
-    if probed:
+    if probes is not None:
         rec = sess.rec
         if probes.argmax:
             am = st.argmax
@@ -1068,18 +1066,18 @@ def attention_forward(
             rec._add("argmax_prob", layer, st.argmax_prob)
         if probes.entropy:
             rec._add("entropy", layer, st.entropy)
-        if pspans is not None:
+        if probes.spans is not None:
             rec._add("span_mass", layer, st.span_mass)
-        if poffs is not None:
+        if probes.offsets is not None:
             rec._add("offset_mass", layer, st.offset_mass)
         if probes.pattern:
             pat = st.pattern
             if key_offset:
                 pat = torch.nn.functional.pad(pat, (key_offset, 0))
             rec._add("pattern", layer, pat)
-        if probes.z_positions is not None:
+        if plan.probes.z_positions is not None:
             qpos = torch.arange(q_start, q_start + Nq, device=z.device)
-            zp = probes.z_positions
+            zp = plan.probes.z_positions
             if zp == "last":
                 keep = qpos == q_start + Nq - 1
             elif zp == "all":
@@ -1092,16 +1090,6 @@ def attention_forward(
             rec.calls += 1
     _advance(sess, layer, Nq)
     return z.transpose(1, 2).contiguous(), None
-
-
-def _scales_only(plan: Plan, layer: int) -> bool:
-    """True when the plan's only effect on ``layer`` is query and/or output scaling (no probes, biases,
-    score zeroing or callbacks), which SDPA computes exactly on a scaled query."""
-    if (plan.callbacks or plan.probes.covers(layer) or plan.key_spans is not None or plan.score_zero is not None
-            or plan.backend not in ("auto", "sdpa")):
-        return False
-    return all(isinstance(e, (QueryScale, OutputScale))
-               for e in plan.edits if e.heads is not None and any(ly == layer for ly, _ in e.heads))
 
 
 def _advance(sess: _Session, layer: int, nq: int) -> None:

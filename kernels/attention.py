@@ -1,20 +1,124 @@
 """Attention with per-head edits and streaming probes: one signature, three backends.
 
 See ``docs/kernels.md`` for the full contract. The kernels know nothing of plugins or of transformers:
-they take q, k, v and plain tensors describing the edits and probes, and return the per-head output
-``z = A @ V`` together with the requested statistics of the (edited) attention ``A``.
+they take q, k, v, a :class:`HeadEdits` and a :class:`ProbeRequest` made of plain tensors, and return the
+per-head output ``z = A @ V`` together with the requested statistics of the (edited) attention ``A``.
+:func:`choose_backend` is the one place that decides which path computes a call.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 from torch import Tensor
 
-__all__ = ["AttentionStats", "attention", "triton_available", "BACKENDS"]
+__all__ = [
+    "AttentionStats", "BACKENDS", "HeadEdits", "ProbeRequest", "attention", "choose_backend", "triton_available",
+]
 
+#: what a caller may request; :func:`choose_backend` also returns ``"native"`` (the caller's own SDPA call)
 BACKENDS = ("auto", "sdpa", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class HeadEdits:
+    """The edits of one attention call, per (batch row ``b``, query head ``h``); ``None`` = no such edit.
+
+    - ``q_scale``: (B, H) float, multiplies the query (0 = query masking: uniform attention over the
+      visible keys, ``z`` = mean of V).
+    - ``score_zero``: (B, H) bool, the pre-softmax scores are set to 0 (score masking).
+    - ``out_scale``: (B, H) float, multiplies the head output ``z`` (0 = ablation).
+    - ``key_spans`` (B, S, 2) int ``[start, end)`` in key coordinates ``0..Nk`` with ``key_bias``
+      (B, H, S) float: ``key_bias[b, h, s]`` is added to the scores of the keys in span ``s`` (spans may
+      overlap, biases add; PASTA: ``log alpha``). They go together.
+
+    Anything broadcastable to these shapes is accepted; :meth:`checked` returns the dense, validated form.
+    """
+
+    q_scale: Tensor | None = None
+    score_zero: Tensor | None = None
+    out_scale: Tensor | None = None
+    key_spans: Tensor | None = None
+    key_bias: Tensor | None = None
+
+    def is_empty(self) -> bool:
+        """True when no edit is set."""
+        return all(getattr(self, f.name) is None for f in fields(self))
+
+    def plus_key_bias(self, key_spans: Tensor, key_bias: Tensor) -> HeadEdits:
+        """These edits with more key-span biases: (B, S', 2) spans and their (B, H, S') biases appended."""
+        if self.key_spans is not None:
+            key_spans = torch.cat([self.key_spans, key_spans], 1)
+            key_bias = torch.cat([self.key_bias, key_bias], 2)
+        return HeadEdits(self.q_scale, self.score_zero, self.out_scale, key_spans, key_bias)
+
+    def checked(self, B: int, H: int, device) -> HeadEdits:
+        """Validated dense form: scales (B, H) float32, ``score_zero`` (B, H) bool, ``key_spans`` (B, S, 2)
+        int64 with ``key_bias`` (B, H, S) float32 (both ``None`` when ``S == 0``). Raises ``ValueError``."""
+        q_scale = _per_head(self.q_scale, B, H, "q_scale", torch.float32, device)
+        out_scale = _per_head(self.out_scale, B, H, "out_scale", torch.float32, device)
+        score_zero = _per_head(self.score_zero, B, H, "score_zero", torch.bool, device)
+        key_spans, key_bias = self.key_spans, self.key_bias
+        if (key_spans is None) != (key_bias is None):
+            raise ValueError("key_spans and key_bias go together")
+        if key_spans is not None:
+            key_spans = torch.as_tensor(key_spans, device=device).long()
+            if key_spans.dim() != 3 or key_spans.shape[0] != B or key_spans.shape[2] != 2:
+                raise ValueError(f"key_spans must be (B, S, 2), got {tuple(key_spans.shape)}")
+            S = key_spans.shape[1]
+            key_bias = torch.as_tensor(key_bias, device=device, dtype=torch.float32)
+            try:
+                key_bias = torch.broadcast_to(key_bias, (B, H, S))
+            except RuntimeError as e:
+                raise ValueError(f"key_bias must broadcast to (B, H, S) = ({B}, {H}, {S})") from e
+            if S == 0:
+                key_spans = key_bias = None
+        return HeadEdits(q_scale, score_zero, out_scale, key_spans, key_bias)
+
+
+@dataclass(frozen=True)
+class ProbeRequest:
+    """What to measure on the (edited) attention of one call; see :class:`AttentionStats` for the outputs.
+
+    - ``argmax``: index and probability of the top-1 key (the first one on ties).
+    - ``entropy``: row entropy in nats.
+    - ``spans``: (B, P, 2) int ``[start, end)`` key spans -> attention mass per span.
+    - ``offsets``: (B, O) int relative offsets ``delta >= 0`` (``-1`` = unused slot) -> per query ``i`` the
+      attention ``A[i, Nk - Nq + i - delta]`` to the key ``delta`` positions back (1 = previous token).
+    - ``pattern``: the full (B, H, Nq, Nk) attention (the only quadratic output).
+
+    ``spans`` / ``offsets`` given with zero columns still count as probes (their outputs have 0 columns).
+    """
+
+    argmax: bool = False
+    entropy: bool = False
+    spans: Tensor | None = None
+    offsets: Tensor | None = None
+    pattern: bool = False
+
+    def any(self) -> bool:
+        """True when anything is to be measured."""
+        return bool(self.argmax or self.entropy or self.spans is not None or self.offsets is not None
+                    or self.pattern)
+
+    def checked(self, B: int, device) -> ProbeRequest:
+        """Validated form: ``spans`` (B, P, 2) int64, ``offsets`` (B, O) int64 ``>= -1``. Raises ``ValueError``."""
+        spans, offsets = self.spans, self.offsets
+        if spans is not None:
+            spans = torch.as_tensor(spans, device=device).long()
+            if spans.dim() != 3 or spans.shape[0] != B or spans.shape[2] != 2:
+                raise ValueError(f"probe_spans must be (B, P, 2), got {tuple(spans.shape)}")
+        if offsets is not None:
+            offsets = torch.as_tensor(offsets, device=device)
+            if offsets.dtype.is_floating_point or offsets.dtype == torch.bool:
+                raise ValueError("probe_offsets must be integers")
+            offsets = offsets.long()
+            if offsets.dim() != 2 or offsets.shape[0] != B:
+                raise ValueError(f"probe_offsets must be (B, O), got {tuple(offsets.shape)}")
+            if bool((offsets < -1).any()):
+                raise ValueError("probe_offsets must be >= 0 (or -1 for an unused slot)")
+        return ProbeRequest(bool(self.argmax), bool(self.entropy), spans, offsets, bool(self.pattern))
 
 
 @dataclass
@@ -35,7 +139,8 @@ class AttentionStats:
       query's own key coordinate and ``delta_o = probe_offsets[b, o]``; 0 where that key is outside
       ``0..Nk-1`` or not visible, and for unused offset slots (``delta_o = -1``).
     - ``pattern``: (B, H, Nq, Nk) float32, the full attention, only when ``return_pattern``.
-    - ``backend``: the path that ran (``"sdpa"``, ``"torch"`` or ``"triton"``).
+    - ``backend``: the path that ran (``"sdpa"``, ``"torch"`` or ``"triton"``) and ``reason``: why
+      (:func:`choose_backend`).
     """
 
     argmax: Tensor | None = None
@@ -45,6 +150,7 @@ class AttentionStats:
     offset_mass: Tensor | None = None
     pattern: Tensor | None = None
     backend: str = field(default="torch")
+    reason: str = ""
 
 
 def triton_available() -> bool:
@@ -54,6 +160,78 @@ def triton_available() -> bool:
     except Exception:  # pragma: no cover - depends on the platform
         return False
     return True
+
+
+def _on_cuda(device) -> bool:
+    return device is not None and torch.device(device).type == "cuda"
+
+
+def _sdpa_blocker(edits: HeadEdits | None, probes: ProbeRequest | None, softcap: float | None) -> str | None:
+    """Why SDPA cannot compute this call exactly, or ``None`` when it can."""
+    if probes is not None and probes.any():
+        return "probes"
+    if softcap is not None:
+        return "softcap"
+    if edits is not None and edits.score_zero is not None:
+        return "score zeroing"
+    if edits is not None and edits.key_bias is not None:
+        if not bool(torch.isfinite(torch.as_tensor(edits.key_bias)).all()):
+            return "an infinite key bias"
+    return None
+
+
+def choose_backend(
+    requested: str = "auto",
+    *,
+    edits: HeadEdits | None = None,
+    probes: ProbeRequest | None = None,
+    softcap: float | None = None,
+    device: torch.device | str | None = None,
+    native: bool = False,
+    reads_outputs: bool = False,
+) -> tuple[str, str]:
+    """The path that computes one attention call, and why: ``(backend, reason)``. The only place that decides.
+
+    ``requested`` is one of :data:`BACKENDS`. SDPA applies when the call has no probe of any kind, no softcap,
+    no score zeroing and only finite key biases (query and output scales ride around it, finite key biases
+    ride as one extra head-dim coordinate). Then:
+
+    - ``"native"``: the caller's own plain SDPA call (headlab's instrument: the model's own ``sdpa``
+      attention, bit-identical to an uninstrumented model), with query scales applied before it and
+      output scales after it. Only when the caller offers one (``native=True``), the edits hold no key
+      bias, and the caller does not read the head outputs (``reads_outputs``: they are recorded or handed
+      to a callback that may recompute them through :func:`attention`, so they come from the kernels).
+    - ``"sdpa"``: ``scaled_dot_product_attention`` through :func:`attention` otherwise.
+
+    Else (``"auto"``) ``"triton"`` on CUDA when triton is installed, ``"torch"`` elsewhere. ``"torch"`` and
+    ``"triton"`` are taken as requested; ``"sdpa"`` requested for a call SDPA cannot compute raises
+    ``ValueError``. ``edits``/``probes`` may be unchecked (as given to :func:`attention`).
+    """
+    if requested not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {requested!r}")
+    if requested in ("torch", "triton"):
+        return requested, "requested"
+    blocker = _sdpa_blocker(edits, probes, softcap)
+    if blocker is None:
+        if edits is None or edits.is_empty():
+            what = "no edits or probes"
+        elif edits.key_spans is None:
+            what = "query/output scales only"
+        else:
+            what = "finite key biases"
+        if native and (edits is None or edits.key_spans is None):
+            if not reads_outputs:
+                return "native", what
+            what += "; head outputs are read"
+        return "sdpa", what
+    if requested == "sdpa":
+        raise ValueError("backend='sdpa' takes no probes, softcap, score_zero or infinite key_bias "
+                         f"(this call has {blocker})")
+    if not _on_cuda(device):
+        return "torch", f"{blocker}; not on CUDA"
+    if not triton_available():
+        return "torch", f"{blocker}; triton is not installed"
+    return "triton", f"{blocker}; CUDA"
 
 
 def _per_head(x, B: int, H: int, name: str, dtype, device) -> Tensor | None:
@@ -67,15 +245,47 @@ def _per_head(x, B: int, H: int, name: str, dtype, device) -> Tensor | None:
     return x.to(dtype)
 
 
+def _requests(
+    edits: HeadEdits | None = None,
+    probes: ProbeRequest | None = None,
+    *,
+    q_scale=None,
+    score_zero=None,
+    out_scale=None,
+    key_spans=None,
+    key_bias=None,
+    probe_argmax: bool = False,
+    probe_entropy: bool = False,
+    probe_spans=None,
+    probe_offsets=None,
+    return_pattern: bool = False,
+) -> tuple[HeadEdits, ProbeRequest]:
+    """One :class:`HeadEdits` and one :class:`ProbeRequest` from the dataclasses or from the keyword
+    convenience of :func:`attention` (not both for the same group)."""
+    flat_edits = HeadEdits(q_scale, score_zero, out_scale, key_spans, key_bias)
+    flat_probes = ProbeRequest(probe_argmax, probe_entropy, probe_spans, probe_offsets, return_pattern)
+    if edits is not None and not flat_edits.is_empty():
+        raise ValueError("give the edits either as HeadEdits or as keyword arguments, not both")
+    if probes is not None and flat_probes.any():
+        raise ValueError("give the probes either as a ProbeRequest or as keyword arguments, not both")
+    return edits or flat_edits, probes or flat_probes
+
+
 def attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
     *,
+    edits: HeadEdits | None = None,
+    probes: ProbeRequest | None = None,
     scale: float | None = None,
     causal: bool = True,
     key_padding_mask: Tensor | None = None,
     attn_mask: Tensor | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
+    backend: str = "auto",
+    block_q: int = 128,
     q_scale: Tensor | None = None,
     score_zero: Tensor | None = None,
     out_scale: Tensor | None = None,
@@ -86,10 +296,6 @@ def attention(
     probe_spans: Tensor | None = None,
     probe_offsets: Tensor | None = None,
     return_pattern: bool = False,
-    softcap: float | None = None,
-    window: int | None = None,
-    backend: str = "auto",
-    block_q: int = 128,
 ) -> tuple[Tensor, AttentionStats]:
     """Attention plus per-head edits and streaming probes.
 
@@ -107,7 +313,7 @@ def attention(
         (for masks that are not causal/window/padding, e.g. bidirectional image blocks).
     A query row with no visible key outputs zeros (never NaN).
 
-    Scores and edits, in this order, per (batch row b, head h)::
+    ``edits`` (:class:`HeadEdits`), in this order, per (batch row b, head h)::
 
         s_ij = scale * (q_scale[b,h] * q_i) . k_j        # q_scale 0 = query masking -> uniform attention
         s_ij = softcap * tanh(s_ij / softcap)             # if softcap (Gemma 2)
@@ -116,23 +322,23 @@ def attention(
         s_ij = -inf              where masked
         A = softmax_j(s);  z_i = out_scale[b,h] * sum_j A_ij v_j
 
-    ``q_scale``, ``out_scale``: float, broadcastable to (B, H). ``score_zero``: bool, (B, H).
-    ``key_spans``: (B, S, 2) int ``[start, end)`` in key coordinates ``0..Nk``; spans may overlap and
-    biases add. ``key_bias``: (B, H, S) float. Rows/heads without an edit use 1 / False / 0.
-
-    Probes (see :class:`AttentionStats`) describe ``A`` after the edits: ``probe_argmax`` (index and
-    probability of the top-1 key), ``probe_entropy`` (nats), ``probe_spans`` (B, P, 2) int
-    ``[start, end)`` -> mass per span, ``probe_offsets`` (B, O) int relative offsets ``delta >= 0``
-    (``-1`` = unused slot) -> ``A[i, Nk - Nq + i - delta]`` per query (the attention ``delta`` keys back
-    from the query's own position: 1 = previous token), ``return_pattern`` -> full (B, H, Nq, Nk) attention.
+    ``probes`` (:class:`ProbeRequest`; results in :class:`AttentionStats`) describe ``A`` after the edits.
+    The keyword arguments ``q_scale, score_zero, out_scale, key_spans, key_bias`` and ``probe_argmax,
+    probe_entropy, probe_spans, probe_offsets, return_pattern`` are a convenience for the same fields.
 
     ``backend``: ``"sdpa"`` (``scaled_dot_product_attention``; takes query/output scales and finite key
     biases, which it computes exactly, the bias riding as an extra head-dim coordinate; no probes,
     softcap or score zeroing), ``"torch"`` (query-blocked, exact, memory linear in sequence length:
     ``block_q`` query rows at a time), ``"triton"`` (fused FlashAttention-2-style kernel; CUDA, or CPU
-    under ``TRITON_INTERPRET=1``), ``"auto"`` (sdpa whenever it applies, else triton on CUDA, else
-    torch). All paths accumulate in float32 and return ``z`` (B, H, Nq, Dv) in ``q.dtype``.
+    under ``TRITON_INTERPRET=1``), ``"auto"``: :func:`choose_backend` decides (sdpa whenever it applies,
+    else triton on CUDA, else torch). All paths accumulate in float32 and return ``z`` (B, H, Nq, Dv) in
+    ``q.dtype``.
     """
+    edits, probes = _requests(
+        edits, probes, q_scale=q_scale, score_zero=score_zero, out_scale=out_scale, key_spans=key_spans,
+        key_bias=key_bias, probe_argmax=probe_argmax, probe_entropy=probe_entropy, probe_spans=probe_spans,
+        probe_offsets=probe_offsets, return_pattern=return_pattern,
+    )
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q, k, v must be 4-D: (B, H, Nq, D), (B, Hkv, Nk, D), (B, Hkv, Nk, Dv)")
     B, H, Nq, D = q.shape
@@ -148,9 +354,6 @@ def attention(
     if scale is None:
         scale = D**-0.5
     dev = q.device
-    q_scale = _per_head(q_scale, B, H, "q_scale", torch.float32, dev)
-    out_scale = _per_head(out_scale, B, H, "out_scale", torch.float32, dev)
-    score_zero = _per_head(score_zero, B, H, "score_zero", torch.bool, dev)
     if key_padding_mask is not None:
         if tuple(key_padding_mask.shape) != (B, Nk):
             raise ValueError(f"key_padding_mask must be (B, Nk) = ({B}, {Nk}), got {tuple(key_padding_mask.shape)}")
@@ -160,71 +363,30 @@ def attention(
             raise ValueError("attn_mask must be a 4-D boolean tensor broadcastable to (B, H, Nq, Nk)")
         attn_mask = attn_mask.to(dev)
         torch.broadcast_shapes(attn_mask.shape, (B, H, Nq, Nk))
-    if (key_spans is None) != (key_bias is None):
-        raise ValueError("key_spans and key_bias go together")
-    if key_spans is not None:
-        key_spans = torch.as_tensor(key_spans, device=dev).long()
-        if key_spans.dim() != 3 or key_spans.shape[0] != B or key_spans.shape[2] != 2:
-            raise ValueError(f"key_spans must be (B, S, 2), got {tuple(key_spans.shape)}")
-        S = key_spans.shape[1]
-        key_bias = torch.as_tensor(key_bias, device=dev, dtype=torch.float32)
-        try:
-            key_bias = torch.broadcast_to(key_bias, (B, H, S))
-        except RuntimeError as e:
-            raise ValueError(f"key_bias must broadcast to (B, H, S) = ({B}, {H}, {S})") from e
-        if S == 0:
-            key_spans = key_bias = None
-    if probe_spans is not None:
-        probe_spans = torch.as_tensor(probe_spans, device=dev).long()
-        if probe_spans.dim() != 3 or probe_spans.shape[0] != B or probe_spans.shape[2] != 2:
-            raise ValueError(f"probe_spans must be (B, P, 2), got {tuple(probe_spans.shape)}")
-    if probe_offsets is not None:
-        probe_offsets = torch.as_tensor(probe_offsets, device=dev)
-        if probe_offsets.dtype.is_floating_point or probe_offsets.dtype == torch.bool:
-            raise ValueError("probe_offsets must be integers")
-        probe_offsets = probe_offsets.long()
-        if probe_offsets.dim() != 2 or probe_offsets.shape[0] != B:
-            raise ValueError(f"probe_offsets must be (B, O), got {tuple(probe_offsets.shape)}")
-        if bool((probe_offsets < -1).any()):
-            raise ValueError("probe_offsets must be >= 0 (or -1 for an unused slot)")
+    edits = edits.checked(B, H, dev)
+    probes = probes.checked(B, dev)
     if softcap is not None and softcap <= 0:
         raise ValueError("softcap must be positive")
     if window is not None and window <= 0:
         raise ValueError("window must be positive")
 
-    has_probes = (probe_argmax or probe_entropy or probe_spans is not None or probe_offsets is not None
-                  or return_pattern)
-    sdpa_ok = (not has_probes and softcap is None and score_zero is None
-               and (key_bias is None or bool(torch.isfinite(key_bias).all())))
-    if backend == "auto":
-        if sdpa_ok:
-            backend = "sdpa"
-        elif q.is_cuda and triton_available():
-            backend = "triton"
-        else:
-            backend = "torch"
+    backend, reason = choose_backend(backend, edits=edits, probes=probes, softcap=softcap, device=dev)
     if backend == "sdpa":
-        if not sdpa_ok:
-            raise ValueError("backend='sdpa' takes no probes, softcap, score_zero or infinite key_bias")
-        kbias = None if key_spans is None else _span_bias(key_spans, key_bias, Nk)
-        out = _sdpa(q, k, v, scale, causal, key_padding_mask, attn_mask, window, q_scale, out_scale, kbias)
-        return out, AttentionStats(backend="sdpa")
-    kw = dict(
-        scale=float(scale), causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
-        q_scale=q_scale, score_zero=score_zero, out_scale=out_scale, key_spans=key_spans,
-        key_bias=key_bias, probe_argmax=probe_argmax, probe_entropy=probe_entropy,
-        probe_spans=probe_spans, probe_offsets=probe_offsets, return_pattern=return_pattern, softcap=softcap,
-        window=window,
-    )
+        kbias = None if edits.key_spans is None else _span_bias(edits.key_spans, edits.key_bias, Nk)
+        out = _sdpa(q, k, v, scale, causal, key_padding_mask, attn_mask, window, edits.q_scale, edits.out_scale,
+                    kbias)
+        return out, AttentionStats(backend="sdpa", reason=reason)
+    masks = dict(scale=float(scale), causal=causal, key_padding_mask=key_padding_mask, attn_mask=attn_mask,
+                 softcap=softcap, window=window)
     if backend == "triton":
         from .triton_attention import triton_attention
 
-        out, stats = triton_attention(q, k, v, **kw)
+        out, stats = triton_attention(q, k, v, edits, probes, **masks)
     else:
         from .torch_attention import torch_attention
 
-        out, stats = torch_attention(q, k, v, block_q=block_q, **kw)
-    stats.backend = backend
+        out, stats = torch_attention(q, k, v, edits, probes, block_q=block_q, **masks)
+    stats.backend, stats.reason = backend, reason
     return out, stats
 
 

@@ -12,7 +12,7 @@ import math
 import torch
 from torch import Tensor
 
-from .attention import AttentionStats, visibility
+from .attention import AttentionStats, HeadEdits, ProbeRequest, visibility
 
 # float32 elements of one (B, H, block, keys) score block; the block shrinks to stay under this
 _MAX_BLOCK_ELEMS = 1 << 25
@@ -28,25 +28,18 @@ def torch_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    edits: HeadEdits,
+    probes: ProbeRequest,
     *,
     scale: float,
     causal: bool,
     key_padding_mask: Tensor | None,
     attn_mask: Tensor | None,
-    q_scale: Tensor | None,
-    score_zero: Tensor | None,
-    out_scale: Tensor | None,
-    key_spans: Tensor | None,
-    key_bias: Tensor | None,
-    probe_argmax: bool,
-    probe_entropy: bool,
-    probe_spans: Tensor | None,
-    return_pattern: bool,
-    probe_offsets: Tensor | None = None,
     softcap: float | None,
     window: int | None,
     block_q: int = 128,
 ) -> tuple[Tensor, AttentionStats]:
+    """The torch path of :func:`~headlab.kernels.attention` (checked ``edits`` and ``probes``)."""
     B, H, Nq, D = q.shape
     Hkv, Nk, Dv = k.shape[1], k.shape[2], v.shape[3]
     G = H // Hkv
@@ -59,25 +52,25 @@ def torch_attention(
 
     # per-key additive bias from the key spans: (B, H, Nk), linear memory
     kbias = None
-    if key_spans is not None:
-        kbias = torch.einsum("bhs,bsn->bhn", key_bias.to(f32), _inspan(key_spans, 0, Nk))
-    pin = _inspan(probe_spans, 0, Nk) if probe_spans is not None else None  # (B, P, Nk)
+    if edits.key_spans is not None:
+        kbias = torch.einsum("bhs,bsn->bhn", edits.key_bias.to(f32), _inspan(edits.key_spans, 0, Nk))
+    pin = _inspan(probes.spans, 0, Nk) if probes.spans is not None else None  # (B, P, Nk)
     qmul = torch.full((B, H), scale, dtype=f32, device=dev)
-    if q_scale is not None:
-        qmul = qmul * q_scale
+    if edits.q_scale is not None:
+        qmul = qmul * edits.q_scale
 
     out = torch.empty(B, H, Nq, Dv, dtype=q.dtype, device=dev)
     stats = AttentionStats()
-    if probe_argmax:
+    if probes.argmax:
         stats.argmax = torch.empty(B, H, Nq, dtype=torch.long, device=dev)
         stats.argmax_prob = torch.empty(B, H, Nq, dtype=f32, device=dev)
-    if probe_entropy:
+    if probes.entropy:
         stats.entropy = torch.empty(B, H, Nq, dtype=f32, device=dev)
     if pin is not None:
         stats.span_mass = torch.empty(B, H, Nq, pin.shape[1], dtype=f32, device=dev)
-    if probe_offsets is not None:
-        stats.offset_mass = torch.zeros(B, H, Nq, probe_offsets.shape[1], dtype=f32, device=dev)
-    if return_pattern:
+    if probes.offsets is not None:
+        stats.offset_mass = torch.zeros(B, H, Nq, probes.offsets.shape[1], dtype=f32, device=dev)
+    if probes.pattern:
         stats.pattern = torch.zeros(B, H, Nq, Nk, dtype=f32, device=dev)
 
     for q0 in range(0, Nq, bq):
@@ -87,10 +80,10 @@ def torch_attention(
         k0 = 0 if window is None else max(0, off + q0 - window + 1)
         if k1 <= k0:  # nothing visible for the whole block
             out[:, :, q0:q1] = 0
-            if probe_argmax:
+            if probes.argmax:
                 stats.argmax[:, :, q0:q1] = -1
                 stats.argmax_prob[:, :, q0:q1] = 0
-            if probe_entropy:
+            if probes.entropy:
                 stats.entropy[:, :, q0:q1] = 0
             if pin is not None:
                 stats.span_mass[:, :, q0:q1] = 0
@@ -102,8 +95,8 @@ def torch_attention(
         s = s.view(B, H, n, k1 - k0)
         if softcap is not None:
             s = torch.tanh(s / softcap) * softcap
-        if score_zero is not None:
-            s = s.masked_fill(score_zero[:, :, None, None], 0.0)
+        if edits.score_zero is not None:
+            s = s.masked_fill(edits.score_zero[:, :, None, None], 0.0)
         if kbias is not None:
             s = s + kbias[:, :, None, k0:k1]
         valid = None
@@ -126,22 +119,22 @@ def torch_attention(
         lsafe = torch.where(empty, torch.ones((), dtype=f32, device=dev), lsum)
         a = p / lsafe
         o = torch.matmul(a.reshape(B, Hkv, G * n, k1 - k0), vf[:, :, k0:k1]).view(B, H, n, Dv)
-        if out_scale is not None:
-            o = o * out_scale[:, :, None, None]
+        if edits.out_scale is not None:
+            o = o * edits.out_scale[:, :, None, None]
         out[:, :, q0:q1] = o.to(q.dtype)
-        if probe_argmax:
+        if probes.argmax:
             idx = s.argmax(-1)
             e = empty.squeeze(-1)
             stats.argmax[:, :, q0:q1] = torch.where(e, torch.full_like(idx, -1), idx + k0)
             stats.argmax_prob[:, :, q0:q1] = a.gather(-1, idx[..., None]).squeeze(-1)
-        if probe_entropy:
+        if probes.entropy:
             loga = s - m - torch.log(lsafe)
             stats.entropy[:, :, q0:q1] = -torch.where(a > 0, a * loga, torch.zeros((), dtype=f32, device=dev)).sum(-1)
         if pin is not None:
             stats.span_mass[:, :, q0:q1] = torch.einsum("bhqn,bpn->bhqp", a, pin[:, :, k0:k1])
-        if probe_offsets is not None and probe_offsets.shape[1]:
-            stats.offset_mass[:, :, q0:q1] = _offset_gather(a, probe_offsets, off + q0, k0)
-        if return_pattern:
+        if probes.offsets is not None and probes.offsets.shape[1]:
+            stats.offset_mass[:, :, q0:q1] = _offset_gather(a, probes.offsets, off + q0, k0)
+        if probes.pattern:
             stats.pattern[:, :, q0:q1, k0:k1] = a
     return out, stats
 

@@ -140,7 +140,8 @@ def test_probe_path_never_reads_the_pattern(tmp_path, monkeypatch):
     real_kernel = ins.kernel_attention
 
     def spy(*args, **kwargs):
-        calls.append((bool(kwargs.get("return_pattern")), kwargs.get("probe_offsets")))
+        probes = kwargs.get("probes")  # a headlab.kernels.ProbeRequest
+        calls.append((bool(probes is not None and probes.pattern), None if probes is None else probes.offsets))
         return real_kernel(*args, **kwargs)
 
     monkeypatch.setattr(ins, "kernel_attention", spy)
