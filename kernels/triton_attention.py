@@ -24,7 +24,8 @@ in-bounds mask), not block pointers: ``tl.make_block_ptr`` raises ``NotImplement
 ("removed in favor of the tensor descriptor API"), compiled and under the interpreter alike, and tensor
 descriptors need 16-byte-aligned strides (asserted by the interpreter too), which these inputs do not
 guarantee (int8 masks with ``Nk``-byte rows, stride-0 broadcast masks, ``P``-column probe buffers, head
-dims that are not a multiple of 4). Strides travel as ``(batch, head, position, dim)`` tuples (triton >= 3.3).
+dims whose rows are not a multiple of 16 bytes), and their device-side form needs a global allocator on
+Hopper. Strides travel as ``(batch, head, position, dim)`` tuples (triton >= 3.3).
 
 Runs on CUDA, and on CPU under ``TRITON_INTERPRET=1`` (set before triton is imported).
 """
