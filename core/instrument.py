@@ -338,7 +338,8 @@ class Plan:
     copy 0 (contrastive decoding's base and masked copies). :meth:`edits_on` lists the edits of one head;
     :attr:`callbacks` the layer functions.
 
-    ``backend`` is passed to the kernel (``"auto"``: Triton on CUDA, torch elsewhere).
+    ``backend`` is the path requested of :func:`headlab.kernels.choose_backend` (``"auto"``: it decides per layer;
+    ``"torch"``, ``"triton"`` or ``"sdpa"`` force one; ``rec.backends`` says what ran).
     """
 
     probes: Probes = field(default_factory=Probes)
