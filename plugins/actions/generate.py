@@ -1,4 +1,8 @@
-"""The ``generate`` action: steer, decode in batches, score the outputs with metrics."""
+"""The ``generate`` action: steer, decode in batches, score the outputs with metrics.
+
+Stored: ``output`` (the text, over ``example``), ``output_ids`` (the generated token ids over ``example,
+step``, -1 after a row's last token; special tokens kept, EOS not included), one variable per metric, the
+decoder's diagnostics (:func:`headlab.runner.decode_info`) and the steering methods' reports."""
 
 from typing import Annotated, Any
 
@@ -34,6 +38,7 @@ def generate(action: Any, ctx: StepContext) -> xr.Dataset:
     mgr = get_manager()
     decoder = mgr.get("decoders", action.decode.kind)
     outputs: list[str] = []
+    tokens: list[list[int]] = []
     infos: list[tuple[dict[str, Any], list[int]]] = []
     steered: dict[str, list[xr.DataArray]] = {}
     batches = [ctx.examples[i: i + action.batch_size] for i in range(0, len(ctx.examples), action.batch_size)]
@@ -43,12 +48,17 @@ def generate(action: Any, ctx: StepContext) -> xr.Dataset:
         request = DecodeRequest(ctx.model, batch, action.max_new_tokens, list(action.stop), plan, ctx.seed, ctx)
         decoded = decoder.impl(action.decode, request)
         outputs.extend(decoded.texts)
+        tokens.extend(decoded.tokens)
         infos.append((decoded.info, [len(t) for t in decoded.tokens]))
         for report in reports:
             for name, array in report().items():
                 steered.setdefault(name, []).append(array)
-    ds = xr.Dataset({"output": ("example", np.array(outputs, dtype=object))})
     arrays, attrs = decode_info(infos, ctx.model.geometry)
+    steps = max([len(t) for t in tokens] + [a.sizes["step"] for a in arrays.values() if "step" in a.dims])
+    ids = np.full((len(tokens), steps), -1, dtype=np.int64)
+    for row, toks in zip(ids, tokens, strict=True):
+        row[: len(toks)] = toks
+    ds = xr.Dataset({"output": ("example", np.array(outputs, dtype=object)), "output_ids": (("example", "step"), ids)})
     ds = ds.assign(arrays)
     for name, parts in steered.items():
         if len(parts) == len(batches):
