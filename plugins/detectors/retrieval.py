@@ -239,6 +239,15 @@ def _reference_text(ex: Example, which: str, span: str, i: int) -> str:
     return ex.target
 
 
+def needle_tokens(lm: LoadedModel, examples: Sequence[Example], span: str = "needle") -> np.ndarray:
+    """``(example, 2)`` token positions ``[start, end)`` of each example's first ``span`` span in its own
+    (unpadded) tokens: the needle whose tokens the retrieval score counts."""
+    out = np.zeros((len(examples), 2), dtype=np.int64)
+    for i, ex in enumerate(examples):
+        out[i] = tokenize(lm, [ex]).token_span(0, *ex.spans[span][0])
+    return out
+
+
 def _dataset(per_example: np.ndarray, retrieved: np.ndarray, geo: Geometry) -> xr.Dataset:
     from headlab.dims import head_array
 
@@ -269,6 +278,8 @@ def detect(config: Retrieval, ctx: StepContext) -> xr.Dataset:
             warnings.warn("retrieval: the model retrieved no needle; every score is 0", stacklevel=2)
         ds = _dataset(scores, retrieved, geo)
         ds["recall"] = ("example", recall)
+        needle = needle_tokens(ctx.model, ctx.examples, config.span)
+        ds["needle_start"], ds["needle_end"] = ("example", needle[:, 0]), ("example", needle[:, 1])
         ds["output"] = ("example", np.array(texts, dtype=object))
         ds.attrs["n_retrieved"] = int(retrieved.sum())
     ds["retrieval_head"] = ds["score"] >= config.threshold
