@@ -1,14 +1,21 @@
 """Results: xarray conventions, the zarr run store, and the run catalog.
 
 A run is one zarr group (a directory) whose attributes hold the spec text, the resolved config and
-provenance. Each sweep cell is written as it finishes to ``cells/<cell>/<step id>``; a cell group
-with ``done: true`` is complete, so an interrupted run resumes where it stopped. ``Run.results``
-combines the cells of a step into one Dataset with one dimension per sweep key.
+provenance. It is created under a temporary name and renamed into place, so a run directory is never
+half-created. Each sweep cell is written as it finishes to ``cells/<cell>/<step id>``; a cell group
+with ``done: true`` is complete and lists the arrays it wrote (shape, number and bytes of chunk files),
+so an interrupted run resumes where it stopped and reading a run verifies it: a missing cell of a
+complete run, or a missing or changed chunk, is a :class:`RunDamaged` error naming it, never fill
+values. ``Run.results`` combines the cells of a step into one Dataset with one dimension per sweep key.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import shutil
+import tempfile
 import time
 import warnings
 from collections.abc import Iterator, Mapping
@@ -21,10 +28,107 @@ import xarray as xr
 import zarr
 
 FORMAT = "headlab-run/1"
+CREATING = ".creating"
+"""Suffix of the temporary directory a run store is built in before it is renamed into place."""
+_MANIFEST_KEYS = 256
 
 
 class RunNotFound(Exception):
     """No headlab run store at a path."""
+
+
+class RunDamaged(RunNotFound):
+    """A run store exists but is incomplete or corrupt; the message names what is missing or changed."""
+
+
+def _array_files(array_dir: Path) -> dict[str, int]:
+    """Chunk files of one stored array: relative key -> size in bytes."""
+    out = {}
+    for root, _, files in os.walk(array_dir):
+        for f in files:
+            full = Path(root) / f
+            key = full.relative_to(array_dir).as_posix()
+            if key != "zarr.json":
+                out[key] = full.stat().st_size
+    return out
+
+
+def _read_meta(path: Path) -> dict[str, Any] | None:
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def step_manifest(step_dir: Path) -> dict[str, dict[str, Any]]:
+    """What a stored step group holds: array name -> shape, number and bytes of chunk files (and their
+    keys when there are few)."""
+    out: dict[str, dict[str, Any]] = {}
+    if not step_dir.is_dir():
+        return out
+    for child in sorted(step_dir.iterdir()):
+        meta = _read_meta(child / "zarr.json") if child.is_dir() else None
+        if meta is None or meta.get("node_type") != "array":
+            continue
+        files = _array_files(child)
+        entry: dict[str, Any] = {"shape": list(meta.get("shape", [])), "chunks": len(files),
+                                 "bytes": sum(files.values())}
+        if len(files) <= _MANIFEST_KEYS:
+            entry["keys"] = sorted(files)
+        out[child.name] = entry
+    return out
+
+
+def stored_cells(path: Path) -> list[tuple[str, dict[str, Any] | None]]:
+    """The cell groups of the run store at ``path``, read from disk: (name, attributes), ``None`` for a
+    group whose metadata is unreadable. Sorted by name."""
+    cells_dir = path / "cells"
+    out: list[tuple[str, dict[str, Any] | None]] = []
+    if not cells_dir.is_dir():
+        return out
+    for child in sorted(cells_dir.iterdir()):
+        if not child.is_dir():
+            continue
+        meta = _read_meta(child / "zarr.json")
+        if meta is None and not (child / "zarr.json").exists():
+            continue  # not a group (a cell deleted, or not yet created)
+        attrs = meta.get("attributes") if meta is not None and meta.get("node_type") == "group" else None
+        out.append((child.name, attrs if isinstance(attrs, dict) else None))
+    return out
+
+
+def cell_problems(path: Path, cell: str, attrs: Mapping[str, Any]) -> list[str]:
+    """What is missing or changed in a finished cell of the run store at ``path``, compared with the list
+    of arrays it recorded when it was written (cells written before that list existed are checked for
+    their step groups only)."""
+    problems = []
+    recorded = attrs.get("arrays")
+    for step in attrs.get("steps", []):
+        where = f"cells/{cell}/{step}"
+        step_dir = path / "cells" / cell / step
+        if _read_meta(step_dir / "zarr.json") is None:
+            problems.append(f"{where} is missing")
+            continue
+        if not isinstance(recorded, Mapping) or step not in recorded:
+            continue
+        found = step_manifest(step_dir)
+        for name, want in recorded[step].items():
+            have = found.get(name)
+            if have is None:
+                problems.append(f"{where}/{name} is missing or unreadable")
+            elif have["shape"] != want["shape"]:
+                problems.append(f"{where}/{name} has shape {have['shape']}, written as {want['shape']}")
+            elif have["chunks"] != want["chunks"] or have["bytes"] != want["bytes"]:
+                gone = sorted(set(want.get("keys", [])) - set(have.get("keys", [])))
+                if gone:
+                    what = f"chunk {where}/{name}/{gone[0]} is missing" + (
+                        f" (and {len(gone) - 1} more)" if len(gone) > 1 else "")
+                else:
+                    what = (f"{where}/{name} has {have['chunks']} chunk files ({have['bytes']} bytes), written "
+                            f"with {want['chunks']} ({want['bytes']} bytes)")
+                problems.append(what)
+    return problems
 
 
 def _json_attr(value: Any) -> Any:
@@ -60,28 +164,41 @@ class RunWriter:
 
     @classmethod
     def create(cls, path: Path, attrs: Mapping[str, Any]) -> RunWriter:
-        """Create a new run store at ``path`` with run-level attributes."""
-        path.mkdir(parents=True, exist_ok=False)
-        root = zarr.open_group(str(path), mode="w")
-        root.attrs.update(_json_attr({"format": FORMAT, **attrs}))
-        root.create_group("cells")
+        """Create a new run store at ``path`` with run-level attributes, atomically: it is built in a
+        temporary directory beside ``path`` (``.<name>.<random>.creating``) and renamed into place, so
+        ``path`` either does not exist or holds a complete, empty run. Raises FileExistsError when
+        ``path`` exists."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            raise FileExistsError(f"'{path}' exists; a new run never overwrites one")
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=CREATING, dir=path.parent))
+        try:
+            root = zarr.open_group(str(tmp), mode="w")
+            root.attrs.update(_json_attr({"format": FORMAT, **attrs}))
+            root.create_group("cells")
+            os.rename(tmp, path)
+        except BaseException as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, OSError) and e.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                raise FileExistsError(f"'{path}' exists; a new run never overwrites one") from None
+            raise
         return cls(path)
 
     def root(self) -> zarr.Group:
         return zarr.open_group(str(self.path), mode="r+")
 
     def done_cells(self) -> set[str]:
-        """Names of cells already complete."""
-        cells = self.root()["cells"]
-        return {name for name, grp in cells.groups() if grp.attrs.get("done")}
+        """Names of cells already complete and intact (a damaged cell is written again on resume)."""
+        return {name for name, attrs in stored_cells(self.path)
+                if attrs and attrs.get("done") and not cell_problems(self.path, name, attrs)}
 
     def write_cell(self, cell_name: str, values: Mapping[str, Any], results: Mapping[str, xr.Dataset],
                    timing: Mapping[str, float]) -> None:
-        """Write every step dataset of a finished cell, then mark the cell done."""
-        root = self.root()
-        cells = root["cells"]
-        if cell_name in cells:
-            del cells[cell_name]
+        """Write every step dataset of a finished cell, then mark the cell done with the list of arrays
+        it wrote (one atomic update of the cell's attributes)."""
+        cells = self.root()["cells"]
+        shutil.rmtree(self.path / "cells" / cell_name, ignore_errors=True)
         group = cells.create_group(cell_name)
         group.attrs.update(_json_attr({"values": dict(values), "done": False, "steps": list(results)}))
         with warnings.catch_warnings():
@@ -89,7 +206,8 @@ class RunWriter:
             for step_id, ds in results.items():
                 _encodable(ds).to_zarr(str(self.path), group=f"cells/{cell_name}/{step_id}", mode="w",
                                        consolidated=False, zarr_format=3)
-        group.attrs.update(_json_attr({"done": True, **timing}))
+        arrays = {step_id: step_manifest(self.path / "cells" / cell_name / step_id) for step_id in results}
+        group.attrs.update(_json_attr({"done": True, "arrays": arrays, **timing}))
 
     def set_attrs(self, **attrs: Any) -> None:
         """Update run-level attributes (status, finish time)."""
@@ -101,13 +219,31 @@ class Run:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        self._results: dict[str, xr.Dataset] | None = None
+        self._problems: list[str] | None = None
+        if self.path.name.endswith(CREATING):
+            raise RunDamaged(f"'{path}' is a run store that was never finished being created (the process "
+                             "stopped while creating it); delete it and run the spec again")
+        if not self.path.is_dir():
+            raise RunNotFound(f"no headlab run at '{path}'")
+        meta = self.path / "zarr.json"
+        if meta.is_file() and _read_meta(meta) is None:
+            raise RunDamaged(f"'{path}' is a damaged run store: its zarr.json is unreadable")
         try:
             self._root = zarr.open_group(str(self.path), mode="r")
-        except (FileNotFoundError, zarr.errors.GroupNotFoundError, ValueError):
+        except (FileNotFoundError, zarr.errors.GroupNotFoundError, ValueError, KeyError):
             raise RunNotFound(f"no headlab run at '{path}'") from None
         if self._root.attrs.get("format") != FORMAT:
             raise RunNotFound(f"'{path}' is a zarr store but not a headlab run")
-        self._results: dict[str, xr.Dataset] | None = None
+        if _read_meta(self.path / "cells" / "zarr.json") is None:
+            raise RunDamaged(f"'{path}' is a damaged run store: its `cells` group is missing")
+
+    @classmethod
+    def _unreadable(cls, path: Path, reason: str) -> Run:
+        """A placeholder for a store that cannot be opened, so a listing can show it as damaged."""
+        run = cls.__new__(cls)
+        run.path, run._root, run._results, run._problems = Path(path), None, None, [reason]
+        return run
 
     def __repr__(self) -> str:
         return f"<headlab.Run {self.name!r} {self.status} {self.cells_done}/{self.cells_total} cells at {self.path}>"
@@ -115,7 +251,41 @@ class Run:
     @property
     def attrs(self) -> dict[str, Any]:
         """Run-level attributes: spec text, resolved config, provenance, status."""
-        return dict(self._root.attrs)
+        return dict(self._root.attrs) if self._root is not None else {}
+
+    @property
+    def problems(self) -> list[str]:
+        """What is missing or changed in the store (empty when it is intact): a finished cell whose
+        recorded arrays or chunks are gone, or a cell missing from a run marked complete."""
+        if self._problems is None:
+            from .spec import Cell
+
+            problems: list[str] = []
+            done = set()
+            for name, attrs in stored_cells(self.path) if self._root is not None else []:
+                if attrs is None:
+                    problems.append(f"cells/{name} is unreadable")
+                elif attrs.get("done"):
+                    done.add(name)
+                    problems += cell_problems(self.path, name, attrs)
+            if self.attrs.get("status") == "complete":
+                missing = [c for c in (Cell(i, ()).name for i in range(self.cells_total)) if c not in done]
+                problems += [f"cell {c} is missing although the run is complete" for c in missing]
+            self._problems = problems
+        return self._problems
+
+    @property
+    def damaged(self) -> bool:
+        """Whether the store is missing or has changed data (see :attr:`problems`)."""
+        return bool(self.problems)
+
+    def check(self) -> Run:
+        """Raise :class:`RunDamaged` naming what is missing or changed; return the run when intact."""
+        if self.problems:
+            more = f" (and {len(self.problems) - 3} more)" if len(self.problems) > 3 else ""
+            raise RunDamaged(f"'{self.path}' is damaged: {'; '.join(self.problems[:3])}{more}; run it again, "
+                             "or finish it with `headlab run --resume` (damaged cells are recomputed)")
+        return self
 
     @property
     def name(self) -> str:
@@ -123,7 +293,22 @@ class Run:
 
     @property
     def status(self) -> str:
+        """``running``, ``interrupted``, ``complete``, or ``damaged: <what>`` when :attr:`problems` finds any."""
+        if self.problems:
+            more = f" (+{len(self.problems) - 1} more)" if len(self.problems) > 1 else ""
+            return f"damaged: {self.problems[0]}{more}"
         return str(self.attrs.get("status", "unknown"))
+
+    @property
+    def spec_data(self) -> dict[str, Any]:
+        """The spec this run was made from, as data (what ``--resume`` runs again)."""
+        try:
+            data = json.loads(self.attrs["spec_data"])
+        except (KeyError, TypeError, ValueError):
+            raise RunDamaged(f"'{self.path}' is a damaged run store: its spec is missing") from None
+        if not isinstance(data, dict):
+            raise RunDamaged(f"'{self.path}' is a damaged run store: its spec is not a mapping")
+        return data
 
     @property
     def spec_text(self) -> str:
@@ -141,17 +326,19 @@ class Run:
     def cells_total(self) -> int:
         return int(self.attrs.get("cells_total", 0))
 
-    def _cells(self) -> Iterator[tuple[str, zarr.Group]]:
-        for name, grp in sorted(self._root["cells"].groups()):
-            if grp.attrs.get("done"):
-                yield name, grp
+    def _cells(self) -> Iterator[tuple[str, dict[str, Any]]]:
+        """(name, attributes) of the finished cells."""
+        for name, attrs in stored_cells(self.path) if self._root is not None else []:
+            if attrs and attrs.get("done"):
+                yield name, attrs
 
     @property
     def cells_done(self) -> int:
         return sum(1 for _ in self._cells())
 
     def cell(self, name: str, step: str) -> xr.Dataset:
-        """The dataset one cell produced for one step."""
+        """The dataset one cell produced for one step (verified against what the cell recorded)."""
+        self.check()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return xr.open_zarr(str(self.path), group=f"cells/{name}/{step}", consolidated=False).load()
@@ -160,6 +347,7 @@ class Run:
     def results(self) -> dict[str, xr.Dataset]:
         """Step id -> Dataset over the finished cells, one dimension per sweep key."""
         if self._results is None:
+            self.check()
             self._results = {step: self._combine(step) for step in self.steps}
             self._results = {k: v for k, v in self._results.items() if v is not None}
         return self._results
@@ -167,10 +355,10 @@ class Run:
     def _combine(self, step: str) -> xr.Dataset | None:
         keys = list(self.sweep)
         parts, labels = [], []
-        for name, grp in self._cells():
-            if step in grp.attrs.get("steps", []):
+        for name, attrs in self._cells():
+            if step in attrs.get("steps", []):
                 parts.append(self.cell(name, step))
-                labels.append(grp.attrs.get("values", {}))
+                labels.append(attrs.get("values", {}))
         if not parts:
             return None
         if not keys:
@@ -222,18 +410,27 @@ def open_run(path: str | Path) -> Run:
 
 
 def list_runs(directory: str | Path) -> list[Run]:
-    """Every run store directly under ``directory``, oldest first."""
+    """Every run store directly under ``directory``, oldest first. A damaged store is listed too (its
+    ``status`` says what is wrong); stores still being created (``.*.creating``) and other zarr stores
+    are not."""
     d = Path(directory)
     if not d.is_dir():
         return []
     runs = []
     for sub in sorted(d.iterdir()):
-        if (sub / "zarr.json").is_file():
-            try:
-                runs.append(Run(sub))
-            except RunNotFound:
-                continue
-    return sorted(runs, key=lambda r: r.attrs.get("created", ""))
+        if sub.name.startswith(".") or not (sub / "zarr.json").is_file():
+            continue
+        try:
+            run = Run(sub)
+            run.problems  # noqa: B018 - verify now, so a listing shows damage
+        except RunDamaged as e:
+            run = Run._unreadable(sub, str(e).split(": ", 1)[-1])
+        except RunNotFound:
+            continue
+        except Exception as e:  # an unreadable store must not hide the runs beside it
+            run = Run._unreadable(sub, f"unreadable ({type(e).__name__}: {e})")
+        runs.append(run)
+    return sorted(runs, key=lambda r: str(r.attrs.get("created", "")))
 
 
 def now() -> str:

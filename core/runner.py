@@ -200,13 +200,14 @@ def run(spec: str | Path | Mapping[str, Any] | LoadedSpec, *, out: str | Path | 
         on_cell: Callable[[Cell], None] | None = None) -> Run:
     """Run a spec (path, YAML text, mapping or loaded spec) and return the finished :class:`Run`.
 
-    ``resume`` completes an interrupted run store (its own spec is used). Each finished cell is
-    written as it completes; ``on_cell`` is called after each write.
+    ``resume`` completes an interrupted run store (its own spec is used): cells that are missing,
+    unfinished or damaged are computed, intact ones are kept. The store is created atomically, then
+    each finished cell is written as it completes; ``on_cell`` is called after each write.
     """
     reporter = reporter or Reporter()
     if resume is not None:
         previous = open_run(resume)
-        loaded = load_spec(json.loads(previous.attrs["spec_data"]))
+        loaded = load_spec(previous.spec_data)
         loaded.text = previous.spec_text
         writer = RunWriter(Path(resume))
     else:

@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import copy
 import difflib
+import functools
 import io
 import itertools
+import json
+import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional, Union, get_origin
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional, Union, get_origin, overload
 
 from pydantic import (
     BaseModel,
@@ -44,6 +47,28 @@ if TYPE_CHECKING:
     from .plugin_manager import Registry
 
 DEFAULT_MODEL = "headlab-tiny"
+
+# Limits on what a spec may be: YAML is parsed within them, so a hostile file fails fast with one line.
+MAX_SPEC_CHARS = 200_000
+"""Longest spec text (characters); data belongs in a task's data file, not in the spec."""
+MAX_DEPTH = 64
+"""Deepest nesting of mappings and lists (aliases included)."""
+MAX_NODES = 100_000
+"""Most values (mapping/list entries and scalars) a spec may hold once its YAML aliases are expanded."""
+MAX_CELLS = 1_000_000
+"""Most cells a sweep may have (the product of the numbers of values of its keys)."""
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+"""A spec ``name``: it names the run directory, so a safe file name (no '/', not '.' or '..')."""
+NAME_MAX = 100
+ID_PATTERN = r"^[A-Za-z_][A-Za-z0-9_-]*$"
+"""A step ``id``: it names a group of the run store and is the first part of dotted sweep paths."""
+ID_MAX = 64
+_PATTERN_HELP = {
+    NAME_PATTERN: "a name may hold only letters, digits, '.', '_' and '-', starting with a letter or digit "
+                  "(it names the run directory)",
+    ID_PATTERN: "a step id may hold only letters, digits, '_' and '-', starting with a letter or '_'",
+}
 
 
 class SpecError(Exception):
@@ -259,7 +284,7 @@ def build_spec_model(registry: Registry | None = None) -> type[BaseModel]:
             """The name of the step's action."""
             return next(a for a in actions if getattr(self, a) is not None)
 
-    fields: dict[str, Any] = {"id": (str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_-]*$"))}
+    fields: dict[str, Any] = {"id": (str, Field(pattern=ID_PATTERN, max_length=ID_MAX))}
     for name, comp in registry.actions.items():
         fields[name] = (Optional[types.action(name)], Field(None, description=comp.description))  # noqa: UP045
     fields["task"] = (Optional[Task], Field(  # noqa: UP045
@@ -270,7 +295,8 @@ def build_spec_model(registry: Registry | None = None) -> type[BaseModel]:
     class Spec(StrictModel):
         """A headlab experiment."""
 
-        name: str = Field("experiment", description="experiment name (used for the run directory)")
+        name: str = Field("experiment", pattern=NAME_PATTERN, max_length=NAME_MAX,
+                          description="experiment name (used for the run directory)")
         description: str = ""
         model: Annotated[ModelSpec, BeforeValidator(_coerce_model)] = Field(default_factory=ModelSpec)
         task: Task = Field(description="where the examples come from")
@@ -300,51 +326,119 @@ def build_spec_model(registry: Registry | None = None) -> type[BaseModel]:
 SAFE_TAGS = re.compile(r"^tag:yaml\.org,2002:(str|int|float|bool|null|map|seq|timestamp)$")
 
 
-def _plain(node: Any, source: str) -> Any:
-    """Convert ruamel round-trip nodes to plain Python, refusing explicit tags."""
-    tag = getattr(getattr(node, "tag", None), "value", None) or getattr(node, "tag", None)
-    if isinstance(tag, str) and tag.startswith("!") or (isinstance(tag, str) and not SAFE_TAGS.match(tag)
-                                                         and tag.startswith("tag:")):
-        raise SpecError(f"YAML tag {tag} is not allowed: a spec holds data only", source=source)
-    if isinstance(node, Mapping):
-        return {str(k) if not isinstance(k, (int, float, bool)) else k: _plain(v, source) for k, v in node.items()}
-    if isinstance(node, list):
-        return [_plain(v, source) for v in node]
-    if hasattr(node, "value") and tag is not None:
-        raise SpecError(f"YAML tag {tag} is not allowed: a spec holds data only", source=source)
-    if type(node).__name__ in ("ScalarFloat", "ScalarInt", "ScalarBoolean"):
-        return {"ScalarFloat": float, "ScalarInt": int, "ScalarBoolean": bool}[type(node).__name__](node)
-    if isinstance(node, str):
-        return str(node)
-    return node
+class _Walk:
+    """Plain Python from a ruamel round-trip tree, within :data:`MAX_DEPTH` and :data:`MAX_NODES`.
+
+    Aliases are shared nodes in the tree; copying them is where an alias bomb would expand, so every
+    value produced is counted and the first one past the limit is an error located at its key.
+    """
+
+    def __init__(self, source: str, tree: Any) -> None:
+        self.source, self.tree, self.count, self.path = source, tree, 0, []
+
+    def fail(self, message: str) -> SpecError:
+        line, col = _position(self.tree, self.path)
+        shown = format_path(self.path[:8]) + ("..." if len(self.path) > 8 else "")
+        return SpecError(message, source=self.source, line=line, col=col, path=shown)
+
+    def __call__(self, node: Any) -> Any:
+        self.count += 1
+        if self.count > MAX_NODES:
+            raise self.fail(f"the spec expands to more than {MAX_NODES:,} values (YAML aliases repeating "
+                            "large anchors?)")
+        if len(self.path) > MAX_DEPTH:
+            raise self.fail(f"nested deeper than {MAX_DEPTH} levels")
+        tag = getattr(getattr(node, "tag", None), "value", None) or getattr(node, "tag", None)
+        if isinstance(tag, str) and (tag.startswith("!") or (not SAFE_TAGS.match(tag) and tag.startswith("tag:"))):
+            raise self.fail(f"YAML tag {tag} is not allowed: a spec holds data only")
+        if isinstance(node, Mapping):
+            out = {}
+            for k, v in node.items():
+                key = str(k) if not isinstance(k, (int, float, bool)) else k
+                self.path.append(key)
+                out[key] = self(v)
+                self.path.pop()
+            return out
+        if isinstance(node, list):
+            items = []
+            for i, v in enumerate(node):
+                self.path.append(i)
+                items.append(self(v))
+                self.path.pop()
+            return items
+        if hasattr(node, "value") and tag is not None:
+            raise self.fail(f"YAML tag {tag} is not allowed: a spec holds data only")
+        if type(node).__name__ in ("ScalarFloat", "ScalarInt", "ScalarBoolean"):
+            return {"ScalarFloat": float, "ScalarInt": int, "ScalarBoolean": bool}[type(node).__name__](node)
+        if isinstance(node, str):
+            return str(node)
+        return node
 
 
-def _locate_tag(node: Any, path: list[Any] | None = None) -> tuple[Any, list[Any]] | None:
+def _locate_tag(node: Any, path: list[Any] | None = None, seen: set[int] | None = None) -> tuple[Any, list[Any]] | None:
+    """The first explicit tag in the tree: (its parent, its path). Shared (aliased) nodes are visited once."""
     path = path or []
+    seen = set() if seen is None else seen
+    if id(node) in seen or len(path) > MAX_DEPTH:
+        return None
+    seen.add(id(node))
     if isinstance(node, Mapping):
         for k, v in node.items():
             t = getattr(v, "tag", None)
             tv = getattr(t, "value", t)
             if isinstance(tv, str) and (tv.startswith("!") or (tv.startswith("tag:") and not SAFE_TAGS.match(tv))):
                 return node, path + [k]
-            found = _locate_tag(v, path + [k])
+            found = _locate_tag(v, path + [k], seen)
             if found:
                 return found
     elif isinstance(node, list):
         for i, v in enumerate(node):
-            found = _locate_tag(v, path + [i])
+            found = _locate_tag(v, path + [i], seen)
             if found:
                 return found
     return None
 
 
+@functools.cache
+def _bounded_scanner() -> type:
+    """ruamel's round-trip scanner, refusing nesting past :data:`MAX_DEPTH` as it reads (its look-ahead for
+    simple keys is quadratic in the flow nesting depth, so the limit must hold before the composer's)."""
+    from ruamel.yaml.scanner import RoundTripScanner, ScannerError
+
+    class BoundedScanner(RoundTripScanner):
+        def _too_deep(self) -> ScannerError:
+            return ScannerError(None, None, f"nested deeper than {MAX_DEPTH} levels", self.reader.get_mark())
+
+        def fetch_flow_collection_start(self, TokenClass: Any, to_push: str) -> None:
+            if len(self.flow_context) >= MAX_DEPTH:
+                raise self._too_deep()
+            super().fetch_flow_collection_start(TokenClass, to_push)
+
+        def add_indent(self, column: int) -> bool:
+            if len(self.indents) >= MAX_DEPTH:
+                raise self._too_deep()
+            return super().add_indent(column)
+
+    return BoundedScanner
+
+
 def parse_yaml(text: str, source: str = "<spec>") -> tuple[dict[str, Any], Any]:
-    """Parse spec YAML safely. Returns (plain data, round-trip tree for locating errors)."""
+    """Parse spec YAML safely. Returns (plain data, round-trip tree for locating errors).
+
+    Refused with one located :class:`SpecError`: explicit tags, duplicate keys, a text longer than
+    :data:`MAX_SPEC_CHARS`, nesting deeper than :data:`MAX_DEPTH`, and more than :data:`MAX_NODES`
+    values once aliases are expanded.
+    """
     from ruamel.yaml import YAML
     from ruamel.yaml.error import MarkedYAMLError, YAMLError
 
+    if len(text) > MAX_SPEC_CHARS:
+        raise SpecError(f"the spec is {len(text):,} characters long; the limit is {MAX_SPEC_CHARS:,} (data "
+                        "belongs in a task's data file)", source=source)
     yaml = YAML(typ="rt")
     yaml.allow_duplicate_keys = False
+    yaml.max_depth = MAX_DEPTH
+    yaml.Scanner = _bounded_scanner()
     try:
         tree = yaml.load(io.StringIO(text))
     except MarkedYAMLError as e:
@@ -352,10 +446,14 @@ def parse_yaml(text: str, source: str = "<spec>") -> tuple[dict[str, Any], Any]:
         problem = (e.problem or e.context or "invalid YAML").strip()
         if "duplicate key" in problem:
             problem = problem.split(" with value")[0].replace("found duplicate key", "duplicate key")
+        if "maximum depth" in problem:
+            problem = f"nested deeper than {MAX_DEPTH} levels"
         raise SpecError(problem, source=source, line=mark.line + 1 if mark else None,
                         col=mark.column + 1 if mark else None) from None
     except YAMLError as e:
         raise SpecError(f"invalid YAML: {str(e).splitlines()[0]}", source=source) from None
+    except RecursionError:  # a parser path not covered by max_depth
+        raise SpecError(f"nested deeper than {MAX_DEPTH} levels", source=source) from None
     if tree is None:
         raise SpecError("the spec is empty", source=source)
     if not isinstance(tree, Mapping):
@@ -367,7 +465,7 @@ def parse_yaml(text: str, source: str = "<spec>") -> tuple[dict[str, Any], Any]:
         tag = getattr(parent[path[-1]], "tag", None)
         raise SpecError(f"YAML tag {getattr(tag, 'value', tag)} is not allowed: a spec holds data only",
                         source=source, line=line, col=col, path=format_path(path))
-    return _plain(tree, source), tree
+    return _Walk(source, tree)(tree), tree
 
 
 def _position(tree: Any, path: list[Any]) -> tuple[int | None, int | None]:
@@ -433,8 +531,8 @@ def first_error(exc: ValidationError, data: Any, tree: Any, source: str) -> Spec
         path.append(err["ctx"]["key"])
     elif err["type"] == "missing":
         msg = f"missing required key '{path[-1]}'" if path else msg
-    elif err["type"] in ("union_tag_invalid", "literal_error") and path and path[-1] != "kind":
-        pass
+    elif err["type"] == "string_pattern_mismatch" and err.get("ctx", {}).get("pattern") in _PATTERN_HELP:
+        msg = f"{err['input']!r} is not allowed: {_PATTERN_HELP[err['ctx']['pattern']]}"
     msg = msg.replace("Value error, ", "")
     line, col = _position(tree, path) if tree is not None else (None, None)
     return SpecError(msg, source=source, line=line, col=col, path=format_path(path))
@@ -536,6 +634,40 @@ class Cell:
         return dict(self.values)
 
 
+class Cells(Sequence[Cell]):
+    """The sweep grid in row-major order of the sweep keys, computed on demand (never the whole product)."""
+
+    def __init__(self, sweep: Mapping[str, Sequence[Any]]) -> None:
+        self.keys = list(sweep)
+        self.values = [list(v) for v in sweep.values()]
+
+    def __len__(self) -> int:
+        return math.prod(len(v) for v in self.values)
+
+    @overload
+    def __getitem__(self, index: int) -> Cell: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[Cell]: ...
+
+    def __getitem__(self, index: int | slice) -> Cell | list[Cell]:
+        n = len(self)
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(n))]
+        i = index + n if index < 0 else index
+        if not 0 <= i < n:
+            raise IndexError(f"cell {index} of {n}")
+        picked, rest = [], i
+        for values in reversed(self.values):
+            rest, k = divmod(rest, len(values))
+            picked.append(values[k])
+        return Cell(i, tuple(zip(self.keys, reversed(picked), strict=True)))
+
+    def __iter__(self) -> Iterator[Cell]:
+        for i, combo in enumerate(itertools.product(*self.values)):
+            yield Cell(i, tuple(zip(self.keys, combo, strict=True)))
+
+
 # --- the loaded spec ------------------------------------------------------------------------------
 
 @dataclass
@@ -550,18 +682,15 @@ class LoadedSpec:
     registry: Any = None
 
     @property
-    def cells(self) -> list[Cell]:
+    def cells(self) -> Cells:
         """The sweep grid in row-major order of the sweep keys (one cell when there is no sweep)."""
-        keys = list(self.spec.sweep)
-        grid = itertools.product(*(self.spec.sweep[k] for k in keys))
-        return [Cell(i, tuple(zip(keys, combo, strict=True))) for i, combo in enumerate(grid)]
+        return Cells(self.spec.sweep)
 
     def for_cell(self, cell: Cell) -> Any:
         """The spec object with the cell's sweep values applied."""
-        data = self.data
+        data = {k: v for k, v in self.data.items() if k != "sweep"}
         for key, value in cell.values:
             data = set_path(data, key, value, registry=self.registry)
-        data = {k: v for k, v in data.items() if k != "sweep"}
         return self.spec.__class__.model_validate(data)
 
     def with_overrides(self, overrides: Mapping[str, Any]) -> LoadedSpec:
@@ -590,25 +719,72 @@ def validate_data(data: dict[str, Any], *, text: str = "", source: str = "<spec>
         raise first_error(e, data, tree, source) from None
     _check_references(spec, tree, source)
     loaded = LoadedSpec(spec=spec, data=data, text=text, source=source, tree=tree, registry=registry)
+    _check_sweep(spec, data, tree, source, registry)
+    return loaded
+
+
+UNSWEEPABLE = {"name": "it names the run, not a cell", "output": "it is where runs are stored, not a cell",
+               "sweep": "a sweep cannot sweep itself"}
+
+
+def _sweep_label(value: Any) -> Any:
+    """What a sweep value is as a result coordinate, for finding duplicates the way the store would."""
+    if isinstance(value, (list, dict, tuple)):
+        return json.dumps(value, sort_keys=True)
+    if isinstance(value, float) and value != value:
+        return "nan"
+    return value
+
+
+def _check_sweep(spec: Any, data: Mapping[str, Any], tree: Any, source: str, registry: Any = None) -> None:
+    """Each sweep key names a spec field (not an id, the name or the output) and has unique values, each of
+    which validates. Each distinct value is validated once, against the spec without its sweep, so the
+    cost is linear in the number of values; the grid of cells is never built."""
+    import numpy as np
+
+    Spec = type(spec)
+    base = {k: v for k, v in data.items() if k != "sweep"}
+    ids = [s.id for s in spec.steps]
+    n_cells = 1
     for key, values in spec.sweep.items():
         line, col = _position(tree, ["sweep", key]) if tree is not None else (None, None)
+
+        def fail(message: str, key: str = key, line: Any = line, col: Any = col) -> SpecError:
+            return SpecError(message, source=source, line=line, col=col, path=f"sweep.{key}")
+
         if not values:
-            raise SpecError("a sweep key needs at least one value", source=source, line=line, col=col,
-                            path=f"sweep.{key}")
+            raise fail("a sweep key needs at least one value")
+        head = key.split(".")[0]
+        if head in UNSWEEPABLE and head not in ids:
+            raise fail(f"'{head}' cannot be swept: {UNSWEEPABLE[head]}")
+        labels = np.asarray([_sweep_label(v) for v in values])
+        first: dict[Any, int] = {}
+        for i, label in enumerate(labels.tolist()):
+            label = "nan" if isinstance(label, float) and label != label else label
+            if label in first:
+                raise fail(f"item {i} ({values[i]!r}) repeats item {first[label]} ({values[first[label]]!r}): "
+                           "sweep values must be unique, each labels a cell of the results")
+            first[label] = i
         for value in values:
             try:
-                swept = set_path(data, key, value, registry=registry)
+                swept = set_path(base, key, value, registry=registry)
             except KeyError as e:
-                raise SpecError(f"bad sweep path {e.args[0]}", source=source, line=line, col=col,
-                                path=f"sweep.{key}") from None
-            swept.pop("sweep", None)
+                raise fail(f"bad sweep path {e.args[0]}") from None
             try:
-                Spec.model_validate(swept)
+                cell = Spec.model_validate(swept)
             except ValidationError as e:
                 inner = first_error(e, swept, None, source)
-                raise SpecError(f"value {value!r} is invalid at {inner.path}: {inner.message}",
-                                source=source, line=line, col=col, path=f"sweep.{key}") from None
-    return loaded
+                raise fail(f"value {value!r} is invalid at {inner.path}: {inner.message}") from None
+            if [s.id for s in cell.steps] != ids:
+                raise fail(f"value {value!r} changes the step ids to {[s.id for s in cell.steps]}: results are "
+                           "stored by step id, so a sweep cannot change them; sweep a key inside a step instead")
+            try:
+                _check_references(cell, None, source)
+            except SpecError as e:
+                raise fail(f"value {value!r}: {e.path}: {e.message}") from None
+        n_cells *= len(values)
+        if n_cells > MAX_CELLS:
+            raise fail(f"the sweep has more than {MAX_CELLS:,} cells (the product of the numbers of values)")
 
 
 def _check_references(spec: Any, tree: Any, source: str) -> None:

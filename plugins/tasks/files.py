@@ -9,14 +9,17 @@ A row of the file is the template context::
       target: "{{ answer }}"
 
 Templates are Jinja2 with ``StrictUndefined`` in a sandboxed, immutable environment (a spec never
-runs code). Mistakes are caught early and named:
+runs code) with limits: one render makes at most :data:`MAX_TEMPLATE_STEPS` loop iterations and
+calls, no string or list longer than :data:`MAX_TEMPLATE_CHARS` and no output longer than that,
+and ``{% include %}``, ``{% import %}``, ``{% extends %}`` and recursive loops are refused (a template
+renders one record; it loads nothing). Mistakes are caught early and named:
 
 - a template written with single braces (``"Q: {question}"``, the Python/lm-eval habit) is refused
   when the spec is validated, with the fix (``{{ question }}``);
 - a row that lacks a variable a template uses is an error naming the file, the row (and line) and
   the variable;
-- a missing file, invalid JSON, a label that is not a choice, span offsets outside the prompt: one
-  clear error each.
+- a missing file, invalid JSON or UTF-8, a CSV field over the csv module's size limit, a label that
+  is not a choice, span offsets outside the prompt: one clear error each, naming the file and line.
 
 ``target`` and every choice are *continuations* of the prompt: ``target_delimiter`` (default
 ``" "``, as in lm-eval) is put in front of each, so ``prompt + target`` is the full text.
@@ -29,24 +32,33 @@ from __future__ import annotations
 
 import ast
 import csv
+import functools
+import inspect
+import io
 import json
+import math
 import random
 import re
-from collections.abc import Mapping, Sequence
+import string
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from jinja2 import StrictUndefined, TemplateSyntaxError, UndefinedError
+from jinja2 import StrictUndefined, TemplateSyntaxError, UndefinedError, nodes
+from jinja2 import Template as JinjaTemplate
 from jinja2 import meta as jinja_meta
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.visitor import NodeTransformer
 from pydantic import Field, field_validator, model_validator
 
 from headlab import ComponentConfig, Example, TaskContext, hookimpl
 
 __all__ = [
-    "TaskDataError", "Row", "Template", "lint_template", "strip_tags", "read_rows", "load_hf",
+    "TaskDataError", "TemplateLimitError", "Row", "Template", "lint_template", "strip_tags", "read_rows", "load_hf",
     "resolve_path", "parse_list", "resolve_label", "select_rows", "DataSource", "JsonlTask", "CsvTask",
     "build_file_task",
 ]
@@ -56,7 +68,282 @@ class TaskDataError(ValueError):
     """A task's data file, template or row is wrong; the message names where and how to fix it."""
 
 
-ENV = ImmutableSandboxedEnvironment(undefined=StrictUndefined, keep_trailing_newline=True, autoescape=False)
+# --- the template sandbox ------------------------------------------------------------------------
+
+MAX_TEMPLATE_STEPS = 100_000
+"""Most loop iterations plus calls (macros, methods, globals) in one render of a template."""
+MAX_TEMPLATE_CHARS = 5_000_000
+"""Longest output of one render, and longest string or list a template may build."""
+MAX_TEMPLATE_WORK = 50_000_000
+"""Most characters (or items) a template's operations may build in one render, all together."""
+MAX_TEMPLATE_INT_BITS = 4096
+"""Largest integer (in bits) a template may compute."""
+MAX_TEMPLATE_SECONDS = 30.0
+"""Longest one render may take (a safety net behind the limits above)."""
+
+
+class TemplateLimitError(SecurityError):
+    """A template went past one of the sandbox's limits (see the module's ``MAX_TEMPLATE_*``)."""
+
+
+class _Budget:
+    """What one render has spent: steps (loop iterations and calls) and work (characters built)."""
+
+    def __init__(self) -> None:
+        self.steps, self.work = 0, 0
+        self.deadline = time.monotonic() + MAX_TEMPLATE_SECONDS
+
+
+_BUDGET: ContextVar[_Budget | None] = ContextVar("headlab_template_budget", default=None)
+
+
+def _spend(steps: int = 1, work: int = 0) -> None:
+    budget = _BUDGET.get()
+    if budget is None:
+        budget = _Budget()
+        _BUDGET.set(budget)
+    budget.steps += steps
+    budget.work += work
+    if budget.steps > MAX_TEMPLATE_STEPS:
+        raise TemplateLimitError(f"makes more than {MAX_TEMPLATE_STEPS:,} loop iterations and calls")
+    if budget.work > MAX_TEMPLATE_WORK:
+        raise TemplateLimitError(f"builds more than {MAX_TEMPLATE_WORK:,} characters in all")
+    if time.monotonic() > budget.deadline:
+        raise TemplateLimitError(f"takes longer than {MAX_TEMPLATE_SECONDS:g} s")
+
+
+def _size(value: Any) -> int:
+    return len(value) if isinstance(value, (str, bytes, list, tuple, dict, set, frozenset)) else 0
+
+
+def _refuse_size(n: float, what: str = "a value") -> None:
+    if n > MAX_TEMPLATE_CHARS:
+        raise TemplateLimitError(f"would build {what} of {int(n):,} characters or items (the limit is "
+                                 f"{MAX_TEMPLATE_CHARS:,})")
+
+
+def _bounded(value: Any) -> Any:
+    """``value``, counted against the render's budget; refused when it is too large."""
+    n = _size(value)
+    _refuse_size(n)
+    if isinstance(value, int) and value.bit_length() > MAX_TEMPLATE_INT_BITS:
+        raise TemplateLimitError(f"computes an integer of more than {MAX_TEMPLATE_INT_BITS} bits")
+    _spend(0, n)
+    return value
+
+
+def _loop_guard(iterable: Any) -> Iterator[Any]:
+    """Every ``{% for %}`` iterates through this: each iteration is a step of the budget."""
+    for item in iterable:
+        _spend()
+        yield item
+
+
+_PRINTF = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")
+
+
+def _check_printf(fmt: Any, args: Any) -> None:
+    if not isinstance(fmt, str):
+        return
+    values = args if isinstance(args, tuple) else (args,)
+    for width, precision in _PRINTF.findall(fmt):
+        for part in (width, precision):
+            if part == "*":
+                _refuse_size(max((abs(v) for v in values if isinstance(v, int)), default=0), "a field")
+            elif part:
+                _refuse_size(int(part), "a field")
+
+
+def _check_format(fmt: str) -> None:
+    for _, _, spec, _ in string.Formatter().parse(fmt):
+        if spec and "{" in spec:
+            raise TemplateLimitError("uses a nested field in a format spec, which templates may not")
+        for number in re.findall(r"\d+", spec or ""):
+            _refuse_size(int(number), "a field")
+
+
+def _check_binop(op: str, left: Any, right: Any) -> None:
+    if op == "*":
+        for seq, n in ((left, right), (right, left)):
+            if _size(seq) and isinstance(n, int):
+                _refuse_size(len(seq) * n)
+        if isinstance(left, int) and isinstance(right, int):
+            if left.bit_length() + right.bit_length() > MAX_TEMPLATE_INT_BITS:
+                raise TemplateLimitError(f"computes an integer of more than {MAX_TEMPLATE_INT_BITS} bits")
+    elif op == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0:
+        if right * math.log2(abs(left)) > MAX_TEMPLATE_INT_BITS:
+            raise TemplateLimitError(f"computes an integer of more than {MAX_TEMPLATE_INT_BITS} bits")
+    elif op == "+" and _size(left) and _size(right):
+        _refuse_size(len(left) + len(right))
+    elif op == "%":
+        _check_printf(left, right)
+
+
+def _replaced_size(s: Any, old: Any, new: Any, count: Any = None) -> float:
+    if not isinstance(s, (str, bytes)) or not isinstance(old, type(s)) or not isinstance(new, type(s)):
+        return 0
+    hits = len(s) + 1 if not old else s.count(old)
+    if isinstance(count, int) and count >= 0:
+        hits = min(hits, count)
+    return len(s) + hits * max(len(new) - len(old), 0)
+
+
+def _check_method(obj: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Refuse a str/bytes/int method call that would build something too large; returns the arguments
+    (an iterable given to ``join`` is made a list, to be measured)."""
+    owner, name = getattr(obj, "__self__", None), getattr(obj, "__name__", "")
+    if isinstance(owner, (str, bytes)):
+        if name in ("center", "ljust", "rjust", "zfill") and args and isinstance(args[0], int):
+            _refuse_size(args[0])
+        elif name == "expandtabs":
+            tab = args[0] if args and isinstance(args[0], int) else 8
+            _refuse_size(len(owner) + owner.count("\t" if isinstance(owner, str) else b"\t") * tab)
+        elif name == "replace" and len(args) >= 2:
+            _refuse_size(_replaced_size(owner, *args[:3]))
+        elif name == "join" and args:
+            items = list(_loop_guard(args[0]))
+            _refuse_size(len(owner) * max(len(items) - 1, 0))
+            args = (items, *args[1:])
+        elif name == "translate" and args and isinstance(args[0], Mapping):
+            longest = max((_size(v) for v in args[0].values()), default=1)
+            _refuse_size(len(owner) * max(longest, 1))
+    elif isinstance(owner, int) and name == "to_bytes" and args and isinstance(args[0], int):
+        _refuse_size(args[0])
+    return args
+
+
+def _filter_check(name: str, arguments: dict[str, Any]) -> None:
+    a = arguments
+    if name == "center":
+        _refuse_size(a.get("width", 0) if isinstance(a.get("width"), int) else 0)
+    elif name == "indent":
+        width = a.get("width", 4)
+        size = len(width) if isinstance(width, str) else width if isinstance(width, int) else 0
+        text = a.get("s")
+        lines = text.count("\n") + 1 if isinstance(text, str) else 1
+        _refuse_size(lines * size + _size(text))
+    elif name == "format":
+        _check_printf(a.get("value"), tuple(a.get("args", ())))
+    elif name == "replace":
+        _refuse_size(_replaced_size(a.get("s"), a.get("old"), a.get("new"), a.get("count")))
+    elif name == "join":
+        items = list(_loop_guard(a.get("value", ())))
+        a["value"] = items
+        _refuse_size(_size(a.get("d")) * max(len(items) - 1, 0))
+    elif name == "wordwrap":
+        text, width, wrap = a.get("s"), a.get("width", 79), a.get("wrapstring") or "\n"
+        if isinstance(text, str) and isinstance(width, int) and width > 0:
+            _refuse_size(len(text) + (len(text) // width + 1) * _size(wrap))
+    elif name in ("batch", "slice"):
+        n = a.get("linecount" if name == "batch" else "slices")
+        if isinstance(n, int) and n > MAX_TEMPLATE_STEPS:
+            raise TemplateLimitError(f"{name} of {n:,} is more than {MAX_TEMPLATE_STEPS:,}")
+    elif name == "tojson":
+        indent = a.get("indent")
+        if (_size(indent) if isinstance(indent, str) else indent or 0) > 1000:
+            raise TemplateLimitError("tojson indent is larger than 1000")
+
+
+def _guard_filter(name: str, func: Callable[..., Any]) -> Callable[..., Any]:
+    try:
+        signature: inspect.Signature | None = inspect.signature(func)
+    except (TypeError, ValueError):
+        signature = None
+
+    @functools.wraps(func)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        if signature is not None:
+            try:
+                bound = signature.bind(*args, **kwargs)
+            except TypeError:
+                bound = None
+            if bound is not None:
+                bound.apply_defaults()
+                _filter_check(name, bound.arguments)
+                args, kwargs = bound.args, bound.kwargs
+        return _bounded(func(*args, **kwargs))
+
+    return guarded
+
+
+class _Guards(NodeTransformer):
+    """Route every loop through :func:`_loop_guard` and measure every ``~`` concatenation."""
+
+    def _call(self, name: str, arg: nodes.Expr, lineno: int) -> nodes.Call:
+        return nodes.Call(nodes.ImportedName(f"{__name__}.{name}", lineno=lineno), [arg], [], None, None,
+                          lineno=lineno)
+
+    def visit_For(self, node: nodes.For) -> nodes.Node:
+        self.generic_visit(node)
+        node.iter = self._call("_loop_guard", node.iter, node.lineno)
+        return node
+
+    def visit_Concat(self, node: nodes.Concat) -> nodes.Node:
+        self.generic_visit(node)
+        return self._call("_bounded", node, node.lineno)
+
+
+class _LimitedTemplate(JinjaTemplate):
+    """A template whose every render starts a fresh budget and whose output is bounded."""
+
+    def render(self, *args: Any, **kwargs: Any) -> str:
+        return "".join(self.generate(*args, **kwargs))
+
+    def generate(self, *args: Any, **kwargs: Any) -> Iterator[str]:
+        _BUDGET.set(_Budget())
+        total = 0
+        for chunk in super().generate(*args, **kwargs):
+            total += len(chunk)
+            if total > MAX_TEMPLATE_CHARS:
+                raise TemplateLimitError(f"renders more than {MAX_TEMPLATE_CHARS:,} characters")
+            yield chunk
+
+
+class LimitedSandbox(ImmutableSandboxedEnvironment):
+    """Jinja2's immutable sandbox with a budget per render: loop iterations and calls, the size of every
+    string, list and integer built, the output length and the time are bounded."""
+
+    intercepted_binops = frozenset({"*", "**", "+", "%"})
+    template_class = _LimitedTemplate
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self.globals.pop("lipsum", None)
+        self.filters = {name: _guard_filter(name, f) for name, f in self.filters.items()}
+
+    def _parse(self, source: str, name: str | None, filename: str | None) -> nodes.Template:
+        tree = super()._parse(source, name, filename)
+        tree = _Guards().visit(tree)
+        tree.set_environment(self)
+        return tree
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        _check_binop(operator, left, right)
+        return _bounded(super().call_binop(context, operator, left, right))
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+        _spend()
+        args = _check_method(__obj, args)
+        return _bounded(super().call(__context, __obj, *args, **kwargs))
+
+    def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
+        wrapper = super().wrap_str_format(value)
+        if wrapper is None:
+            return None
+        fmt = value.__self__
+
+        @functools.wraps(wrapper)
+        def checked(*args: Any, **kwargs: Any) -> str:
+            _check_format(fmt)
+            return _bounded(wrapper(*args, **kwargs))
+
+        return checked
+
+
+ENV = LimitedSandbox(undefined=StrictUndefined, keep_trailing_newline=True, autoescape=False)
+
+_REFUSED_TAGS = {nodes.Include: "include", nodes.Import: "import", nodes.FromImport: "from ... import",
+                 nodes.Extends: "extends"}
 
 # `{name}` not part of `{{ name }}`: the single-brace mistake.
 _SINGLE = re.compile(r"(?<!\{)\{\s*([A-Za-z_][A-Za-z0-9_.]*)\s*\}(?!\})")
@@ -79,9 +366,15 @@ def lint_template(source: str, name: str) -> str:
             f"template `{name}` {source!r} uses single braces ({names}); templates are Jinja2, "
             f"write double braces: {fixed!r}")
     try:
-        ENV.parse(source)
+        tree = ENV.parse(source)
     except TemplateSyntaxError as e:
         raise ValueError(f"template `{name}` {source!r}: Jinja2 syntax error: {e.message}") from None
+    for node in tree.find_all(tuple(_REFUSED_TAGS)):
+        raise ValueError(f"template `{name}` {source!r}: {{% {_REFUSED_TAGS[type(node)]} %}} is not allowed: a "
+                         "template renders one record and loads no other template")
+    for node in tree.find_all(nodes.For):
+        if node.recursive:
+            raise ValueError(f"template `{name}` {source!r}: recursive loops are not allowed")
     return source
 
 
@@ -133,8 +426,16 @@ class Template:
             return self.template.render(fields)
         except UndefinedError as e:
             raise TaskDataError(f"{self.task} task: {row.where()}: template `{self.name}`: {e.message}") from None
+        except TemplateLimitError as e:
+            raise TaskDataError(f"{self.task} task: {row.where()}: template `{self.name}` {e}") from None
         except SecurityError as e:
             raise TaskDataError(f"{self.task} task: template `{self.name}` is not allowed: {e}") from None
+        except RecursionError:
+            raise TaskDataError(f"{self.task} task: {row.where()}: template `{self.name}` recurses too "
+                                "deeply") from None
+        except Exception as e:  # anything else a template does wrong (1/0, a bad filter argument)
+            raise TaskDataError(f"{self.task} task: {row.where()}: template `{self.name}` failed: "
+                                f"{type(e).__name__}: {e}") from None
 
 
 # --- inline span tags -----------------------------------------------------------------------------
@@ -190,49 +491,71 @@ def resolve_path(path: str | Path, task: str) -> Path:
     return p
 
 
-def _read_jsonl(p: Path, task: str) -> list[Row]:
+def _read_text(p: Path, task: str) -> str:
+    """A data file's text: UTF-8 (a byte-order mark is dropped); bad bytes name the file and line."""
+    data = p.read_bytes()
+    if data.startswith(b"\xef\xbb\xbf"):
+        data = data[3:]
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        col = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise TaskDataError(f"{task} task: {p.name} line {line}: invalid UTF-8 (byte 0x{data[e.start]:02x} at "
+                            f"column {col}); save the file as UTF-8") from None
+
+
+def _read_jsonl(text: str, name: str, task: str) -> list[Row]:
     rows = []
-    with p.open(encoding="utf-8-sig") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                data = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TaskDataError(f"{task} task: {p.name} line {line_no}: invalid JSON: {e.msg}") from None
-            if not isinstance(data, dict):
-                raise TaskDataError(f"{task} task: {p.name} line {line_no}: expected a JSON object, "
-                                    f"got {type(data).__name__}")
-            rows.append(Row(len(rows) + 1, data, p.name, line_no))
+    for line_no, line in enumerate(io.StringIO(text, newline=None), 1):
+        if not line.strip():
+            continue
+        try:
+            data = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TaskDataError(f"{task} task: {name} line {line_no}: invalid JSON: {e.msg}") from None
+        except RecursionError:
+            raise TaskDataError(f"{task} task: {name} line {line_no}: JSON nested too deeply") from None
+        if not isinstance(data, dict):
+            raise TaskDataError(f"{task} task: {name} line {line_no}: expected a JSON object, "
+                                f"got {type(data).__name__}")
+        rows.append(Row(len(rows) + 1, data, name, line_no))
     return rows
 
 
-def _read_json(p: Path, task: str) -> list[Row]:
+def _read_json(text: str, name: str, task: str) -> list[Row]:
     try:
-        data = json.loads(p.read_text(encoding="utf-8-sig"))
+        data = json.loads(text)
     except json.JSONDecodeError as e:
-        raise TaskDataError(f"{task} task: {p.name} line {e.lineno}: invalid JSON: {e.msg}") from None
+        raise TaskDataError(f"{task} task: {name} line {e.lineno}: invalid JSON: {e.msg}") from None
+    except RecursionError:
+        raise TaskDataError(f"{task} task: {name}: JSON nested too deeply") from None
     if isinstance(data, dict):  # {"data": [...]} and similar single-key wrappers
         lists = [v for v in data.values() if isinstance(v, list)]
         if len(lists) == 1:
             data = lists[0]
     if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
-        raise TaskDataError(f"{task} task: {p.name}: expected a JSON array of objects")
-    return [Row(i + 1, r, p.name) for i, r in enumerate(data)]
+        raise TaskDataError(f"{task} task: {name}: expected a JSON array of objects")
+    return [Row(i + 1, r, name) for i, r in enumerate(data)]
 
 
-def _read_csv(p: Path, task: str, delimiter: str) -> list[Row]:
+def _read_csv(text: str, name: str, task: str, delimiter: str) -> list[Row]:
     rows = []
-    with p.open(encoding="utf-8-sig", newline="") as f:
-        reader = csv.DictReader(f, delimiter=delimiter)
+    reader = csv.DictReader(io.StringIO(text, newline=""), delimiter=delimiter)
+    line = 1
+    try:
         if reader.fieldnames is None:
-            raise TaskDataError(f"{task} task: {p.name} is empty (a CSV file needs a header row)")
+            raise TaskDataError(f"{task} task: {name} is empty (a CSV file needs a header row)")
         line = reader.line_num + 1
         for rec in reader:
             if None in rec:
-                raise TaskDataError(f"{task} task: {p.name} line {line}: more cells than header columns")
-            rows.append(Row(len(rows) + 1, {k: v for k, v in rec.items()}, p.name, line))
+                raise TaskDataError(f"{task} task: {name} line {line}: more cells than header columns")
+            rows.append(Row(len(rows) + 1, {k: v for k, v in rec.items()}, name, line))
             line = reader.line_num + 1
+    except csv.Error as e:
+        detail = (f"a field is longer than the csv module's limit of {csv.field_size_limit():,} characters"
+                  if "field larger than field limit" in str(e) else f"invalid CSV: {e}")
+        raise TaskDataError(f"{task} task: {name} line {line}: {detail}") from None
     return rows
 
 
@@ -244,11 +567,12 @@ def read_rows(path: str | Path, task: str, *, fmt: str | None = None, delimiter:
         fmt = {".csv": "csv", ".tsv": "csv", ".json": "json"}.get(suffix, "jsonl")
         if suffix == ".tsv" and delimiter == ",":
             delimiter = "\t"
+    text = _read_text(p, task)
     if fmt == "csv":
-        return _read_csv(p, task, delimiter)
-    if fmt == "json" or (fmt == "jsonl" and p.read_text(encoding="utf-8-sig").lstrip().startswith("[")):
-        return _read_json(p, task)
-    return _read_jsonl(p, task)
+        return _read_csv(text, p.name, task, delimiter)
+    if fmt == "json" or (fmt == "jsonl" and text.lstrip().startswith("[")):
+        return _read_json(text, p.name, task)
+    return _read_jsonl(text, p.name, task)
 
 
 def load_hf(task: str, name: str, config: str | None, split: str) -> list[Row]:
