@@ -26,8 +26,17 @@ from .context import Reporter
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="headlab: find, steer and decode with the attention heads of language models.")
-console = Console()
+# piped output (`headlab runs | cat`) is not cut to 80 columns: identifiers are printed whole
+console = Console(width=None if sys.stdout.isatty() else 240)
 err = Console(stderr=True)
+
+
+def _table(*headers: str, title: str | None = None) -> Table:
+    """A table whose cells fold instead of being cut with an ellipsis (run names, plugin kinds)."""
+    table = Table(title=title)
+    for header in headers:
+        table.add_column(header, overflow="fold")
+    return table
 
 
 class RichReporter(Reporter):
@@ -122,14 +131,14 @@ def plugins(as_json: Annotated[bool, typer.Option("--json", help="machine-readab
     if as_json:
         sys.stdout.write(json.dumps(rows, indent=2) + "\n")
         return
-    table = Table("plugin", "source", "version", "components")
+    table = _table("plugin", "source", "version", "components")
     for r in rows:
         comps = "; ".join(f"{CATEGORIES[cat].label}: " + ", ".join(c["kind"] for c in r["components"]
                                                                   if c["category"] == cat)
                           for cat in CATEGORIES if any(c["category"] == cat for c in r["components"]))
         table.add_row(r["name"], r["source"], r["version"], f"[red]failed: {r['error']}[/red]" if r["error"] else comps)
     console.print(table)
-    kinds = Table("category", "hook", "kinds", title="components by category")
+    kinds = _table("category", "hook", "kinds", title="components by category")
     for cat in CATEGORIES.values():
         registered = mgr.components[cat.name]
         kinds.add_row(f"{cat.name}\n[dim]{cat.description}[/dim]", cat.hook,
@@ -142,7 +151,7 @@ def runs(directory: Annotated[Path, typer.Argument(help="store directory")] = Pa
     """List the runs in a store directory."""
     from .results import list_runs
 
-    table = Table("run", "name", "status", "cells", "created", "model")
+    table = _table("run", "name", "status", "cells", "created", "model")
     for r in list_runs(directory):
         a = r.attrs
         table.add_row(r.path.name, r.name, r.status, f"{r.cells_done}/{r.cells_total}", str(a.get("created", "")),
@@ -153,11 +162,11 @@ def runs(directory: Annotated[Path, typer.Argument(help="store directory")] = Pa
 def _print_summary(result: Any) -> None:
     for step, info in result.summary().items():
         if info["kind"] == "detect":
-            table = Table("rank", "layer", "head", "score", title=f"{step}: top heads ({info['method']})")
+            table = _table("rank", "layer", "head", "score", title=f"{step}: top heads ({info['method']})")
             for i, t in enumerate(info["top"], 1):
                 table.add_row(str(i), str(t["layer"]), str(t["head"]), f"{t['score']:.4f}")
         else:
-            table = Table("metric", "mean", title=f"{step}: metrics")
+            table = _table("metric", "mean", title=f"{step}: metrics")
             for k, v in info["metrics"].items():
                 table.add_row(k, f"{v:.4f}")
         console.print(table)

@@ -81,3 +81,16 @@ def test_usage_errors_are_one_line():
         assert res.returncode == 2 and "Traceback" not in res.stderr
         lines = [line for line in res.stderr.splitlines() if line.strip()]
         assert len(lines) == 1 and lines[0].startswith("error: No such"), res.stderr
+
+
+def test_piped_tables_keep_identifiers_whole(tmp_path):
+    """`headlab runs | cat` and `headlab plugins | cat` print every run and kind name whole (no '…')."""
+    name = "a-rather-long-experiment-name-that-would-not-fit-in-a-narrow-column"
+    spec = tmp_path / "s.yaml"
+    spec.write_text(spec_text(STEPS, out=str(tmp_path / "runs")).replace("name: test", f"name: {name}"))
+    assert headlab("run", str(spec)).returncode == 0
+    listing = headlab("runs", str(tmp_path / "runs")).stdout
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert run_dir.name in listing and "…" not in listing
+    plugins = headlab("plugins").stdout
+    assert "segment_divergence" in plugins and "pasta_profile" in plugins and "…" not in plugins
