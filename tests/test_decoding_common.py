@@ -1,84 +1,22 @@
-"""Shared helpers of the decoding tests (a word-level tokenizer and tiny random models built here), and
-tests of the pieces the strategies share: repetition penalty, plan expansion, the loop's options."""
+"""Tests of the pieces the decoding strategies share: repetition penalty, plan expansion, the loop's options
+(the shared helpers of the decoding tests are in tests/fixtures/decoding.py)."""
 
 from __future__ import annotations
-
-import copy
-import random
 
 import pytest
 import torch
 
 from headlab.context import Example
-from headlab.generation import DecodeRequest, decode_loop, tokenize
+from headlab.generation import decode_loop, tokenize
 from headlab.instrument import Plan, instrument
-from headlab.model import LoadedModel, load_model
-from headlab.spec import ModelSpec
+from headlab.model import LoadedModel
 
-WORDS = ("<pad> <bos> <eos> <unk> the capital of is in paris rome berlin madrid lisbon vienna question what "
-         "answer : ? . , france italy germany spain portugal austria a b c d e f g h i j k l m n o p q r s t "
-         "u v w x y z").split()
-
-
-def word_tokenizer():
-    """A word-level fast tokenizer (BOS prepended) over :data:`WORDS`, built in memory."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
-    tk.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
-    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-                                   unk_token="<unk>")
-
-
-def model_config(layers: int = 4, tied: bool = False, init: float = 0.25, **extra) -> dict:
-    """A tiny Llama config over the word vocabulary; a large init range gives peaked, varied outputs."""
-    return {"model_type": "llama", "hidden_size": 32, "num_hidden_layers": layers, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": len(WORDS),
-            "max_position_embeddings": 256, "tie_word_embeddings": tied, "initializer_range": init,
-            "eos_token_id": 2, "bos_token_id": 1, "pad_token_id": 0, **extra}
-
-
-def word_model(layers: int = 4, tied: bool = False, seed: int = 0, **extra) -> LoadedModel:
-    """A random tiny Llama (headlab attention) with the word tokenizer."""
-    lm = load_model(ModelSpec(config=model_config(layers, tied, **extra), device="cpu"), seed)
-    lm.tokenizer = word_tokenizer()
-    return lm
-
-
-def eager_twin(lm: LoadedModel):
-    """The same weights in a model with transformers' eager attention (an independent forward)."""
-    from transformers import AutoModelForCausalLM
-
-    twin = AutoModelForCausalLM.from_config(copy.deepcopy(lm.model.config), attn_implementation="eager")
-    twin.load_state_dict(lm.model.state_dict())
-    return twin.eval()
-
-
-def random_prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 9) -> list[str]:
-    """Prompts of random lengths from the plain words of the vocabulary."""
-    rng = random.Random(seed)
-    pool = WORDS[4:]
-    return [" ".join(rng.choice(pool) for _ in range(rng.randint(lo, hi))) for _ in range(n)]
-
-
-def ids_of(lm: LoadedModel, text: str) -> torch.Tensor:
-    return torch.tensor([lm.tokenizer(text)["input_ids"]])
-
-
-def request_for(lm: LoadedModel, prompts: list[str], max_new: int = 8, **kw) -> DecodeRequest:
-    return DecodeRequest(lm, tokenize(lm, [Example(prompt=p) for p in prompts]), max_new, **kw)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread; two threads on a shared, oversubscribed CPU stall at every
-    parallel region (10-40x slower). Restored after the module."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+from fixtures.decoding import (
+    one_thread,  # noqa: F401  (autouse)
+    random_prompts,
+    request_for,
+    word_model,
+)
 
 
 @pytest.fixture(scope="module")

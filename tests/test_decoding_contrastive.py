@@ -8,14 +8,6 @@ import math
 
 import pytest
 import torch
-from test_decoding_common import (
-    eager_twin,
-    ids_of,
-    model_config,
-    one_thread,  # noqa: F401  (autouse)
-    request_for,
-    word_model,
-)
 
 from headlab.context import Example
 from headlab.generation import DecodeRequest, tokenize
@@ -30,7 +22,14 @@ from headlab.plugins.decoding.contrastive import (
 from headlab.plugins.decoding.greedy import Greedy, greedy
 from headlab.spec import ModelSpec
 
-AMATEUR = {"config": model_config(layers=1)}
+from fixtures.decoding import (
+    AMATEUR,
+    eager_twin,
+    ids_of,
+    one_thread,  # noqa: F401  (autouse)
+    request_for,
+    word_model,
+)
 
 
 def reference_contrastive(expert, amateur, ids, max_new, alpha=0.1, temperature=1.0, eos=2):

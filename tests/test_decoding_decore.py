@@ -12,43 +12,23 @@ import math
 import numpy as np
 import pytest
 import torch
-from test_decoding_common import (
+
+from headlab.plugin_manager import get_manager
+from headlab.plugins.decoding.decore import DeCoRe, decore, resolve_heads
+from headlab.plugins.decoding.greedy import Greedy, greedy
+
+from fixtures.decoding import (
     eager_twin,
     ids_of,
+    masked_queries,
     one_thread,  # noqa: F401  (autouse)
     random_prompts,
     request_for,
     word_model,
 )
 
-from headlab.plugin_manager import get_manager
-from headlab.plugins.decoding.decore import DeCoRe, decore, resolve_heads
-from headlab.plugins.decoding.greedy import Greedy, greedy
-
 HEADS = [(0, 1), (1, 3), (2, 0), (3, 2)]
 UPPER = [(2, 0), (2, 3), (3, 2), (3, 1)]  # first masked layer 2: layers 0-1 run once for both copies
-
-
-class masked_queries:
-    """Forward hooks zeroing the query projection of ``heads`` (every row): uniform attention over the
-    causal prefix, as the reference's query masking."""
-
-    def __init__(self, twin, heads):
-        self.twin, self.heads, self.handles = twin, heads, []
-
-    def __enter__(self):
-        dim = self.twin.config.hidden_size // self.twin.config.num_attention_heads
-        for layer, head in self.heads:
-            def zero(module, args, out, head=head):
-                out = out.clone()
-                out[..., head * dim:(head + 1) * dim] = 0
-                return out
-            self.handles.append(self.twin.model.layers[layer].self_attn.q_proj.register_forward_hook(zero))
-        return self
-
-    def __exit__(self, *exc):
-        for h in self.handles:
-            h.remove()
 
 
 def scorer(kind: str):

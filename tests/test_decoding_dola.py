@@ -9,7 +9,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_decoding_common import (
+
+from headlab.plugins.decoding.dola import DoLa, candidate_layers, divergence, dola
+from headlab.plugins.decoding.greedy import Greedy, greedy
+
+from fixtures.decoding import (
     eager_twin,
     ids_of,
     one_thread,  # noqa: F401  (autouse)
@@ -17,9 +21,6 @@ from test_decoding_common import (
     request_for,
     word_model,
 )
-
-from headlab.plugins.decoding.dola import DoLa, candidate_layers, divergence, dola
-from headlab.plugins.decoding.greedy import Greedy, greedy
 
 
 # --------------------------------------------------------------------------- the reference (HF semantics)

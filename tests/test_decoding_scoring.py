@@ -11,15 +11,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_decoding_common import (
-    eager_twin,
-    model_config,
-    one_thread,  # noqa: F401  (autouse)
-    word_model,
-    word_tokenizer,
-)
-from test_decoding_contrastive import AMATEUR
-from test_decoding_decore import masked_queries
 
 import headlab
 from headlab.context import Example
@@ -30,6 +21,16 @@ from headlab.plugins.decoding.decore import DeCoRe
 from headlab.plugins.decoding.dola import DoLa
 from headlab.plugins.decoding.greedy import Greedy, Sample
 from headlab.plugins.metrics.multiple_choice import mc_metrics
+
+from fixtures.decoding import (
+    AMATEUR,
+    eager_twin,
+    masked_queries,
+    model_config,
+    one_thread,  # noqa: F401  (autouse)
+    word_model,
+    word_tokenizer,
+)
 
 EXAMPLES = [
     Example(prompt="the capital of france is rome . question : what is the capital of france ? answer :",

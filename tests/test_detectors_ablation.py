@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 from rouge_score import rouge_scorer
-from test_detectors_util import WORDS, build_models, save_tokenizer, tiny_config, word_tokenizer
 
 import headlab
+
+from fixtures.detectors import WORDS, build_models, save_tokenizer, tiny_config, word_tokenizer
 
 MAX_NEW = 5
 

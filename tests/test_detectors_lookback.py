@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 import xarray as xr
-from test_detectors_util import WORDS, build_models, save_tokenizer, tiny_config, word_tokenizer
 
 import headlab
+
+from fixtures.detectors import WORDS, build_models, save_tokenizer, tiny_config, word_tokenizer
 
 MAX_NEW = 6
 

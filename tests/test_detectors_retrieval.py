@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 import torch
 from rouge_score import rouge_scorer
-from test_detectors_util import WORDS, build_models, save_tokenizer, tiny_config, word_tokenizer
 
 import headlab
 from headlab import Example
+
+from fixtures.detectors import WORDS, build_models, save_tokenizer, tiny_config, word_tokenizer
 
 
 def reference_retrieval(eager, ids: list[int], s: int, e: int, max_new: int, eos: int, stop=(), tok=None):

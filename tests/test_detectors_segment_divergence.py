@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from test_detectors_util import WORDS, build_models, save_tokenizer, tiny_config, word_tokenizer
 
 import headlab
+
+from fixtures.detectors import WORDS, build_models, save_tokenizer, tiny_config, word_tokenizer
 
 
 def z_by_hooks(model, n_heads: int, **inputs) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """headlab.kernels: every path against a naive eager reference (float64, materialised scores).
 
 The Triton path is checked by tests/test_kernels_triton.py (TRITON_INTERPRET=1); this module checks the
-torch and sdpa paths and holds the shared reference and case generator.
+torch and sdpa paths (the shared reference and case generator are in tests/fixtures/kernels.py).
 """
 
 from __future__ import annotations
@@ -11,162 +11,9 @@ import math
 import pytest
 import torch
 
-from headlab.kernels import AttentionStats, attention
+from headlab.kernels import attention
 
-
-# --------------------------------------------------------------------------- naive reference
-def reference(
-    q, k, v, *, scale, causal=True, key_padding_mask=None, attn_mask=None, q_scale=None, score_zero=None,
-    out_scale=None, key_spans=None, key_bias=None, probe_spans=None, probe_offsets=None, softcap=None, window=None,
-):
-    """Independent float64 computation: materialise the scores, mask, softmax, read everything off A."""
-    B, H, Nq, D = q.shape
-    Hkv, Nk = k.shape[1], k.shape[2]
-    G = H // Hkv
-    qd, kd, vd = q.double(), k.double(), v.double()
-    kd = kd.repeat_interleave(G, dim=1)
-    vd = vd.repeat_interleave(G, dim=1)
-    if q_scale is not None:
-        qd = qd * torch.as_tensor(q_scale).double().expand(B, H)[:, :, None, None]
-    s = torch.einsum("bhqd,bhkd->bhqk", qd, kd) * scale
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
-    if score_zero is not None:
-        s = torch.where(torch.as_tensor(score_zero).expand(B, H)[:, :, None, None], torch.zeros_like(s), s)
-    if key_spans is not None:
-        for b in range(B):
-            for si in range(key_spans.shape[1]):
-                st, en = int(key_spans[b, si, 0]), int(key_spans[b, si, 1])
-                for h in range(H):
-                    s[b, h, :, st:en] += float(key_bias[b, h, si])
-    vis = torch.ones(B, H, Nq, Nk, dtype=torch.bool)
-    for i in range(Nq):
-        ia = Nk - Nq + i
-        for j in range(Nk):
-            ok = True
-            if causal and j > ia:
-                ok = False
-            if window is not None and (ia - j >= window or (not causal and j - ia >= window)):
-                ok = False
-            if not ok:
-                vis[:, :, i, j] = False
-    if key_padding_mask is not None:
-        vis &= key_padding_mask[:, None, None, :]
-    if attn_mask is not None:
-        vis &= attn_mask
-    s = s.masked_fill(~vis, -math.inf)
-    a = torch.zeros_like(s)
-    rows = vis.any(-1)
-    a[rows] = torch.softmax(s[rows], dim=-1)
-    z = torch.einsum("bhqk,bhkd->bhqd", a, vd)
-    if out_scale is not None:
-        z = z * torch.as_tensor(out_scale).double().expand(B, H)[:, :, None, None]
-    argmax = torch.where(rows, s.argmax(-1), torch.full_like(rows, -1, dtype=torch.long))
-    argmax_prob = torch.where(rows, a.amax(-1), torch.zeros_like(a[..., 0]))
-    ent = -torch.where(a > 0, a * torch.log(a.clamp_min(1e-300)), torch.zeros_like(a)).sum(-1)
-    out = dict(z=z, pattern=a, argmax=argmax, argmax_prob=argmax_prob, entropy=ent)
-    if probe_spans is not None:
-        P = probe_spans.shape[1]
-        sm = torch.zeros(B, H, Nq, P, dtype=torch.float64)
-        for b in range(B):
-            for p in range(P):
-                st, en = int(probe_spans[b, p, 0]), int(probe_spans[b, p, 1])
-                sm[b, :, :, p] = a[b, :, :, st:en].sum(-1)
-        out["span_mass"] = sm
-    if probe_offsets is not None:
-        n_off = probe_offsets.shape[1]
-        om = torch.zeros(B, H, Nq, n_off, dtype=torch.float64)
-        for b in range(B):
-            for i in range(Nq):
-                for o in range(n_off):
-                    delta = int(probe_offsets[b, o])
-                    j = Nk - Nq + i - delta  # delta keys back from the query's own position
-                    if delta >= 0 and 0 <= j < Nk:
-                        om[b, :, i, o] = a[b, :, i, j]
-        out["offset_mass"] = om
-    return out
-
-
-class AllocationSpy(torch.utils._python_dispatch.TorchDispatchMode):
-    """Appends the element count of every tensor an op returns to ``seen`` (memory tests)."""
-
-    def __init__(self, seen: list[int]):
-        super().__init__()
-        self.seen = seen
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        r = func(*args, **(kwargs or {}))
-        for t in r if isinstance(r, tuple) else (r,):
-            if isinstance(t, torch.Tensor):
-                self.seen.append(t.numel())
-        return r
-
-
-# --------------------------------------------------------------------------- case generator
-def make_case(B=2, H=4, Hkv=2, Nq=9, Nk=9, D=8, dtype=torch.float32, pad=(0, 3), seed=0, edits=True,
-              spans=True, offsets=None):
-    """Random q/k/v (distinct keys so argmax ties are rare), left padding, edits on some (row, head).
-
-    ``spans`` adds span probes; ``offsets`` (default: same as ``spans``) adds offset probes that differ per
-    row, with an unused slot (-1), the diagonal (0), the previous token (1) and an offset beyond the keys."""
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, Nq, D, generator=g).to(dtype)
-    k = torch.randn(B, Hkv, Nk, D, generator=g).to(dtype)
-    v = torch.randn(B, Hkv, Nk, D, generator=g).to(dtype)
-    kpm = None
-    if pad is not None and any(pad):
-        kpm = torch.ones(B, Nk, dtype=torch.bool)
-        for b in range(B):
-            kpm[b, : pad[b % len(pad)]] = False
-    kw = {}
-    if edits:
-        qs = torch.ones(B, H)
-        qs[0, 1] = 0.0
-        qs[B - 1, 0] = 1.7
-        sz = torch.zeros(B, H, dtype=torch.bool)
-        sz[B - 1, H - 1] = True
-        os_ = torch.ones(B, H)
-        os_[0, 0] = 0.0
-        os_[B - 1, 1] = 2.0
-        S = 3
-        ks = torch.zeros(B, S, 2, dtype=torch.long)
-        for b in range(B):
-            ks[b, 0] = torch.tensor([Nk // 4, Nk // 2])
-            ks[b, 1] = torch.tensor([Nk // 3, Nk - 1])  # overlaps span 0
-            ks[b, 2] = torch.tensor([0, 2])
-        kb = torch.randn(B, H, S, generator=g) * 2
-        kb[:, :, 2] = math.log(0.01)
-        kw.update(q_scale=qs, score_zero=sz, out_scale=os_, key_spans=ks, key_bias=kb)
-    if spans:
-        ps = torch.tensor([[0, 1], [Nk // 3, 2 * Nk // 3], [1, Nk], [Nk - 1, Nk]]).expand(B, 4, 2).clone()
-        kw["probe_spans"] = ps
-    if spans if offsets is None else offsets:
-        po = torch.tensor([[0, 1, 2 + b % 2, Nk // 2, -1, Nk + 3] for b in range(B)])
-        po[B - 1, 4], po[B - 1, 0] = Nk - 1, -1
-        kw["probe_offsets"] = po
-    return q, k, v, kpm, kw
-
-
-def check(out, stats: AttentionStats, ref, *, atol, rtol=0.0, valid_rows=None, pattern=True, argmax=True):
-    torch.testing.assert_close(out.double(), ref["z"], atol=atol, rtol=rtol)
-    torch.testing.assert_close(stats.entropy.double(), ref["entropy"], atol=atol * 10, rtol=rtol)
-    torch.testing.assert_close(stats.argmax_prob.double(), ref["argmax_prob"], atol=atol, rtol=rtol)
-    if argmax:
-        # the argmax may legitimately differ only where the top-2 probabilities tie at this precision
-        diff = stats.argmax != ref["argmax"]
-        if diff.any():
-            a = ref["pattern"]
-            alt = a.gather(-1, stats.argmax.clamp_min(0)[..., None]).squeeze(-1)
-            assert torch.allclose(alt[diff], ref["argmax_prob"][diff], atol=atol * 10), "argmax differs"
-    if "span_mass" in ref:
-        torch.testing.assert_close(stats.span_mass.double(), ref["span_mass"], atol=atol, rtol=rtol)
-    if "offset_mass" in ref:
-        torch.testing.assert_close(stats.offset_mass.double(), ref["offset_mass"], atol=atol, rtol=rtol)
-    if pattern and stats.pattern is not None:
-        torch.testing.assert_close(stats.pattern.double(), ref["pattern"], atol=atol, rtol=rtol)
-
-
-ALL_PROBES = dict(probe_argmax=True, probe_entropy=True, return_pattern=True)
+from fixtures.kernels import ALL_PROBES, AllocationSpy, check, make_case, reference
 
 SHAPES = [
     # (B, H, Hkv, Nq, Nk, D)

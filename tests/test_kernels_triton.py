@@ -28,8 +28,7 @@ if "headlab.kernels.triton_attention" in sys.modules and not ON_CUDA:
     importlib.reload(sys.modules["headlab.kernels.triton_attention"])
 from headlab.kernels import triton_attention as ta  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_kernels import ALL_PROBES, check, make_case, reference  # noqa: E402
+from fixtures.kernels import ALL_PROBES, check, make_case, reference  # noqa: E402
 
 pytestmark = pytest.mark.triton
 DEV = "cuda" if ON_CUDA else "cpu"

@@ -4,8 +4,6 @@ kinds), and two methods editing the same head the same way are rejected with a c
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import pytest
 
@@ -17,17 +15,16 @@ from headlab.plugins.steering import pasta as P
 from headlab.plugins.steering import vhr as V
 from headlab.plugins.steering.common import claims
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_steering_heads import hooked  # noqa: E402
-from test_steering_pasta import (  # noqa: E402
-    _run_spec,
+from fixtures.steering import (
     bias_matrix,
     build_tokenizer,
     eager_pasta,
     emphasis_examples,
     headlab_generate,
     hf_generate,
+    hooked,
     loaded,
+    run_spec,
     step_ctx,
     tiny,
 )
@@ -119,9 +116,9 @@ def test_conflict_in_a_spec_is_a_clear_error(tmp_path):
     generate: {max_new_tokens: 2, steer: [{kind: pasta, heads: [[0, 1]]}, {kind: pasta, heads: {"0": [1, 2]}}]}
 """
     with pytest.raises(SteeringConflictError, match=r"steering conflict: 'pasta' and 'pasta'.*\(0, 1\)"):
-        _run_spec(tmp_path, steps, n=2)
+        run_spec(tmp_path, steps, n=2)
     ok = """  - id: both
     generate: {max_new_tokens: 2, steer: [{kind: pasta, heads: [[0, 1]]}, {kind: head_mask, heads: [[0, 1]]}]}
 """
-    res = _run_spec(tmp_path, ok, n=2)
+    res = run_spec(tmp_path, ok, n=2)
     assert json.loads(res["both"].attrs["config"])["steer"][1]["kind"] == "head_mask"

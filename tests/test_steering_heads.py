@@ -9,8 +9,6 @@ scaling of one key/value head, which every query head of its GQA group reads), a
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 
 import pytest
 import torch
@@ -18,10 +16,8 @@ import torch
 from headlab import instrument as ins
 from headlab.plugins.steering import heads as HS
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_steering_pasta import step_ctx, tiny  # noqa: E402
+from fixtures.steering import hooked, step_ctx, tiny
 
-D = 16  # head dim of the tiny model (64 / 4)
 G = 2  # query heads per kv head (4 / 2)
 
 
@@ -34,35 +30,6 @@ def batch(B=3, n=14, seed=0):
     ids[am == 0] = 0
     ids[:, 0] = torch.where(am[:, 0].bool(), 1, 0)
     return ids, am
-
-
-@contextlib.contextmanager
-def hooked(model, heads, where: str, factor: float):
-    """Scale head slices of q_proj / v_proj outputs or of the o_proj input by ``factor`` (0 = zero)."""
-    hooks = []
-    for layer in sorted({ly for ly, _ in heads}):
-        attn = model.model.layers[layer].self_attn
-        hs = [h for ly, h in heads if ly == layer]
-        if where in ("q", "v"):
-            def fwd(mod, args, out, hs=hs):
-                out = out.clone()
-                for h in hs:
-                    out[..., h * D:(h + 1) * D] *= factor
-                return out
-            mod = attn.q_proj if where == "q" else attn.v_proj
-            hooks.append(mod.register_forward_hook(fwd))
-        else:
-            def pre(mod, args, hs=hs):
-                x = args[0].clone()
-                for h in hs:
-                    x[..., h * D:(h + 1) * D] *= factor
-                return (x,)
-            hooks.append(attn.o_proj.register_forward_pre_hook(pre))
-    try:
-        yield
-    finally:
-        for h in hooks:
-            h.remove()
 
 
 def logits(model, ids, am, plan=None):

@@ -8,176 +8,40 @@
   mechanism) inside transformers' own ``generate``;
 - spec level: every form of ``heads`` resolves to the same steering; errors are clear.
 
-The helpers at the top (word-level tokenizer over the synthetic vocabulary, tiny random Llama, the eager
-hook implementation) are shared with the other tests/test_steering_*.py modules.
+The helpers (word-level tokenizer over the synthetic vocabulary, tiny random Llama, the eager hook
+implementation) are shared with the other tests/test_steering_*.py modules, in tests/fixtures/steering.py.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import json
 import math
 
 import pytest
 import torch
-import transformers
 
 from headlab import instrument as ins
 from headlab.context import Example, StepContext, TaskContext
 from headlab.generation import DecodeRequest, decode_loop, tokenize
-from headlab.model import LoadedModel, geometry_of
 from headlab.plugins.steering import pasta as P
-from headlab.plugins.tasks import synthetic as S
 from headlab.plugins.tasks.synthetic_tasks import Emphasis, build_emphasis
 
-ins.register()
-
-SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
-_CACHE: dict = {}
-
-
-# --------------------------------------------------------------------------- shared helpers
-def build_tokenizer() -> transformers.PreTrainedTokenizerFast:
-    """A word-level fast tokenizer over the synthetic vocabulary; BOS prepended (built here, no download)."""
-    if "tok" in _CACHE:
-        return _CACHE["tok"]
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-
-    words = SPECIALS + [w for w in S.vocabulary() if w not in SPECIALS]
-    vocab = {w: i for i, w in enumerate(words)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.decoder = decoders.WordPiece(prefix="##", cleanup=True)
-    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
-        padding_side="left", clean_up_tokenization_spaces=False)
-    _CACHE["tok"] = fast
-    return fast
-
-
-def llama_config(layers: int = 2, heads: int = 4, kv: int = 2, hidden: int = 64) -> transformers.LlamaConfig:
-    tok = build_tokenizer()
-    return transformers.LlamaConfig(
-        hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv, vocab_size=len(tok), max_position_embeddings=512, initializer_range=0.25,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0)
-
-
-def tiny(impl: str, layers: int = 2, heads: int = 4, kv: int = 2, seed: int = 0) -> torch.nn.Module:
-    """The same random tiny Llama under attention implementation ``impl`` (cached)."""
-    key = (impl, layers, heads, kv, seed)
-    if key not in _CACHE:
-        cfg = llama_config(layers, heads, kv)
-        torch.manual_seed(seed)
-        base = transformers.LlamaForCausalLM(copy.deepcopy(cfg)).eval()
-        m = transformers.LlamaForCausalLM._from_config(copy.deepcopy(cfg), attn_implementation=impl).eval()
-        m.load_state_dict(base.state_dict())
-        m.generation_config.eos_token_id = None  # random weights: decode a fixed number of tokens
-        _CACHE[key] = m
-    return _CACHE[key]
-
-
-def loaded(model: torch.nn.Module) -> LoadedModel:
-    return LoadedModel(model=model, tokenizer=build_tokenizer(), name="tiny-test", geometry=geometry_of(model),
-                       device="cpu")
-
-
-def step_ctx(model: torch.nn.Module, examples: list[Example] | None = None, results=None) -> StepContext:
-    return StepContext(model=loaded(model), examples=examples or [], results=results or {}, seed=0)
-
-
-def emphasis_examples(n: int = 3, seed: int = 0, mode: str = "span") -> list[Example]:
-    """Examples of the ``emphasis`` task plugin (markers stripped, spans recorded)."""
-    ctx = TaskContext(tokenizer=build_tokenizer(), seed=seed, vocab_size=len(build_tokenizer()))
-    return build_emphasis(Emphasis(n=n, emphasis=mode, filler_sentences=(0, 3)), ctx)
-
-
-def two_section_example() -> Example:
-    """An example with two emphasised sections."""
-    prompt = "Sara lives in Paris. Sara lives in Rome. Tom lives in Oslo. Question: Where does Sara live? Answer:"
-    a = prompt.index("Sara lives in Paris.")
-    b = prompt.index("Tom lives in Oslo.")
-    return Example(prompt=prompt, target=" Paris",
-                   spans={"emphasis": [(a, a + len("Sara lives in Paris.")), (b, b + len("Tom lives in Oslo."))]})
-
-
-def key_weights(tok, example: Example, pad: int, n_prompt_padded: int, n_keys: int, alpha: float,
-                mode: str) -> torch.Tensor:
-    """Per-key attention multipliers of one row, computed from character spans and offsets directly.
-
-    A prompt key j (BOS included) inside ``c`` of the ``k`` emphasised sections is multiplied by
-    alpha ** (k - c) (exclude), alpha ** (c - 1) (include), alpha ** k (generation); generated keys by 1.
-    """
-    offsets = tok(example.prompt, return_offsets_mapping=True)["offset_mapping"]
-    sections = example.spans["emphasis"]
-    k = len(sections)
-    w = torch.ones(n_keys, dtype=torch.float64)
-    for i, (a, b) in enumerate(offsets):
-        c = sum(1 for s, e in sections if b > a and b > s and a < e)  # token overlaps the section
-        power = {"exclude": k - c, "include": c - 1, "generation": k}[mode]
-        w[pad + i] = alpha ** power
-    assert pad + len(offsets) == n_prompt_padded
-    return w
-
-
-@contextlib.contextmanager
-def eager_pasta(model: torch.nn.Module, heads: list[tuple[int, int]], bias: torch.Tensor):
-    """The reference mechanism, naively: forward pre-hooks on the attention modules of an eager model add
-    ``bias[b, j]`` (per row, per key; keys beyond ``bias`` get 0) to the dense 4-D additive mask of the
-    steered heads, for every forward (prefill and each decode step)."""
-    hooks = []
-    layers = model.model.layers
-    H = model.config.num_attention_heads
-    for layer in sorted({ly for ly, _ in heads}):
-        hs = [h for ly, h in heads if ly == layer]
-
-        def pre(mod, args, kwargs, hs=hs):
-            mask = kwargs["attention_mask"]
-            assert mask is not None and mask.dtype.is_floating_point
-            B, _, Nq, Nk = mask.shape
-            mask = mask.expand(B, H, Nq, Nk).clone()
-            n = min(Nk, bias.shape[1])
-            for b in range(B):
-                for h in hs:
-                    mask[b, h, :, :n] += bias[b, :n].to(mask.dtype)
-            kwargs["attention_mask"] = mask
-            return args, kwargs
-
-        hooks.append(layers[layer].self_attn.register_forward_pre_hook(pre, with_kwargs=True))
-    try:
-        yield
-    finally:
-        for h in hooks:
-            h.remove()
-
-
-def hf_generate(model, batch, n_new: int) -> torch.Tensor:
-    """transformers' own greedy generate (left-padded batch); returns the new tokens."""
-    with torch.no_grad():
-        out = model.generate(input_ids=batch.input_ids, attention_mask=batch.attention_mask, max_new_tokens=n_new,
-                             min_new_tokens=n_new, do_sample=False, pad_token_id=0)
-    return out[:, batch.length:]
-
-
-def headlab_generate(model, batch, plan, n_new: int) -> list[list[int]]:
-    request = DecodeRequest(loaded(model), batch, n_new, [], plan, 0)
-    return decode_loop(request, lambda out, _: out.logits[:, -1].argmax(-1)).tokens
-
-
-def pasta_plan(model, batch, heads, alpha=0.01, mode="exclude", **plan_kw) -> ins.Plan:
-    plan = ins.Plan(**plan_kw)
-    cfg = P.Pasta(heads=[list(h) for h in heads], alpha=alpha, scale_position=mode)
-    P.steer(cfg, step_ctx(model, batch.examples), batch, plan)
-    return plan
-
-
-def bias_matrix(tok, batch, alpha, mode) -> torch.Tensor:
-    """log of :func:`key_weights` for every row (prompt keys only)."""
-    rows = [key_weights(tok, ex, batch.pad[r], batch.length, batch.length, alpha, mode).log()
-            for r, ex in enumerate(batch.examples)]
-    return torch.stack(rows).float()
+from fixtures.steering import (
+    bias_matrix,
+    build_tokenizer,
+    eager_pasta,
+    emphasis_examples,
+    headlab_generate,
+    hf_generate,
+    key_weights,
+    llama_config,
+    loaded,
+    pasta_plan,
+    run_spec,
+    step_ctx,
+    tiny,
+    two_section_example,
+)
 
 
 # --------------------------------------------------------------------------- the bias = reweighting
@@ -270,23 +134,6 @@ def test_missing_emphasis_is_an_error_or_skipped():
 
 
 # --------------------------------------------------------------------------- heads from every source
-def _run_spec(tmp_path, steps: str, n: int = 3) -> dict:
-    from headlab.runner import run
-
-    tok_dir = tmp_path / "tok"
-    if not tok_dir.exists():
-        build_tokenizer().save_pretrained(tok_dir)
-    cfg = llama_config().to_dict()
-    cfg = {k: cfg[k] for k in ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
-                               "num_attention_heads", "num_key_value_heads", "vocab_size",
-                               "max_position_embeddings", "initializer_range", "bos_token_id", "pad_token_id")}
-    cfg["tokenizer"] = str(tok_dir)
-    text = (f"name: t\nmodel: {{config: {json.dumps(cfg)}}}\n"
-            f"task: {{kind: emphasis, n: {n}}}\nsteps:\n{steps}output: {tmp_path / 'runs'}\n")
-    r = run(text)
-    return {k: r.results[k] for k in r.results}
-
-
 def test_spec_head_forms_are_equivalent(tmp_path):
     (tmp_path / "pasta.json").write_text(json.dumps({"0": [1, 3], "1": [0]}))
     (tmp_path / "layers.json").write_text(json.dumps([1]))
@@ -306,7 +153,7 @@ def test_spec_head_forms_are_equivalent(tmp_path):
   - id: layer_pairs
     generate: {{{gen}, steer: [{{kind: pasta, heads: [[1, 0], [1, 1], [1, 2], [1, 3]], alpha: 0.001}}]}}
 """
-    res = _run_spec(tmp_path, steps, n=4)
+    res = run_spec(tmp_path, steps, n=4)
     out = {k: [str(x) for x in v["output"].values.ravel()] for k, v in res.items()}
     assert out["pairs"] == out["mapping"] == out["file"]
     assert out["layer_list"] == out["layer_file"] == out["layer_pairs"]
@@ -319,7 +166,7 @@ def test_spec_runs_the_plugin_like_the_api(tmp_path):
     steps = """  - id: steered
     generate: {max_new_tokens: 5, steer: [{kind: pasta, heads: [[0, 0], [1, 2]], alpha: 0.01}]}
 """
-    res = _run_spec(tmp_path, steps, n=3)
+    res = run_spec(tmp_path, steps, n=3)
     from headlab.runner import ModelCache
     from headlab.spec import load_spec
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
-import sys
 
 import numpy as np
 import pytest
@@ -26,8 +24,7 @@ from headlab import instrument as ins
 from headlab.generation import tokenize
 from headlab.plugins.steering import vhr as V
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_steering_pasta import emphasis_examples, loaded, step_ctx, tiny  # noqa: E402
+from fixtures.steering import emphasis_examples, loaded, step_ctx, tiny
 
 
 def text_layers(model):

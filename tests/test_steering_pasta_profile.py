@@ -9,28 +9,24 @@ the gains with plain Python sets.
 from __future__ import annotations
 
 import json
-import os
-import sys
 
 import numpy as np
 import pytest
 import torch
 
+from headlab.context import TaskContext
 from headlab.heads import read_heads_file
 from headlab.plugins.steering import pasta_profile as PP
 from headlab.plugins.tasks.synthetic_tasks import Emphasis, build_emphasis
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_steering_pasta import (  # noqa: E402
-    _run_spec,
+from fixtures.steering import (
     build_tokenizer,
     eager_pasta,
     key_weights,
+    run_spec,
     step_ctx,
     tiny,
 )
-
-from headlab.context import TaskContext  # noqa: E402
 
 TASKS = [{"kind": "emphasis", "n": 3, "seed": 0}, {"kind": "emphasis", "n": 3, "seed": 9, "filler_sentences": [1, 2]}]
 
@@ -125,7 +121,7 @@ def test_profile_in_a_spec_feeds_pasta_and_writes_the_json(tmp_path):
   - id: from_file
     generate: {{max_new_tokens: 3, steer: [{{kind: pasta, heads: {{file: {out_json}}}}}]}}
 """
-    res = _run_spec(tmp_path, steps, n=3)
+    res = run_spec(tmp_path, steps, n=3)
     prof = res["profile"]
     selected = sorted((int(ly), int(h)) for ly, h in zip(*np.nonzero(prof["selected"].values), strict=True))
     assert read_heads_file(out_json) == selected
@@ -135,7 +131,7 @@ def test_profile_in_a_spec_feeds_pasta_and_writes_the_json(tmp_path):
     assert set(selected) <= set(top3) or len(selected) > 3
     # explicit heads == {from: profile, top: 3}
     pairs = json.dumps([list(hh) for hh in top3])
-    res2 = _run_spec(tmp_path, f"""  - id: explicit
+    res2 = run_spec(tmp_path, f"""  - id: explicit
     generate: {{max_new_tokens: 3, steer: [{{kind: pasta, heads: {pairs}}}]}}
 """, n=3)
     assert list(res2["explicit"]["output"].values) == list(res["from_profile"]["output"].values)

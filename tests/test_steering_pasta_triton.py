@@ -24,8 +24,11 @@ def compare() -> dict:
     """Tokens and logits of PASTA-steered generation on every path (run inside the subprocess)."""
     import torch
 
-    sys.path.insert(0, HERE)
-    from test_steering_pasta import (
+    from headlab import instrument as ins
+    from headlab.generation import tokenize
+    from headlab.kernels import attention
+
+    from fixtures.steering import (
         bias_matrix,
         build_tokenizer,
         eager_pasta,
@@ -37,10 +40,6 @@ def compare() -> dict:
         tiny,
         two_section_example,
     )
-
-    from headlab import instrument as ins
-    from headlab.generation import tokenize
-    from headlab.kernels import attention
 
     dev = "cuda" if os.environ.get("HEADLAB_TRITON_CUDA") == "1" else "cpu"
     tok = build_tokenizer()
