@@ -8,6 +8,7 @@
     headlab show RUN
     headlab report RUN [-o FILE]
     headlab new-plugin {detector|steering|decoder|task|metric} NAME [DIR]
+    headlab eval [lm-eval options]   (the eval extra: lm-evaluation-harness with headlab's model)
 """
 
 from __future__ import annotations
@@ -156,6 +157,13 @@ def _print_summary(result: Any) -> None:
             table = Table("rank", "layer", "head", "score", title=f"{step}: top heads ({info['method']})")
             for i, t in enumerate(info["top"], 1):
                 table.add_row(str(i), str(t["layer"]), str(t["head"]), f"{t['score']:.4f}")
+        elif info.get("tasks"):
+            keys = list(dict.fromkeys(k for r in info["tasks"] for k in r["cell"]))
+            names = list(dict.fromkeys(m for r in info["tasks"] for m in r["metrics"]))
+            table = Table(*keys, "task", *names, title=f"{step}: {info['kind']} (per task)")
+            for r in info["tasks"]:
+                table.add_row(*(str(r["cell"].get(k, "")) for k in keys), r["task"],
+                              *(f"{r['metrics'][m]:.4f}" if m in r["metrics"] else "" for m in names))
         else:
             table = Table("metric", "mean", title=f"{step}: metrics")
             for k, v in info["metrics"].items():
@@ -187,6 +195,16 @@ def report(
     console.print(f"report written to {path}")
 
 
+@app.command("eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+                                       "help_option_names": []})
+def eval_(ctx: typer.Context) -> None:
+    """lm-evaluation-harness with headlab's model: lm-eval's own options (`--tasks`, `--include_path`, `--limit`,
+    ...), `--model headlab` by default, e.g. `--model_args spec=steer.yaml` (`headlab eval --help`)."""
+    from .harness import main as harness_main
+
+    harness_main(ctx.args)
+
+
 @app.command("new-plugin")
 def new_plugin(
     kind: Annotated[str, typer.Argument(metavar="KIND", help="detector, steering, decoder, task or metric")],
@@ -216,6 +234,11 @@ def main() -> None:
     try:
         app(standalone_mode=False)
     except (SpecError, ModelLoadError, PluginError, RunNotFound, HeadSelectionError, FileExistsError) as e:
+        err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except ImportError as e:
+        if "pip install 'headlab[" not in str(e):  # a missing optional extra says which one; others are bugs
+            raise
         err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except (typer.Abort, KeyboardInterrupt):
