@@ -20,6 +20,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -234,12 +235,12 @@ def main() -> None:
     try:
         app(standalone_mode=False)
     except (SpecError, ModelLoadError, PluginError, RunNotFound, HeadSelectionError, FileExistsError) as e:
-        err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except ImportError as e:
         if "pip install 'headlab[" not in str(e):  # a missing optional extra says which one; others are bugs
             raise
-        err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except (typer.Abort, KeyboardInterrupt):
         err.print("interrupted: finished cells are stored; finish with `headlab run --resume RUN`")
@@ -254,7 +255,7 @@ def main() -> None:
                       soft_wrap=True)
             sys.exit(2)
         if isinstance(e, ValueError):
-            err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+            err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
             sys.exit(2)
         raise
 

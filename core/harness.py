@@ -92,7 +92,8 @@ class HeadlabLM(_Base):  # type: ignore[misc,valid-type]
       first sweep cell, so ``heads: {from: <step>}`` resolves. ``run``: a stored run whose results resolve
       ``heads: {from: ...}`` instead. ``results`` (Python): step id -> dataset, for the same purpose.
     - ``batch_size`` (``auto`` = 8), ``max_gen_toks`` (256), ``max_length`` (the model's context length),
-      ``seed``, ``device``, ``dtype``; ``emphasis_tag`` (``em``; ``none`` disables marker removal).
+      ``seed``, ``device`` (a CUDA device is ignored where there is none: lm-eval's command line passes
+      ``cuda`` by default), ``dtype``; ``emphasis_tag`` (``em``; ``none`` disables marker removal).
 
     ``loglikelihood`` returns ``(logprob, is_greedy)`` as lm-eval's ``hf`` model does: the continuation's
     tokens are those of ``context + continuation`` after the context's own (a context's trailing spaces move
@@ -304,11 +305,17 @@ def _model_spec(model: Any, device: str | None, dtype: str | None) -> Any:
     spec: dict[str, Any] = dict(model) if isinstance(model, Mapping) else {"id": str(model)}
     if hasattr(model, "model_dump"):
         spec = model.model_dump()
-    if device:
+    if device and not (device.startswith("cuda") and not _cuda()):  # lm-eval's CLI defaults to cuda
         spec["device"] = device
     if dtype:
         spec["dtype"] = dtype
     return spec
+
+
+def _cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 def _from_spec(path: str, step: str | None, seed: int) -> tuple[Any, Any, Any, dict[str, Any]]:
