@@ -1,4 +1,8 @@
-"""The ``generate`` action: steer, decode in batches, score the outputs with metrics."""
+"""The ``generate`` action: steer, decode in batches, score the outputs with metrics.
+
+Its dataset holds ``output`` (the text, special tokens skipped, cut at the first stop string) and
+``output_ids`` over ``(example, step)``: the generated token ids up to EOS (excluded), -1 after a row's last.
+"""
 
 from typing import Annotated, Any
 
@@ -34,6 +38,7 @@ def generate(action: Any, ctx: StepContext) -> xr.Dataset:
     mgr = get_manager()
     decoder = mgr.get("decoders", action.decode.kind)
     outputs: list[str] = []
+    tokens: list[list[int]] = []
     infos: list[tuple[dict[str, Any], list[int]]] = []
     steered: dict[str, list[xr.DataArray]] = {}
     batches = [ctx.examples[i: i + action.batch_size] for i in range(0, len(ctx.examples), action.batch_size)]
@@ -43,6 +48,7 @@ def generate(action: Any, ctx: StepContext) -> xr.Dataset:
         request = DecodeRequest(ctx.model, batch, action.max_new_tokens, list(action.stop), plan, ctx.seed, ctx)
         decoded = decoder.impl(action.decode, request)
         outputs.extend(decoded.texts)
+        tokens.extend(decoded.tokens)
         infos.append((decoded.info, [len(t) for t in decoded.tokens]))
         for report in reports:
             for name, array in report().items():
@@ -50,6 +56,12 @@ def generate(action: Any, ctx: StepContext) -> xr.Dataset:
     ds = xr.Dataset({"output": ("example", np.array(outputs, dtype=object))})
     arrays, attrs = decode_info(infos, ctx.model.geometry)
     ds = ds.assign(arrays)
+    # the step that chose EOS is a step of the per-step diagnostics but not a token of output_ids
+    width = max([len(t) for t in tokens] + [ds.sizes.get("step", 0)])
+    ids = np.full((len(tokens), width), -1, dtype=np.int64)
+    for i, t in enumerate(tokens):
+        ids[i, : len(t)] = t
+    ds["output_ids"] = (("example", "step"), ids)
     for name, parts in steered.items():
         if len(parts) == len(batches):
             ds[name] = xr.concat(parts, dim="example", join="outer")
