@@ -18,6 +18,7 @@ from .hookspecs import hookimpl
 from .plugin_manager import PluginError, register_plugin, unregister_plugin
 from .results import Run, list_runs, open_run
 from .runner import run
+from .scoring import generate, logprobs
 from .spec import ComponentConfig, HeadSelection, SpecError, json_schema, load_spec
 
 try:
@@ -27,6 +28,7 @@ except PackageNotFoundError:  # running from a source tree without installation
 
 __all__ = [
     "DIMENSIONS", "ComponentConfig", "Example", "HeadSelection", "PluginError", "Run", "SpecError", "StepContext",
-    "TaskContext", "__version__", "hookimpl", "json_schema", "list_runs", "load_spec", "open_run",
+    "TaskContext", "__version__", "generate", "hookimpl", "json_schema", "list_runs", "load_spec", "logprobs",
+    "open_run",
     "register_plugin", "run", "unregister_plugin",
 ]

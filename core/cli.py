@@ -8,6 +8,7 @@
     headlab show RUN
     headlab report RUN [-o FILE]
     headlab new-plugin {detector|steering|decoder|task|metric} NAME [DIR]
+    headlab eval [lm-eval options]   (the eval extra: lm-evaluation-harness with headlab's model)
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -165,6 +167,13 @@ def _print_summary(result: Any) -> None:
             table = _table("rank", "layer", "head", "score", title=f"{step}: top heads ({info['method']})")
             for i, t in enumerate(info["top"], 1):
                 table.add_row(str(i), str(t["layer"]), str(t["head"]), f"{t['score']:.4f}")
+        elif info.get("tasks"):
+            keys = list(dict.fromkeys(k for r in info["tasks"] for k in r["cell"]))
+            names = list(dict.fromkeys(m for r in info["tasks"] for m in r["metrics"]))
+            table = Table(*keys, "task", *names, title=f"{step}: {info['kind']} (per task)")
+            for r in info["tasks"]:
+                table.add_row(*(str(r["cell"].get(k, "")) for k in keys), r["task"],
+                              *(f"{r['metrics'][m]:.4f}" if m in r["metrics"] else "" for m in names))
         else:
             table = _table("metric", "mean", title=f"{step}: metrics")
             for k, v in info["metrics"].items():
@@ -196,6 +205,16 @@ def report(
     console.print(f"report written to {path}")
 
 
+@app.command("eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+                                       "help_option_names": []})
+def eval_(ctx: typer.Context) -> None:
+    """lm-evaluation-harness with headlab's model: lm-eval's own options (`--tasks`, `--include_path`, `--limit`,
+    ...), `--model headlab` by default, e.g. `--model_args spec=steer.yaml` (`headlab eval --help`)."""
+    from .harness import main as harness_main
+
+    harness_main(ctx.args)
+
+
 @app.command("new-plugin")
 def new_plugin(
     kind: Annotated[str, typer.Argument(metavar="KIND", help="detector, steering, decoder, task or metric")],
@@ -225,7 +244,12 @@ def main() -> None:
     try:
         app(standalone_mode=False)
     except (SpecError, ModelLoadError, PluginError, RunNotFound, HeadSelectionError, FileExistsError) as e:
-        err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except ImportError as e:
+        if "pip install 'headlab[" not in str(e):  # a missing optional extra says which one; others are bugs
+            raise
+        err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except (typer.Abort, KeyboardInterrupt):
         err.print("interrupted: finished cells are stored; finish with `headlab run --resume RUN`")
@@ -240,7 +264,7 @@ def main() -> None:
                       soft_wrap=True)
             sys.exit(2)
         if isinstance(e, ValueError):
-            err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+            err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
             sys.exit(2)
         raise
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -31,6 +32,47 @@ class Example:
     spans: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     input_ids: list[int] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+
+
+def strip_tags(text: str, tags: Mapping[str, str]) -> tuple[str, dict[str, list[tuple[int, int]]]]:
+    """Remove ``<tag>...</tag>`` markers from ``text`` and return the plain text and the marked spans.
+
+    ``tags`` maps a span name to a tag name (``{"emphasis": "em"}``: the ``<em>...</em>`` emphasis markers
+    PASTA steers on). Spans are ``[start, end)`` character offsets into the returned text, ready for
+    :attr:`Example.spans`. Tags may not nest in themselves; an unbalanced tag is a ``ValueError``.
+
+        >>> strip_tags("a <em>b c</em> d", {"emphasis": "em"})
+        ('a b c d', {'emphasis': [(2, 5)]})
+    """
+    if not tags:
+        return text, {}
+    by_tag = {tag: name for name, tag in tags.items()}
+    pattern = re.compile("|".join(rf"</?{re.escape(t)}>" for t in by_tag))
+    out: list[str] = []
+    spans: dict[str, list[tuple[int, int]]] = {name: [] for name in tags}
+    open_at: dict[str, int] = {}
+    pos = 0
+    length = 0
+    for m in pattern.finditer(text):
+        piece = text[pos:m.start()]
+        out.append(piece)
+        length += len(piece)
+        pos = m.end()
+        closing = m.group(0).startswith("</")
+        tag = m.group(0).strip("</>")
+        if not closing:
+            if tag in open_at:
+                raise ValueError(f"nested <{tag}> in {text[:80]!r}")
+            open_at[tag] = length
+        else:
+            if tag not in open_at:
+                raise ValueError(f"</{tag}> without <{tag}> in {text[:80]!r}")
+            spans[by_tag[tag]].append((open_at.pop(tag), length))
+    if open_at:
+        tag = next(iter(open_at))
+        raise ValueError(f"<{tag}> is never closed in {text[:80]!r}")
+    out.append(text[pos:])
+    return "".join(out), {k: v for k, v in spans.items() if v}
 
 
 @dataclass

@@ -38,7 +38,8 @@ DIMENSIONS: dict[str, str] = {
     "offset": "a relative key offset delta >= 0 of an offset probe: the key at query - delta",
     "head_dim": "a component of a head's output vector z (before o_proj)",
     "choice": "an answer option of a multiple-choice example",
-    "task": "one of the tasks a detector profiles heads on (pasta_profile)",
+    "task": "a task: an lm-evaluation-harness task (or group) an evaluate step ran, coordinates are its names; "
+            "or one of the tasks a detector profiles heads on (pasta_profile)",
     "k": "a number of heads masked together (ablation)",
     "draw": "a random draw of heads (ablation's control)",
     "rank": "a place in a ranked list of heads (0 = first)",

@@ -21,13 +21,21 @@ from .model import LoadedModel
 
 @dataclass
 class Batch:
-    """Left-padded token ids of a batch of prompts, with character offsets for span mapping."""
+    """Left-padded token ids of a batch of prompts, with character offsets for span mapping.
+
+    ``continuation[r]`` is the number of tokens at the end of row ``r`` that are not prompt: the scored
+    continuation of a :func:`continuation_batch` row (a choice of a multiple-choice example). Empty (the
+    default, a batch of prompts to generate from) means every row is all prompt. Steering methods that
+    treat prompt keys specially (PASTA) read a row's prompt from :meth:`prompt_span`, so a choice's own
+    tokens are treated like generated tokens, as in ``generate``.
+    """
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     offsets: list[list[tuple[int, int]]]
     pad: list[int]
     examples: list[Example] = field(default_factory=list)
+    continuation: list[int] = field(default_factory=list)
 
     @property
     def size(self) -> int:
@@ -36,6 +44,15 @@ class Batch:
     @property
     def length(self) -> int:
         return int(self.input_ids.shape[1])
+
+    def prompt_end(self, row: int) -> int:
+        """The padded position where row ``row``'s prompt ends: its keys ``>=`` this are its continuation
+        (``continuation[row]`` tokens; none in a batch of prompts, whose prompts end at :attr:`length`)."""
+        return self.length - (int(self.continuation[row]) if self.continuation else 0)
+
+    def prompt_span(self, row: int) -> tuple[int, int]:
+        """``[start, end)``: the padded positions of row ``row``'s prompt (``pad[row]``, :meth:`prompt_end`)."""
+        return self.pad[row], self.prompt_end(row)
 
     def token_span(self, row: int, start: int, end: int) -> tuple[int, int]:
         """Token positions ``[s, e)`` (padded coordinates) covering characters ``[start, end)`` of a prompt."""
@@ -491,37 +508,69 @@ class ScoreRequest:
 
 @dataclass
 class Scored:
-    """Per row: the summed score of the continuation tokens, and the per-token scores."""
+    """Per row: the summed score of the continuation tokens, the per-token scores, and whether every
+    continuation token is the strategy's top-scoring token at its position (``greedy``; empty when a
+    scorer does not say, :func:`sum_continuation` fills it)."""
 
     logprobs: list[float]
     tokens: list[list[float]] = field(default_factory=list)
+    greedy: list[bool] = field(default_factory=list)
 
 
-def continuation_batch(lm: LoadedModel, pairs: list[tuple[Example, str]], device: str | None = None,
+def continuation_batch(lm: LoadedModel, pairs: list[tuple[Example, str | list[int]]], device: str | None = None,
                        ) -> tuple[Batch, list[int]]:
     """Tokenize ``prompt + continuation`` rows; the continuation is what follows the prompt's own tokens.
 
-    As in the DoLa and DeCoRe reference code, the continuation tokens of a row are the tokens of the full
-    text after the first ``len(tokenize(prompt))`` ones.
+    As in the DoLa and DeCoRe reference code (and lm-evaluation-harness), the continuation tokens of a
+    text row are the tokens of the full text after the first ``len(tokenize(prompt))`` ones. A row whose
+    example has ``input_ids``, or whose continuation is a list of token ids, is the prompt's ids (its
+    ``input_ids`` or its tokenized text) followed by the continuation's ids (a text continuation is
+    tokenized without special tokens). Returns the batch (its :attr:`Batch.continuation` set) and the
+    number of continuation tokens per row.
     """
     tok = lm.tokenizer
-    if tok is None:
-        raise ValueError("scoring needs a tokenizer (the model has none)")
-    rows = [Example(prompt=ex.prompt + cont, spans=ex.spans, meta=ex.meta) for ex, cont in pairs]
+    rows: list[Example] = []
     n_tokens = []
-    for (ex, _), row in zip(pairs, rows, strict=True):
-        full = len(tok(row.prompt, add_special_tokens=True)["input_ids"])
-        prefix = len(tok(ex.prompt, add_special_tokens=True)["input_ids"])
-        if full - prefix < 1:
+    for ex, cont in pairs:
+        if ex.input_ids is None and isinstance(cont, str):
+            if tok is None:
+                raise ValueError("scoring text needs a tokenizer (the model has none); give token ids")
+            row = Example(prompt=ex.prompt + cont, spans=ex.spans, meta=ex.meta)
+            full = len(tok(row.prompt, add_special_tokens=True)["input_ids"])
+            prefix = len(tok(ex.prompt, add_special_tokens=True)["input_ids"])
+            n = full - prefix
+        else:
+            if ex.input_ids is not None:
+                head = list(ex.input_ids)
+            elif tok is None:
+                raise ValueError("scoring text needs a tokenizer (the model has none); give token ids")
+            else:
+                head = list(tok(ex.prompt, add_special_tokens=True)["input_ids"])
+            if isinstance(cont, str):
+                if tok is None:
+                    raise ValueError("a text continuation needs a tokenizer (the model has none); give token ids")
+                tail = list(tok(cont, add_special_tokens=False)["input_ids"])
+            else:
+                tail = [int(t) for t in cont]
+            row = Example(prompt=ex.prompt, input_ids=head + tail, spans=ex.spans, meta=ex.meta)
+            n = len(tail)
+        if n < 1:
             raise ValueError(f"continuation adds no token to the prompt {ex.prompt[-40:]!r}")
-        n_tokens.append(full - prefix)
-    return tokenize(lm, rows, device), n_tokens
+        rows.append(row)
+        n_tokens.append(n)
+    batch = tokenize(lm, rows, device)
+    batch.continuation = list(n_tokens)
+    return batch, n_tokens
 
 
 def sum_continuation(scores: torch.Tensor, request: ScoreRequest) -> Scored:
     """Gather ``scores`` (rows, C, V), the strategy's per-token scores at the C positions that predict the
-    continuation (``logits[:, -C-1:-1]``), at the continuation tokens, and sum each row's own tokens."""
+    continuation (``logits[:, -C-1:-1]``), at the continuation tokens, and sum each row's own tokens.
+    ``greedy[r]``: every continuation token of row ``r`` is the argmax of its position's scores (what
+    lm-evaluation-harness calls ``is_greedy``)."""
     ids, valid = request.targets()
-    picked = scores.float().gather(-1, ids[..., None])[..., 0]
+    scores = scores.float()
+    picked = scores.gather(-1, ids[..., None])[..., 0]
+    top = (scores.argmax(-1) == ids) | ~valid
     per_token = [picked[r][valid[r]].tolist() for r in range(picked.shape[0])]
-    return Scored([float(sum(t)) for t in per_token], per_token)
+    return Scored([float(sum(t)) for t in per_token], per_token, [bool(g) for g in top.all(-1).tolist()])

@@ -60,6 +60,7 @@ BUILTIN_PLUGINS = (
     "headlab.plugins.actions.detect",
     "headlab.plugins.actions.generate",
     "headlab.plugins.actions.score",
+    "headlab.plugins.actions.evaluate",
     "headlab.plugins.models.embedded",
 )
 

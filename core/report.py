@@ -3,7 +3,8 @@
 ``headlab report RUN`` (or :func:`write_report`) writes one self-contained HTML file: provenance, the
 spec, a (layer x head) heatmap of every detect step's scores (averaged over sweep cells, and one per
 cell when there is a sweep), top-head tables, metric tables per sweep cell, line plots of metrics and
-top-head scores against numeric sweep keys, and sample generations. Everything is inline (CSS and
+top-head scores against numeric sweep keys, sample generations, and per-task metrics with sample records
+(``evaluate`` steps). Everything is inline (CSS and
 SVG); the file loads nothing from the network and needs no JavaScript.
 
 The colour scale (:func:`color`) is shared with the notebook widgets so a head looks the same in a
@@ -291,6 +292,45 @@ def _generate_section(run: Run, step: str, ds: xr.Dataset, n_examples: int) -> s
     return "".join(out)
 
 
+def _task_section(run: Run, step: str, ds: xr.Dataset, n_examples: int) -> str:
+    """Per-task metrics (a ``task`` dimension, e.g. an ``evaluate`` step) per sweep cell, and the first
+    per-sample records (over ``example``)."""
+    metrics = [m for m in ds.attrs.get("metrics", []) if m in ds and "task" in ds[m].dims]
+    out = [f'<section class="step tasks" id="step-{escape(step)}"><h2>{escape(step)}: '
+           f'{escape(str(ds.attrs.get("action", "")))} <code>{escape(str(ds.attrs.get("decode", "")))}</code>'
+           + (f' steered by <code>{escape(", ".join(ds.attrs.get("steer", [])))}</code>' if ds.attrs.get("steer") else "")
+           + "</h2>"]
+    cells = _cells(run, ds[metrics[0]])
+    rows = []
+    for c in cells:
+        sub = ds.sel(c) if c else ds
+        for t in sub["task"].values.tolist():
+            values = [float(sub[m].sel(task=t)) for m in metrics]
+            if any(math.isfinite(v) for v in values):
+                rows.append([_label(c), str(t)] + [v if math.isfinite(v) else "" for v in values])
+    out.append("<h3>metrics per task</h3>" + _table(["cell", "task", *metrics], rows, "metrics"))
+    if "example" in ds.dims and "prompt" in ds:
+        first = ds.isel({d: 0 for d in _sweep_dims(run, ds["prompt"])})
+        names = [f"sample_{m}" for m in metrics if f"sample_{m}" in first]
+        head = ["example", "task", "doc", "prompt", "target", "answer", *[n.removeprefix("sample_") for n in names]]
+        body = []
+        for i in range(min(n_examples, first.sizes["example"])):
+            ex = first.isel(example=i)
+            p = str(ex["prompt"].values)
+            answer = str(ex["output"].values) if "output" in ex else ""
+            if not answer and "logprob" in ex:
+                lp = ex["logprob"].values.astype(float)
+                if np.isfinite(lp).any():
+                    answer = str(ex["choice_text"].values[int(np.nanargmax(lp))])
+            body.append([i, str(ex["sample_task"].values) if "sample_task" in ex.coords else "",
+                         int(ex["doc_id"].values) if "doc_id" in ex.coords else "",
+                         p if len(p) <= 160 else "…" + p[-160:], str(ex["target"].values) if "target" in ex else "",
+                         answer, *[float(ex[n].values) for n in names]])
+        out.append(f"<h3>samples (first {len(body)})</h3>" + _table(head, body, "samples"))
+    out.append("</section>")
+    return "".join(out)
+
+
 def _values_section(step: str, ds: xr.Dataset) -> str:
     """Small numeric variables of a step without head scores or generations (e.g. ``ablation``)."""
     out = [f'<section class="step values" id="step-{escape(step)}"><h2>{escape(step)}: '
@@ -351,6 +391,8 @@ def render_report(run: Run | str | Path, *, n_examples: int = 8) -> str:
             parts.append(_detect_section(run, step, ds))
         elif "output" in ds and ds.attrs.get("action", "generate") == "generate":
             parts.append(_generate_section(run, step, ds, n_examples))
+        elif "task" in ds.dims and any(m in ds and "task" in ds[m].dims for m in ds.attrs.get("metrics", [])):
+            parts.append(_task_section(run, step, ds, n_examples))
         else:
             parts.append(_values_section(step, ds))
     parts.append(f"<h2>spec</h2><pre>{escape(run.spec_text)}</pre>")

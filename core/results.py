@@ -371,7 +371,9 @@ class Run:
         return ds.set_index(cell=keys).unstack("cell")
 
     def summary(self) -> dict[str, Any]:
-        """Top heads per detect step and metric means per generate step (over all cells)."""
+        """Top heads per detect step; per other step its ``kind`` (the action) and metric means over all
+        cells (``metrics``), or, for per-task metrics (``evaluate``), one row per sweep cell and task
+        (``tasks``: ``[{"cell": {...}, "task": name, "metrics": {...}}]``)."""
         from .heads import ranked
 
         out: dict[str, Any] = {}
@@ -383,10 +385,32 @@ class Run:
                 out[step] = {"kind": "detect", "method": ds.attrs.get("method", ""),
                              "top": [{"layer": h[0], "head": h[1], "score": s} for h, s in ranked(score)[:10]]}
             else:
-                metrics = ds.attrs.get("metrics", [])
-                out[step] = {"kind": "generate",
-                             "metrics": {m: float(np.nanmean(ds[m].values)) for m in metrics if m in ds}}
+                metrics = [m for m in ds.attrs.get("metrics", []) if m in ds]
+                kind = str(ds.attrs.get("action", "generate"))
+                by_task = [m for m in metrics if "task" in ds[m].dims]
+                if by_task:  # per-task metrics (evaluate): one row per sweep cell and task, never averaged
+                    out[step] = {"kind": kind, "metrics": {}, "tasks": self._task_rows(ds, by_task)}
+                    continue
+                out[step] = {"kind": kind,
+                             "metrics": {m: float(np.nanmean(ds[m].values)) for m in metrics}}
         return out
+
+    def _task_rows(self, ds: xr.Dataset, metrics: list[str]) -> list[dict[str, Any]]:
+        """``[{"cell": {sweep key: value}, "task": name, "metrics": {name: value}}]`` for per-task metrics."""
+        import itertools
+
+        keys = [k for k in self.sweep if k in ds.dims]
+        grids = [[v.item() if hasattr(v, "item") else v for v in ds[k].values] for k in keys]
+        rows = []
+        for combo in itertools.product(*grids):
+            cell = dict(zip(keys, combo, strict=True))
+            sub = ds.sel(cell) if cell else ds
+            for t in sub["task"].values.tolist():
+                values = {m: float(sub[m].sel(task=t)) for m in metrics}
+                if any(np.isfinite(v) for v in values.values()):
+                    rows.append({"cell": cell, "task": str(t),
+                                 "metrics": {m: v for m, v in values.items() if np.isfinite(v)}})
+        return rows
 
     def _repr_html_(self) -> str:
         from html import escape
@@ -398,7 +422,10 @@ class Run:
                 rows.append(f"<tr><td>{escape(step)}</td><td>detect {escape(info['method'])}</td><td>{top}</td></tr>")
             else:
                 ms = ", ".join(f"{k} {v:.3f}" for k, v in info["metrics"].items())
-                rows.append(f"<tr><td>{escape(step)}</td><td>generate</td><td>{escape(ms)}</td></tr>")
+                ms += "; ".join(
+                    ", ".join(f"{c}={v}" for c, v in r["cell"].items()) + (" " if r["cell"] else "") + f"{r['task']}: "
+                    + ", ".join(f"{k} {v:.3f}" for k, v in r["metrics"].items()) for r in info.get("tasks", []))
+                rows.append(f"<tr><td>{escape(step)}</td><td>{escape(info['kind'])}</td><td>{escape(ms)}</td></tr>")
         return (f"<div><b>headlab run</b> {escape(self.name)} &middot; {escape(self.status)} &middot; "
                 f"{self.cells_done}/{self.cells_total} cells &middot; model {escape(str(self.attrs.get('model')))}"
                 f"<table><tr><th>step</th><th>action</th><th>summary</th></tr>{''.join(rows)}</table></div>")

@@ -1,7 +1,10 @@
 """Executing a spec: model once, sweep cells, steps in order, each finished cell written to zarr.
 
 A step runs its action, a component like any other (``headlab_register_actions``; the built-in
-``detect``, ``generate`` and ``score`` live in ``headlab.plugins.actions``), dispatched by name.
+``detect``, ``generate``, ``score`` and ``evaluate`` live in ``headlab.plugins.actions``), dispatched by
+name. The runner stores the task's inputs (prompts, targets, token ids, meta) with a step's dataset,
+unless the action's ``example`` dimension is something else: an action whose dataset has the attribute
+``example_source`` (``evaluate``: ``"lm-eval"``, its samples) stores its own.
 
 A cell's results are a function of (spec, cell) alone: the seed is reset at the start of every
 cell and examples are rebuilt from the task config, so cells can run in any order or in parallel
@@ -155,9 +158,10 @@ def run_cell(loaded: LoadedSpec, cell: Cell, models: ModelCache, reporter: Repor
         _seed(spec.seed)
         config = getattr(step, step.action)
         ds = get_manager().get("actions", step.action).impl(config, ctx)
-        ex = examples_dataset(examples, lm)
-        ds = ds.merge(ex, compat="override", join="left"
-                      if "example" in ds.dims else "outer")
+        if "example_source" not in ds.attrs:  # the step's `example` are the task's examples: store their inputs
+            ex = examples_dataset(examples, lm)
+            ds = ds.merge(ex, compat="override", join="left"
+                          if "example" in ds.dims else "outer")
         ds.attrs.update(step=step.id, action=step.action, task=task.kind, config=json.dumps(_jsonable(config)),
                         model=lm.name)
         results[step.id] = ds

@@ -239,6 +239,7 @@ sweep:
     base = run.results["base"]
     assert base["logprob"].dims[-2:] == ("example", "choice") and base.sizes["choice"] == 4
     assert set(base.attrs["metrics"]) == {"mc1", "mc2", "mc3", "accuracy"}
+    assert run.summary()["base"]["kind"] == "score"  # labelled by its action, not "generate"
     assert "decore.decode.alpha" in run.results["decore"]["mc2"].dims
     # the stored numbers are the scores of the rows computed directly
     lm = word_model(4, False)

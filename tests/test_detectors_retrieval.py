@@ -149,7 +149,9 @@ def test_retrieval_plugin_spec_retrieved_mean_export_and_load(tmp_path, setup):
         ne = ns + len(tok(ex.prompt[s:e], add_special_tokens=False)["input_ids"])
         ref, _ = reference_retrieval(models["eager"], ids, ns, ne, 6, eos=2)
         np.testing.assert_allclose(per[i], ref, atol=1e-5, rtol=0)
-        assert (ds["needle_start"].values[i], ds["needle_end"].values[i]) == (ns, ne)  # the span it counted
+        # the needle's token span the scores used is stored, in the prompt's token ids
+        assert (int(ds["needle_start"].values[i]), int(ds["needle_end"].values[i])) == (ns, ne)
+        assert ds["input_ids"].values[i, ns:ne].tolist() == ids[ns:ne]
         recall = scorer.score(" " + records[i]["answer"], str(ds["output"].values[i]).strip())["rouge1"].recall
         expect_retrieved.append(recall > 0.5)
     assert ds["retrieved"].values.tolist() == expect_retrieved

@@ -98,7 +98,11 @@ def test_generate_step_outputs_and_metrics(tmp_path):
     # targets are empty for repeated_tokens: contains("") is 1, exact match of a non-empty output is 0
     assert ds["contains"].values.tolist() == [1.0] * 4
     summary = run.summary()["gen"]
-    assert summary["metrics"]["contains"] == 1.0
+    assert summary["metrics"]["contains"] == 1.0 and summary["kind"] == "generate"
+    # the generated token ids are stored too (no tokenizer here: the output text is the ids joined)
+    assert ds["output_ids"].dims == ("example", "step")
+    for ids, text in zip(ds["output_ids"].values, ds["output"].values, strict=True):
+        assert " ".join(str(i) for i in ids if i >= 0) == text
 
 
 def test_list_runs(tmp_path):

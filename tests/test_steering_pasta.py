@@ -133,6 +133,61 @@ def test_missing_emphasis_is_an_error_or_skipped():
     assert not torch.allclose(rec.pattern[0, 0, 0], rec0.pattern[0, 0, 0])
 
 
+# --------------------------------------------------------------------------- scoring choices under PASTA
+def reference_choice_scores(me, tok, pairs, heads, alpha, mode) -> list[float]:
+    """Per (example, choice): an unpadded eager forward of ``prompt + choice`` steered by the naive hooks
+    with the bias on the prompt's keys only (the choice's own keys unbiased, as generated keys are), and
+    the sum of ``log p`` of the choice's tokens (those after ``len(tokenize(prompt))``)."""
+    out = []
+    for ex, choice in pairs:
+        full = tok(ex.prompt + choice)["input_ids"]
+        n_prompt = len(tok(ex.prompt)["input_ids"])
+        bias = key_weights(tok, ex, 0, n_prompt, len(full), alpha, mode).log().float()[None]
+        ids = torch.tensor([full])
+        with eager_pasta(me, heads, bias), torch.no_grad():
+            logp = me(input_ids=ids).logits[0].double().log_softmax(-1)
+        out.append(sum(float(logp[n_prompt - 1 + i, t]) for i, t in enumerate(full[n_prompt:])))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["exclude", "include"])
+def test_scoring_steers_the_prompt_not_the_choice(mode):
+    """PASTA in the ``score`` path (continuation rows, left-padded, multi-token choices) equals the naive
+    reference that biases prompt keys only; biasing the choice's keys too (the old behaviour) differs."""
+    from headlab.generation import ScoreRequest, continuation_batch
+    from headlab.plugin_manager import get_manager
+    from headlab.plugins.actions.common import steering_plan
+    from headlab.plugins.decoding.greedy import Greedy
+
+    tok = build_tokenizer()
+    examples = emphasis_examples(3, seed=5) + [two_section_example()]
+    choices = [" Paris", " Rome is old", " Oslo . Sara lives in Rome"]
+    pairs = [(ex, c) for ex in examples for c in choices]
+    mh, me = tiny("headlab"), tiny("eager")
+    lm = loaded(mh)
+    batch, n = continuation_batch(lm, pairs)
+    assert len(set(batch.pad)) > 2 and max(n) > 3 and batch.continuation == n
+    assert [batch.prompt_end(r) for r in range(batch.size)] == [batch.length - k for k in n]
+    heads = [(0, 1), (1, 0), (1, 3)]
+    alpha = 0.05
+    cfg = P.Pasta(heads=[list(h) for h in heads], alpha=alpha, scale_position=mode)
+    plan, _ = steering_plan([cfg], step_ctx(mh, examples), batch)
+    request = ScoreRequest(lm, batch, n, [p[0] for p in pairs], [p[1] for p in pairs], plan)
+    got = get_manager().get("decoders", "greedy").score(Greedy(), request).logprobs
+    ref = reference_choice_scores(me, tok, pairs, heads, alpha, mode)
+    assert got == pytest.approx(ref, abs=1e-4)
+    # not vacuous: unsteered scores differ, and so do scores with the choice's keys biased as prompt
+    plain = reference_choice_scores(me, tok, pairs, [], alpha, mode)
+    assert max(abs(a - b) for a, b in zip(got, plain, strict=True)) > 1e-2
+    old = ins.Plan()
+    P.apply_pasta(old, heads, P.emphasis_sections(batch, "emphasis"), [(batch.pad[r], batch.length)
+                  for r in range(batch.size)], alpha, mode)
+    wrong = get_manager().get("decoders", "greedy").score(
+        Greedy(), ScoreRequest(lm, batch, n, [p[0] for p in pairs], [p[1] for p in pairs], old)).logprobs
+    multi = [r for r, k in enumerate(n) if k > 1]
+    assert max(abs(wrong[r] - ref[r]) for r in multi) > 1e-2
+
+
 # --------------------------------------------------------------------------- heads from every source
 def test_spec_head_forms_are_equivalent(tmp_path):
     (tmp_path / "pasta.json").write_text(json.dumps({"0": [1, 3], "1": [0]}))

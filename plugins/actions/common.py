@@ -5,9 +5,9 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
+from headlab import scoring
 from headlab.generation import Batch
 from headlab.instrument import Plan
-from headlab.plugin_manager import get_manager
 from headlab.spec import SpecTypes, StrictModel
 
 
@@ -41,14 +41,5 @@ def decoding_config(types: SpecTypes) -> type[StrictModel]:
 
 def steering_plan(steer: list[Any], ctx: Any, batch: Batch) -> tuple[Plan | None, list[Callable[[], Any]]]:
     """The instrumentation plan of the steering methods ``steer`` for ``batch`` (None without any), and
-    the reports they returned (called once the batch is generated)."""
-    if not steer:
-        return None, []
-    mgr = get_manager()
-    plan = Plan()
-    reports = []
-    for cfg in steer:
-        report = mgr.get("steering", cfg.kind).impl(cfg, ctx, batch, plan)
-        if callable(report):
-            reports.append(report)
-    return plan, reports
+    the reports they returned (called once the batch is generated): :func:`headlab.scoring.steering_plan`."""
+    return scoring.steering_plan(steer, ctx, batch)

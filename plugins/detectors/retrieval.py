@@ -18,8 +18,9 @@ no attention matrix is ever stored, a decode step costs one streaming pass over 
 
 Outputs (``xarray.Dataset``): ``score (layer, head)``; ``example_score (example, layer, head)``
 (every instance, retrieved or not); ``retrieved (example)``; ``recall (example)`` (ROUGE-1 recall
-that decides it); ``output (example)`` (the generated text); ``retrieval_head (layer, head)``
-(``score >= threshold``). Import/export of the reference JSON format ``{"<layer>-<head>": [score per
+that decides it); ``output (example)`` (the generated text); ``needle_start``, ``needle_end``
+``(example)``: the needle's token span ``[s, e)`` in the prompt's token ids (:func:`needle_tokens`);
+``retrieval_head (layer, head)`` (``score >= threshold``). Import/export of the reference JSON format ``{"<layer>-<head>": [score per
 retrieved instance]}``: :func:`write_retrieval_json`, :func:`read_retrieval_json`, and the config
 options ``export`` and ``load``.
 
@@ -228,6 +229,18 @@ def retrieval_scores(lm: LoadedModel, examples: Sequence[Example], *, span: str 
     return scores, texts
 
 
+def needle_tokens(lm: LoadedModel, examples: Sequence[Example], span: str = "needle") -> tuple[np.ndarray, np.ndarray]:
+    """Per example, the needle's token span ``[start, end)`` the scores were computed on: positions in the
+    example's prompt token ids (unpadded, from 0; the ``token`` dimension of the step's ``input_ids``)."""
+    start = np.zeros(len(examples), dtype=np.int64)
+    end = np.zeros(len(examples), dtype=np.int64)
+    for i, ex in enumerate(examples):
+        batch = tokenize(lm, [ex], device="cpu")
+        s, e = batch.token_span(0, *ex.spans[span][0])
+        start[i], end[i] = s - batch.pad[0], e - batch.pad[0]
+    return start, end
+
+
 def _reference_text(ex: Example, which: str, span: str, i: int) -> str:
     if which == "needle":
         s, e = ex.spans[span][0]
@@ -237,15 +250,6 @@ def _reference_text(ex: Example, which: str, span: str, i: int) -> str:
     if ex.target is None:
         raise ValueError(f"retrieval: example {i} has no target to measure retrieval against")
     return ex.target
-
-
-def needle_tokens(lm: LoadedModel, examples: Sequence[Example], span: str = "needle") -> np.ndarray:
-    """``(example, 2)`` token positions ``[start, end)`` of each example's first ``span`` span in its own
-    (unpadded) tokens: the needle whose tokens the retrieval score counts."""
-    out = np.zeros((len(examples), 2), dtype=np.int64)
-    for i, ex in enumerate(examples):
-        out[i] = tokenize(lm, [ex]).token_span(0, *ex.spans[span][0])
-    return out
 
 
 def _dataset(per_example: np.ndarray, retrieved: np.ndarray, geo: Geometry) -> xr.Dataset:
@@ -278,9 +282,9 @@ def detect(config: Retrieval, ctx: StepContext) -> xr.Dataset:
             warnings.warn("retrieval: the model retrieved no needle; every score is 0", stacklevel=2)
         ds = _dataset(scores, retrieved, geo)
         ds["recall"] = ("example", recall)
-        needle = needle_tokens(ctx.model, ctx.examples, config.span)
-        ds["needle_start"], ds["needle_end"] = ("example", needle[:, 0]), ("example", needle[:, 1])
         ds["output"] = ("example", np.array(texts, dtype=object))
+        start, end = needle_tokens(ctx.model, ctx.examples, config.span)
+        ds["needle_start"], ds["needle_end"] = ("example", start), ("example", end)
         ds.attrs["n_retrieved"] = int(retrieved.sum())
     ds["retrieval_head"] = ds["score"] >= config.threshold
     ds.attrs.update(method="retrieval", model=ctx.model.name, threshold=config.threshold,

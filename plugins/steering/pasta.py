@@ -8,8 +8,10 @@ the query-blocked torch path elsewhere), per batch row, inside ``generate``, wit
 without patching the model.
 
 ``scale_position`` reproduces the reference code's additions per emphasised section ``[ti, tj)`` of a row
-whose prompt occupies keys ``[p0, n)`` (``p0`` = the row's left padding, ``n`` = the padded prompt
-length, so BOS is a prompt key and generated-token keys, at ``>= n``, are never touched):
+whose prompt occupies keys ``[p0, n)`` (``p0`` = the row's left padding, ``n`` = where its prompt ends,
+:meth:`headlab.generation.Batch.prompt_span`; so BOS is a prompt key, and generated-token keys, at
+``>= n``, are never touched; nor, in a ``score`` step, the tokens of the choice being scored, which
+follow the prompt in the same row):
 
 - ``exclude`` (default): ``log(alpha)`` on ``[p0, ti)`` and ``[tj, n)``;
 - ``include``: ``log(alpha)`` on ``[ti, tj)``, and once per row ``-log(alpha)`` on ``[p0, n)`` (net:
@@ -132,7 +134,7 @@ def steer(config: Pasta, ctx: StepContext, batch: Batch, plan: Any) -> None:
     """Add PASTA's key biases for every row of ``batch`` to ``plan``."""
     heads = resolve_heads(ctx, config.heads)
     sections = emphasis_sections(batch, config.span, config.missing)
-    regions = [(batch.pad[r], batch.length) for r in range(batch.size)]
+    regions = [batch.prompt_span(r) for r in range(batch.size)]
     apply_pasta(plan, heads, sections, regions, config.alpha, config.scale_position, owner=config)
 
 

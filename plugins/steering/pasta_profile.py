@@ -167,7 +167,7 @@ def _generated_metric(ctx: StepContext, examples: list[Example], heads: list[tup
         if h is not None and sections[i]:
             by_head.setdefault(h, []).append(i)
     for h, rs in by_head.items():
-        apply_pasta(plan, [h], [sections[i] for i in rs], [(batch.pad[i], batch.length) for i in rs],
+        apply_pasta(plan, [h], [sections[i] for i in rs], [batch.prompt_span(i) for i in rs],
                     config.alpha, config.scale_position, rows=rs)
     request = DecodeRequest(ctx.model, batch, config.max_new_tokens, [], plan, ctx.seed)
     texts = decode_loop(request, lambda out, _: out.logits[:, -1].argmax(-1)).texts

@@ -56,6 +56,7 @@ from jinja2.visitor import NodeTransformer
 from pydantic import Field, field_validator, model_validator
 
 from headlab import ComponentConfig, Example, TaskContext, hookimpl
+from headlab.context import strip_tags as core_strip_tags
 
 __all__ = [
     "TaskDataError", "TemplateLimitError", "Row", "Template", "lint_template", "strip_tags", "read_rows", "load_hf",
@@ -441,41 +442,12 @@ class Template:
 # --- inline span tags -----------------------------------------------------------------------------
 
 def strip_tags(text: str, tags: Mapping[str, str]) -> tuple[str, dict[str, list[tuple[int, int]]]]:
-    """Remove ``<tag>...</tag>`` markers from ``text`` and return the plain text and the marked spans.
-
-    ``tags`` maps a span name to a tag name (``{"emphasis": "em"}``). Spans are ``[start, end)``
-    character offsets into the returned text. Tags may not nest in themselves; unbalanced tags are an
-    error.
-    """
-    if not tags:
-        return text, {}
-    by_tag = {tag: name for name, tag in tags.items()}
-    pattern = re.compile("|".join(rf"</?{re.escape(t)}>" for t in by_tag))
-    out: list[str] = []
-    spans: dict[str, list[tuple[int, int]]] = {name: [] for name in tags}
-    open_at: dict[str, int] = {}
-    pos = 0
-    length = 0
-    for m in pattern.finditer(text):
-        piece = text[pos:m.start()]
-        out.append(piece)
-        length += len(piece)
-        pos = m.end()
-        closing = m.group(0).startswith("</")
-        tag = m.group(0).strip("</>")
-        if not closing:
-            if tag in open_at:
-                raise TaskDataError(f"nested <{tag}> in {text[:80]!r}")
-            open_at[tag] = length
-        else:
-            if tag not in open_at:
-                raise TaskDataError(f"</{tag}> without <{tag}> in {text[:80]!r}")
-            spans[by_tag[tag]].append((open_at.pop(tag), length))
-    if open_at:
-        tag = next(iter(open_at))
-        raise TaskDataError(f"<{tag}> is never closed in {text[:80]!r}")
-    out.append(text[pos:])
-    return "".join(out), {k: v for k, v in spans.items() if v}
+    """Remove ``<tag>...</tag>`` markers from ``text`` and return the plain text and the marked spans
+    (:func:`headlab.context.strip_tags`); a malformed marker is a :class:`TaskDataError`."""
+    try:
+        return core_strip_tags(text, tags)
+    except ValueError as e:
+        raise TaskDataError(str(e)) from None
 
 
 # --- reading data -----------------------------------------------------------------------------------

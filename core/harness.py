@@ -1,0 +1,640 @@
+"""lm-evaluation-harness tasks under headlab's steering methods and decoding strategies.
+
+:class:`HeadlabLM` is an lm-eval model (``lm_eval.api.model.LM``) backed by headlab: ``loglikelihood``
+and ``loglikelihood_rolling`` run through :func:`headlab.logprobs` (the decoder's scorer: greedy = the
+model's log-likelihood, DoLa, DeCoRe, CD, CAD), ``generate_until`` through :func:`headlab.generate`
+(headlab's KV-cache loop), with the steering methods' edits applied in the same forwards. ``<em>...</em>``
+markers in the context a task produces are removed before tokenisation and become the examples'
+``emphasis`` spans, so PASTA steers any task whose template marks the emphasis.
+
+Three ways in (docs/evaluation.md):
+
+- ``headlab eval --tasks truthfulqa_mc2 --model_args spec=steer.yaml`` is lm-eval's own command line with
+  this model registered as ``headlab`` (lm-eval 0.4 finds models only in its own table, so the plain
+  ``lm_eval`` command cannot reach a model of an installed package);
+- an ``evaluate`` step in a spec (``headlab.plugins.actions.evaluate``), results stored in the run;
+- Python: :func:`evaluate` (an xarray Dataset), or ``lm_eval.simple_evaluate(model=HeadlabLM(...))``;
+  importing this module registers ``headlab`` in lm-eval's model registry, so
+  ``simple_evaluate(model="headlab", model_args=...)`` works too.
+
+Needs the ``eval`` extra: ``pip install 'headlab[eval]'``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xarray as xr
+
+from .context import Example, StepContext, strip_tags
+from .model import LoadedModel
+from .scoring import as_model, component, generate, logprobs
+
+EXTRA = "lm-eval is not installed; install the eval extra: pip install 'headlab[eval]'"
+
+try:  # the base class; without lm-eval the module imports, and using it says which extra to install
+    from lm_eval.api.model import LM as _Base
+
+    HAVE_LM_EVAL = True
+except ImportError:  # pragma: no cover - exercised without the extra
+    _Base = object  # type: ignore[assignment,misc]
+    HAVE_LM_EVAL = False
+
+__all__ = ["EXTRA", "HAVE_LM_EVAL", "HeadlabLM", "evaluate", "local_task", "main", "require_lm_eval", "results_dataset",
+           "task_manager"]
+
+log = logging.getLogger(__name__)
+EMPHASIS = {"emphasis": "em"}
+DEFAULT_MAX_GEN_TOKS = 256
+
+
+def require_lm_eval() -> None:
+    """Raise ``ImportError`` naming the ``eval`` extra when lm-eval is not installed."""
+    if not HAVE_LM_EVAL:
+        raise ImportError(EXTRA)
+
+
+def _config_value(value: Any) -> Any:
+    """A decode/steer value given as text (lm-eval's ``key=value`` model args): YAML/JSON, or a kind name."""
+    if isinstance(value, str):
+        from ruamel.yaml import YAML
+
+        loaded = YAML(typ="safe", pure=True).load(value)
+        return loaded if loaded is not None else None
+    return value
+
+
+def _batch_size(value: Any) -> int:
+    if value is None or (isinstance(value, str) and value.startswith("auto")):
+        return 8
+    return max(1, int(value))
+
+
+class HeadlabLM(_Base):  # type: ignore[misc,valid-type]
+    """An lm-evaluation-harness model running headlab: its model loading, steering and decoding strategies.
+
+    Arguments (all optional; lm-eval passes ``--model_args`` as keywords):
+
+    - ``model`` (or ``pretrained``): a :class:`~headlab.model.LoadedModel`, a registered name
+      (``headlab-tiny``, the default), a checkpoint directory, a hub id, or a model-spec mapping.
+    - ``decode``: a decoder config (``{kind: dola, layers: high}``, or the kind's name); default greedy.
+      ``steer``: a list of steering configs (``[{kind: pasta, heads: ..., missing: skip}]``). Text values are
+      read as YAML, so ``--model_args decode=dola`` works; pass mappings as a JSON ``--model_args`` object.
+    - ``spec``: a headlab spec file: its model, and the ``decode``/``steer`` of its ``evaluate`` step
+      (``step`` names one; default the first). The steps before that one (detectors) run first, on the
+      first sweep cell, so ``heads: {from: <step>}`` resolves. ``run``: a stored run whose results resolve
+      ``heads: {from: ...}`` instead. ``results`` (Python): step id -> dataset, for the same purpose.
+    - ``batch_size`` (``auto`` = 8), ``max_gen_toks`` (256), ``max_length`` (the model's context length),
+      ``seed``, ``device`` (a CUDA device is ignored where there is none: lm-eval's command line passes
+      ``cuda`` by default), ``dtype``; ``emphasis_tag`` (``em``; ``none`` disables marker removal).
+
+    ``loglikelihood`` returns ``(logprob, is_greedy)`` as lm-eval's ``hf`` model does: the continuation's
+    tokens are those of ``context + continuation`` after the context's own (a context's trailing spaces move
+    to the continuation), an empty context is the BOS (else EOS) token, and ``is_greedy`` says whether every
+    continuation token is the top-scoring token of the strategy (the model's argmax under greedy).
+    ``generate_until`` decodes with the configured strategy; a task's ``do_sample: true`` switches the
+    default (greedy) decoder to ``sample`` with the task's ``temperature``/``top_k``/``top_p``; an explicit
+    ``decode`` always wins.
+    """
+
+    def __init__(self, model: Any = None, *, pretrained: Any = None, spec: str | None = None, step: str | None = None,
+                 run: str | None = None, decode: Any = None, steer: Any = None, batch_size: Any = 8,
+                 max_batch_size: Any = None, max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, max_length: int | None = None,
+                 seed: int = 0, device: str | None = None, dtype: str | None = None,
+                 results: Mapping[str, Any] | None = None, ctx: StepContext | None = None,
+                 emphasis_tag: str | None = "em", **unused: Any) -> None:
+        require_lm_eval()
+        super().__init__()
+        if unused:
+            log.warning("headlab model: ignoring model_args %s", sorted(unused))
+        self.results: dict[str, Any] = dict(results or {})
+        model = model if model is not None else pretrained
+        decode, steer = _config_value(decode), _config_value(steer)
+        if spec is not None:
+            spec_model, spec_decode, spec_steer, spec_results = _from_spec(spec, step, seed)
+            model = model if model is not None else spec_model
+            decode = decode if decode is not None else spec_decode
+            steer = steer if steer is not None else spec_steer
+            self.results = {**spec_results, **self.results}
+        if run is not None:
+            from .results import open_run
+
+            self.results = {**open_run(run).results, **self.results}
+        if ctx is not None and model is None:
+            model = ctx.model
+        if not isinstance(model, LoadedModel):
+            model = _model_spec(model, device, dtype)
+        self.lm: LoadedModel = as_model(model, seed)
+        self.explicit_decode = decode is not None
+        self.decode = component("decoders", decode)
+        if isinstance(steer, Mapping):
+            steer = [steer]
+        self.steer = [component("steering", s) for s in (steer or [])]
+        self.batch_size_ = _batch_size(batch_size)
+        self.max_gen_toks = int(max_gen_toks)
+        self.max_length = int(max_length) if max_length else _max_length(self.lm)
+        self.seed = int(seed)
+        self.ctx = ctx
+        self.tags = {} if emphasis_tag in (None, "", "none", False) else {"emphasis": str(emphasis_tag)}
+        self._device = self.lm.device
+
+    # ------------------------------------------------------------------ lm-eval's interface
+    @property
+    def tokenizer_name(self) -> str:
+        return self.lm.name.replace("/", "__")
+
+    @property
+    def prefix_token_id(self) -> int:
+        """The token an empty context is replaced with: BOS, else EOS (as lm-eval's ``hf`` model)."""
+        tok = self.lm.tokenizer
+        for value in (getattr(tok, "bos_token_id", None), getattr(tok, "eos_token_id", None)):
+            if value is not None:
+                return int(value)
+        return int(self.lm.pad_id)
+
+    def get_model_info(self) -> dict[str, Any]:
+        """Recorded in lm-eval's results ``config``."""
+        return {"model_name": self.lm.name, "model_digest": self.lm.digest or "",
+                "decode": self.decode.model_dump(mode="json"),
+                "steer": [s.model_dump(mode="json") for s in self.steer]}
+
+    def example(self, context: str) -> Example:
+        """The context as an :class:`~headlab.Example`: emphasis markers removed and recorded as spans."""
+        if not self.tags:
+            return Example(prompt=context)
+        try:
+            text, spans = strip_tags(context, self.tags)
+        except ValueError as e:
+            log.warning("headlab model: unbalanced emphasis markers left as text (%s)", e)
+            return Example(prompt=context)
+        return Example(prompt=text, spans=spans)
+
+    def _pairs(self, requests: Sequence[tuple[str, str]]) -> tuple[list[Example], list[Any]]:
+        tok = self.lm.tokenizer
+        prompts: list[Example] = []
+        conts: list[Any] = []
+        for context, continuation in requests:
+            if context == "":
+                ids = tok(continuation, add_special_tokens=False)["input_ids"]
+                if ids and ids[0] == self.prefix_token_id:
+                    prompts.append(Example(prompt="", input_ids=ids[:1]))
+                    conts.append(list(ids[1:]))
+                else:
+                    prompts.append(Example(prompt="", input_ids=[self.prefix_token_id]))
+                    conts.append(list(ids))
+                continue
+            ex = self.example(context)
+            text = ex.prompt
+            n_spaces = len(text) - len(text.rstrip())
+            if n_spaces:
+                continuation = text[-n_spaces:] + continuation
+                text = text[:-n_spaces]
+                spans = {k: [(s, min(e, len(text))) for s, e in v if s < len(text)] for k, v in ex.spans.items()}
+                ex = Example(prompt=text, spans={k: v for k, v in spans.items() if v})
+            prompts.append(ex)
+            conts.append(continuation)
+        return prompts, conts
+
+    def _score(self, prompts: list[Example], conts: list[Any]) -> Any:
+        return logprobs(self.lm, prompts, conts, steer=self.steer, decode=self.decode,
+                        batch_size=self.batch_size_, seed=self.seed, results=self.results, ctx=self._step_ctx())
+
+    def _step_ctx(self) -> StepContext | None:
+        if self.ctx is None:
+            return None
+        return StepContext(model=self.lm, examples=[], results={**self.ctx.results, **self.results},
+                           seed=self.ctx.seed, step_id=self.ctx.step_id, reporter=self.ctx.reporter,
+                           cancel=self.ctx.cancel)
+
+    def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        """``(log p(continuation | context), is_greedy)`` per request, under the decoder's scorer."""
+        if not requests:
+            return []
+        args = [tuple(r.args) for r in requests]
+        prompts, conts = self._pairs(args)
+        scored = self._score(prompts, conts)
+        out = [(float(lp), bool(g)) for lp, g in zip(scored.logprobs, scored.greedy, strict=True)]
+        for a, answer in zip(args, out, strict=True):
+            self.cache_hook.add_partial("loglikelihood", a, answer)
+        return out
+
+    def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
+        """The log-likelihood of each whole text (perplexity tasks), in disjoint windows of ``max_length``
+        tokens as lm-eval's ``hf`` model computes it (the first token predicted from the prefix token)."""
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+        tok = self.lm.tokenizer
+        prompts: list[Example] = []
+        conts: list[list[int]] = []
+        owner: list[int] = []
+        for i, req in enumerate(requests):
+            (text,) = req.args
+            ids = tok(text)["input_ids"]
+            for context, cont in map(make_disjoint_window, get_rolling_token_windows(
+                    token_list=ids, prefix_token=self.prefix_token_id, max_seq_len=self.max_length, context_len=1)):
+                prompts.append(Example(prompt="", input_ids=list(context)))
+                conts.append(list(cont))
+                owner.append(i)
+        totals = [0.0] * len(requests)
+        if prompts:
+            scored = self._score(prompts, conts)
+            for i, lp in zip(owner, scored.logprobs, strict=True):
+                totals[i] += float(lp)
+        for req, total in zip(requests, totals, strict=True):
+            self.cache_hook.add_partial("loglikelihood_rolling", tuple(req.args), total)
+        return totals
+
+    def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        """Generate for each context until a stop string (the task's ``until`` and EOS) or ``max_gen_toks``."""
+        from lm_eval.models.utils import (
+            handle_stop_sequences,
+            normalize_gen_kwargs,
+            postprocess_generated_text,
+        )
+
+        if not requests:
+            return []
+        tok = self.lm.tokenizer
+        eos = tok.decode(int(tok.eos_token_id), skip_special_tokens=False) if tok.eos_token_id is not None else None
+        groups: dict[str, list[int]] = {}
+        for i, req in enumerate(requests):
+            groups.setdefault(json.dumps(req.args[1], sort_keys=True, default=str), []).append(i)
+        out = [""] * len(requests)
+        for indices in groups.values():
+            kwargs = normalize_gen_kwargs(dict(requests[indices[0]].args[1]), self.max_gen_toks)
+            until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+            max_new = int(kwargs.pop("max_gen_toks"))
+            decode = self.decode
+            if kwargs.get("do_sample") and not self.explicit_decode:
+                opts = {k: kwargs[k] for k in ("temperature", "top_k", "top_p") if kwargs.get(k) is not None}
+                decode = component("decoders", {"kind": "sample", **opts})
+            prompts = [self.example(requests[i].args[0]) for i in indices]
+            decoded = generate(self.lm, prompts, steer=self.steer, decode=decode, max_new_tokens=max_new,
+                               stop=until, batch_size=self.batch_size_, seed=self.seed, results=self.results,
+                               ctx=self._step_ctx())
+            for i, text in zip(indices, decoded.texts, strict=True):
+                out[i] = postprocess_generated_text(text, until, None)
+                self.cache_hook.add_partial("generate_until", tuple(requests[i].args), out[i])
+        return out
+
+
+def _max_length(lm: LoadedModel) -> int:
+    cfg = lm.model.config
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    for attr in ("n_positions", "max_position_embeddings", "n_ctx"):
+        value = getattr(cfg, attr, None)
+        if value:
+            return int(value)
+    value = getattr(lm.tokenizer, "model_max_length", None)
+    return int(value) if value and value < 10**9 else 2048
+
+
+def _model_spec(model: Any, device: str | None, dtype: str | None) -> Any:
+    """A model spec mapping from a name/path/mapping plus lm-eval's ``device``/``dtype`` arguments."""
+    if model is None:
+        from .spec import ModelSpec
+
+        model = ModelSpec().id
+    spec: dict[str, Any] = dict(model) if isinstance(model, Mapping) else {"id": str(model)}
+    if hasattr(model, "model_dump"):
+        spec = model.model_dump()
+    if device and not (device.startswith("cuda") and not _cuda()):  # lm-eval's CLI defaults to cuda
+        spec["device"] = device
+    if dtype:
+        spec["dtype"] = dtype
+    return spec
+
+
+def _cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def _from_spec(path: str, step: str | None, seed: int) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """(model spec, decode, steer, results of the steps before the evaluate step) of a headlab spec."""
+    from .runner import ModelCache, run_cell
+    from .spec import load_spec
+
+    loaded = load_spec(path)
+    steps = loaded.spec.steps
+    names = [s.id for s in steps]
+    if step is not None and step not in names:
+        raise ValueError(f"spec {path}: no step '{step}' (steps: {', '.join(names)})")
+    index = names.index(step) if step is not None else next(
+        (i for i, s in enumerate(steps) if s.action == "evaluate"), len(steps))
+    decode = steer = None
+    if index < len(steps):
+        config = getattr(steps[index], steps[index].action)
+        decode, steer = getattr(config, "decode", None), getattr(config, "steer", None)
+    results: dict[str, Any] = {}
+    if index > 0:
+        data = dict(loaded.data)
+        data["steps"] = list(data["steps"])[:index]
+        data.pop("sweep", None)
+        before = load_spec(data)
+        results = run_cell(before, before.cells[0], ModelCache(before.spec.seed))
+    return loaded.spec.model, decode, steer, results
+
+
+# --------------------------------------------------------------------------- results as a Dataset
+def _metric_keys(results: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """``(metric, filter)`` pairs of lm-eval's per-task results, stderr excluded, in first-seen order."""
+    keys: list[tuple[str, str]] = []
+    for row in results.values():
+        for key in row:
+            if "," not in key or "_stderr," in key:
+                continue
+            metric, filt = key.split(",", 1)
+            if (metric, filt) not in keys:
+                keys.append((metric, filt))
+    return keys
+
+
+def _names(keys: list[tuple[str, str]]) -> dict[tuple[str, str], str]:
+    """Variable names: the metric's name, or ``metric_filter`` when a metric comes with several filters."""
+    count: dict[str, int] = {}
+    for metric, _ in keys:
+        count[metric] = count.get(metric, 0) + 1
+    return {(m, f): (m if count[m] == 1 else f"{m}_{f}") for m, f in keys}
+
+
+def _float(value: Any) -> float:
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        return math.nan
+    return out
+
+
+def results_dataset(results: Mapping[str, Any]) -> xr.Dataset:
+    """lm-eval's results (``simple_evaluate(..., log_samples=True)``) as one xarray Dataset.
+
+    - over ``task`` (the tasks and groups lm-eval reports): one variable per metric (``acc``,
+      ``exact_match``; ``<metric>_<filter>`` when a metric comes with several filters), its standard error
+      ``<name>_stderr``, and ``n_samples``;
+    - over ``example`` (one per logged sample and filter; coordinates ``sample_task``, ``doc_id``,
+      ``filter``): ``prompt`` (the context the task produced, markers included), ``target``, ``output`` (the
+      filtered generation; ``raw_output`` before the filters), ``logprob``, ``is_greedy`` and
+      ``choice_text`` over ``(example, choice)`` for log-likelihood requests, and the sample's metric values
+      ``sample_<name>`` (NaN where a sample's task has no such metric).
+
+    ``attrs``: ``metrics`` (the per-task metric names), ``filters`` (name -> lm-eval filter), ``higher_is_better``,
+    ``lm_eval_version``, ``task_versions``, ``n_shot``.
+    """
+    per_task = dict(results.get("results", {}))
+    tasks = list(per_task)
+    keys = _metric_keys(per_task)
+    names = _names(keys)
+    data: dict[str, Any] = {}
+    for key, name in names.items():
+        metric, filt = key
+        data[name] = ("task", np.array([_float(per_task[t].get(f"{metric},{filt}")) for t in tasks]))
+        data[f"{name}_stderr"] = ("task", np.array([_float(per_task[t].get(f"{metric}_stderr,{filt}"))
+                                                    for t in tasks]))
+    n_samples = results.get("n-samples", {})
+    data["n_samples"] = ("task", np.array([int(n_samples.get(t, {}).get("effective", -1)) for t in tasks],
+                                          dtype=np.int64))
+    samples = [(t, s) for t, rows in results.get("samples", {}).items() for s in rows]
+    width = max((len(s.get("arguments", [])) for _, s in samples if _is_loglik(s)), default=0)
+    n = len(samples)
+    prompt = np.full(n, "", dtype=object)
+    target = np.full(n, "", dtype=object)
+    output = np.full(n, "", dtype=object)
+    raw = np.full(n, "", dtype=object)
+    lp = np.full((n, width), np.nan)
+    greedy = np.zeros((n, width), dtype=bool)
+    choice = np.full((n, width), "", dtype=object)
+    values = {name: np.full(n, np.nan) for name in names.values()}
+    for i, (_, s) in enumerate(samples):
+        args = s.get("arguments", [])
+        prompt[i] = str(args[0][0]) if args else ""
+        target[i] = s["target"] if isinstance(s.get("target"), str) else json.dumps(s.get("target"), default=str)
+        if _is_loglik(s):
+            for j, (arg, resp) in enumerate(zip(args, s.get("filtered_resps", []), strict=False)):
+                choice[i, j] = str(arg[1])
+                lp[i, j] = _float(resp[0])
+                greedy[i, j] = bool(resp[1])
+        else:
+            filtered = s.get("filtered_resps", [])
+            output[i] = _text(filtered[0]) if filtered else ""
+            resps = s.get("resps", [])
+            raw[i] = _text(resps[0][0] if resps and isinstance(resps[0], list) and resps[0] else resps[0]) \
+                if resps else ""
+        filt = s.get("filter", "none")
+        for metric in s.get("metrics", []):
+            name = names.get((metric, filt))
+            if name is not None and metric in s:
+                values[name][i] = _float(s[metric])
+    data.update({
+        "prompt": ("example", prompt), "target": ("example", target), "output": ("example", output),
+        "raw_output": ("example", raw), "logprob": (("example", "choice"), lp),
+        "is_greedy": (("example", "choice"), greedy), "choice_text": (("example", "choice"), choice),
+        **{f"sample_{name}": ("example", v) for name, v in values.items()},
+    })
+    ds = xr.Dataset(data, coords={
+        "task": np.array(tasks, dtype=object), "example": np.arange(n), "choice": np.arange(width),
+        "sample_task": ("example", np.array([t for t, _ in samples], dtype=object)),
+        "doc_id": ("example", np.array([int(s.get("doc_id", -1)) for _, s in samples], dtype=np.int64)),
+        "filter": ("example", np.array([str(s.get("filter", "none")) for _, s in samples], dtype=object)),
+    })
+    higher = results.get("higher_is_better", {})
+    better = {}
+    for (metric, _), name in names.items():
+        for t in tasks:
+            if metric in higher.get(t, {}):
+                better[name] = higher[t][metric]
+                break
+    try:
+        import lm_eval
+
+        version = lm_eval.__version__
+    except ImportError:  # pragma: no cover
+        version = ""
+    ds.attrs.update(metrics=list(names.values()), filters={n: f for (_, f), n in names.items()},
+                    higher_is_better=better, lm_eval_version=version,
+                    task_versions={t: str(v) for t, v in results.get("versions", {}).items()},
+                    n_shot={t: _float(v) for t, v in results.get("n-shot", {}).items()})
+    return ds
+
+
+def _is_loglik(sample: Mapping[str, Any]) -> bool:
+    args = sample.get("arguments") or []
+    resps = sample.get("filtered_resps") or []
+    return bool(args) and len(args[0]) == 2 and isinstance(args[0][1], str) and bool(resps) and \
+        isinstance(resps[0], (tuple, list)) and len(resps[0]) == 2 and not isinstance(resps[0][0], str)
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return _text(value[0]) if value else ""
+    return str(value)
+
+
+# --------------------------------------------------------------------------- local copies of lm-eval tasks
+_DATA_FIELDS = ("dataset_path", "dataset_name", "dataset_kwargs")
+_SPLITS = ("training_split", "validation_split", "test_split", "fewshot_split")
+
+
+def _task_yaml(task: str) -> Path:
+    import lm_eval
+
+    root = Path(lm_eval.__file__).parent / "tasks"
+    found = sorted(root.rglob(f"{task}.yaml"))
+    if not found:
+        pattern = f"task: {task}\n"
+        found = [p for p in sorted(root.rglob("*.yaml")) if pattern in p.read_text(encoding="utf-8")]
+    if not found:
+        raise ValueError(f"lm-eval has no task YAML for '{task}'")
+    return found[0]
+
+
+def _local_yaml(text: str, data: Mapping[str, str]) -> str:
+    """A task YAML's text with its dataset fields pointing at local JSON files (one per split)."""
+    lines, skip = [], False
+    for line in text.splitlines():
+        key = line.split(":", 1)[0].strip() if ":" in line and not line.startswith((" ", "\t", "-")) else None
+        if skip and (line.startswith((" ", "\t")) or not line.strip()):
+            continue
+        skip = False
+        if key in _DATA_FIELDS:
+            skip = key == "dataset_kwargs"
+            continue
+        lines.append(line)
+    files = "".join(f"\n    {split}: {json.dumps(str(path))}" for split, path in data.items())
+    return "dataset_path: json\ndataset_name: null\ndataset_kwargs:\n  data_files:" + files + "\n" + "\n".join(lines) + "\n"
+
+
+def local_task(task: str, data: str | Path | Mapping[str, str | Path], directory: str | Path, *,
+               name: str | None = None) -> Path:
+    """Copy lm-eval's YAML of ``task`` into ``directory`` with its dataset pointing at local JSON files.
+
+    Only the dataset fields change (``dataset_path: json``, ``dataset_name: null``, ``dataset_kwargs:
+    {data_files: ...}``), so prompts, choices, filters and metrics are lm-eval's own. ``data``: one JSON /
+    JSON-lines file used for every split the task names (``training_split``, ``validation_split``, ...), or
+    ``{split: file}``; rows have the fields of the hub dataset (TruthfulQA MC: ``question``,
+    ``mc1_targets: {choices, labels}``, ``mc2_targets``; NQ-Open: ``question``, ``answer: [...]``). ``name``
+    renames the task (default: lm-eval's name, which a ``TaskManager`` given ``directory`` as
+    ``include_path`` then loads instead of the hub version). YAMLs it ``include:``s and the Python helpers
+    beside it (``!function utils.x``) are copied too. Returns the path of the task's YAML; pass
+    ``directory`` as ``include_path``.
+    """
+    require_lm_eval()
+    source = _task_yaml(task)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    text = source.read_text(encoding="utf-8")
+    splits = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in _SPLITS and value.strip() not in ("", "null", "None"):
+            splits[value.strip()] = None
+    if isinstance(data, Mapping):
+        files = {str(k): str(Path(v).resolve()) for k, v in data.items()}
+    else:
+        files = {split: str(Path(data).resolve()) for split in (splits or {"validation": None})}
+    for py in source.parent.glob("*.py"):
+        if not (directory / py.name).exists():
+            (directory / py.name).write_text(py.read_text(encoding="utf-8"), encoding="utf-8")
+    for line in text.splitlines():
+        if line.startswith("include:"):
+            included = line.split(":", 1)[1].strip().strip("'\"")
+            target = directory / included
+            if not target.exists():
+                target.write_text(_local_yaml((source.parent / included).read_text(encoding="utf-8"), files),
+                                  encoding="utf-8")
+    out = _local_yaml(text, files)
+    if name is not None:
+        out = "\n".join(f"task: {name}" if line.startswith("task:") else line for line in out.splitlines()) + "\n"
+        if "\ntask:" not in "\n" + out:
+            out += f"task: {name}\n"
+    path = directory / f"{name or task}.yaml"
+    path.write_text(out, encoding="utf-8")
+    return path
+
+
+# --------------------------------------------------------------------------- running lm-eval
+def task_manager(include_path: str | Path | Sequence[str | Path] | None = None, include_defaults: bool = True) -> Any:
+    """lm-eval's ``TaskManager`` over its own tasks (``include_defaults``) and the task YAMLs under
+    ``include_path`` (one or several directories)."""
+    require_lm_eval()
+    from lm_eval.tasks import TaskManager
+
+    paths = None
+    if include_path is not None:
+        paths = [str(p) for p in include_path] if isinstance(include_path, (list, tuple)) else str(include_path)
+    return TaskManager(include_path=paths, include_defaults=include_defaults)
+
+
+def evaluate(model: Any, tasks: Sequence[str | Mapping[str, Any]], *, decode: Any = None, steer: Sequence[Any] = (),
+             limit: int | float | None = None, num_fewshot: int | None = None,
+             include_path: str | Path | Sequence[str | Path] | None = None, include_defaults: bool = True,
+             batch_size: int = 8, max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, gen_kwargs: Mapping[str, Any] | None = None,
+             seed: int = 0, results: Mapping[str, Any] | None = None, ctx: StepContext | None = None,
+             bootstrap_iters: int = 1000, raw: bool = False) -> Any:
+    """Run lm-eval ``tasks`` on ``model`` under a decoding strategy and steering methods.
+
+    ``model``, ``decode``, ``steer``, ``results`` and ``seed`` as :func:`headlab.logprobs`; ``tasks`` are lm-eval
+    task names (or task config mappings); ``limit``, ``num_fewshot``, ``gen_kwargs`` and ``bootstrap_iters`` as
+    lm-eval's ``simple_evaluate``; ``include_path`` adds task YAMLs (``include_defaults: false`` skips indexing
+    lm-eval's own ~10k task files, faster when every task is local).
+
+    Returns :func:`results_dataset` of lm-eval's results (per-task metrics over ``task``, per-sample
+    records over ``example``), or lm-eval's own results dict with ``raw=True``.
+    """
+    require_lm_eval()
+    from lm_eval import simple_evaluate
+
+    lm = HeadlabLM(model if model is not None else (ctx.model if ctx is not None else None), decode=decode,
+                   steer=list(steer) or None, batch_size=batch_size, max_gen_toks=max_gen_toks, seed=seed,
+                   results=results, ctx=ctx)
+    out = simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
+                          task_manager=task_manager(include_path, include_defaults), log_samples=True,
+                          gen_kwargs=dict(gen_kwargs) if gen_kwargs else None, bootstrap_iters=bootstrap_iters,
+                          random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                          fewshot_random_seed=seed)
+    if out is None:  # pragma: no cover - other ranks of a distributed run
+        raise RuntimeError("lm-eval returned no results")
+    return out if raw else results_dataset(out)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``headlab eval ARGS``: lm-eval's command line (``lm-eval run``) with ``--model headlab`` by default."""
+    require_lm_eval()
+    from lm_eval.__main__ import cli_evaluate
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    commands = ("run", "ls", "validate")
+    if not args or args[0] not in commands:
+        args = ["run", *args]
+    if args[0] == "run" and not any(a in ("--model", "-M") or a.startswith("--model=") for a in args):
+        args[1:1] = ["--model", "headlab"]
+    saved = sys.argv
+    sys.argv = ["headlab eval", *args]
+    try:
+        cli_evaluate()
+    finally:
+        sys.argv = saved
+
+
+def _register() -> None:
+    """Register :class:`HeadlabLM` as ``headlab`` in lm-eval's model registry (after lm-eval's own models)."""
+    import lm_eval.models  # noqa: F401  (lm-eval registers its models lazily on first lookup of an empty registry)
+    from lm_eval.api.registry import model_registry
+
+    if model_registry.get("headlab", None) is not HeadlabLM:
+        try:
+            model_registry.register("headlab")(HeadlabLM)
+        except ValueError as e:  # another class took the name (a reloaded module)
+            log.warning("lm-eval model 'headlab' not registered: %s", e)
+
+
+if HAVE_LM_EVAL:
+    _register()

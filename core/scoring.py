@@ -1,0 +1,231 @@
+"""Log-probabilities and generations under a steering and decoding config, without a spec.
+
+:func:`logprobs` scores continuations (or whole texts) and :func:`generate` decodes, both through the
+same components a spec step uses: the registered decoding strategies (their scorer, or their
+``decode``), the steering methods (their edits in a :class:`headlab.instrument.Plan`), headlab's
+batching and KV cache. Notebooks, widgets and the lm-evaluation-harness adapter
+(:mod:`headlab.harness`) share them::
+
+    >>> import headlab
+    >>> s = headlab.logprobs("headlab-tiny", ["Question: What is the capital of France? Answer:"],
+    ...                      [" Paris"], decode={"kind": "dola", "layers": "high"})   # doctest: +SKIP
+    >>> s.logprobs, s.tokens, s.greedy                                                  # doctest: +SKIP
+
+Configs are given as in a spec (mappings with ``kind``, a bare kind name for a decoder) or as config
+objects; ``heads: {from: <step>}`` resolves against ``results`` (a run's ``results``, or ``{"retrieval":
+dataset}``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from .context import Example, StepContext
+from .generation import Batch, Decoded, DecodeRequest, Scored, ScoreRequest, continuation_batch, tokenize
+from .model import LoadedModel
+
+__all__ = ["as_model", "component", "generate", "logprobs", "steering_plan"]
+
+Text = str | Example | Sequence[int]
+
+
+def as_model(model: Any, seed: int = 0) -> LoadedModel:
+    """A :class:`~headlab.model.LoadedModel`: ``model`` itself, or loaded from a model spec (a registered
+    name such as ``headlab-tiny``, a local checkpoint directory, a hub id, a mapping such as ``{path: ...}``
+    or ``{config: {...}}``, or a :class:`~headlab.spec.ModelSpec`)."""
+    if isinstance(model, LoadedModel):
+        return model
+    from .model import load_model
+    from .spec import ModelSpec
+
+    if isinstance(model, ModelSpec):
+        spec = model
+    elif isinstance(model, str):
+        spec = ModelSpec(id=model)
+    elif isinstance(model, Mapping):
+        spec = ModelSpec.model_validate(dict(model))
+    else:
+        raise TypeError(f"model: a LoadedModel or a model spec (name, path, mapping), not {type(model).__name__}")
+    return load_model(spec, seed)
+
+
+def component(category: str, value: Any) -> Any:
+    """A component config of ``category`` (``decoders``, ``steering``, ...) validated as in a spec: a config
+    object is returned as it is, a mapping is validated against the registered kinds, a bare string is
+    the kind with its defaults. ``None`` is the category's default (the default decoder), or an error."""
+    from pydantic import TypeAdapter, ValidationError
+
+    from .plugin_manager import get_manager
+    from .spec import ComponentConfig, SpecTypes
+
+    registry = get_manager().registry
+    if isinstance(value, ComponentConfig):
+        return value
+    if value is None:
+        default = registry.default(category)
+        if default is None:
+            raise ValueError(f"no {category} config given, and no default is registered")
+        return default.config()
+    if isinstance(value, str):
+        value = {"kind": value}
+    try:
+        return TypeAdapter(SpecTypes(registry).union(category)).validate_python(dict(value))
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("function-", "tagged-union")))
+        raise ValueError(f"{category} config {dict(value)!r}: {where + ': ' if where else ''}{err['msg']}") from None
+
+
+def steering_plan(steer: Sequence[Any], ctx: StepContext, batch: Batch) -> tuple[Any, list[Callable[[], Any]]]:
+    """The instrumentation plan of the steering configs ``steer`` for ``batch`` (None without any), and the
+    reports they returned (called once the batch is generated). Each method adds its edits in turn, as in
+    a ``generate`` or ``score`` step."""
+    if not steer:
+        return None, []
+    from .instrument import Plan
+    from .plugin_manager import get_manager
+
+    mgr = get_manager()
+    plan = Plan()
+    reports = []
+    for cfg in steer:
+        report = mgr.get("steering", cfg.kind).impl(cfg, ctx, batch, plan)
+        if callable(report):
+            reports.append(report)
+    return plan, reports
+
+
+def _context(lm: LoadedModel, ctx: StepContext | None, results: Mapping[str, Any] | None, seed: int,
+             examples: list[Example]) -> StepContext:
+    if ctx is not None:
+        return dataclasses.replace(ctx, model=lm, examples=examples)
+    return StepContext(model=lm, examples=examples, results=dict(results or {}), seed=seed)
+
+
+def _example(item: Text) -> Example:
+    if isinstance(item, Example):
+        return item
+    if isinstance(item, str):
+        return Example(prompt=item)
+    return Example(prompt="", input_ids=[int(t) for t in item])
+
+
+def _whole_text(lm: LoadedModel, item: Text) -> tuple[Example, list[int]]:
+    """A text scored as a whole: its first token is the context, the rest the continuation."""
+    ex = _example(item)
+    if ex.input_ids is not None:
+        ids = list(ex.input_ids)
+    elif lm.tokenizer is None:
+        raise ValueError("scoring text needs a tokenizer (the model has none); give token ids")
+    else:
+        ids = list(lm.tokenizer(ex.prompt, add_special_tokens=True)["input_ids"])
+    if len(ids) < 2:
+        raise ValueError(f"a text scored as a whole needs at least 2 tokens (its first is the context): {ex.prompt!r}")
+    return Example(prompt=ex.prompt, input_ids=ids[:1], meta=ex.meta), ids[1:]
+
+
+def logprobs(model: Any, prompts: Sequence[Text], continuations: Sequence[str | Sequence[int]] | None = None, *,
+             steer: Sequence[Any] = (), decode: Any = None, batch_size: int = 8, seed: int = 0,
+             results: Mapping[str, Any] | None = None, ctx: StepContext | None = None) -> Scored:
+    """Score ``continuations[i]`` after ``prompts[i]`` under a decoding strategy and steering methods.
+
+    - ``model``: a loaded model or a model spec (see :func:`as_model`).
+    - ``prompts``: texts, :class:`~headlab.Example` objects (their ``spans`` steer: PASTA's ``emphasis``) or
+      token-id lists. ``continuations``: one per prompt, text or token ids; the continuation's tokens are
+      those of ``prompt + continuation`` after the prompt's own (as lm-evaluation-harness and the DoLa /
+      DeCoRe reference code split them), or the given ids. ``None`` scores each prompt as a whole: every
+      token after its first (BOS, for tokenizers that add one) given those before it.
+    - ``decode``: the strategy (``{kind: dola, ...}``, ``"dola"``, a config object; default: the default
+      decoder, ``greedy``: the model's log-likelihood); its registered scorer defines the per-token score
+      (docs/decoding.md, "Scoring"). ``steer``: steering configs applied together (their edits never touch
+      the continuation's own keys; see :meth:`headlab.generation.Batch.prompt_span`).
+    - ``results`` (step id -> dataset) resolves ``heads: {from: step}``; ``ctx`` (a step's context) gives
+      results, seed and progress at once. ``batch_size``: rows per forward (rows are sorted by length).
+
+    Returns :class:`~headlab.generation.Scored`: ``logprobs[i]`` the summed score of row ``i``'s
+    continuation, ``tokens[i]`` its per-token scores, ``greedy[i]`` whether every continuation token is the
+    strategy's top-scoring token at its position (lm-evaluation-harness's ``is_greedy``).
+    """
+    lm = as_model(model, seed)
+    decoder_cfg = component("decoders", decode)
+    steer_cfgs = [component("steering", s) for s in steer]
+    from .plugin_manager import get_manager
+
+    scorer = get_manager().get("decoders", decoder_cfg.kind).score
+    if scorer is None:
+        raise ValueError(f"decoder '{decoder_cfg.kind}' does not support scoring (it was registered without `score=`)")
+    if continuations is None:
+        pairs = [_whole_text(lm, p) for p in prompts]
+    else:
+        if len(continuations) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(continuations)} continuations")
+        pairs = [(_example(p), c if isinstance(c, str) else [int(t) for t in c])
+                 for p, c in zip(prompts, continuations, strict=True)]
+    tok = lm.tokenizer
+
+    def size(pair: tuple[Example, Any]) -> int:
+        ex, cont = pair
+        n = len(ex.input_ids) if ex.input_ids is not None else len(ex.prompt)
+        return n + len(cont)
+
+    order = sorted(range(len(pairs)), key=lambda i: -size(pairs[i]))
+    out_lp: list[float] = [0.0] * len(pairs)
+    out_tok: list[list[float]] = [[] for _ in pairs]
+    out_greedy: list[bool] = [False] * len(pairs)
+    seed = ctx.seed if ctx is not None else seed
+    chunks = [order[i: i + batch_size] for i in range(0, len(order), batch_size)]
+    step = _context(lm, ctx, results, seed, [pairs[i][0] for i in order])
+    for chunk in (step.progress(chunks, "scoring") if ctx is not None else chunks):
+        rows = [pairs[i] for i in chunk]
+        batch, n_tokens = continuation_batch(lm, rows)
+        conts = [c if isinstance(c, str) else (tok.decode(c) if tok is not None else " ".join(map(str, c)))
+                 for _, c in rows]
+        sources = [ex for ex, _ in rows]
+        step_ctx = _context(lm, ctx, results, seed, sources)
+        plan, _ = steering_plan(steer_cfgs, step_ctx, batch)
+        scored = scorer(decoder_cfg, ScoreRequest(lm, batch, n_tokens, sources, conts, plan, seed, step_ctx))
+        greedy = scored.greedy or [False] * len(chunk)
+        for j, i in enumerate(chunk):
+            out_lp[i] = float(scored.logprobs[j])
+            out_tok[i] = list(scored.tokens[j]) if scored.tokens else []
+            out_greedy[i] = bool(greedy[j])
+    return Scored(out_lp, out_tok, out_greedy)
+
+
+def generate(model: Any, prompts: Sequence[str | Example], *, steer: Sequence[Any] = (), decode: Any = None,
+             max_new_tokens: int = 16, stop: Sequence[str] = (), batch_size: int = 8, seed: int = 0,
+             results: Mapping[str, Any] | None = None, ctx: StepContext | None = None) -> Decoded:
+    """Generate a continuation of every prompt with a decoding strategy and steering methods.
+
+    Arguments as :func:`logprobs` (prompts are texts or :class:`~headlab.Example` objects), plus
+    ``max_new_tokens`` and ``stop`` strings (a prompt stops at EOS or at a stop string; its text is cut at
+    the first one). Prompts run in batches of ``batch_size``, in order, through headlab's KV-cache loop
+    (:func:`headlab.generation.decode_loop`), as in a ``generate`` step.
+
+    Returns :class:`~headlab.generation.Decoded` over all prompts: ``tokens`` (up to EOS), ``texts``, and
+    ``info["batches"]``: each batch's own ``Decoded.info`` (the strategy's diagnostics).
+    """
+    lm = as_model(model, seed)
+    decoder_cfg = component("decoders", decode)
+    steer_cfgs = [component("steering", s) for s in steer]
+    from .plugin_manager import get_manager
+
+    impl = get_manager().get("decoders", decoder_cfg.kind).impl
+    examples = [_example(p) for p in prompts]
+    seed = ctx.seed if ctx is not None else seed
+    tokens: list[list[int]] = []
+    texts: list[str] = []
+    infos: list[dict[str, Any]] = []
+    chunks = [examples[i: i + batch_size] for i in range(0, len(examples), batch_size)]
+    step = _context(lm, ctx, results, seed, examples)
+    for chunk in (step.progress(chunks, "generating") if ctx is not None else chunks):
+        batch = tokenize(lm, chunk)
+        step_ctx = _context(lm, ctx, results, seed, chunk)
+        plan, _ = steering_plan(steer_cfgs, step_ctx, batch)
+        decoded = impl(decoder_cfg, DecodeRequest(lm, batch, max_new_tokens, list(stop), plan, seed, step_ctx))
+        tokens.extend(decoded.tokens)
+        texts.extend(decoded.texts)
+        infos.append(decoded.info)
+    return Decoded(tokens, texts, {"batches": infos})

@@ -1,0 +1,83 @@
+"""The ``evaluate`` action: lm-evaluation-harness tasks under the step's decoding strategy and steering.
+
+```yaml
+- id: eval
+  evaluate:
+    tasks: [truthfulqa_mc2, nq_open]
+    limit: 100
+    num_fewshot: 0
+    decode: {kind: decore, heads: {from: retrieval, top: 8}}
+    steer: [{kind: pasta, heads: {from: retrieval, top: 4}, missing: skip}]
+    include_path: my_tasks/          # task YAMLs beside lm-eval's own
+```
+
+The step runs lm-eval's ``simple_evaluate`` with :class:`headlab.harness.HeadlabLM` over the run's model;
+``heads: {from: <step>}`` in ``decode``/``steer`` sees the earlier steps of the cell. Its dataset holds the
+per-task metrics over ``task`` and the per-sample records over ``example``
+(:func:`headlab.harness.results_dataset`). Needs the ``eval`` extra (``pip install 'headlab[eval]'``);
+without it a spec with an ``evaluate`` step fails validation with that one line.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import xarray as xr
+from pydantic import Field, model_validator
+
+from headlab import StepContext, hookimpl
+from headlab.spec import SpecTypes, StrictModel
+
+from .common import decoding_config
+
+EXTRA = "lm-eval is not installed; install the eval extra: pip install 'headlab[eval]'"
+
+
+def evaluate_config(types: SpecTypes) -> type[StrictModel]:
+    """The config of an evaluate step: lm-eval tasks and options, plus the decoder and steering."""
+
+    class Evaluate(decoding_config(types)):
+        """Run lm-evaluation-harness tasks with headlab's model, decoding strategy and steering methods."""
+
+        tasks: list[str | dict[str, Any]] = Field(min_length=1, description="lm-eval task names (or task "
+                                                  "config mappings), e.g. [truthfulqa_mc2, nq_open]")
+        limit: int | float | None = Field(None, gt=0, description="examples per task (a fraction if < 1)")
+        num_fewshot: int | None = Field(None, ge=0, description="few-shot examples (default: the task's)")
+        include_path: str | list[str] | None = Field(
+            None, description="directories of extra task YAMLs (relative to the working directory)")
+        include_defaults: bool = Field(True, description="index lm-eval's own tasks too (false: only "
+                                       "include_path, much faster to start)")
+        max_gen_toks: int = Field(256, ge=1, description="generated tokens at most (when the task sets none)")
+        gen_kwargs: dict[str, Any] | None = Field(None, description="generation arguments for every task "
+                                                  "(lm-eval's --gen_kwargs)")
+        bootstrap_iters: int = Field(1000, ge=0, description="bootstrap iterations for stderr of non-mean metrics")
+
+        @model_validator(mode="after")
+        def _lm_eval_installed(self) -> Any:
+            if importlib.util.find_spec("lm_eval") is None:
+                raise ValueError(EXTRA)
+            return self
+
+    return Evaluate
+
+
+def evaluate(config: Any, ctx: StepContext) -> xr.Dataset:
+    """Run the tasks; per-task metrics over ``task``, per-sample records over ``example``."""
+    from headlab.harness import evaluate as run_tasks
+
+    ds = run_tasks(ctx.model, config.tasks, decode=config.decode, steer=config.steer, limit=config.limit,
+                   num_fewshot=config.num_fewshot, include_path=config.include_path,
+                   include_defaults=config.include_defaults, batch_size=config.batch_size,
+                   max_gen_toks=config.max_gen_toks, gen_kwargs=config.gen_kwargs, seed=ctx.seed, ctx=ctx,
+                   bootstrap_iters=config.bootstrap_iters)
+    ds.attrs.update(decode=config.decode.kind, steer=[c.kind for c in config.steer],
+                    tasks=[t if isinstance(t, str) else str(t.get("task", t)) for t in config.tasks],
+                    example_source="lm-eval")
+    return ds
+
+
+@hookimpl
+def headlab_register_actions(register):
+    register("evaluate", evaluate_config, evaluate,
+             description="run lm-evaluation-harness tasks under a decoding strategy and steering")
