@@ -1,8 +1,10 @@
 """Results: xarray conventions, the zarr run store, and the run catalog.
 
-A run is one zarr group (a directory) whose attributes hold the spec text, the resolved config and
-provenance. Each sweep cell is written as it finishes to ``cells/<cell>/<step id>``; a cell group
-with ``done: true`` is complete, so an interrupted run resumes where it stopped. ``Run.results``
+A run is one zarr group (a directory, or any fsspec URL zarr accepts) whose attributes hold the spec
+text, the resolved config and provenance. Each sweep cell is written as it finishes to
+``cells/<cell>/<step id>``; a cell group with ``done: true`` is complete, so an interrupted run resumes
+where it stopped. Cells are disjoint groups, so workers of a distributed executor write them side by
+side while the driver alone writes the run's attributes and the ``done`` marks. ``Run.results``
 combines the cells of a step into one Dataset with one dimension per sweep key.
 """
 
@@ -15,6 +17,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
+from urllib.request import url2pathname
 
 import numpy as np
 import xarray as xr
@@ -45,6 +49,20 @@ def _encodable(ds: xr.Dataset) -> xr.Dataset:
     return ds
 
 
+def store_location(path: str | Path) -> str:
+    """Where zarr opens a run store: a local path (a ``file://`` URL becomes its path) or an fsspec URL
+    (``s3://bucket/runs/x``, ``gs://...``, ``memory://...``) passed to zarr as is."""
+    text = str(path)
+    if text.startswith("file://"):
+        return url2pathname(urlsplit(text).path)
+    return text
+
+
+def is_url(location: str | Path) -> bool:
+    """Whether a store location is a URL (not a local path)."""
+    return "://" in str(location)
+
+
 def coord_value(value: Any) -> Any:
     """A sweep value as a coordinate label (lists and mappings become their JSON text)."""
     if isinstance(value, (list, dict, tuple)):
@@ -54,21 +72,28 @@ def coord_value(value: Any) -> Any:
 
 @dataclass
 class RunWriter:
-    """Writes the cells of one run into its store."""
+    """Writes the cells of one run into its store (a local path, a ``file://`` URL or an fsspec URL)."""
 
-    path: Path
+    path: Path | str
+
+    def __post_init__(self) -> None:
+        self.location = store_location(self.path)
+        if not is_url(self.location):
+            self.path = Path(self.location)
 
     @classmethod
-    def create(cls, path: Path, attrs: Mapping[str, Any]) -> RunWriter:
+    def create(cls, path: Path | str, attrs: Mapping[str, Any]) -> RunWriter:
         """Create a new run store at ``path`` with run-level attributes."""
-        path.mkdir(parents=True, exist_ok=False)
-        root = zarr.open_group(str(path), mode="w")
+        location = store_location(path)
+        if not is_url(location):
+            Path(location).mkdir(parents=True, exist_ok=False)
+        root = zarr.open_group(location, mode="w" if not is_url(location) else "w-")
         root.attrs.update(_json_attr({"format": FORMAT, **attrs}))
         root.create_group("cells")
-        return cls(path)
+        return cls(location)
 
     def root(self) -> zarr.Group:
-        return zarr.open_group(str(self.path), mode="r+")
+        return zarr.open_group(self.location, mode="r+")
 
     def done_cells(self) -> set[str]:
         """Names of cells already complete."""
@@ -76,8 +101,11 @@ class RunWriter:
         return {name for name, grp in cells.groups() if grp.attrs.get("done")}
 
     def write_cell(self, cell_name: str, values: Mapping[str, Any], results: Mapping[str, xr.Dataset],
-                   timing: Mapping[str, float]) -> None:
-        """Write every step dataset of a finished cell, then mark the cell done."""
+                   timing: Mapping[str, Any], *, done: bool = True) -> None:
+        """Write every step dataset of a finished cell, then mark the cell done.
+
+        ``done=False`` leaves the mark to :meth:`mark_done` (a distributed executor's worker writes the
+        cell, its driver records completion); until then the cell is not read as finished."""
         root = self.root()
         cells = root["cells"]
         if cell_name in cells:
@@ -87,9 +115,32 @@ class RunWriter:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             for step_id, ds in results.items():
-                _encodable(ds).to_zarr(str(self.path), group=f"cells/{cell_name}/{step_id}", mode="w",
+                _encodable(ds).to_zarr(self.location, group=f"cells/{cell_name}/{step_id}", mode="w",
                                        consolidated=False, zarr_format=3)
-        group.attrs.update(_json_attr({"done": True, **timing}))
+        group.attrs.update(_json_attr({"done": done, **timing}))
+
+    def mark_done(self, cell_name: str, **attrs: Any) -> None:
+        """Record that a written cell is complete (with attributes such as its timing)."""
+        group = self.root()["cells"][cell_name]
+        missing = set(group.attrs.get("steps", [])) - set(group.group_keys())
+        if missing:
+            raise ValueError(f"cell {cell_name} is not completely written (no {', '.join(sorted(missing))})")
+        group.attrs.update(_json_attr({**attrs, "done": True}))
+
+    def failed_cells(self) -> dict[str, dict[str, Any]]:
+        """Cells recorded as failed (by name): their values, step, error line and attempts."""
+        return dict(self.root().attrs.get("failed_cells", {}))
+
+    def record_failure(self, cell_name: str, failure: Mapping[str, Any] | None) -> None:
+        """Record a cell as failed with ``failure`` (None: clear its record, it has completed)."""
+        failed = self.failed_cells()
+        if failure is None and cell_name not in failed:
+            return
+        if failure is None:
+            failed.pop(cell_name)
+        else:
+            failed[cell_name] = dict(failure)
+        self.set_attrs(failed_cells=failed)
 
     def set_attrs(self, **attrs: Any) -> None:
         """Update run-level attributes (status, finish time)."""
@@ -100,9 +151,10 @@ class Run:
     """A run store opened for reading: attributes, per-cell datasets, combined step results."""
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
+        self.location = store_location(path)
+        self.path = Path(self.location)
         try:
-            self._root = zarr.open_group(str(self.path), mode="r")
+            self._root = zarr.open_group(self.location, mode="r")
         except (FileNotFoundError, zarr.errors.GroupNotFoundError, ValueError):
             raise RunNotFound(f"no headlab run at '{path}'") from None
         if self._root.attrs.get("format") != FORMAT:
@@ -150,11 +202,16 @@ class Run:
     def cells_done(self) -> int:
         return sum(1 for _ in self._cells())
 
+    @property
+    def failed_cells(self) -> dict[str, dict[str, Any]]:
+        """Cells recorded as failed and not completed since: ``{cell: {values, step, error, attempts}}``."""
+        return dict(self.attrs.get("failed_cells", {}))
+
     def cell(self, name: str, step: str) -> xr.Dataset:
         """The dataset one cell produced for one step."""
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return xr.open_zarr(str(self.path), group=f"cells/{name}/{step}", consolidated=False).load()
+            return xr.open_zarr(self.location, group=f"cells/{name}/{step}", consolidated=False).load()
 
     @property
     def results(self) -> dict[str, xr.Dataset]:
@@ -223,7 +280,7 @@ def open_run(path: str | Path) -> Run:
 
 def list_runs(directory: str | Path) -> list[Run]:
     """Every run store directly under ``directory``, oldest first."""
-    d = Path(directory)
+    d = Path(store_location(directory))
     if not d.is_dir():
         return []
     runs = []
