@@ -20,6 +20,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -240,7 +241,7 @@ def main() -> None:
     try:
         app(standalone_mode=False)
     except (SpecError, ModelLoadError, PluginError, RunNotFound, HeadSelectionError, FileExistsError) as e:
-        err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except (typer.Abort, KeyboardInterrupt):
         err.print("interrupted: finished cells are stored; finish with `headlab run --resume RUN`")
@@ -255,7 +256,7 @@ def main() -> None:
                       soft_wrap=True)
             sys.exit(2)
         if isinstance(e, ValueError):
-            err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+            err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
             sys.exit(2)
         raise
 

@@ -432,17 +432,17 @@ def unregister_plugin(name: str) -> None:
 
 
 def plugins_for_workers() -> list[tuple[str, Any]]:
-    """The plugins registered in this process (:func:`register_plugin`), as another process receives them.
+    """The plugins of this process that a worker process may lack, as it receives them.
 
-    ``(name, "module.name")`` for a module importable by name (the worker imports it, so it must be
-    installed or on the worker's ``PYTHONPATH``), ``(name, object)`` for a class or instance (pickled:
-    one defined in a notebook or script travels by value with cloudpickle, as Ray sends it). Built-ins
-    and entry-point plugins are not listed: every process loads those itself.
+    Every plugin but the built-ins: those registered in process (:func:`register_plugin`) and those of
+    installed distributions. ``(name, "module.name")`` for a module (the worker imports it by name, so
+    it must be installed or on the worker's ``PYTHONPATH``), ``(name, object)`` for a class or instance
+    (pickled: one defined in a notebook or script travels by value with cloudpickle, as Ray sends it).
     """
     mgr = get_manager()
     out: list[tuple[str, Any]] = []
     for name, plugin in mgr.pm.list_name_plugin():
-        if plugin is None or mgr._sources.get(name, (IN_PROCESS,))[0] != IN_PROCESS:
+        if plugin is None or mgr._sources.get(name, (IN_PROCESS,))[0] == BUILT_IN:
             continue
         if isinstance(plugin, types.ModuleType):
             if plugin.__name__ == "__main__":
@@ -456,13 +456,23 @@ def plugins_for_workers() -> list[tuple[str, Any]]:
 
 
 def register_worker_plugins(plugins: list[tuple[str, Any]]) -> None:
-    """Register in this (worker) process the plugins :func:`plugins_for_workers` listed in the driver's;
-    one registered under the same name is replaced."""
+    """Register in this (worker) process the plugins :func:`plugins_for_workers` listed in the driver's.
+
+    A plugin already registered under its name is kept when it is the same object (a module, or an
+    installed distribution's plugin), else replaced; one that cannot be imported here is skipped with a
+    warning (a spec that uses its kinds then fails to validate, naming the kind).
+    """
     mgr = get_manager()
     for name, ref in plugins:
-        plugin = importlib.import_module(ref) if isinstance(ref, str) else ref
-        if mgr.pm.get_plugin(name) is not plugin:
-            mgr.register(plugin, name, replace=True)
+        try:
+            plugin = importlib.import_module(ref) if isinstance(ref, str) else ref
+        except Exception as e:
+            warnings.warn(f"headlab plugin {name} ({ref}) cannot be imported in this worker: {e}", stacklevel=2)
+            continue
+        current = mgr.pm.get_plugin(name)
+        if current is plugin or (current is None and mgr.pm.get_name(plugin) is not None):
+            continue
+        mgr.register(plugin, name, replace=True)
 
 
 def _version(dist: str) -> str:

@@ -588,11 +588,10 @@ class LoadedSpec:
         data = copy.deepcopy(self.data)
         current = data.get("execution")
         current = {"executor": current} if isinstance(current, str) else dict(current or {})
-        kind = execution.get("executor", execution.get("kind"))
-        if kind is not None and kind != current.get("executor", current.get("kind",
-                                                                            getattr(self.spec.execution, "kind", None))):
-            current = {}
-        current.update({k: v for k, v in execution.items() if v is not None})
+        now = current.pop("kind", current.pop("executor", getattr(self.spec.execution, "kind", None)))
+        kind = execution.get("executor", execution.get("kind", now))
+        current = {"executor": kind, **(current if kind == now else {})}
+        current.update({k: v for k, v in execution.items() if v is not None and k != "kind"})
         data["execution"] = current
         return validate_data(data, text=self.text, source=self.source, tree=None, registry=self.registry)
 

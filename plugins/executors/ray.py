@@ -6,8 +6,9 @@ runs a cell exactly as the local executor does (:func:`headlab.runner.execute_ce
 cell's own group of the store (a local path shared by every node, or an fsspec URL such as
 ``s3://bucket/runs``) and reports back; the driver then marks the cell done. A worker keeps the models it
 loaded (the ``models_per_worker`` most recent), and the driver sends a cell to a worker that already holds
-its model when one is free, so cells sharing a model load it once per worker. Workers stay up between
-runs of the same Ray session (a notebook's runs reuse them and their models).
+its model when one is free, so cells sharing a model load it once per worker. Workers end with the run
+and give their CPUs and GPUs back; with ``keep_workers: true`` they stay up, models loaded, for the next
+run of the same process (a notebook's runs), holding their resources meanwhile.
 
 A cell that raises is sent again (to any worker) up to ``max_retries`` times, then recorded as failed
 with its step and error while the other cells go on; a worker process that dies mid-cell (killed, out
@@ -46,6 +47,8 @@ class RayExecutor(ComponentConfig):
     workers: int | None = Field(None, ge=1, description="worker processes (default: as many as the cluster's "
                                                          "CPUs and GPUs hold, at most one per cell)")
     models_per_worker: int = Field(1, ge=1, description="loaded models a worker keeps (least recently used go)")
+    keep_workers: bool = Field(False, description="keep the workers and their models for this process's next run "
+                                                  "(they hold their CPUs and GPUs meanwhile)")
 
 
 class CellWorker:
@@ -76,8 +79,7 @@ def _ray() -> Any:
 
 def _pool(ray: Any, config: RayExecutor, n: int) -> list[Any]:
     """``n`` workers of this Ray session with ``config``'s resources (started if missing)."""
-    key = (ray.get_runtime_context().get_job_id(), config.num_cpus_per_cell, config.num_gpus_per_cell,
-           config.models_per_worker)
+    key = _key(ray, config)
     for stale in [k for k in _pools if k[0] != key[0]]:
         del _pools[stale]
     pool = _pools.setdefault(key, [])
@@ -86,6 +88,11 @@ def _pool(ray: Any, config: RayExecutor, n: int) -> list[Any]:
     while len(pool) < n:
         pool.append(actor.remote(config.models_per_worker))
     return pool
+
+
+def _key(ray: Any, config: RayExecutor) -> tuple[Any, ...]:
+    return (ray.get_runtime_context().get_job_id(), config.num_cpus_per_cell, config.num_gpus_per_cell,
+            config.models_per_worker)
 
 
 def _replace(ray: Any, config: RayExecutor, pool: list[Any], slot: int) -> None:
@@ -188,15 +195,33 @@ def _schedule(ray: Any, config: RayExecutor, job: Job) -> None:
         raise
     finally:
         job.reporter.stop("running")
+        if not config.keep_workers:
+            _release(ray, config)
+
+
+def _release(ray: Any, config: RayExecutor) -> None:
+    """End the workers of ``config``'s pool: their CPUs and GPUs go back to the cluster."""
+    for key in [k for k in _pools if k[1:] == _key(ray, config)[1:]]:
+        for actor in _pools.pop(key):
+            ray.kill(actor, no_restart=True)
 
 
 def worker_info() -> list[dict[str, Any]]:
-    """Process id, host and model loads of each worker this process started in the current Ray session."""
+    """Process id, host and model loads of each worker this process keeps (``keep_workers: true``)."""
     ray = _ray()
     if not ray.is_initialized():
         return []
     job_id = ray.get_runtime_context().get_job_id()
     return [info for key, pool in _pools.items() if key[0] == job_id for info in ray.get([a.info.remote() for a in pool])]
+
+
+def release_workers() -> None:
+    """End every worker this process keeps (``keep_workers: true``); their resources go back to the cluster."""
+    ray = _ray()
+    for key in list(_pools):
+        for actor in _pools.pop(key):
+            if ray.is_initialized():
+                ray.kill(actor, no_restart=True)
 
 
 @hookimpl
