@@ -8,6 +8,7 @@ with tests/ on their PYTHONPATH.
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import pytest
 import xarray as xr
 
 import headlab
+import headlab.context
 
 from conftest import spec_text
 
@@ -27,7 +29,23 @@ from headlab.plugins.executors.ray import release_workers, worker_info  # noqa: 
 
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
-RAY = {"executor": "ray", "workers": 2}
+RAY = {"executor": "ray", "workers": 2, "keep_workers": True}  # runs of this module reuse two workers
+
+
+class Events(headlab.context.Reporter):
+    """Records the progress the driver reports."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, int | None]] = []
+
+    def start(self, key, total, description):
+        self.events.append(("start", key, total))
+
+    def advance(self, key, n=1):
+        self.events.append(("advance", key, n))
+
+    def count(self, key: str) -> int:
+        return sum(n for event, k, n in self.events if event == "advance" and k == key)
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +126,13 @@ def test_failing_cell_is_retried_recorded_and_resumed(cluster, tmp_path):
     fault = tmp_path / "fault"
     fault.write_text("on")
     text = probe_spec(tmp_path, fail_value=2, fail_while=str(fault))
+    progress = Events()
     with pytest.warns(UserWarning, match="1 of 4 cells"):
-        run = headlab.run(text, out=tmp_path / "ray", execution={**RAY, "max_retries": 2})
+        run = headlab.run(text, out=tmp_path / "ray", execution={**RAY, "max_retries": 2}, reporter=progress)
+    # the driver's progress: cells done, failed, running (on 2 workers, none left at the end)
+    assert ("start", "cells", 4) in progress.events and ("start", "running", 2) in progress.events
+    assert (progress.count("cells"), progress.count("failed"), progress.count("running")) == (3, 1, 0)
+    assert max(itertools.accumulate(n for e, k, n in progress.events if e == "advance" and k == "running")) == 2
     assert run.status == "failed" and run.cells_done == 3
     assert attempts(tmp_path) == {0: 1, 1: 1, 2: 3, 3: 1}  # retried max_retries times, the others ran once
     (name, failure), = run.failed_cells.items()
@@ -118,6 +141,7 @@ def test_failing_cell_is_retried_recorded_and_resumed(cluster, tmp_path):
     assert sorted(run.results["p"]["p.value"].values.tolist()) == [0, 1, 3]  # finished cells are usable
 
     fault.unlink()  # fixed: resume (through the CLI, on the same cluster) runs only the failed cell
+    release_workers()  # the CLI's driver starts its own workers: give it the cluster's CPUs
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(entry_point(tmp_path))])}
     address = ray.get_runtime_context().gcs_address
     res = subprocess.run([sys.executable, "-m", "headlab.cli", "run", "--resume", str(run.path), "--executor", "ray",
@@ -147,7 +171,9 @@ def test_a_worker_killed_mid_cell_is_replaced_and_the_run_completes(cluster, tmp
     local = headlab.run(text, out=tmp_path / "local")
     marker.unlink()
     (tmp_path / "attempts.txt").unlink()
-    remote = headlab.run(text, out=tmp_path / "ray", execution=RAY)
+    release_workers()
+    remote = headlab.run(text, out=tmp_path / "ray", execution={"executor": "ray"})  # workers end with the run
+    assert worker_info() == []
     assert marker.read_text().strip()  # the worker did kill itself with SIGKILL during cell 1
     assert remote.status == "complete" and remote.failed_cells == {}
     assert attempts(tmp_path)[1] == 2
@@ -162,7 +188,7 @@ def test_cells_sharing_a_model_load_it_once_per_worker(cluster, tmp_path):
     before = loads.read_text().splitlines() if loads.exists() else []
     text = ("name: shared\nmodel: counted-tiny\ntask: {kind: repeated_tokens, n: 4, length: 8}\n"
             "steps:\n  - id: prev\n    detect: {kind: previous_token}\nsweep:\n  task.length: [3, 4, 5, 6, 7, 8]\n")
-    keep = {**RAY, "keep_workers": True}
+    keep = RAY
     try:
         run = headlab.run(text, out=tmp_path, execution=keep)
         assert run.status == "complete" and run.cells_done == 6
