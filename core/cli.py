@@ -1,6 +1,7 @@
 """The ``headlab`` command: a thin layer over the Python API.
 
-    headlab run SPEC [--set path=value ...] [--out DIR] [--resume RUN]
+    headlab run SPEC [--set path=value ...] [--out DIR] [--executor KIND [--address ADDR]]
+    headlab run --resume RUN [--executor KIND [--address ADDR]]
     headlab validate SPEC [SPEC ...]
     headlab schema [-o FILE]
     headlab plugins [--json]
@@ -80,22 +81,45 @@ def _parse_set(items: list[str]) -> dict[str, Any]:
 def run(
     spec: Annotated[Path | None, typer.Argument(help="spec YAML file")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="override: dotted.path=value")] = None,
-    out: Annotated[Path | None, typer.Option("--out", help="store directory (default: the spec's `output`)")] = None,
-    resume: Annotated[Path | None, typer.Option("--resume", help="finish an interrupted run")] = None,
+    out: Annotated[str | None, typer.Option("--out", help="store directory or fsspec URL (default: the spec's "
+                                                           "`output`)")] = None,
+    resume: Annotated[str | None, typer.Option("--resume", help="finish an interrupted or failed run (its "
+                                                                "missing and failed cells)")] = None,
+    executor: Annotated[str | None, typer.Option("--executor", help="run the cells with this executor kind "
+                                                                    "(local, ray, ...; default: the spec's `execution`)")] = None,
+    address: Annotated[str | None, typer.Option("--address", help="the executor's cluster address (ray: auto, "
+                                                                  "ray://host:port)")] = None,
 ) -> None:
     """Run a spec: every step of every sweep cell, writing results to a zarr store."""
+    import warnings
+
     from . import runner
     from .spec import SpecError
 
     if spec is None and resume is None:
         raise SpecError("give a spec file, or --resume RUN", source="command line")
+    execution = {k: v for k, v in (("executor", executor), ("address", address)) if v is not None}
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=err, transient=False) as progress:
-        result = runner.run(spec, out=out, overrides=_parse_set(set_ or []), resume=resume,
-                            reporter=RichReporter(progress)) if resume is None else \
-            runner.run(None, resume=resume, reporter=RichReporter(progress))
+    with Progress(*columns, console=err, transient=False) as progress, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".* cells of run .* failed")
+        result = runner.run(spec, out=out, overrides=_parse_set(set_ or []), reporter=RichReporter(progress),
+                            execution=execution) if resume is None else \
+            runner.run(None, resume=resume, reporter=RichReporter(progress), execution=execution)
     _print_summary(result)
-    console.print(f"[bold]run stored at[/bold] {result.path}")
+    console.print(f"[bold]run stored at[/bold] {result.location}")
+    if result.failed_cells or result.cells_done < result.cells_total:
+        _print_failures(result)
+        err.print(f"[red]{result.cells_total - result.cells_done} of {result.cells_total} cells failed[/red]; "
+                  f"finish them with `headlab run --resume {result.location}`", highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
+
+
+def _print_failures(result: Any) -> None:
+    table = Table("cell", "values", "step", "error", "attempts", title="failed cells")
+    for name, info in sorted(result.failed_cells.items()):
+        table.add_row(name, json.dumps(info.get("values", {}), default=str), str(info.get("step") or "-"),
+                      str(info.get("error", "")), str(info.get("attempts", "")))
+    err.print(table)
 
 
 @app.command()

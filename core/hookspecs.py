@@ -170,3 +170,26 @@ def headlab_register_models(register: Register) -> None:
     ``name`` is loaded by ``load`` instead of the Hugging Face loader; the embedded default model
     is registered this way.
     """
+
+
+@hookspec
+def headlab_register_executors(register: Register) -> None:
+    """Register executor kinds: ``register(ConfigModel, execute, default=False)``.
+
+    An executor decides where and in what order a run's sweep cells run; the spec names it under
+    ``execution: {executor: <kind>, ...options}`` (the config model's ``kind`` field is declared with
+    ``alias="executor"``: ``kind: Literal["slurm"] = Field("slurm", alias="executor")``). The built-ins
+    are ``local`` (the default: cells one after another in this process) and ``ray`` (each cell a task
+    on a Ray cluster).
+
+    ``execute(config, job: headlab.runner.Job) -> None`` runs ``job.cells`` (the cells not yet done) and
+    returns when each is done or recorded as failed. The runner has created or reopened nothing yet:
+    the executor calls ``job.start(model)`` once (``model``: a :class:`headlab.model.LoadedModel` the
+    driver loaded, for the run's provenance, or None), then either runs a cell in this process with
+    ``job.run_cell(cell)``, or sends ``job.task(cell)`` (a picklable :class:`headlab.runner.CellTask`) to
+    a worker process that calls :func:`headlab.runner.execute_cell` and reports back, on the driver,
+    ``job.cell_done(result)`` or ``job.cell_failed(failure)``. Workers write each finished cell into
+    its own group of the run's store; the driver alone records completion, so a cell is read as
+    finished only once ``job.cell_done`` ran. ``job.cancelled()`` tells when to stop (raise
+    ``KeyboardInterrupt``).
+    """

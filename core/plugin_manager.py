@@ -25,6 +25,7 @@ import importlib
 import importlib.metadata as md
 import os
 import re
+import types
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -62,6 +63,8 @@ BUILTIN_PLUGINS = (
     "headlab.plugins.actions.score",
     "headlab.plugins.actions.evaluate",
     "headlab.plugins.models.embedded",
+    "headlab.plugins.executors.local",
+    "headlab.plugins.executors.ray",
 )
 
 BUILT_IN = "built-in"
@@ -78,6 +81,10 @@ class Category:
       the category join one discriminated union of the spec (see :class:`headlab.spec.SpecTypes`);
     - ``"action"``: ``register(name, config, run, description="")``, a step action;
     - ``"model"``: ``register(name, load, description="")``, a named model.
+
+    ``key`` is the spec key that names a component's kind: ``kind`` for most categories, ``executor``
+    for executors (``execution: {executor: ray, ...}``); a config model of a category whose key is not
+    ``kind`` declares its kind field with that alias (``kind: Literal["x"] = Field("x", alias="executor")``).
     """
 
     name: str
@@ -85,6 +92,7 @@ class Category:
     label: str
     description: str
     style: Literal["config", "action", "model"] = "config"
+    key: str = "kind"
 
 
 CATEGORIES: dict[str, Category] = {c.name: c for c in (
@@ -101,6 +109,8 @@ CATEGORIES: dict[str, Category] = {c.name: c for c in (
              "action"),
     Category("models", "headlab_register_models", "model", "named models a spec's `model` can name",
              "model"),
+    Category("executors", "headlab_register_executors", "executor",
+             "how a run's cells are executed (`execution:`; in this process, on a Ray cluster, ...)", key="executor"),
 )}
 """Every category of component by name, in the order ``headlab plugins`` lists them."""
 
@@ -344,6 +354,10 @@ class Manager:
             kind = config.kind_name()
             if not isinstance(kind, str):
                 raise PluginError(f"{info.name}: {config.__name__}.kind needs a Literal default")
+            if category.key != "kind" and config.model_fields["kind"].alias != category.key:
+                raise PluginError(f"{info.name}: {category.label} config {config.__name__} is named by the spec key "
+                                  f"'{category.key}': declare kind: Literal['{kind}'] = Field('{kind}', "
+                                  f"alias='{category.key}')")
             if not callable(impl):
                 raise PluginError(f"{info.name}: the implementation of {category.label} '{kind}' is not callable")
             if default:
@@ -416,6 +430,50 @@ def register_plugin(plugin: Any, name: str | None = None, *, replace: bool = Fal
 def unregister_plugin(name: str) -> None:
     """Unregister the plugin called ``name`` (the name :func:`register_plugin` returned)."""
     get_manager().unregister(name)
+
+
+def plugins_for_workers() -> list[tuple[str, Any]]:
+    """The plugins of this process that a worker process may lack, as it receives them.
+
+    Every plugin but the built-ins: those registered in process (:func:`register_plugin`) and those of
+    installed distributions. ``(name, "module.name")`` for a module (the worker imports it by name, so
+    it must be installed or on the worker's ``PYTHONPATH``), ``(name, object)`` for a class or instance
+    (pickled: one defined in a notebook or script travels by value with cloudpickle, as Ray sends it).
+    """
+    mgr = get_manager()
+    out: list[tuple[str, Any]] = []
+    for name, plugin in mgr.pm.list_name_plugin():
+        if plugin is None or mgr._sources.get(name, (IN_PROCESS,))[0] == BUILT_IN:
+            continue
+        if isinstance(plugin, types.ModuleType):
+            if plugin.__name__ == "__main__":
+                warnings.warn(f"plugin {name} is the __main__ module: other processes cannot import it; "
+                              "register a class or put the hooks in an importable module", stacklevel=2)
+                continue
+            out.append((name, plugin.__name__))
+        else:
+            out.append((name, plugin))
+    return out
+
+
+def register_worker_plugins(plugins: list[tuple[str, Any]]) -> None:
+    """Register in this (worker) process the plugins :func:`plugins_for_workers` listed in the driver's.
+
+    A plugin already registered under its name is kept when it is the same object (a module, or an
+    installed distribution's plugin), else replaced; one that cannot be imported here is skipped with a
+    warning (a spec that uses its kinds then fails to validate, naming the kind).
+    """
+    mgr = get_manager()
+    for name, ref in plugins:
+        try:
+            plugin = importlib.import_module(ref) if isinstance(ref, str) else ref
+        except Exception as e:
+            warnings.warn(f"headlab plugin {name} ({ref}) cannot be imported in this worker: {e}", stacklevel=2)
+            continue
+        current = mgr.pm.get_plugin(name)
+        if current is plugin or (current is None and mgr.pm.get_name(plugin) is not None):
+            continue
+        mgr.register(plugin, name, replace=True)
 
 
 def _version(dist: str) -> str:

@@ -1,12 +1,15 @@
 """Results: xarray conventions, the zarr run store, and the run catalog.
 
-A run is one zarr group (a directory) whose attributes hold the spec text, the resolved config and
-provenance. It is created under a temporary name and renamed into place, so a run directory is never
-half-created. Each sweep cell is written as it finishes to ``cells/<cell>/<step id>``; a cell group
-with ``done: true`` is complete and lists the arrays it wrote (shape, number and bytes of chunk files),
-so an interrupted run resumes where it stopped and reading a run verifies it: a missing cell of a
-complete run, or a missing or changed chunk, is a :class:`RunDamaged` error naming it, never fill
-values. ``Run.results`` combines the cells of a step into one Dataset with one dimension per sweep key.
+A run is one zarr group (a directory, or any fsspec URL zarr accepts) whose attributes hold the spec
+text, the resolved config and provenance. A local run is created under a temporary name and renamed into
+place, so a run directory is never half-created. Each sweep cell is written as it finishes to
+``cells/<cell>/<step id>``; a cell group with ``done: true`` is complete and lists the arrays it wrote
+(shape, number and bytes of chunk files), so an interrupted run resumes where it stopped and reading a
+local run verifies it: a missing cell of a complete run, or a missing or changed chunk, is a
+:class:`RunDamaged` error naming it, never fill values. Cells are disjoint groups, so workers of a
+distributed executor write them side by side while the driver alone writes the run's attributes and the
+``done`` marks. ``Run.results`` combines the cells of a step into one Dataset with one dimension per
+sweep key.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
+from urllib.request import url2pathname
 
 import numpy as np
 import xarray as xr
@@ -149,6 +154,20 @@ def _encodable(ds: xr.Dataset) -> xr.Dataset:
     return ds
 
 
+def store_location(path: str | Path) -> str:
+    """Where zarr opens a run store: a local path (a ``file://`` URL becomes its path) or an fsspec URL
+    (``s3://bucket/runs/x``, ``gs://...``, ``memory://...``) passed to zarr as is."""
+    text = str(path)
+    if text.startswith("file://"):
+        return url2pathname(urlsplit(text).path)
+    return text
+
+
+def is_url(location: str | Path) -> bool:
+    """Whether a store location is a URL (not a local path)."""
+    return "://" in str(location)
+
+
 def coord_value(value: Any) -> Any:
     """A sweep value as a coordinate label (lists and mappings become their JSON text)."""
     if isinstance(value, (list, dict, tuple)):
@@ -158,17 +177,28 @@ def coord_value(value: Any) -> Any:
 
 @dataclass
 class RunWriter:
-    """Writes the cells of one run into its store."""
+    """Writes the cells of one run into its store (a local path, a ``file://`` URL or an fsspec URL)."""
 
-    path: Path
+    path: Path | str
+
+    def __post_init__(self) -> None:
+        self.location = store_location(self.path)
+        if not is_url(self.location):
+            self.path = Path(self.location)
 
     @classmethod
-    def create(cls, path: Path, attrs: Mapping[str, Any]) -> RunWriter:
-        """Create a new run store at ``path`` with run-level attributes, atomically: it is built in a
-        temporary directory beside ``path`` (``.<name>.<random>.creating``) and renamed into place, so
-        ``path`` either does not exist or holds a complete, empty run. Raises FileExistsError when
-        ``path`` exists."""
-        path = Path(path)
+    def create(cls, path: Path | str, attrs: Mapping[str, Any]) -> RunWriter:
+        """Create a new run store at ``path`` with run-level attributes. A local store is created
+        atomically: built in a temporary directory beside ``path`` (``.<name>.<random>.creating``) and
+        renamed into place, so ``path`` either does not exist or holds a complete, empty run. Raises
+        FileExistsError when ``path`` exists."""
+        location = store_location(path)
+        if is_url(location):
+            root = zarr.open_group(location, mode="w-")
+            root.attrs.update(_json_attr({"format": FORMAT, **attrs}))
+            root.create_group("cells")
+            return cls(location)
+        path = Path(location)
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.exists():
             raise FileExistsError(f"'{path}' exists; a new run never overwrites one")
@@ -186,28 +216,63 @@ class RunWriter:
         return cls(path)
 
     def root(self) -> zarr.Group:
-        return zarr.open_group(str(self.path), mode="r+")
+        return zarr.open_group(self.location, mode="r+")
 
     def done_cells(self) -> set[str]:
-        """Names of cells already complete and intact (a damaged cell is written again on resume)."""
-        return {name for name, attrs in stored_cells(self.path)
-                if attrs and attrs.get("done") and not cell_problems(self.path, name, attrs)}
+        """Names of cells already complete and intact (a damaged cell is written again on resume; cells of
+        a URL store are taken as marked)."""
+        if is_url(self.location):
+            return {name for name, grp in self.root()["cells"].groups() if grp.attrs.get("done")}
+        path = Path(self.location)
+        return {name for name, attrs in stored_cells(path)
+                if attrs and attrs.get("done") and not cell_problems(path, name, attrs)}
 
     def write_cell(self, cell_name: str, values: Mapping[str, Any], results: Mapping[str, xr.Dataset],
-                   timing: Mapping[str, float]) -> None:
+                   timing: Mapping[str, Any], *, done: bool = True) -> None:
         """Write every step dataset of a finished cell, then mark the cell done with the list of arrays
-        it wrote (one atomic update of the cell's attributes)."""
+        it wrote (one atomic update of the cell's attributes).
+
+        ``done=False`` leaves the mark to :meth:`mark_done` (a distributed executor's worker writes the
+        cell, its driver records completion); until then the cell is not read as finished."""
         cells = self.root()["cells"]
-        shutil.rmtree(self.path / "cells" / cell_name, ignore_errors=True)
+        if is_url(self.location):
+            if cell_name in cells:
+                del cells[cell_name]
+        else:
+            shutil.rmtree(Path(self.location) / "cells" / cell_name, ignore_errors=True)
         group = cells.create_group(cell_name)
         group.attrs.update(_json_attr({"values": dict(values), "done": False, "steps": list(results)}))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             for step_id, ds in results.items():
-                _encodable(ds).to_zarr(str(self.path), group=f"cells/{cell_name}/{step_id}", mode="w",
+                _encodable(ds).to_zarr(self.location, group=f"cells/{cell_name}/{step_id}", mode="w",
                                        consolidated=False, zarr_format=3)
-        arrays = {step_id: step_manifest(self.path / "cells" / cell_name / step_id) for step_id in results}
-        group.attrs.update(_json_attr({"done": True, "arrays": arrays, **timing}))
+        arrays = {} if is_url(self.location) else {
+            step_id: step_manifest(Path(self.location) / "cells" / cell_name / step_id) for step_id in results}
+        group.attrs.update(_json_attr({"done": done, "arrays": arrays, **timing}))
+
+    def mark_done(self, cell_name: str, **attrs: Any) -> None:
+        """Record that a written cell is complete (with attributes such as its timing)."""
+        group = self.root()["cells"][cell_name]
+        missing = set(group.attrs.get("steps", [])) - set(group.group_keys())
+        if missing:
+            raise ValueError(f"cell {cell_name} is not completely written (no {', '.join(sorted(missing))})")
+        group.attrs.update(_json_attr({**attrs, "done": True}))
+
+    def failed_cells(self) -> dict[str, dict[str, Any]]:
+        """Cells recorded as failed (by name): their values, step, error line and attempts."""
+        return dict(self.root().attrs.get("failed_cells", {}))
+
+    def record_failure(self, cell_name: str, failure: Mapping[str, Any] | None) -> None:
+        """Record a cell as failed with ``failure`` (None: clear its record, it has completed)."""
+        failed = self.failed_cells()
+        if failure is None and cell_name not in failed:
+            return
+        if failure is None:
+            failed.pop(cell_name)
+        else:
+            failed[cell_name] = dict(failure)
+        self.set_attrs(failed_cells=failed)
 
     def set_attrs(self, **attrs: Any) -> None:
         """Update run-level attributes (status, finish time)."""
@@ -218,19 +283,21 @@ class Run:
     """A run store opened for reading: attributes, per-cell datasets, combined step results."""
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
+        self.location = store_location(path)
+        self.path = Path(self.location)
         self._results: dict[str, xr.Dataset] | None = None
         self._problems: list[str] | None = None
-        if self.path.name.endswith(CREATING):
-            raise RunDamaged(f"'{path}' is a run store that was never finished being created (the process "
-                             "stopped while creating it); delete it and run the spec again")
-        if not self.path.is_dir():
-            raise RunNotFound(f"no headlab run at '{path}'")
-        meta = self.path / "zarr.json"
-        if meta.is_file() and _read_meta(meta) is None:
-            raise RunDamaged(f"'{path}' is a damaged run store: its zarr.json is unreadable")
+        if not is_url(self.location):
+            if self.path.name.endswith(CREATING):
+                raise RunDamaged(f"'{path}' is a run store that was never finished being created (the "
+                                 "process stopped while creating it); delete it and run the spec again")
+            if not self.path.is_dir():
+                raise RunNotFound(f"no headlab run at '{path}'")
+            meta = self.path / "zarr.json"
+            if meta.is_file() and _read_meta(meta) is None:
+                raise RunDamaged(f"'{path}' is a damaged run store: its zarr.json is unreadable")
         try:
-            self._root = zarr.open_group(str(self.path), mode="r")
+            self._root = zarr.open_group(self.location, mode="r")
         except (FileNotFoundError, zarr.errors.GroupNotFoundError, ValueError, KeyError):
             raise RunNotFound(f"no headlab run at '{path}'") from None
         if self._root.attrs.get("format") != FORMAT:
@@ -336,12 +403,17 @@ class Run:
     def cells_done(self) -> int:
         return sum(1 for _ in self._cells())
 
+    @property
+    def failed_cells(self) -> dict[str, dict[str, Any]]:
+        """Cells recorded as failed and not completed since: ``{cell: {values, step, error, attempts}}``."""
+        return dict(self.attrs.get("failed_cells", {}))
+
     def cell(self, name: str, step: str) -> xr.Dataset:
         """The dataset one cell produced for one step (verified against what the cell recorded)."""
         self.check()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return xr.open_zarr(str(self.path), group=f"cells/{name}/{step}", consolidated=False).load()
+            return xr.open_zarr(self.location, group=f"cells/{name}/{step}", consolidated=False).load()
 
     @property
     def results(self) -> dict[str, xr.Dataset]:
@@ -440,7 +512,7 @@ def list_runs(directory: str | Path) -> list[Run]:
     """Every run store directly under ``directory``, oldest first. A damaged store is listed too (its
     ``status`` says what is wrong); stores still being created (``.*.creating``) and other zarr stores
     are not."""
-    d = Path(directory)
+    d = Path(store_location(directory))
     if not d.is_dir():
         return []
     runs = []

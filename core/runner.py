@@ -9,14 +9,25 @@ unless the action's ``example`` dimension is something else: an action whose dat
 A cell's results are a function of (spec, cell) alone: the seed is reset at the start of every
 cell and examples are rebuilt from the task config, so cells can run in any order or in parallel
 and an interrupted run resumes with exactly the results an uninterrupted one would have.
+
+Where the cells run is an executor's business, a component too (``headlab_register_executors``; the
+built-in ``local`` and ``ray`` live in ``headlab.plugins.executors``): :func:`run` creates or reopens the
+store, hands the executor a :class:`Job` (the cells still to run and the driver's bookkeeping) and
+sets the run's status from what the executor reported. A worker process runs one cell from a
+picklable :class:`CellTask` with :func:`execute_cell`.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import platform
 import time
+import traceback
+import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,22 +39,39 @@ from pydantic_core import to_jsonable_python
 
 from .context import Example, Reporter, StepContext, TaskContext
 from .model import LoadedModel, load_model
-from .plugin_manager import get_manager
-from .results import Run, RunWriter, now, open_run
+from .plugin_manager import get_manager, plugins_for_workers, register_worker_plugins
+from .results import Run, RunWriter, is_url, now, open_run, store_location
 from .spec import Cell, LoadedSpec, load_spec
 
 
 class ModelCache:
-    """Loads each distinct model spec once per run."""
+    """Loads each distinct model spec (with the seed its random weights are drawn with) once.
 
-    def __init__(self, seed: int = 0) -> None:
-        self._models: dict[str, LoadedModel] = {}
+    A run's driver keeps every model it loaded; a worker process that runs cells of many runs keeps
+    the ``max_models`` most recently used (``loads`` counts the loads).
+    """
+
+    def __init__(self, seed: int = 0, max_models: int | None = None) -> None:
+        self._models: OrderedDict[str, LoadedModel] = OrderedDict()
         self.seed = seed
+        self.max_models = max_models
+        self.loads = 0
 
-    def get(self, spec: Any) -> LoadedModel:
-        key = spec.model_dump_json()
-        if key not in self._models:
-            self._models[key] = load_model(spec, self.seed)
+    def get(self, spec: Any, seed: int | None = None) -> LoadedModel:
+        """The loaded model of ``spec`` (a :class:`headlab.spec.ModelSpec`), loading it if needed."""
+        seed = self.seed if seed is None else seed
+        key = f"{seed}:{spec.model_dump_json()}"
+        if key in self._models:
+            self._models.move_to_end(key)
+            return self._models[key]
+        if self.max_models is not None and len(self._models) >= self.max_models:
+            while len(self._models) >= self.max_models:
+                self._models.popitem(last=False)
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        self._models[key] = load_model(spec, seed)
+        self.loads += 1
         return self._models[key]
 
 
@@ -139,15 +167,21 @@ def _per_step(value: Any, rows: int) -> bool:
 
 
 def run_cell(loaded: LoadedSpec, cell: Cell, models: ModelCache, reporter: Reporter | None = None,
-             cancel: Callable[[], bool] | None = None) -> dict[str, xr.Dataset]:
-    """Run every step of one sweep cell; returns step id -> Dataset."""
+             cancel: Callable[[], bool] | None = None, on_step: Callable[[str], None] | None = None,
+             ) -> dict[str, xr.Dataset]:
+    """Run every step of one sweep cell in this process; returns step id -> Dataset.
+
+    ``on_step(step_id)`` is called as each step starts (an executor reports which step failed).
+    """
     spec = loaded.for_cell(cell)
     reporter = reporter or Reporter()
-    lm = models.get(spec.model)
+    lm = models.get(spec.model, seed=loaded.spec.seed)
     _seed(spec.seed)
     results: dict[str, xr.Dataset] = {}
     example_cache: dict[str, list[Example]] = {}
     for step in spec.steps:
+        if on_step is not None:
+            on_step(step.id)
         task = step.task or spec.task
         key = task.model_dump_json()
         if key not in example_cache:
@@ -188,67 +222,318 @@ def provenance(lm: LoadedModel | None) -> dict[str, Any]:
     return out
 
 
-def _run_dir(output: str, name: str) -> Path:
+def _run_dir(output: str, name: str) -> str:
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    base = Path(output) / f"{name}-{stamp}"
-    path, i = base, 1
-    while path.exists():
+    output = store_location(output)
+    if is_url(output):
+        import fsspec
+
+        fs, root = fsspec.core.url_to_fs(output)
+        base = f"{output.rstrip('/')}/{name}-{stamp}"
+        path, i = base, 1
+        while fs.exists(f"{root.rstrip('/')}/{path.rsplit('/', 1)[1]}"):
+            i += 1
+            path = f"{base}-{i}"
+        return path
+    local = Path(output) / f"{name}-{stamp}"
+    candidate, i = local, 1
+    while candidate.exists():
         i += 1
-        path = Path(f"{base}-{i}")
-    return path
+        candidate = Path(f"{local}-{i}")
+    return str(candidate)
 
 
-def run(spec: str | Path | Mapping[str, Any] | LoadedSpec, *, out: str | Path | None = None,
+# --- executing cells: what an executor and its workers use ----------------------------------------
+
+@dataclass
+class CellFailure:
+    """Why a cell failed: the cell and its sweep values, the step that raised (None: before the first
+    step, e.g. loading the model, or while writing), the exception as one line, its traceback, and the
+    number of attempts made."""
+
+    cell: str
+    values: dict[str, Any]
+    step: str | None
+    error: str
+    traceback: str = ""
+    attempts: int = 1
+
+    @classmethod
+    def from_exception(cls, cell: Cell, step: str | None, exc: BaseException) -> CellFailure:
+        """The failure of ``cell`` in ``step`` by ``exc`` (its traceback included)."""
+        text = str(exc).strip().splitlines()
+        line = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        return cls(cell.name, cell.as_dict(), step, line, tb)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The record stored in the run's ``failed_cells`` attribute."""
+        return {"values": self.values, "step": self.step, "error": self.error, "attempts": self.attempts,
+                "traceback": self.traceback}
+
+    def __str__(self) -> str:
+        where = f" step '{self.step}'" if self.step else ""
+        return f"cell {self.cell} {json.dumps(self.values, default=str)}{where}: {self.error}"
+
+
+class CellError(Exception):
+    """A cell failed in a worker (:func:`execute_cell`); carries its :class:`CellFailure`. Picklable, so
+    it crosses process boundaries (Ray's, multiprocessing's) intact."""
+
+    def __init__(self, failure: CellFailure) -> None:
+        super().__init__(str(failure))
+        self.failure = failure
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (CellError, (self.failure,))
+
+
+@dataclass
+class CellResult:
+    """What a worker reports for a cell it ran and wrote: when, for how long, where, with what model."""
+
+    cell: Cell
+    started: float
+    seconds: float
+    host: str
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class CellTask:
+    """One cell as a worker process receives it, picklable: the spec's raw data and text, the cell,
+    the run store's location, and the plugins registered in the driver's process (see
+    :func:`headlab.plugin_manager.plugins_for_workers`)."""
+
+    spec: dict[str, Any]
+    text: str
+    source: str
+    cell: Cell
+    store: str
+    plugins: list[tuple[str, Any]] = field(default_factory=list)
+    plugins_token: str = ""
+
+    def load(self) -> LoadedSpec:
+        """The validated spec (cached per process)."""
+        key = json.dumps(self.spec, sort_keys=True, default=str)
+        loaded = _SPECS.get(key)
+        if loaded is None:
+            loaded = load_spec(self.spec)
+            loaded.text, loaded.source = self.text, self.source
+            _SPECS[key] = loaded
+            while len(_SPECS) > 8:
+                _SPECS.popitem(last=False)
+        return loaded
+
+
+_SPECS: OrderedDict[str, LoadedSpec] = OrderedDict()
+_PLUGINS_TOKEN: list[str] = [""]
+
+
+def execute_cell(task: CellTask, models: ModelCache, reporter: Reporter | None = None,
+                 cancel: Callable[[], bool] | None = None) -> CellResult:
+    """Run one cell in a worker process and write it into the run's store, not yet marked done.
+
+    The worker's half of a distributed executor: registers the driver's in-process plugins (once per
+    run), validates the spec (cached), runs the cell's steps exactly as locally (:func:`run_cell`, with
+    the worker's ``models``) and writes them into the cell's own group of the store. The driver marks
+    the cell done with :meth:`Job.cell_done`. Any failure raises :class:`CellError` (cell, step, error).
+    """
+    step: list[str | None] = [None]
+    cell = task.cell
+    started = time.time()
+    try:
+        if task.plugins and task.plugins_token != _PLUGINS_TOKEN[0]:
+            register_worker_plugins(task.plugins)
+            _PLUGINS_TOKEN[0] = task.plugins_token
+        loaded = task.load()
+        results = run_cell(loaded, cell, models, reporter, cancel, on_step=lambda s: step.__setitem__(0, s))
+        lm = models.get(loaded.for_cell(cell).model, seed=loaded.spec.seed)
+        seconds = time.time() - started
+        step[0] = None
+        RunWriter(task.store).write_cell(cell.name, cell.as_dict(), results,
+                                         {"started": started, "seconds": seconds, "host": platform.node()},
+                                         done=False)
+    except Exception as e:
+        raise CellError(CellFailure.from_exception(cell, step[0], e)) from None
+    return CellResult(cell, started, seconds, platform.node(), lm.provenance())
+
+
+class Job:
+    """An executor's share of a run: the spec, the cells still to run, and the driver's bookkeeping.
+
+    ``spec`` is the loaded spec, ``cells`` the cells not yet done (sweep order), ``models`` the driver's
+    model cache (for cells run in this process), ``reporter`` the progress reporter, ``failures`` the
+    cells recorded as failed in this session. See :func:`headlab.hookspecs.headlab_register_executors`.
+    """
+
+    def __init__(self, loaded: LoadedSpec, cells: list[Cell], *, writer: RunWriter | None,
+                 create: Callable[[dict[str, Any]], RunWriter], total: int, reporter: Reporter,
+                 cancel: Callable[[], bool] | None = None, on_cell: Callable[[Cell], None] | None = None,
+                 executor: str = "") -> None:
+        self.spec = loaded
+        self.cells = list(cells)
+        self.models = ModelCache(loaded.spec.seed)
+        self.reporter = reporter
+        self.failures: dict[str, CellFailure] = {}
+        self.executor = executor
+        self._writer = writer
+        self._create = create
+        self._total = total
+        self._cancel = cancel or (lambda: False)
+        self._on_cell = on_cell
+        self._started = False
+        self._token = uuid.uuid4().hex
+        self._plugins: list[tuple[str, Any]] | None = None
+
+    @property
+    def writer(self) -> RunWriter:
+        """The run store's writer (creates the store if :meth:`start` was not called)."""
+        if not self._started:
+            self.start()
+        assert self._writer is not None
+        return self._writer
+
+    @property
+    def started(self) -> bool:
+        """Whether :meth:`start` has run."""
+        return self._started
+
+    @property
+    def store(self) -> str:
+        """The run store's location (a local path or an fsspec URL) that workers write cells into."""
+        return self.writer.location
+
+    def start(self, model: LoadedModel | None = None) -> RunWriter:
+        """Create the run store (a new run; ``model``'s provenance is recorded now, else from the first
+        cell a worker reports) or reopen it (resume); start the ``cells`` progress. Called once."""
+        if self._started:
+            assert self._writer is not None
+            return self._writer
+        if self._writer is None:
+            self._writer = self._create(provenance(model))
+        self._writer.set_attrs(status="running", executor=self.executor)
+        self._started = True
+        self.reporter.start("cells", self._total, f"{self.spec.spec.name}: cells")
+        self.reporter.advance("cells", self._total - len(self.cells))
+        return self._writer
+
+    def task(self, cell: Cell) -> CellTask:
+        """``cell`` as a worker process receives it (picklable; run it with :func:`execute_cell`)."""
+        if self._plugins is None:
+            self._plugins = plugins_for_workers()
+        return CellTask(self.spec.data, self.spec.text, self.spec.source, cell, self.store, self._plugins,
+                        self._token)
+
+    def run_cell(self, cell: Cell) -> None:
+        """Run ``cell`` in this process with the driver's models, write it and record it done. A failure
+        is recorded (:meth:`cell_failed`) and re-raised."""
+        writer = self.writer
+        step: list[str | None] = [None]
+        started = time.time()
+        try:
+            results = run_cell(self.spec, cell, self.models, self.reporter, self._cancel,
+                               on_step=lambda s: step.__setitem__(0, s))
+            step[0] = None
+            writer.write_cell(cell.name, cell.as_dict(), results,
+                              {"started": started, "seconds": time.time() - started})
+        except Exception as e:
+            self.cell_failed(CellFailure.from_exception(cell, step[0], e))
+            raise
+        self._finished(cell)
+
+    def cell_done(self, result: CellResult) -> None:
+        """Record a cell a worker ran and wrote (:func:`execute_cell`) as done."""
+        writer = self.writer
+        if result.provenance and "model_digest" not in writer.root().attrs:
+            writer.set_attrs(**result.provenance)
+        writer.mark_done(result.cell.name, started=result.started, seconds=result.seconds, host=result.host)
+        self._finished(result.cell)
+
+    def cell_failed(self, failure: CellFailure) -> None:
+        """Record a cell as failed (after its last attempt); the run goes on with the other cells."""
+        if not self.failures:
+            self.reporter.start("failed", None, "failed cells")
+        self.failures[failure.cell] = failure
+        self.writer.record_failure(failure.cell, failure.as_dict())
+        self.reporter.advance("failed")
+
+    def cancelled(self) -> bool:
+        """Whether the run was asked to stop (the executor then raises ``KeyboardInterrupt``)."""
+        return bool(self._cancel())
+
+    def _finished(self, cell: Cell) -> None:
+        self.writer.record_failure(cell.name, None)
+        self.reporter.advance("cells")
+        if self._on_cell is not None:
+            self._on_cell(cell)
+
+
+def run(spec: str | Path | Mapping[str, Any] | LoadedSpec | None, *, out: str | Path | None = None,
         overrides: Mapping[str, Any] | None = None, resume: str | Path | None = None,
         reporter: Reporter | None = None, cancel: Callable[[], bool] | None = None,
-        on_cell: Callable[[Cell], None] | None = None) -> Run:
+        on_cell: Callable[[Cell], None] | None = None, execution: Mapping[str, Any] | None = None) -> Run:
     """Run a spec (path, YAML text, mapping or loaded spec) and return the finished :class:`Run`.
 
-    ``resume`` completes an interrupted run store (its own spec is used): cells that are missing,
-    unfinished or damaged are computed, intact ones are kept. The store is created atomically, then
-    each finished cell is written as it completes; ``on_cell`` is called after each write.
+    ``resume`` completes an interrupted or failed run store (its own spec is used): cells that are
+    missing, unfinished, failed or damaged are computed, intact ones are kept. A local store is created
+    atomically, then each finished cell is written as it completes; ``on_cell`` is called after each.
+    ``execution`` updates the spec's ``execution`` (``{"executor": "ray", "address": "auto"}``): which
+    executor runs the cells never changes their results. A cell that fails under the ``local``
+    executor raises (after it is recorded); an executor that goes on past failed cells (``ray``)
+    returns a run whose ``status`` is ``"failed"`` and whose ``failed_cells`` say why.
     """
     reporter = reporter or Reporter()
+    writer: RunWriter | None = None
     if resume is not None:
         previous = open_run(resume)
         loaded = load_spec(previous.spec_data)
         loaded.text = previous.spec_text
-        writer = RunWriter(Path(resume))
+        writer = RunWriter(resume)
     else:
+        assert spec is not None, "give a spec or resume="
         loaded = spec if isinstance(spec, LoadedSpec) else load_spec(spec)
         if overrides:
             loaded = loaded.with_overrides(overrides)
-        writer = None
+    if execution:
+        loaded = loaded.with_execution(execution)
     cells = loaded.cells
-    models = ModelCache(loaded.spec.seed)
-    first_model = models.get(loaded.for_cell(cells[0]).model)
-    if writer is None:
+    done = writer.done_cells() if writer is not None else set()
+    todo = [c for c in cells if c.name not in done]
+    config = loaded.spec.execution
+    comp = get_manager().get("executors", config.kind) if config is not None else get_manager().registry.default(
+        "executors")
+    if comp is None:
+        raise ValueError("no executor is installed")
+
+    def create(prov: dict[str, Any]) -> RunWriter:
         attrs = {
             "name": loaded.spec.name, "status": "running", "created": now(), "spec_text": loaded.text,
             "spec_source": loaded.source, "spec_data": json.dumps(loaded.data),
             "resolved": loaded.spec.model_dump_json(by_alias=True), "sweep": loaded.spec.sweep,
             "steps": [s.id for s in loaded.spec.steps], "cells_total": len(cells), "seed": loaded.spec.seed,
-            **provenance(first_model),
+            "model": loaded.spec.model.name, **prov,
         }
-        writer = RunWriter.create(_run_dir(str(out or loaded.spec.output), loaded.spec.name), attrs)
-    done = writer.done_cells()
-    todo = [c for c in cells if c.name not in done]
-    writer.set_attrs(status="running")
-    reporter.start("cells", len(cells), f"{loaded.spec.name}: cells")
-    reporter.advance("cells", len(cells) - len(todo))
+        return RunWriter.create(_run_dir(str(out or loaded.spec.output), loaded.spec.name), attrs)
+
+    job = Job(loaded, todo, writer=writer, create=create, total=len(cells), reporter=reporter, cancel=cancel,
+              on_cell=on_cell, executor=comp.kind)
     try:
-        for cell in todo:
-            started = time.time()
-            results = run_cell(loaded, cell, models, reporter, cancel)
-            writer.write_cell(cell.name, cell.as_dict(), results,
-                              {"started": started, "seconds": time.time() - started})
-            reporter.advance("cells")
-            if on_cell is not None:
-                on_cell(cell)
+        comp.impl(config if config is not None else comp.config(), job)
+        job.start()
     except BaseException:
-        writer.set_attrs(status="interrupted")
+        if job.started:
+            job.writer.set_attrs(status="failed" if job.failures else "interrupted")
         raise
     finally:
-        reporter.stop("cells")
-    writer.set_attrs(status="complete", finished=now())
-    return open_run(writer.path)
+        if job.started:
+            reporter.stop("cells")
+    left = len(cells) - len(job.writer.done_cells())
+    job.writer.set_attrs(status="complete" if left == 0 else "failed", finished=now())
+    result = open_run(job.writer.location)
+    if left:
+        import warnings
+
+        warnings.warn(f"{left} of {len(cells)} cells of run {result.path} failed; finish them with "
+                      f"`headlab run --resume {result.path}`", stacklevel=2)
+    return result

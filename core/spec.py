@@ -196,13 +196,15 @@ def _union(category: str, models: dict[str, type[ComponentConfig]]) -> Any:
     return Annotated[Union[members], Field(discriminator="kind")]  # noqa: UP007
 
 
-def _check_kind(label: str, kinds: list[str]):
+def _check_kind(label: str, kinds: list[str], key: str = "kind"):
     def check(value: Any) -> Any:
+        if isinstance(value, str) and key != "kind":  # `execution: ray` = `execution: {executor: ray}`
+            value = {key: value}
         if isinstance(value, Mapping):
-            kind = value.get("kind")
+            kind = value.get(key, value.get("kind"))
             if kind is None:
-                raise PydanticCustomError("missing_kind", "missing `kind` (one of: {kinds})",
-                                          {"kinds": ", ".join(kinds) or "none installed"})
+                raise PydanticCustomError("missing_kind", "missing `{key}` (one of: {kinds})",
+                                          {"key": key, "kinds": ", ".join(kinds) or "none installed"})
             if kind not in kinds:
                 raise PydanticCustomError(
                     "unknown_kind", "unknown {category} kind '{kind}'{hint}; installed: {kinds}",
@@ -235,7 +237,7 @@ class SpecTypes:
                 configs = [c for c, v in CATEGORIES.items() if v.style == "config"]
                 raise KeyError(f"'{category}' is not a category of config components (one of: {', '.join(configs)})")
             models = self.registry.configs(category)
-            check = _check_kind(CATEGORIES[category].label, sorted(models))
+            check = _check_kind(CATEGORIES[category].label, sorted(models), CATEGORIES[category].key)
             self._unions[category] = Annotated[_union(category, models), BeforeValidator(check)]
         return self._unions[category]
 
@@ -264,6 +266,8 @@ def build_spec_model(registry: Registry | None = None) -> type[BaseModel]:
     registry = registry or get_manager().registry
     types = SpecTypes(registry)
     Task = types.union("tasks")
+    Executor = types.union("executors")
+    executor = types.default("executors")
     actions = tuple(registry.actions)
     listed = " or ".join([", ".join(actions[:-1]), actions[-1]] if len(actions) > 1 else actions) or "none installed"
 
@@ -304,7 +308,11 @@ def build_spec_model(registry: Registry | None = None) -> type[BaseModel]:
         sweep: dict[str, list[Any]] = Field(default_factory=dict,
                                             description="dotted spec path -> values; a grid of cells")
         seed: int = 0
-        output: str = Field("./headlab-runs", description="directory holding run stores")
+        output: str = Field("./headlab-runs", description="directory (or fsspec URL) holding run stores")
+        execution: Optional[Executor] = Field(  # noqa: UP045
+            default_factory=lambda: executor() if executor is not None else None,
+            description="how the cells run: `executor: <kind>` and its options (default: "
+                        f"{executor.kind_name() if executor is not None else 'none installed'}); never changes results")
 
         @field_validator("steps")
         @classmethod
@@ -479,7 +487,7 @@ def _position(tree: Any, path: list[Any]) -> tuple[int | None, int | None]:
             elif isinstance(node, list) and isinstance(part, int) and part < len(node):
                 line, col = node.lc.item(part)
                 node = node[part]
-            elif isinstance(node, Mapping) and node.get("kind") == part:
+            elif isinstance(node, Mapping) and part in (node.get("kind"), node.get("executor")):
                 continue  # discriminator tag in pydantic's location
             else:
                 break
@@ -504,7 +512,7 @@ def _clean_loc(loc: tuple[Any, ...], data: Any) -> list[Any]:
     node = data
     for part in loc:
         if isinstance(node, Mapping) and part not in node and isinstance(part, str) and (
-                node.get("kind") == part or "[" in part or part.startswith("function-")
+                part in (node.get("kind"), node.get("executor")) or "[" in part or part.startswith("function-")
                 or part in ("list", "dict", "str", "int", "float")):
             continue
         if isinstance(node, list) and isinstance(part, str):
@@ -701,6 +709,19 @@ class LoadedSpec:
                 data = set_path(data, key, value, registry=self.registry)
             except KeyError as e:
                 raise SpecError(f"--set {e.args[0]}", source=self.source) from None
+        return validate_data(data, text=self.text, source=self.source, tree=None, registry=self.registry)
+
+    def with_execution(self, execution: Mapping[str, Any]) -> LoadedSpec:
+        """A new loaded spec whose ``execution`` is updated by ``execution`` (the CLI's ``--executor``,
+        ``--address``): naming another executor starts from that executor's defaults."""
+        data = copy.deepcopy(self.data)
+        current = data.get("execution")
+        current = {"executor": current} if isinstance(current, str) else dict(current or {})
+        now = current.pop("kind", current.pop("executor", getattr(self.spec.execution, "kind", None)))
+        kind = execution.get("executor", execution.get("kind", now))
+        current = {"executor": kind, **(current if kind == now else {})}
+        current.update({k: v for k, v in execution.items() if v is not None and k != "kind"})
+        data["execution"] = current
         return validate_data(data, text=self.text, source=self.source, tree=None, registry=self.registry)
 
 

@@ -1,0 +1,229 @@
+"""The ``ray`` executor: each sweep cell is a task on a Ray cluster, all writing one run store.
+
+The driver (the process running ``headlab run``) creates the run store and keeps a pool of worker
+processes, Ray actors with ``num_cpus_per_cell`` CPUs and ``num_gpus_per_cell`` GPUs each. A worker
+runs a cell exactly as the local executor does (:func:`headlab.runner.execute_cell`), writes it into the
+cell's own group of the store (a local path shared by every node, or an fsspec URL such as
+``s3://bucket/runs``) and reports back; the driver then marks the cell done. A worker keeps the models it
+loaded (the ``models_per_worker`` most recent), and the driver sends a cell to a worker that already holds
+its model when one is free, so cells sharing a model load it once per worker. Workers end with the run
+and give their CPUs and GPUs back; with ``keep_workers: true`` they stay up, models loaded, for the next
+run of the same process (a notebook's runs), holding their resources meanwhile.
+
+A cell that raises is sent again (to any worker) up to ``max_retries`` times, then recorded as failed
+with its step and error while the other cells go on; a worker process that dies mid-cell (killed, out
+of memory, node lost) is replaced and its cell sent again, counted the same way. A cell is read as
+finished only once the driver marked it done, so nothing a dead worker half-wrote is ever read.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from collections import deque
+from typing import Any, Literal
+
+from pydantic import Field
+
+from headlab import ComponentConfig, hookimpl
+from headlab.plugin_manager import PluginError
+from headlab.runner import CellError, CellFailure, CellTask, Job, ModelCache, execute_cell
+from headlab.spec import Cell
+
+INSTALL = "executor 'ray' needs Ray, which is not installed: pip install 'headlab[ray]'"
+
+
+class RayExecutor(ComponentConfig):
+    """Run each sweep cell as a task on a Ray cluster; workers keep loaded models between cells."""
+
+    kind: Literal["ray"] = Field("ray", alias="executor")
+    address: str | None = Field(
+        None, description="'auto' (a running cluster: RAY_ADDRESS or `ray start` on this node), "
+                          "'ray://host:port' (Ray Client), or null: the cluster this process is connected to, "
+                          "else one found as 'auto' finds it, else a new local one for this run")
+    num_gpus_per_cell: float = Field(0, ge=0, description="GPUs of each worker (a cell runs on one worker)")
+    num_cpus_per_cell: float = Field(1, gt=0, description="CPUs of each worker")
+    max_retries: int = Field(2, ge=0, description="times a failed cell (raised, or its worker died) is sent again")
+    workers: int | None = Field(None, ge=1, description="worker processes (default: as many as the cluster's "
+                                                         "CPUs and GPUs hold, at most one per cell)")
+    models_per_worker: int = Field(1, ge=1, description="loaded models a worker keeps (least recently used go)")
+    keep_workers: bool = Field(False, description="keep the workers and their models for this process's next run "
+                                                  "(they hold their CPUs and GPUs meanwhile)")
+
+
+class CellWorker:
+    """A worker process (run as a Ray actor): runs cells and keeps its models between them."""
+
+    def __init__(self, models_per_worker: int = 1) -> None:
+        self.models = ModelCache(max_models=models_per_worker)
+
+    def run(self, task: CellTask) -> Any:
+        """Run and write one cell (:func:`headlab.runner.execute_cell`)."""
+        return execute_cell(task, self.models)
+
+    def info(self) -> dict[str, Any]:
+        """This worker's process id, host and number of model loads so far."""
+        return {"pid": os.getpid(), "host": platform.node(), "loads": self.models.loads}
+
+
+_pools: dict[tuple[Any, ...], list[Any]] = {}
+
+
+def _ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise PluginError(INSTALL) from None
+    return ray
+
+
+def _pool(ray: Any, config: RayExecutor, n: int) -> list[Any]:
+    """``n`` workers of this Ray session with ``config``'s resources (started if missing)."""
+    key = _key(ray, config)
+    for stale in [k for k in _pools if k[0] != key[0]]:
+        del _pools[stale]
+    pool = _pools.setdefault(key, [])
+    actor = ray.remote(CellWorker).options(num_cpus=config.num_cpus_per_cell, num_gpus=config.num_gpus_per_cell,
+                                           max_restarts=0)
+    while len(pool) < n:
+        pool.append(actor.remote(config.models_per_worker))
+    return pool
+
+
+def _key(ray: Any, config: RayExecutor) -> tuple[Any, ...]:
+    return (ray.get_runtime_context().get_job_id(), config.num_cpus_per_cell, config.num_gpus_per_cell,
+            config.models_per_worker)
+
+
+def _replace(ray: Any, config: RayExecutor, pool: list[Any], slot: int) -> None:
+    """Kill the worker in ``slot`` (it died or stopped answering) and start a new one there."""
+    try:
+        ray.kill(pool[slot], no_restart=True)
+    except Exception:  # already gone
+        pass
+    pool[slot] = ray.remote(CellWorker).options(num_cpus=config.num_cpus_per_cell,
+                                                num_gpus=config.num_gpus_per_cell,
+                                                max_restarts=0).remote(config.models_per_worker)
+
+
+def _size(ray: Any, config: RayExecutor, cells: int) -> int:
+    resources = ray.cluster_resources()
+    n = int(resources.get("CPU", 1) // config.num_cpus_per_cell)
+    if config.num_gpus_per_cell > 0:
+        gpus = int(resources.get("GPU", 0) // config.num_gpus_per_cell)
+        if gpus == 0:
+            raise PluginError(f"execution.num_gpus_per_cell is {config.num_gpus_per_cell} but the Ray cluster has "
+                              f"{resources.get('GPU', 0)} GPUs")
+        n = min(n, gpus)
+    return max(1, min(config.workers or n, cells))
+
+
+def _failure(ray: Any, error: BaseException, cell: Cell) -> tuple[CellFailure, bool]:
+    """The failure a task's error stands for, and whether its worker is lost."""
+    if isinstance(error, ray.exceptions.RayTaskError):
+        cause = getattr(error, "cause", None)
+        if isinstance(cause, CellError):
+            return cause.failure, False
+        return CellFailure.from_exception(cell, None, cause if isinstance(cause, BaseException) else error), False
+    text = str(error).strip().splitlines()
+    line = f"worker lost ({type(error).__name__}{': ' + text[0] if text else ''})"
+    return CellFailure(cell.name, cell.as_dict(), None, line), True
+
+
+def execute(config: RayExecutor, job: Job) -> None:
+    """Run ``job.cells`` as Ray tasks on a pool of workers; retry, then record failures."""
+    ray = _ray()
+    started_here = False
+    if not ray.is_initialized():
+        ray.init(address=config.address, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+        started_here = True
+    try:
+        job.start()
+        if job.cells:
+            _schedule(ray, config, job)
+    finally:
+        if started_here:
+            _pools.clear()
+            ray.shutdown()
+
+
+def _schedule(ray: Any, config: RayExecutor, job: Job) -> None:
+    n = _size(ray, config, len(job.cells))
+    pool = _pool(ray, config, n)
+    model_of = {c.name: job.spec.for_cell(c).model.model_dump_json() for c in job.cells}
+    order = {key: i for i, key in enumerate(dict.fromkeys(model_of.values()))}
+    todo = deque(sorted(job.cells, key=lambda c: order[model_of[c.name]]))  # cells sharing a model together
+    holding: list[str | None] = [None] * n
+    idle = list(range(n))
+    inflight: dict[Any, tuple[int, Cell]] = {}
+    attempts: dict[str, int] = {}
+    job.reporter.start("running", n, f"running on {n} Ray worker{'s' if n > 1 else ''}")
+    try:
+        while todo or inflight:
+            if job.cancelled():
+                raise KeyboardInterrupt
+            while idle and todo:
+                slot = idle.pop(0)
+                cell = next((c for c in todo if model_of[c.name] == holding[slot]), todo[0])
+                todo.remove(cell)
+                holding[slot] = model_of[cell.name]
+                inflight[pool[slot].run.remote(job.task(cell))] = (slot, cell)
+                job.reporter.advance("running", 1)
+            ready, _ = ray.wait(list(inflight), num_returns=1, timeout=0.5)
+            for ref in ready:
+                slot, cell = inflight.pop(ref)
+                job.reporter.advance("running", -1)
+                idle.append(slot)
+                try:
+                    result = ray.get(ref)
+                except ray.exceptions.RayError as e:
+                    failure, lost = _failure(ray, e, cell)
+                    if lost:
+                        _replace(ray, config, pool, slot)
+                        holding[slot] = None
+                    attempts[cell.name] = attempts.get(cell.name, 0) + 1
+                    if attempts[cell.name] <= config.max_retries:
+                        todo.appendleft(cell)
+                    else:
+                        failure.attempts = attempts[cell.name]
+                        job.cell_failed(failure)
+                    continue
+                job.cell_done(result)
+    except BaseException:
+        for slot in sorted({slot for slot, _ in inflight.values()}, reverse=True):
+            ray.kill(pool.pop(slot), no_restart=True)  # cells still running stop; what they wrote stays unfinished
+        raise
+    finally:
+        job.reporter.stop("running")
+        if not config.keep_workers:
+            _release(ray, config)
+
+
+def _release(ray: Any, config: RayExecutor) -> None:
+    """End the workers of ``config``'s pool: their CPUs and GPUs go back to the cluster."""
+    for key in [k for k in _pools if k[1:] == _key(ray, config)[1:]]:
+        for actor in _pools.pop(key):
+            ray.kill(actor, no_restart=True)
+
+
+def worker_info() -> list[dict[str, Any]]:
+    """Process id, host and model loads of each worker this process keeps (``keep_workers: true``)."""
+    ray = _ray()
+    if not ray.is_initialized():
+        return []
+    job_id = ray.get_runtime_context().get_job_id()
+    return [info for key, pool in _pools.items() if key[0] == job_id for info in ray.get([a.info.remote() for a in pool])]
+
+
+def release_workers() -> None:
+    """End every worker this process keeps (``keep_workers: true``); their resources go back to the cluster."""
+    ray = _ray()
+    for key in list(_pools):
+        for actor in _pools.pop(key):
+            if ray.is_initialized():
+                ray.kill(actor, no_restart=True)
+
+
+@hookimpl
+def headlab_register_executors(register):
+    register(RayExecutor, execute)
