@@ -302,7 +302,7 @@ class Run:
             raise RunNotFound(f"no headlab run at '{path}'") from None
         if self._root.attrs.get("format") != FORMAT:
             raise RunNotFound(f"'{path}' is a zarr store but not a headlab run")
-        if _read_meta(self.path / "cells" / "zarr.json") is None:
+        if not is_url(self.location) and _read_meta(self.path / "cells" / "zarr.json") is None:
             raise RunDamaged(f"'{path}' is a damaged run store: its `cells` group is missing")
 
     @classmethod
@@ -329,12 +329,12 @@ class Run:
 
             problems: list[str] = []
             done = set()
-            for name, attrs in stored_cells(self.path) if self._root is not None else []:
+            for name, attrs in self._stored():
                 if attrs is None:
                     problems.append(f"cells/{name} is unreadable")
                 elif attrs.get("done"):
                     done.add(name)
-                    problems += cell_problems(self.path, name, attrs)
+                    problems += [] if is_url(self.location) else cell_problems(self.path, name, attrs)
             if self.attrs.get("status") == "complete":
                 missing = [c for c in (Cell(i, ()).name for i in range(self.cells_total)) if c not in done]
                 problems += [f"cell {c} is missing although the run is complete" for c in missing]
@@ -393,9 +393,17 @@ class Run:
     def cells_total(self) -> int:
         return int(self.attrs.get("cells_total", 0))
 
+    def _stored(self) -> list[tuple[str, dict[str, Any] | None]]:
+        """(name, attributes) of every cell group (read from disk for a local store, through zarr for a URL)."""
+        if self._root is None:
+            return []
+        if is_url(self.location):
+            return sorted((name, dict(grp.attrs)) for name, grp in self._root["cells"].groups())
+        return stored_cells(self.path)
+
     def _cells(self) -> Iterator[tuple[str, dict[str, Any]]]:
         """(name, attributes) of the finished cells."""
-        for name, attrs in stored_cells(self.path) if self._root is not None else []:
+        for name, attrs in self._stored():
             if attrs and attrs.get("done"):
                 yield name, attrs
 

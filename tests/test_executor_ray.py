@@ -58,7 +58,14 @@ def cluster(tmp_path_factory):
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), saved["PYTHONPATH"]) if p)
     os.environ["HEADLAB_TEST_LOADS"] = str(logs / "loads.txt")
     name = headlab.register_plugin(executor_plugins, replace=True)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+    for attempt in range(3):  # Ray gives its raylet 30 s to start; a loaded machine can miss that once
+        try:
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+            break
+        except Exception as e:
+            ray.shutdown()
+            if "timed out during startup" not in str(e) or attempt == 2:
+                raise
     try:
         yield logs
     finally:
