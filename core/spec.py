@@ -49,14 +49,17 @@ if TYPE_CHECKING:
 DEFAULT_MODEL = "headlab-tiny"
 
 # Limits on what a spec may be: YAML is parsed within them, so a hostile file fails fast with one line.
-MAX_SPEC_CHARS = 200_000
-"""Longest spec text (characters); data belongs in a task's data file, not in the spec."""
+MAX_SPEC_CHARS = 65_536
+"""Longest spec text (characters); data belongs in a task's data file, not in the spec. (The YAML parser
+that locates errors reads about 30 KB a second, so this also bounds the time to load a spec.)"""
 MAX_DEPTH = 64
 """Deepest nesting of mappings and lists (aliases included)."""
-MAX_NODES = 100_000
+MAX_NODES = 50_000
 """Most values (mapping/list entries and scalars) a spec may hold once its YAML aliases are expanded."""
 MAX_CELLS = 1_000_000
 """Most cells a sweep may have (the product of the numbers of values of its keys)."""
+MAX_SWEEP_VALUES = 10_000
+"""Most values one sweep key may have (each is validated)."""
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 """A spec ``name``: it names the run directory, so a safe file name (no '/', not '.' or '..')."""
@@ -344,8 +347,10 @@ class _Walk:
     def __init__(self, source: str, tree: Any) -> None:
         self.source, self.tree, self.count, self.path = source, tree, 0, []
 
-    def fail(self, message: str) -> SpecError:
-        line, col = _position(self.tree, self.path)
+    def fail(self, message: str, at: tuple[int, int] | None = None) -> SpecError:
+        line, col = at or _position(self.tree, self.path)
+        if line is None:
+            line, col = 1, 1
         shown = format_path(self.path[:8]) + ("..." if len(self.path) > 8 else "")
         return SpecError(message, source=self.source, line=line, col=col, path=shown)
 
@@ -362,6 +367,14 @@ class _Walk:
         if isinstance(node, Mapping):
             out = {}
             for k, v in node.items():
+                if not isinstance(k, (str, int, float, bool)) and k is not None:
+                    try:
+                        line, col = node.lc.key(k)
+                        at: tuple[int, int] | None = (line + 1, col + 1)
+                    except (AttributeError, KeyError, TypeError):
+                        at = None
+                    raise self.fail("a key must be a plain name or number, not a "
+                                    f"{'list' if isinstance(k, (list, tuple)) else 'mapping'}", at)
                 key = str(k) if not isinstance(k, (int, float, bool)) else k
                 self.path.append(key)
                 out[key] = self(v)
@@ -408,6 +421,32 @@ def _locate_tag(node: Any, path: list[Any] | None = None, seen: set[int] | None 
 
 
 @functools.cache
+def _located_constructor() -> type:
+    """ruamel's round-trip constructor, turning any failure to build a value (``!!int abc``, a ``!!pairs``
+    key) into a YAML error at that value's position."""
+    from ruamel.yaml.constructor import ConstructorError, RoundTripConstructor
+    from ruamel.yaml.error import YAMLError
+
+    def located(build: Any) -> Any:
+        @functools.wraps(build)
+        def wrapper(self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return build(self, node, *args, **kwargs)
+            except (YAMLError, RecursionError):
+                raise
+            except Exception as e:
+                raise ConstructorError(None, None, f"cannot read this value ({type(e).__name__}: {e})",
+                                       node.start_mark) from None
+        return wrapper
+
+    class LocatedConstructor(RoundTripConstructor):
+        construct_object = located(RoundTripConstructor.construct_object)
+        construct_mapping = located(RoundTripConstructor.construct_mapping)
+
+    return LocatedConstructor
+
+
+@functools.cache
 def _bounded_scanner() -> type:
     """ruamel's round-trip scanner, refusing nesting past :data:`MAX_DEPTH` as it reads (its look-ahead for
     simple keys is quadratic in the flow nesting depth, so the limit must hold before the composer's)."""
@@ -439,14 +478,16 @@ def parse_yaml(text: str, source: str = "<spec>") -> tuple[dict[str, Any], Any]:
     """
     from ruamel.yaml import YAML
     from ruamel.yaml.error import MarkedYAMLError, YAMLError
+    from ruamel.yaml.reader import ReaderError
 
     if len(text) > MAX_SPEC_CHARS:
         raise SpecError(f"the spec is {len(text):,} characters long; the limit is {MAX_SPEC_CHARS:,} (data "
-                        "belongs in a task's data file)", source=source)
+                        "belongs in a task's data file)", source=source, line=1, col=1)
     yaml = YAML(typ="rt")
     yaml.allow_duplicate_keys = False
     yaml.max_depth = MAX_DEPTH
     yaml.Scanner = _bounded_scanner()
+    yaml.Constructor = _located_constructor()
     try:
         tree = yaml.load(io.StringIO(text))
     except MarkedYAMLError as e:
@@ -458,12 +499,16 @@ def parse_yaml(text: str, source: str = "<spec>") -> tuple[dict[str, Any], Any]:
             problem = f"nested deeper than {MAX_DEPTH} levels"
         raise SpecError(problem, source=source, line=mark.line + 1 if mark else None,
                         col=mark.column + 1 if mark else None) from None
+    except ReaderError as e:
+        where = text[: e.position] if isinstance(e.position, int) else ""
+        raise SpecError(f"invalid YAML: {str(e).splitlines()[0]}", source=source, line=where.count("\n") + 1,
+                        col=len(where) - (where.rfind("\n") + 1) + 1) from None
     except YAMLError as e:
-        raise SpecError(f"invalid YAML: {str(e).splitlines()[0]}", source=source) from None
+        raise SpecError(f"invalid YAML: {str(e).splitlines()[0]}", source=source, line=1, col=1) from None
     except RecursionError:  # a parser path not covered by max_depth
         raise SpecError(f"nested deeper than {MAX_DEPTH} levels", source=source) from None
     if tree is None:
-        raise SpecError("the spec is empty", source=source)
+        raise SpecError("the spec is empty", source=source, line=1, col=1)
     if not isinstance(tree, Mapping):
         raise SpecError("a spec is a mapping of keys (name, model, task, steps, ...)", source=source, line=1, col=1)
     tagged = _locate_tag(tree)
@@ -531,7 +576,8 @@ def first_error(exc: ValidationError, data: Any, tree: Any, source: str) -> Spec
     """Turn pydantic's first (most specific) error into a located one-line SpecError."""
     errors = exc.errors(include_url=False)
     rank = {"unknown_key": 0, "unknown_kind": 0, "missing_kind": 0, "step_action": 1}
-    errors.sort(key=lambda e: (rank.get(e["type"], 2), -len(e["loc"])))
+    # most specific first; among equals, a member of a union that rejects the value beats one of the wrong type
+    errors.sort(key=lambda e: (rank.get(e["type"], 2), -len(e["loc"]), e["type"].endswith("_type")))
     err = errors[0]
     path = _clean_loc(err["loc"], data)
     msg = err["msg"]
@@ -775,6 +821,8 @@ def _check_sweep(spec: Any, data: Mapping[str, Any], tree: Any, source: str, reg
 
         if not values:
             raise fail("a sweep key needs at least one value")
+        if len(values) > MAX_SWEEP_VALUES:
+            raise fail(f"{len(values):,} values; a sweep key may have at most {MAX_SWEEP_VALUES:,}")
         head = key.split(".")[0]
         if head in UNSWEEPABLE and head not in ids:
             raise fail(f"'{head}' cannot be swept: {UNSWEEPABLE[head]}")

@@ -1,0 +1,77 @@
+"""Property tests of the spec loader, with specs generated from the JSON Schema (tests/spec_strategies.py).
+
+- A spec valid for the JSON Schema is accepted, or refused only by a rule the schema cannot express
+  (listed below), and it loads the same from data and from YAML text.
+- A broken spec (data- or YAML-level mutations) is accepted or refused with a located ``SpecError``;
+  never any other exception, and never slower than a few seconds.
+
+A bounded number of examples runs here; benchmarks/fuzz_specs.py runs tens of thousands.
+"""
+
+from __future__ import annotations
+
+import signal
+from contextlib import contextmanager
+
+import pytest
+
+pytest.importorskip("hypothesis", reason="property tests need hypothesis (pip install -e '.[dev]')")
+
+import spec_strategies as S  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+
+import headlab  # noqa: E402
+from headlab.spec import SpecError  # noqa: E402
+
+SETTINGS = settings(max_examples=30, deadline=None, database=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SECONDS = 10
+
+# Rules of built-in plugins that the JSON Schema cannot express (value ranges checked in Python,
+# checks against the installed plugins): a schema-valid spec may be refused for these, and only these.
+CROSS_FIELD = (
+    "num_pairs must be between", "context_lengths must be positive", "value_len: 1 <= lo <= hi",
+    "hi must be >= lo", "needles:", "k: a list of positive head counts", "no metrics plugin provides kind",
+    "a depth count must be", "depths are fractions", "missing `kind`",
+)
+
+
+@contextmanager
+def within(seconds: float):
+    def expire(signum, frame):
+        raise TimeoutError(f"loading took longer than {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def outcome(value) -> str:
+    """'ok', or the SpecError's message; asserts the error is located and nothing else escapes."""
+    with within(SECONDS):
+        try:
+            headlab.load_spec(value)
+        except SpecError as e:
+            assert e.path or e.line is not None, f"unlocated: {e}"
+            assert "\n" not in str(e)
+            return e.message
+    return "ok"
+
+
+@SETTINGS
+@given(S.schema_specs())
+def test_schema_valid_specs_are_accepted(spec):
+    result = outcome(spec)
+    assert result == "ok" or any(rule in result for rule in CROSS_FIELD), result
+    assert outcome(S.to_yaml(spec)) == result  # the same from YAML text
+
+
+@settings(SETTINGS, max_examples=90)
+@given(S.mutated_specs())
+def test_broken_specs_are_located_spec_errors_and_nothing_else(case):
+    _, value = case
+    outcome(value)
