@@ -199,12 +199,14 @@ def _union(category: str, models: dict[str, type[ComponentConfig]]) -> Any:
     return Annotated[Union[members], Field(discriminator="kind")]  # noqa: UP007
 
 
-def _check_kind(label: str, kinds: list[str], key: str = "kind"):
+def _check_kind(label: str, kinds: list[str], key: str = "kind", default: str | None = None):
     def check(value: Any) -> Any:
         if isinstance(value, str) and key != "kind":  # `execution: ray` = `execution: {executor: ray}`
             value = {key: value}
         if isinstance(value, Mapping):
             kind = value.get(key, value.get("kind"))
+            if kind is None and default is not None and key != "kind":  # `execution: {}`: the default executor
+                value, kind = {**value, key: default}, default
             if kind is None:
                 raise PydanticCustomError("missing_kind", "missing `{key}` (one of: {kinds})",
                                           {"key": key, "kinds": ", ".join(kinds) or "none installed"})
@@ -240,7 +242,9 @@ class SpecTypes:
                 configs = [c for c, v in CATEGORIES.items() if v.style == "config"]
                 raise KeyError(f"'{category}' is not a category of config components (one of: {', '.join(configs)})")
             models = self.registry.configs(category)
-            check = _check_kind(CATEGORIES[category].label, sorted(models), CATEGORIES[category].key)
+            fallback = self.default(category)
+            check = _check_kind(CATEGORIES[category].label, sorted(models), CATEGORIES[category].key,
+                                None if fallback is None else fallback.kind_name())
             self._unions[category] = Annotated[_union(category, models), BeforeValidator(check)]
         return self._unions[category]
 

@@ -176,6 +176,10 @@ def schema_specs(draw: st.DrawFn) -> dict[str, Any]:
         if "detect" in step:
             earlier.append(step["id"])
     spec["steps"] = steps
+    execution = spec.get("execution")
+    if isinstance(execution, dict) and "executor" not in execution:
+        # the schema's executor union is told apart by `executor`; without it only the default's keys apply
+        execution["executor"] = "local" if not execution else "ray"
     spec = _one_of_each(spec)
     if draw(st.booleans()):
         spec["sweep"] = {"seed": draw(st.lists(st.integers(0, 10**6), min_size=1, max_size=4, unique=True))}
