@@ -8,11 +8,13 @@ from .attention import (
     BACKENDS,
     AttentionStats,
     HeadEdits,
+    PAIR_PATHS,
     ProbeRequest,
     attention,
     choose_backend,
+    pairs_from_csr,
     triton_available,
 )
 
-__all__ = ["BACKENDS", "AttentionStats", "HeadEdits", "ProbeRequest", "attention", "choose_backend",
-           "triton_available"]
+__all__ = ["BACKENDS", "PAIR_PATHS", "AttentionStats", "HeadEdits", "ProbeRequest", "attention",
+           "choose_backend", "pairs_from_csr", "triton_available"]

@@ -18,6 +18,7 @@ from headlab.kernels import AttentionStats, attention
 def reference(
     q, k, v, *, scale, causal=True, key_padding_mask=None, attn_mask=None, q_scale=None, score_zero=None,
     out_scale=None, key_spans=None, key_bias=None, probe_spans=None, probe_offsets=None, softcap=None, window=None,
+    probe_pairs=None,
 ):
     """Independent float64 computation: materialise the scores, mask, softmax, read everything off A."""
     B, H, Nq, D = q.shape
@@ -84,6 +85,14 @@ def reference(
                     if delta >= 0 and 0 <= j < Nk:
                         om[b, :, i, o] = a[b, :, i, j]
         out["offset_mass"] = om
+    if probe_pairs is not None:
+        pm = torch.zeros(B, H, probe_pairs.shape[1], dtype=torch.float64)
+        for b in range(B):
+            for p_ in range(probe_pairs.shape[1]):
+                i, j = int(probe_pairs[b, p_, 0]), int(probe_pairs[b, p_, 1])
+                if 0 <= i < Nq and 0 <= j < Nk:
+                    pm[b, :, p_] = a[b, :, i, j]
+        out["pair_mass"] = pm
     return out
 
 
@@ -104,11 +113,14 @@ class AllocationSpy(torch.utils._python_dispatch.TorchDispatchMode):
 
 # --------------------------------------------------------------------------- case generator
 def make_case(B=2, H=4, Hkv=2, Nq=9, Nk=9, D=8, dtype=torch.float32, pad=(0, 3), seed=0, edits=True,
-              spans=True, offsets=None):
+              spans=True, offsets=None, pairs=None):
     """Random q/k/v (distinct keys so argmax ties are rare), left padding, edits on some (row, head).
 
     ``spans`` adds span probes; ``offsets`` (default: same as ``spans``) adds offset probes that differ per
-    row, with an unused slot (-1), the diagonal (0), the previous token (1) and an offset beyond the keys."""
+    row, with an unused slot (-1), the diagonal (0), the previous token (1) and an offset beyond the keys;
+    ``pairs`` (default: same as ``spans``) adds pair probes that differ per row, in no particular order: every
+    query's own key and first key, random (query, key) cells (future keys and padding keys among them),
+    a repeated pair, indices past the queries / keys and unused slots (-1)."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, H, Nq, D, generator=g).to(dtype)
     k = torch.randn(B, Hkv, Nk, D, generator=g).to(dtype)
@@ -144,6 +156,22 @@ def make_case(B=2, H=4, Hkv=2, Nq=9, Nk=9, D=8, dtype=torch.float32, pad=(0, 3),
         po = torch.tensor([[0, 1, 2 + b % 2, Nk // 2, -1, Nk + 3] for b in range(B)])
         po[B - 1, 4], po[B - 1, 0] = Nk - 1, -1
         kw["probe_offsets"] = po
+    if spans if pairs is None else pairs:
+        off = Nk - Nq
+        rows = []
+        for b in range(B):
+            cells = [(i, off + i) for i in range(Nq)] + [(i, 0) for i in range(0, Nq, 2)]
+            qi = torch.randint(0, Nq, (3 * Nq + b,), generator=g)
+            kj = torch.randint(0, Nk, (3 * Nq + b,), generator=g)
+            cells += list(zip(qi.tolist(), kj.tolist(), strict=True))
+            cells += [cells[1], (Nq, 0), (0, Nk), (-1, -1), (2 % Nq, -1)]
+            perm = torch.randperm(len(cells), generator=g).tolist()
+            rows.append([cells[i] for i in perm])
+        n_pairs = max(len(r) for r in rows)
+        pp = torch.full((B, n_pairs, 2), -1, dtype=torch.long)
+        for b, r in enumerate(rows):
+            pp[b, :len(r)] = torch.tensor(r)
+        kw["probe_pairs"] = pp
     return q, k, v, kpm, kw
 
 
@@ -162,6 +190,8 @@ def check(out, stats: AttentionStats, ref, *, atol, rtol=0.0, valid_rows=None, p
         torch.testing.assert_close(stats.span_mass.double(), ref["span_mass"], atol=atol, rtol=rtol)
     if "offset_mass" in ref:
         torch.testing.assert_close(stats.offset_mass.double(), ref["offset_mass"], atol=atol, rtol=rtol)
+    if "pair_mass" in ref:
+        torch.testing.assert_close(stats.pair_mass.double(), ref["pair_mass"], atol=atol, rtol=rtol)
     if pattern and stats.pattern is not None:
         torch.testing.assert_close(stats.pattern.double(), ref["pattern"], atol=atol, rtol=rtol)
 
