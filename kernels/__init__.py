@@ -6,9 +6,9 @@ The kernels know nothing of plugins or of transformers; see :func:`attention`, :
 
 from .attention import (
     BACKENDS,
+    PAIR_PATHS,
     AttentionStats,
     HeadEdits,
-    PAIR_PATHS,
     ProbeRequest,
     attention,
     choose_backend,
