@@ -111,6 +111,37 @@ class AllocationSpy(torch.utils._python_dispatch.TorchDispatchMode):
         return r
 
 
+class PeakMemorySpy(torch.utils._python_dispatch.TorchDispatchMode):
+    """The peak of the bytes held by the CPU tensors created inside the block (storages counted once, freed
+    when collected): ``spy.peak`` after the block. Tensors that existed before (weights, inputs) are not
+    counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.current = 0
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import weakref
+
+        r = func(*args, **(kwargs or {}))
+        for t in r if isinstance(r, (tuple, list)) else (r,):
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                st = t.untyped_storage()
+                key = st.data_ptr()
+                if key in self.live or st.nbytes() == 0:
+                    continue
+                self.live[key] = st.nbytes()
+                self.current += st.nbytes()
+                self.peak = max(self.peak, self.current)
+                weakref.finalize(st, self._free, key)
+        return r
+
+    def _free(self, key: int) -> None:
+        self.current -= self.live.pop(key, 0)
+
+
 # --------------------------------------------------------------------------- case generator
 def make_case(B=2, H=4, Hkv=2, Nq=9, Nk=9, D=8, dtype=torch.float32, pad=(0, 3), seed=0, edits=True,
               spans=True, offsets=None, pairs=None):
@@ -427,3 +458,23 @@ def test_offset_probe_memory_is_blocked():
     assert max(seen) <= max(B * H * 32 * N, B * H * N * 64)  # one score block, or the (B, H, N, O) output
     assert max(seen) < B * H * N * N // 4
     assert st.offset_mass.shape == (B, H, N, 64)
+
+
+def test_torch_path_memory_is_linear_in_length():
+    """Peak live memory of the torch path with every streaming probe (argmax, entropy, spans, offsets and
+    ~N pairs) at N and 2N: at most 2.2x (the scratch is one (B, H, block, N) block, edited in place; the
+    outputs are O(N)); a quadratic term would give ~4x."""
+    B, H, D = 1, 4, 16
+    peaks = []
+    for N in (768, 1536):
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(B, H, N, D, generator=g) for _ in range(3))
+        i = torch.arange(N)
+        pairs = torch.stack([torch.cat([i, i[1:]]), torch.cat([i, i[1:] // 2])], -1)[None]  # diagonal + far keys
+        with PeakMemorySpy() as spy:
+            _, st = attention(q, k, v, scale=0.3, probe_argmax=True, probe_entropy=True,
+                              probe_spans=torch.tensor([[[0, 1], [0, N]]]), probe_offsets=torch.tensor([[0, 1, 7]]),
+                              probe_pairs=pairs, backend="torch", block_q=64)
+        assert st.pair_mass.shape == (B, H, 2 * N - 1)
+        peaks.append(spy.peak)
+    assert peaks[1] <= 2.2 * peaks[0], peaks
