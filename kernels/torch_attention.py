@@ -141,14 +141,16 @@ def torch_attention(
             # H = -sum_j a_j log a_j = log l - (sum_j p_j log p_j) / l; 0 for a row with no visible key
             ls = lsafe.squeeze(-1)
             stats.entropy[:, :, q0:q1] = torch.log(ls) - ent / ls
-        if pin is not None:
-            stats.span_mass[:, :, q0:q1] = torch.einsum("bhqn,bpn->bhqp", a, pin[:, :, k0:k1])
+        if pin is not None:  # (B, H * n, keys) @ (B, keys, P): no copy of the block
+            sm = torch.bmm(a.view(B, H * n, k1 - k0), pin[:, :, k0:k1].transpose(1, 2))
+            stats.span_mass[:, :, q0:q1] = sm.view(B, H, n, -1)
         if probes.offsets is not None and probes.offsets.shape[1]:
             stats.offset_mass[:, :, q0:q1] = _offset_gather(a, probes.offsets, off + q0, k0)
         if pairs is not None:
             _pair_gather(stats.pair_mass, a, pairs, blk, q0, k0)
         if probes.pattern:
             stats.pattern[:, :, q0:q1, k0:k1] = a
+        del s, p, a  # free this block before the next block's scores are allocated
     return out, stats
 
 

@@ -113,8 +113,8 @@ class AllocationSpy(torch.utils._python_dispatch.TorchDispatchMode):
 
 class PeakMemorySpy(torch.utils._python_dispatch.TorchDispatchMode):
     """The peak of the bytes held by the CPU tensors created inside the block (storages counted once, freed
-    when collected): ``spy.peak`` after the block. Tensors that existed before (weights, inputs) are not
-    counted."""
+    when collected): ``spy.peak`` after the block. Tensors that existed before (weights, inputs) and views
+    of an op's inputs are not counted."""
 
     def __init__(self):
         super().__init__()
@@ -126,11 +126,13 @@ class PeakMemorySpy(torch.utils._python_dispatch.TorchDispatchMode):
         import weakref
 
         r = func(*args, **(kwargs or {}))
+        flat = torch.utils._pytree.tree_leaves((args, kwargs))
+        seen = {x.untyped_storage().data_ptr() for x in flat if isinstance(x, torch.Tensor)}
         for t in r if isinstance(r, (tuple, list)) else (r,):
             if isinstance(t, torch.Tensor) and t.device.type == "cpu":
                 st = t.untyped_storage()
                 key = st.data_ptr()
-                if key in self.live or st.nbytes() == 0:
+                if key in self.live or key in seen or st.nbytes() == 0:
                     continue
                 self.live[key] = st.nbytes()
                 self.current += st.nbytes()
