@@ -255,6 +255,23 @@ def test_torch_path_matches_reference(shape, edits):
     check(out, st, ref, atol=1e-5)
 
 
+@pytest.mark.parametrize("budget", [40, 200, 1000])
+def test_torch_path_blocks_of_head_groups(monkeypatch, budget):
+    """A small block budget splits the heads into groups of kv heads (with their query heads), then shrinks
+    the query block: the same results for every edit and probe, with GQA 2, padding, a window and a general
+    mask."""
+    import importlib
+
+    tmod = importlib.import_module("headlab.kernels.torch_attention")
+    monkeypatch.setattr(tmod, "_MAX_BLOCK_ELEMS", budget)
+    q, k, v, kpm, kw = make_case(2, 4, 2, 10, 10, 8, pad=(0, 2))
+    am = torch.rand(2, 4, 10, 10, generator=torch.Generator().manual_seed(5)) > 0.2
+    for extra in (dict(window=4), dict(attn_mask=am, causal=False), dict(softcap=2.0)):
+        out, st = attention(q, k, v, scale=0.5, key_padding_mask=kpm, backend="torch", **ALL_PROBES, **kw, **extra)
+        ref = reference(q, k, v, scale=0.5, key_padding_mask=kpm, **kw, **extra)
+        check(out, st, ref, atol=1e-5)
+
+
 @pytest.mark.parametrize("softcap,window,causal", [(5.0, None, True), (None, 4, True), (3.0, 3, True),
                                                   (None, None, False), (None, 3, False)])
 def test_torch_softcap_window_noncausal(softcap, window, causal):
