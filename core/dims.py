@@ -36,6 +36,8 @@ DIMENSIONS: dict[str, str] = {
     "position": "an absolute position (counted like query) at which head outputs z were kept",
     "span": "a key span [start, end) of a span probe, or a named span of the examples",
     "offset": "a relative key offset delta >= 0 of an offset probe: the key at query - delta",
+    "pair": "a (query, key) position pair of a pair probe, in the order given per row (the calls of a generate "
+            "in order); the coordinates pair_query and pair_key hold its positions (-1: an unused slot)",
     "head_dim": "a component of a head's output vector z (before o_proj)",
     "choice": "an answer option of a multiple-choice example",
     "task": "a task: an lm-evaluation-harness task (or group) an evaluate step ran, coordinates are its names; "

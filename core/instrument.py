@@ -81,6 +81,7 @@ DIMS: dict[str, tuple[str, ...]] = {
     "entropy": ("example", "layer", "head", "query"),
     "span_mass": ("example", "layer", "head", "query", "span"),
     "offset_mass": ("example", "layer", "head", "query", "offset"),
+    "pair_mass": ("example", "layer", "head", "pair"),
     "z": ("example", "layer", "head", "position", "head_dim"),
     "pattern": ("example", "layer", "head", "query", "key"),
 }
@@ -126,6 +127,13 @@ class Probes:
       ``"last"`` (the last query of every forward call: the prompt's last position, then each generated
       step), ``"all"``, or a list of absolute positions.
     - ``pattern``: the full attention (only for small inputs).
+    - ``pairs``: (query, key) absolute position pairs whose attention ``A[query, key]`` is recorded
+      (``Recording.pair_mass``; a sparse probe: any set of cells of the pattern, memory O(pairs)): a list of
+      ``(query, key)`` shared by all rows, a per-row list of such lists (or of (P, 2) arrays; rows with
+      fewer pairs are padded with unused slots, mass 0), a (P, 2) / (batch, P, 2) int tensor with ``-1`` for
+      unused slots, or a function ``pairs(start, stop)`` returning one of these for the queries in
+      ``[start, stop)`` (called once per forward call: the whole input, then each ``generate`` step). Each
+      call records the pairs whose query it runs, in the order given; a key the query cannot see reads 0.
     - ``layers``: the layers to probe (``None`` = all).
     """
 
@@ -136,10 +144,11 @@ class Probes:
     pattern: bool = False
     layers: Sequence[int] | None = None
     offsets: Any = None
+    pairs: Any = None
 
     def any(self) -> bool:
         return bool(self.argmax or self.entropy or self.spans is not None or self.z_positions is not None
-                    or self.pattern or self.offsets is not None)
+                    or self.pattern or self.offsets is not None or self.pairs is not None)
 
     def covers(self, layer: int) -> bool:
         return self.any() and (self.layers is None or layer in self.layers)
@@ -496,7 +505,7 @@ class Plan:
 
 
 def _tile_probes(probes: Probes, B: int, k: int) -> Probes:
-    """``probes`` for ``k`` copies of ``B`` rows: per-row spans and offsets repeated for every copy."""
+    """``probes`` for ``k`` copies of ``B`` rows: per-row spans, offsets and pairs repeated for every copy."""
     changes: dict[str, Any] = {}
     spans = probes.spans
     if spans is not None:
@@ -511,7 +520,17 @@ def _tile_probes(probes: Probes, B: int, k: int) -> Probes:
                 changes["offsets"] = offsets.repeat(k, 1)
         elif len(offsets) and isinstance(list(offsets)[0], (list, tuple, Tensor)):
             changes["offsets"] = list(offsets) * k
+    if probes.pairs is not None:
+        changes["pairs"] = _tile_pairs(probes.pairs, B, k)
     return dataclasses.replace(probes, **changes) if changes else probes
+
+
+def _tile_pairs(pairs: Any, B: int, k: int) -> Any:
+    """``Probes.pairs`` for ``k`` copies of ``B`` rows (a function's per-row answers repeated too)."""
+    if callable(pairs):
+        return lambda start, stop: _pairs_tensor(pairs(start, stop), B).repeat(k, 1, 1)
+    t = _pairs_tensor(pairs, B)
+    return t.repeat(k, 1, 1)
 
 
 def _copy0_callback(fn: LayerFunction, B: int, k: int, mirror: bool) -> LayerFunction:
@@ -600,6 +619,8 @@ class Recording:
     - ``span_mass`` (example, layer, head, query, span) float32;
     - ``offset_mass`` (example, layer, head, query, offset) float32, the attention of query ``t`` to key
       ``t - delta`` for each of ``Probes.offsets``;
+    - ``pair_mass`` (example, layer, head, pair) float32, the attention at each of ``Probes.pairs``, whose
+      absolute ``(query, key)`` positions are ``rec.pairs`` (example, pair, 2) (-1: an unused slot);
     - ``z`` (example, layer, head, position, head_dim) in the model dtype, at ``z_positions``;
     - ``pattern`` (example, layer, head, query, key) float32 (keys beyond a call's cache are 0).
 
@@ -621,6 +642,7 @@ class Recording:
         self.probes = probes
         self._chunks: dict[str, dict[int, list]] = {k: {ly: [] for ly in layers} for k in DIMS}
         self._zpos: dict[int, list[Tensor]] = {ly: [] for ly in layers}
+        self._pairpos: dict[int, list[Tensor]] = {ly: [] for ly in layers}
         self._cache: dict[str, Tensor | None] = {}
         self.calls = 0
         self.backends: dict[int, tuple[str, str]] = {}
@@ -649,8 +671,17 @@ class Recording:
     entropy = property(lambda self: self._get("entropy"))
     span_mass = property(lambda self: self._get("span_mass"))
     offset_mass = property(lambda self: self._get("offset_mass"))
+    pair_mass = property(lambda self: self._get("pair_mass"))
     z = property(lambda self: self._get("z"))
     pattern = property(lambda self: self._get("pattern"))
+
+    @property
+    def pairs(self) -> Tensor | None:
+        """(example, pair, 2) int64 absolute ``(query, key)`` positions of the ``pair`` axis of ``pair_mass``
+        (-1 for an unused slot), on the CPU."""
+        if not self.layers or not self._pairpos[self.layers[0]]:
+            return None
+        return torch.cat(self._pairpos[self.layers[0]], dim=1)
 
     @property
     def z_positions(self) -> list[int] | None:
@@ -669,8 +700,9 @@ class Recording:
         ``head`` ``0..H-1``; ``query`` and ``key`` absolute positions ``0..``; ``position`` the positions of
         ``z`` (``rec.z_positions``); ``span`` ``0..S-1``, with ``span_start`` / ``span_end`` (example, span)
         the probed key spans; ``offset`` the probed offsets ``delta`` when every row shares them, otherwise
-        ``0..O-1`` with ``delta`` (example, offset) the offsets of each row (-1: unused slot). ``head_dim``
-        has no coordinate. Values keep their dtype (bfloat16, which numpy lacks, becomes float32).
+        ``0..O-1`` with ``delta`` (example, offset) the offsets of each row (-1: unused slot); ``pair``
+        ``0..P-1`` with ``pair_query`` / ``pair_key`` (example, pair) the probed positions (-1: unused slot).
+        ``head_dim`` has no coordinate. Values keep their dtype (bfloat16, which numpy lacks, becomes float32).
         Raises KeyError for an unknown name and ValueError for an array that was not recorded.
         """
         if name not in DIMS:
@@ -708,6 +740,12 @@ class Recording:
                 coords["offset"] = np.arange(t.shape[4])
                 if offs is not None and offs.shape[1] == t.shape[4]:
                     coords["delta"] = (("example", "offset"), offs)
+        if name == "pair_mass":
+            coords["pair"] = np.arange(t.shape[3])
+            pp = self.pairs
+            if pp is not None and pp.shape[1] == t.shape[3]:
+                coords["pair_query"] = (("example", "pair"), pp[..., 0].numpy())
+                coords["pair_key"] = (("example", "pair"), pp[..., 1].numpy())
         return xr.DataArray(t.numpy(), dims=dims, coords=coords, name=name)
 
     def to_dataset(self) -> xr.Dataset:
@@ -736,6 +774,7 @@ class _Session:
         self.store: dict = {}
         self._mask_cache: list = []
         self._offsets_cache: dict = {}
+        self._pairs_cache: dict = {}
 
     # ---- masks (cached per mask tensor: every layer of a forward shares it)
     def mask_args(self, mask: Tensor | None, Nq: int, Nk: int, causal: bool, window: int | None):
@@ -863,6 +902,82 @@ class _Session:
         return torch.where(base >= 0, base + shift, base) if shift else base
 
 
+    def probe_pairs(self, B: int, Nq: int, Nk: int, q_start: int, key_offset: int, device) -> Tensor | None:
+        """The pairs of ``Probes.pairs`` whose query this call runs, as (B, P, 2) absolute positions (-1 =
+        unused slot) in the order given; one selection per call, shared by the layers."""
+        pairs = self.plan.probes.pairs
+        if pairs is None:
+            return None
+        key = (B, Nq, q_start, str(device))
+        hit = self._pairs_cache.get(key)
+        if hit is None:
+            if callable(pairs):
+                base = _pairs_tensor(pairs(q_start, q_start + Nq), B)
+            else:
+                base = self._pairs_cache.get("base")
+                if base is None or base.shape[0] != B:
+                    base = self._pairs_cache["base"] = _pairs_tensor(pairs, B)
+            hit = _select_pairs(base, q_start, q_start + Nq).to(device)
+            self._pairs_cache = {k: v for k, v in self._pairs_cache.items() if k == "base"}
+            self._pairs_cache[key] = hit
+        return hit
+
+
+def _select_pairs(pairs: Tensor, start: int, stop: int) -> Tensor:
+    """The pairs of (B, P, 2) ``pairs`` whose query lies in ``[start, stop)``, packed to the front of each row
+    in their order, as (B, P', 2) with ``-1`` padding."""
+    B = pairs.shape[0]
+    inq = (pairs[..., 0] >= start) & (pairs[..., 0] < stop) & (pairs[..., 1] >= 0)
+    if bool(inq.all()):
+        return pairs
+    n = int(inq.sum(1).max()) if B else 0
+    out = torch.full((B, n, 2), -1, dtype=torch.long)
+    b, p = inq.nonzero(as_tuple=True)
+    out[b, (inq.cumsum(1) - 1)[b, p]] = pairs[b, p]
+    return out
+
+
+def _pairs_tensor(pairs: Any, B: int) -> Tensor:
+    """(B, P, 2) int64 absolute ``(query, key)`` pairs on the CPU from a shared list of pairs, per-row lists
+    (or (P, 2) arrays) or a (P, 2) / (B, P, 2) tensor or array; -1 = unused slot (rows padded with it)."""
+    if isinstance(pairs, (Tensor, np.ndarray)):
+        t = torch.as_tensor(pairs)
+        if t.dtype.is_floating_point or t.dtype == torch.bool:
+            raise ValueError("Probes.pairs must be integers")
+        t = t.long().cpu()
+        if t.dim() == 2 and t.shape[-1] == 2:
+            t = t[None].expand(B, *t.shape)
+        if t.dim() != 3 or t.shape[0] != B or t.shape[2] != 2:
+            raise ValueError(f"Probes.pairs tensor must be (pair, 2) or (batch, pair, 2) = ({B}, P, 2), "
+                             f"got {tuple(t.shape)}")
+        if bool((t < -1).any()):
+            raise ValueError("Probes.pairs positions must be >= 0 (-1 marks an unused slot in a tensor)")
+        return t.clone()
+    pairs = list(pairs)
+    if not pairs:
+        return torch.zeros(B, 0, 2, dtype=torch.long)
+    first = pairs[0]
+    shared = not isinstance(first, (Tensor, np.ndarray)) and len(first) == 2 and not hasattr(first[0], "__len__")
+    if shared:
+        rows = [torch.as_tensor(pairs, dtype=torch.long).reshape(-1, 2)] * B
+    else:
+        if len(pairs) != B:
+            raise ValueError(f"got pairs for {len(pairs)} rows, expected {B}")
+        rows = []
+        for r in pairs:
+            t = torch.as_tensor(r if len(r) else np.zeros((0, 2), dtype=np.int64))
+            if t.dtype.is_floating_point or t.dtype == torch.bool:
+                raise ValueError("Probes.pairs must be integers")
+            rows.append(t.long().cpu().reshape(-1, 2))
+    if any(bool((r < 0).any()) for r in rows):
+        raise ValueError("Probes.pairs positions must be >= 0")
+    n = max(r.shape[0] for r in rows)
+    out = torch.full((B, n, 2), -1, dtype=torch.long)
+    for b, r in enumerate(rows):
+        out[b, :r.shape[0]] = r
+    return out
+
+
 def _copy0(t: Tensor, B: int, copies: int, name: str, layer: int) -> Tensor:
     """The rows of copy 0 of a ``copies * B``-row edit tensor, which must be the same for every copy."""
     first = t[:B]
@@ -919,13 +1034,28 @@ def _mask_args(mask: Tensor | None, Nq: int, Nk: int, causal: bool, window: int 
     if mask.shape[1] == 1 and mask.shape[2] == Nq:
         kpm = mask.any(dim=2)[:, 0]  # (B, Nk): keys some query sees
         for cand_window, cand_causal in ((window, causal), (None, causal), (window, True), (None, True)):
-            vis = visibility(Nq, Nk, 0, Nq, 0, Nk, cand_causal, cand_window, mask.device)
-            expect = kpm[:, None, None, :] if vis is None else vis[None, None] & kpm[:, None, None, :]
-            if expect.shape == mask.shape and torch.equal(mask, expect):
+            if _mask_is(mask, kpm, cand_causal, cand_window):
                 return dict(key_padding_mask=None if bool(kpm.all()) else kpm, attn_mask=None,
                             causal=cand_causal, window=cand_window)
     # a general mask (e.g. static-cache slots, bidirectional image blocks)
     return dict(key_padding_mask=None, attn_mask=mask, causal=False, window=None)
+
+
+def _mask_is(mask: Tensor, kpm: Tensor, causal: bool, window: int | None) -> bool:
+    """Whether the (B, 1, Nq, Nk) boolean ``mask`` is exactly key padding ``kpm`` (B, Nk) and the causal /
+    window visibility; compared a band of query rows at a time, so the check adds O(rows x Nk) memory to the
+    mask's own, never another (Nq, Nk) one."""
+    B, _, Nq, Nk = mask.shape
+    if not causal and window is None and Nq != 1:
+        return False  # such a mask is no visibility pattern (and the check never accepted it)
+    rows = max(1, (1 << 22) // max(1, B * Nk))
+    for q0 in range(0, Nq, rows):
+        q1 = min(Nq, q0 + rows)
+        vis = visibility(Nq, Nk, q0, q1, 0, Nk, causal, window, mask.device)
+        expect = kpm[:, None, None, :] if vis is None else vis[None, None] & kpm[:, None, None, :]
+        if not torch.equal(mask[:, :, q0:q1], expect):
+            return False
+    return True
 
 
 def span_tensor(spans, B: int, device) -> Tensor:
@@ -1010,8 +1140,14 @@ def attention_forward(
         reads_z = bool(plan.callbacks)
         if plan.probes.covers(layer):
             p = plan.probes
+            pair_pos = sess.probe_pairs(B, Nq, Nk, q_start, key_offset, query.device)
+            pair_idx = None
+            if pair_pos is not None:  # kernel coordinates: query row of this call, key slot of the cache
+                shift = torch.tensor([q_start, key_offset], device=query.device)
+                pair_idx = torch.where(pair_pos >= 0, pair_pos - shift, pair_pos)
+                pair_idx = torch.where((pair_idx < 0).any(-1, keepdim=True), -1, pair_idx)
             probes = ProbeRequest(p.argmax, p.entropy, sess.probe_spans(B, Nk, key_offset, query.device),
-                                  sess.probe_offsets(B, Nq, Nk, q_start, query.device), p.pattern)
+                                  sess.probe_offsets(B, Nq, Nk, q_start, query.device), p.pattern, pair_idx)
             reads_z = reads_z or p.z_positions is not None
     backend, reason = choose_backend("auto" if plan is None else plan.backend, edits=edits, probes=probes,
                                      softcap=softcap, device=query.device, native=True, reads_outputs=reads_z)
@@ -1071,6 +1207,9 @@ def attention_forward(
             rec._add("span_mass", layer, st.span_mass)
         if probes.offsets is not None:
             rec._add("offset_mass", layer, st.offset_mass)
+        if probes.pairs is not None:
+            rec._add("pair_mass", layer, st.pair_mass)
+            rec._pairpos[layer].append(pair_pos.cpu())
         if probes.pattern:
             pat = st.pattern
             if key_offset:

@@ -6,13 +6,15 @@ The kernels know nothing of plugins or of transformers; see :func:`attention`, :
 
 from .attention import (
     BACKENDS,
+    PAIR_PATHS,
     AttentionStats,
     HeadEdits,
     ProbeRequest,
     attention,
     choose_backend,
+    pairs_from_csr,
     triton_available,
 )
 
-__all__ = ["BACKENDS", "AttentionStats", "HeadEdits", "ProbeRequest", "attention", "choose_backend",
-           "triton_available"]
+__all__ = ["BACKENDS", "PAIR_PATHS", "AttentionStats", "HeadEdits", "ProbeRequest", "attention",
+           "choose_backend", "pairs_from_csr", "triton_available"]

@@ -14,7 +14,8 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "AttentionStats", "BACKENDS", "HeadEdits", "ProbeRequest", "attention", "choose_backend", "triton_available",
+    "AttentionStats", "BACKENDS", "HeadEdits", "PAIR_PATHS", "ProbeRequest", "attention", "choose_backend",
+    "pairs_from_csr", "triton_available",
 ]
 
 #: what a caller may request; :func:`choose_backend` also returns ``"native"`` (the caller's own SDPA call)
@@ -87,8 +88,13 @@ class ProbeRequest:
     - ``offsets``: (B, O) int relative offsets ``delta >= 0`` (``-1`` = unused slot) -> per query ``i`` the
       attention ``A[i, Nk - Nq + i - delta]`` to the key ``delta`` positions back (1 = previous token).
     - ``pattern``: the full (B, H, Nq, Nk) attention (the only quadratic output).
+    - ``pairs``: (B, P, 2) int ``(query, key)`` pairs: query index ``i`` in ``0..Nq-1`` and key coordinate ``j``
+      in ``0..Nk-1`` -> the attention ``A[i, j]`` at each pair (a sparse probe: any set of cells of the
+      pattern, in memory O(P)); a pair with an index outside those ranges (``-1``: an unused slot) reads 0.
+      :func:`pairs_from_csr` builds it from per-query key lists.
 
-    ``spans`` / ``offsets`` given with zero columns still count as probes (their outputs have 0 columns).
+    ``spans`` / ``offsets`` / ``pairs`` given with zero columns still count as probes (their outputs have 0
+    columns).
     """
 
     argmax: bool = False
@@ -96,15 +102,17 @@ class ProbeRequest:
     spans: Tensor | None = None
     offsets: Tensor | None = None
     pattern: bool = False
+    pairs: Tensor | None = None
 
     def any(self) -> bool:
         """True when anything is to be measured."""
         return bool(self.argmax or self.entropy or self.spans is not None or self.offsets is not None
-                    or self.pattern)
+                    or self.pattern or self.pairs is not None)
 
     def checked(self, B: int, device) -> ProbeRequest:
-        """Validated form: ``spans`` (B, P, 2) int64, ``offsets`` (B, O) int64 ``>= -1``. Raises ``ValueError``."""
-        spans, offsets = self.spans, self.offsets
+        """Validated form: ``spans`` (B, P, 2) int64, ``offsets`` (B, O) int64 ``>= -1``, ``pairs`` (B, P, 2)
+        int64. Raises ``ValueError``."""
+        spans, offsets, pairs = self.spans, self.offsets, self.pairs
         if spans is not None:
             spans = torch.as_tensor(spans, device=device).long()
             if spans.dim() != 3 or spans.shape[0] != B or spans.shape[2] != 2:
@@ -118,7 +126,14 @@ class ProbeRequest:
                 raise ValueError(f"probe_offsets must be (B, O), got {tuple(offsets.shape)}")
             if bool((offsets < -1).any()):
                 raise ValueError("probe_offsets must be >= 0 (or -1 for an unused slot)")
-        return ProbeRequest(bool(self.argmax), bool(self.entropy), spans, offsets, bool(self.pattern))
+        if pairs is not None:
+            pairs = torch.as_tensor(pairs, device=device)
+            if pairs.dtype.is_floating_point or pairs.dtype == torch.bool:
+                raise ValueError("probe_pairs must be integers")
+            pairs = pairs.long()
+            if pairs.dim() != 3 or pairs.shape[0] != B or pairs.shape[2] != 2:
+                raise ValueError(f"probe_pairs must be (B, P, 2), got {tuple(pairs.shape)}")
+        return ProbeRequest(bool(self.argmax), bool(self.entropy), spans, offsets, bool(self.pattern), pairs)
 
 
 @dataclass
@@ -127,8 +142,8 @@ class AttentionStats:
 
     Shapes (B batch rows, H query heads, Nq queries, Nk keys, P probe spans, O probe offsets); all float
     tensors are float32 whatever the input dtype. A query row with no visible key (a padding query) has
-    ``argmax = -1``, ``argmax_prob = 0``, ``entropy = 0``, ``span_mass = 0``, ``offset_mass = 0`` and an
-    all-zero pattern row.
+    ``argmax = -1``, ``argmax_prob = 0``, ``entropy = 0``, ``span_mass = 0``, ``offset_mass = 0``,
+    ``pair_mass = 0`` and an all-zero pattern row.
 
     - ``argmax``: (B, H, Nq) int64, index of the top-1 key (first one on ties), in key coordinates
       ``0..Nk-1``.
@@ -139,6 +154,8 @@ class AttentionStats:
       query's own key coordinate and ``delta_o = probe_offsets[b, o]``; 0 where that key is outside
       ``0..Nk-1`` or not visible, and for unused offset slots (``delta_o = -1``).
     - ``pattern``: (B, H, Nq, Nk) float32, the full attention, only when ``return_pattern``.
+    - ``pair_mass``: (B, H, P) float32, ``A[pairs[b, p, 0], pairs[b, p, 1]]``; 0 for a pair outside
+      ``0..Nq-1`` x ``0..Nk-1`` (an unused slot) or whose key is not visible to its query.
     - ``backend``: the path that ran (``"sdpa"``, ``"torch"`` or ``"triton"``) and ``reason``: why
       (:func:`choose_backend`).
     """
@@ -149,8 +166,35 @@ class AttentionStats:
     span_mass: Tensor | None = None
     offset_mass: Tensor | None = None
     pattern: Tensor | None = None
+    pair_mass: Tensor | None = None
     backend: str = field(default="torch")
     reason: str = ""
+
+
+def pairs_from_csr(indptr: Tensor, keys: Tensor) -> Tensor:
+    """(B, P, 2) ``(query, key)`` pairs for :attr:`ProbeRequest.pairs` from per-query key lists in CSR form.
+
+    ``indptr`` (B, Nq + 1) int, non-decreasing from 0: the keys of query ``i`` of row ``b`` are
+    ``keys[b, indptr[b, i]:indptr[b, i + 1]]``; ``keys`` (B, P) int. Slots past ``indptr[b, Nq]`` become
+    unused pairs ``(-1, -1)``. A 1-D ``indptr`` / ``keys`` is one row.
+    """
+    indptr = torch.as_tensor(indptr).long()
+    keys = torch.as_tensor(keys, device=indptr.device).long()
+    if indptr.dim() == 1:
+        indptr, keys = indptr[None], keys[None]
+    if indptr.dim() != 2 or keys.dim() != 2 or keys.shape[0] != indptr.shape[0]:
+        raise ValueError(f"pairs_from_csr: indptr (B, Nq + 1) and keys (B, P), got {tuple(indptr.shape)}, "
+                         f"{tuple(keys.shape)}")
+    if bool((indptr[:, 1:] < indptr[:, :-1]).any()) or bool((indptr[:, 0] != 0).any()):
+        raise ValueError("pairs_from_csr: indptr must start at 0 and be non-decreasing")
+    B, P = keys.shape
+    n_q = indptr.shape[1] - 1
+    slot = torch.arange(P, device=keys.device).expand(B, P).contiguous()
+    query = torch.searchsorted(indptr[:, 1:].contiguous(), slot, right=True)
+    used = query < n_q
+    query = torch.where(used, query, torch.full_like(query, -1))
+    key = torch.where(used, keys, torch.full_like(keys, -1))
+    return torch.stack([query, key], -1)
 
 
 def triton_available() -> bool:
@@ -205,12 +249,13 @@ def choose_backend(
 
     Else (``"auto"``) ``"triton"`` on CUDA when triton is installed, ``"torch"`` elsewhere. ``"torch"`` and
     ``"triton"`` are taken as requested; ``"sdpa"`` requested for a call SDPA cannot compute raises
-    ``ValueError``. ``edits``/``probes`` may be unchecked (as given to :func:`attention`).
+    ``ValueError``. ``edits``/``probes`` may be unchecked (as given to :func:`attention`). When the probes
+    ask for pairs, the reason ends with how the chosen path computes them (:data:`PAIR_PATHS`).
     """
     if requested not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {requested!r}")
     if requested in ("torch", "triton"):
-        return requested, "requested"
+        return requested, "requested" + _pair_path(probes, requested)
     blocker = _sdpa_blocker(edits, probes, softcap)
     if blocker is None:
         if edits is None or edits.is_empty():
@@ -228,10 +273,24 @@ def choose_backend(
         raise ValueError("backend='sdpa' takes no probes, softcap, score_zero or infinite key_bias "
                          f"(this call has {blocker})")
     if not _on_cuda(device):
-        return "torch", f"{blocker}; not on CUDA"
+        return "torch", f"{blocker}; not on CUDA" + _pair_path(probes, "torch")
     if not triton_available():
-        return "torch", f"{blocker}; triton is not installed"
-    return "triton", f"{blocker}; CUDA"
+        return "torch", f"{blocker}; triton is not installed" + _pair_path(probes, "torch")
+    return "triton", f"{blocker}; CUDA" + _pair_path(probes, "triton")
+
+
+#: how each kernel path computes pair probes (``ProbeRequest.pairs``), as :func:`choose_backend` reports it
+PAIR_PATHS = {
+    "torch": "pairs read off each query block's normalised attention",
+    "triton": "pairs from the rows' log-sum-exp (pair kernel)",
+}
+
+
+def _pair_path(probes: ProbeRequest | None, backend: str) -> str:
+    """``"; <how the pairs are computed>"`` when ``probes`` asks for pairs, else ``""``."""
+    if probes is None or probes.pairs is None:
+        return ""
+    return "; " + PAIR_PATHS[backend]
 
 
 def _per_head(x, B: int, H: int, name: str, dtype, device) -> Tensor | None:
@@ -259,11 +318,12 @@ def _requests(
     probe_spans=None,
     probe_offsets=None,
     return_pattern: bool = False,
+    probe_pairs=None,
 ) -> tuple[HeadEdits, ProbeRequest]:
     """One :class:`HeadEdits` and one :class:`ProbeRequest` from the dataclasses or from the keyword
     convenience of :func:`attention` (not both for the same group)."""
     flat_edits = HeadEdits(q_scale, score_zero, out_scale, key_spans, key_bias)
-    flat_probes = ProbeRequest(probe_argmax, probe_entropy, probe_spans, probe_offsets, return_pattern)
+    flat_probes = ProbeRequest(probe_argmax, probe_entropy, probe_spans, probe_offsets, return_pattern, probe_pairs)
     if edits is not None and not flat_edits.is_empty():
         raise ValueError("give the edits either as HeadEdits or as keyword arguments, not both")
     if probes is not None and flat_probes.any():
@@ -296,6 +356,7 @@ def attention(
     probe_spans: Tensor | None = None,
     probe_offsets: Tensor | None = None,
     return_pattern: bool = False,
+    probe_pairs: Tensor | None = None,
 ) -> tuple[Tensor, AttentionStats]:
     """Attention plus per-head edits and streaming probes.
 
@@ -324,7 +385,8 @@ def attention(
 
     ``probes`` (:class:`ProbeRequest`; results in :class:`AttentionStats`) describe ``A`` after the edits.
     The keyword arguments ``q_scale, score_zero, out_scale, key_spans, key_bias`` and ``probe_argmax,
-    probe_entropy, probe_spans, probe_offsets, return_pattern`` are a convenience for the same fields.
+    probe_entropy, probe_spans, probe_offsets, return_pattern, probe_pairs`` are a convenience for the same
+    fields.
 
     ``backend``: ``"sdpa"`` (``scaled_dot_product_attention``; takes query/output scales and finite key
     biases, which it computes exactly, the bias riding as an extra head-dim coordinate; no probes,
@@ -337,7 +399,7 @@ def attention(
     edits, probes = _requests(
         edits, probes, q_scale=q_scale, score_zero=score_zero, out_scale=out_scale, key_spans=key_spans,
         key_bias=key_bias, probe_argmax=probe_argmax, probe_entropy=probe_entropy, probe_spans=probe_spans,
-        probe_offsets=probe_offsets, return_pattern=return_pattern,
+        probe_offsets=probe_offsets, return_pattern=return_pattern, probe_pairs=probe_pairs,
     )
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q, k, v must be 4-D: (B, H, Nq, D), (B, Hkv, Nk, D), (B, Hkv, Nk, Dv)")
@@ -388,6 +450,18 @@ def attention(
         out, stats = torch_attention(q, k, v, edits, probes, block_q=block_q, **masks)
     stats.backend, stats.reason = backend, reason
     return out, stats
+
+
+def flat_pairs(pairs: Tensor, Nq: int, Nk: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The in-range pairs of a checked (B, P, 2) ``pairs`` as flat vectors sorted by query (stable):
+    ``(row b, slot p, query i, key j)``, each (n,) int64; pairs outside ``0..Nq-1`` x ``0..Nk-1`` are dropped
+    (their mass is 0)."""
+    pq, pk = pairs[..., 0], pairs[..., 1]
+    ok = (pq >= 0) & (pq < Nq) & (pk >= 0) & (pk < Nk)
+    fb, fp = ok.nonzero(as_tuple=True)
+    fq, fk = pq[fb, fp], pk[fb, fp]
+    order = torch.sort(fq, stable=True).indices
+    return fb[order], fp[order], fq[order], fk[order]
 
 
 def visibility(

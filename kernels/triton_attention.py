@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .attention import AttentionStats, HeadEdits, ProbeRequest, _requests
+from .attention import AttentionStats, HeadEdits, ProbeRequest, _requests, flat_pairs
 
 
 # --------------------------------------------------------------------------- device functions
@@ -290,7 +290,7 @@ def _attn_fwd(
     HAS_SZ: tl.constexpr, HAS_OS: tl.constexpr, HAS_KPM: tl.constexpr, HAS_AM: tl.constexpr,
     HAS_KB: tl.constexpr, HAS_PS: tl.constexpr, HAS_PO: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, PROBE_ARGMAX: tl.constexpr, PROBE_ENT: tl.constexpr,
-    RETURN_PATTERN: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+    RETURN_PATTERN: tl.constexpr, SPLIT: tl.constexpr, STORE_ML: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_O: tl.constexpr,
 ):
@@ -359,6 +359,10 @@ def _attn_fwd(
             PROBE_ARGMAX, HAS_PS, HAS_PO, BLOCK_DV, BLOCK_P, BLOCK_O,
         )
     else:
+        if STORE_ML:  # the rows' final max and normaliser, for the pair kernel
+            mrow = offs_m < Nq
+            tl.store(ML + (row0 + offs_m) * 2, m_i, mask=mrow)
+            tl.store(ML + (row0 + offs_m) * 2 + 1, l_i, mask=mrow)
         empty = l_i == 0.0
         l_safe = tl.where(empty, 1.0, l_i)
         osc = 1.0
@@ -376,6 +380,75 @@ def _attn_fwd(
                 offs_m, offs_d, q_abs, lo, hi, Nq, Nk, D, softcap, window,
                 HAS_SZ, HAS_KB, HAS_KPM, HAS_AM, CAUSAL, HAS_WINDOW, HAS_SOFTCAP, IEEE, BLOCK_N,
             )
+
+
+@triton.jit
+def _pair_fwd(
+    # q (B, H, Nq, D), k (B, Hkv, Nk, D) and their (batch, head, pos, dim) strides
+    Q, K, q_str, k_str,
+    # the flat pairs: row b, query i, key j, output slot p (each (n_pairs,) int64)
+    FB, FQ, FK, FP, n_pairs,
+    # the edits and masks of the attention call (as in _attn_fwd)
+    QMUL, SZ, KSPAN, KBIAS, KPM, kpm_str, AM, am_str,
+    # (B * H * Nq, 2) final row max and normaliser; (B, H, P) output
+    ML, OUT,
+    H, G, Nq, Nk, D, NKS, P, softcap, window,
+    HAS_SZ: tl.constexpr, HAS_KB: tl.constexpr, HAS_KPM: tl.constexpr, HAS_AM: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """``BLOCK`` pairs of one query head: the edited, masked score ``s`` of each pair, then
+    ``A = exp(s - m) / l`` with the row's final ``m``, ``l`` (so exactly the softmax of the forward pass)."""
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    live = offs < n_pairs
+    b = tl.load(FB + offs, mask=live, other=0)
+    i = tl.load(FQ + offs, mask=live, other=0)
+    j = tl.load(FK + offs, mask=live, other=0)
+    slot = tl.load(FP + offs, mask=live, other=0)
+    hk = h // G
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = live[:, None] & (offs_d[None, :] < D)
+    qv = tl.load(Q + b[:, None] * q_str[0] + h * q_str[1] + i[:, None] * q_str[2] + offs_d[None, :] * q_str[3],
+                 mask=dmask, other=0.0).to(tl.float32)
+    kv = tl.load(K + b[:, None] * k_str[0] + hk * k_str[1] + j[:, None] * k_str[2] + offs_d[None, :] * k_str[3],
+                 mask=dmask, other=0.0).to(tl.float32)
+    s = tl.sum(qv * kv, axis=1) * tl.load(QMUL + b * H + h, mask=live, other=0.0)
+    if HAS_SOFTCAP:
+        x = s / softcap
+        t = tl.exp(-2.0 * tl.abs(x))
+        th = (1.0 - t) / (1.0 + t)
+        s = softcap * tl.where(x < 0, -th, th)
+    if HAS_SZ:
+        sz = tl.load(SZ + b * H + h, mask=live, other=0)
+        s = tl.where(sz != 0, 0.0, s)
+    if HAS_KB:
+        for t_ in range(0, NKS):
+            start = tl.load(KSPAN + b * NKS * 2 + t_ * 2, mask=live, other=0)
+            end = tl.load(KSPAN + b * NKS * 2 + t_ * 2 + 1, mask=live, other=0)
+            bias = tl.load(KBIAS + (b * H + h) * NKS + t_, mask=live, other=0.0)
+            s = s + tl.where((j >= start) & (j < end), bias, 0.0)
+    q_abs = i + (Nk - Nq)
+    valid = live
+    if CAUSAL:
+        valid = valid & (j <= q_abs)
+    if HAS_WINDOW:
+        valid = valid & ((q_abs - j) < window)
+        if not CAUSAL:
+            valid = valid & ((j - q_abs) < window)
+    if HAS_KPM:
+        valid = valid & (tl.load(KPM + b * kpm_str + j, mask=live, other=0) != 0)
+    if HAS_AM:
+        am = tl.load(AM + b * am_str[0] + h * am_str[1] + i * am_str[2] + j * am_str[3], mask=live, other=0)
+        valid = valid & (am != 0)
+    row = (b * H + h) * Nq + i
+    m = tl.load(ML + row * 2, mask=live, other=0.0)
+    lsum = tl.load(ML + row * 2 + 1, mask=live, other=0.0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    ok = valid & (lsum > 0.0)
+    p = tl.exp(tl.where(ok, s - m, 0.0)) / tl.where(ok, lsum, 1.0)
+    tl.store(OUT + (b * H + h) * P + slot, tl.where(ok, p, 0.0), mask=live)
 
 
 # --------------------------------------------------------------------------- host side
@@ -414,7 +487,7 @@ def _combine(B: int, H: int, Nq: int, Dv: int, n_split: int, ml: Tensor, fent: T
     if ofm is not None:
         n_off = ofm.shape[-1]
         stats.offset_mass = (w[..., None] * ofm.view(n_split, B, H, Nq, n_off)).sum(0) / lsafe[..., None]
-    return o, stats
+    return o, stats, torch.stack([mxs, lt], -1).reshape(B * H * Nq, 2)
 
 
 def _num_splits(q: Tensor, B: int, H: int, Nk: int, n_mblocks: int, pattern: bool) -> int:
@@ -496,6 +569,8 @@ def triton_attention(
     NOS = 0 if probes.offsets is None else probes.offsets.shape[1]
     pof = given(probes.offsets, torch.int32)
     has_ps, has_po = NPS > 0, NOS > 0
+    flat = flat_pairs(probes.pairs, Nq, Nk) if probes.pairs is not None else None
+    has_pairs = flat is not None and flat[0].numel() > 0
 
     # outputs: z, one row per (row, head, query) for the probes (per split: partial state), the pattern
     out = torch.empty(B, H, Nq, Dv, dtype=q.dtype, device=dev)
@@ -510,7 +585,7 @@ def triton_attention(
     fent = rows_of(probes.entropy or split)
     spm = rows_of(has_ps, NPS)
     ofm = rows_of(has_po, NOS)
-    ml = rows_of(split, 2)
+    ml = rows_of(split or has_pairs, 2)
     acc = rows_of(split, Dv)
     pat = torch.zeros(B, H, Nq, Nk, dtype=f32, device=dev) if probes.pattern else none_f
 
@@ -525,12 +600,12 @@ def triton_attention(
         HAS_KPM=key_padding_mask is not None, HAS_AM=attn_mask is not None, HAS_KB=NKS > 0, HAS_PS=has_ps,
         HAS_PO=has_po, CAUSAL=bool(causal), HAS_WINDOW=window is not None, HAS_SOFTCAP=softcap is not None,
         PROBE_ARGMAX=bool(probes.argmax), PROBE_ENT=bool(probes.entropy), RETURN_PATTERN=bool(probes.pattern),
-        SPLIT=split, IEEE=ieee,
+        SPLIT=split, STORE_ML=has_pairs and not split, IEEE=ieee,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
         BLOCK_S=_pow2(NKS), BLOCK_P=_pow2(NPS), BLOCK_O=_pow2(NOS),
     )
     if split:
-        o, stats = _combine(
+        o, stats, ml = _combine(
             B, H, Nq, Dv, num_splits, ml.view(num_splits, rows, 2), fent, acc, args, argi,
             spm.view(num_splits, rows, NPS) if has_ps else None, ofm.view(num_splits, rows, NOS) if has_po else None,
             probes,
@@ -555,6 +630,21 @@ def triton_attention(
         stats.offset_mass = torch.zeros(B, H, Nq, 0, dtype=f32, device=dev)
     if probes.pattern:
         stats.pattern = pat
+    if probes.pairs is not None:
+        n_slots = probes.pairs.shape[1]
+        stats.pair_mass = torch.zeros(B, H, n_slots, dtype=f32, device=dev)
+        if has_pairs:
+            fb, fp, fq, fk = flat
+            BLOCK_PAIRS = 64
+            _pair_fwd[(triton.cdiv(fb.numel(), BLOCK_PAIRS), H)](
+                q, k, q.stride(), k.stride(), fb, fq, fk, fp, fb.numel(),
+                qmul, sz, ksp, kb, kpm, kpm_str, am, am_str, ml, stats.pair_mass,
+                H, H // Hkv, Nq, Nk, D, NKS, n_slots,
+                float(softcap) if softcap is not None else 1.0, int(window) if window is not None else 0,
+                HAS_SZ=edits.score_zero is not None, HAS_KB=NKS > 0, HAS_KPM=key_padding_mask is not None,
+                HAS_AM=attn_mask is not None, CAUSAL=bool(causal), HAS_WINDOW=window is not None,
+                HAS_SOFTCAP=softcap is not None, BLOCK=BLOCK_PAIRS, BLOCK_D=BLOCK_D,
+            )
     return out, stats
 
 

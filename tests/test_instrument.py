@@ -389,6 +389,126 @@ def test_generate_offset_mass_matches_full_forward(arch, cache):
     assert rec.offset_mass[..., N:, 1].abs().sum() > 0.1  # decode steps saw their previous token
 
 
+# --------------------------------------------------------------------------- pair probe
+def _random_pairs(B: int, n: int, count: int, seed: int) -> list[list[tuple[int, int]]]:
+    """Per-row (query, key) pairs over n positions: random cells (future and padding keys among them), each
+    row's diagonal and previous token, rows of different lengths."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for b in range(B):
+        qi = torch.randint(0, n, (count + 3 * b,), generator=g).tolist()
+        kj = torch.randint(0, n, (count + 3 * b,), generator=g).tolist()
+        rows.append(list(zip(qi, kj, strict=True)) + [(t, t) for t in range(0, n, 3)] + [(n - 1, n - 2)])
+    return rows
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2", "gpt2"])
+def test_pair_mass_equals_eager_pattern_cells(arch):
+    """Probes(pairs=...) records A[query, key] of eager's pattern at each pair, per row, in the order given,
+    with left padding (Mistral and Gemma 2: sliding windows shorter than the sequence); rec.pairs and the
+    xarray coordinates name the cells; a (B, P, 2) tensor and a function of (start, stop) are the same probe."""
+    ids, am = batch()
+    eager = load(arch, "eager")
+    with torch.no_grad():
+        pat_e = torch.stack(list(eager(input_ids=ids, attention_mask=am, output_attentions=True).attentions),
+                            dim=1).float()  # (B, L, H, N, N)
+    m = load(arch, "headlab")
+    per_row = _random_pairs(2, N, 20, seed=1)
+    with ins.instrument(m, ins.Plan(probes=ins.Probes(pairs=per_row))) as rec:
+        logits(m, ids, am)
+    pm = rec.pair_mass
+    n_pairs = max(len(r) for r in per_row)
+    assert pm.shape == (2, 2, 4, n_pairs) and pm.dtype == torch.float32
+    assert rec.dims["pair_mass"] == ("example", "layer", "head", "pair")
+    assert rec.pattern is None and rec.backends[0][0] == "torch"
+    for b in range(2):
+        for p, (t, j) in enumerate(per_row[b]):
+            assert rec.pairs[b, p].tolist() == [t, j]
+            if not am[b, t]:
+                continue  # padding query: eager's row is not defined the same way
+            torch.testing.assert_close(pm[b, :, :, p], pat_e[b, :, :, t, j], atol=2e-5, rtol=0)
+        assert (pm[b, ..., len(per_row[b]):] == 0).all() and (rec.pairs[b, len(per_row[b]):] == -1).all()
+    assert pm[0].abs().sum() > 1  # real mass was read
+    da = rec.to_xarray("pair_mass")
+    assert da.dims == ("example", "layer", "head", "pair")
+    assert da["pair_query"].values[1, 2] == per_row[1][2][0] and da["pair_key"].values[1, 2] == per_row[1][2][1]
+    tens = torch.full((2, n_pairs, 2), -1)
+    for b, r in enumerate(per_row):
+        tens[b, :len(r)] = torch.tensor(r)
+    with ins.instrument(m, ins.Plan(probes=ins.Probes(pairs=tens))) as rec_t:
+        logits(m, ids, am)
+    assert torch.equal(rec_t.pair_mass, pm)
+    calls = []
+
+    def fn(start, stop):
+        calls.append((start, stop))
+        return [[(t, j) for t, j in r if start <= t < stop] for r in per_row]
+
+    with ins.instrument(m, ins.Plan(probes=ins.Probes(pairs=fn))) as rec_f:
+        logits(m, ids, am)
+    assert calls == [(0, N)] and torch.equal(rec_f.pair_mass, pm)
+
+
+@pytest.mark.parametrize("arch, cache", [("llama", None), ("mistral", None), ("gemma2", None), ("llama", "static")])
+def test_generate_pair_mass_matches_full_forward(arch, cache):
+    """Pair masses of decode steps (KV cache, left padding, sliding windows that drop keys, a static cache)
+    == a full forward over the generated sequence; the pairs are recorded call by call (prompt queries, then
+    each step's), and a function of (start, stop) is called once per call."""
+    ids, am = batch()
+    m = load(arch, "headlab")
+    new = 5
+    n_all = N + new - 1
+    per_row = _random_pairs(2, n_all, 30, seed=2)
+    kw = {} if cache is None else dict(cache_implementation=cache)
+    calls = []
+
+    def fn(start, stop):
+        calls.append((start, stop))
+        return per_row
+
+    with ins.instrument(m, ins.Plan(probes=ins.Probes(pairs=fn))) as rec, torch.no_grad():
+        out = m.generate(input_ids=ids, attention_mask=am, max_new_tokens=new, min_new_tokens=new,
+                         do_sample=False, pad_token_id=0, **kw)
+    assert calls == [(0, N)] + [(t, t + 1) for t in range(N, n_all)]
+    seq = out[:, :-1]
+    am_full = torch.cat([am, torch.ones(2, new - 1, dtype=am.dtype)], dim=1)
+    with ins.instrument(m, ins.Plan(probes=ins.Probes(pairs=per_row, pattern=True))) as full:
+        logits(m, seq, am_full)
+    for b in range(2):
+        got = {tuple(rec.pairs[b, p].tolist()): rec.pair_mass[b, ..., p] for p in range(rec.pairs.shape[1])
+               if rec.pairs[b, p, 0] >= 0}
+        assert sorted(got) == sorted(set(per_row[b]))  # every pair once (a repeated pair may repeat)
+        call = [max(0, t - N + 1) for t, _ in (rec.pairs[b, p].tolist() for p in range(rec.pairs.shape[1])) if t >= 0]
+        assert call == sorted(call)  # call by call: the prompt's pairs in the order given, then each step's
+        assert [pq for pq in map(tuple, rec.pairs[b].tolist()) if 0 <= pq[0] < N] == [pq for pq in per_row[b]
+                                                                                    if pq[0] < N]
+        for p, (t, j) in enumerate(per_row[b]):
+            if am_full[b, t]:
+                torch.testing.assert_close(got[(t, j)], full.pair_mass[b, ..., p], atol=1e-5, rtol=0)
+                want = full.pattern[b, :, :, t, j]
+                torch.testing.assert_close(full.pair_mass[b, ..., p], want, atol=1e-6, rtol=0)
+    assert rec.pair_mass.abs().sum() > 1
+
+
+def test_pair_probe_tile_and_validation():
+    """Plan.tile repeats per-row pairs for every copy; bad pairs raise."""
+    ids, am = batch()
+    m = load("llama", "headlab")
+    per_row = _random_pairs(2, N, 8, seed=3)
+    with ins.instrument(m, ins.Plan(probes=ins.Probes(pairs=per_row))) as rec:
+        logits(m, ids, am)
+    plan = ins.Plan(probes=ins.Probes(pairs=per_row)).tile(2, 2)
+    with ins.instrument(m, plan) as rec2:
+        logits(m, ids.repeat(2, 1), am.repeat(2, 1))
+    torch.testing.assert_close(rec2.pair_mass[2:], rec.pair_mass, atol=1e-6, rtol=0)
+    assert torch.equal(rec2.pairs[:2], rec.pairs) and torch.equal(rec2.pairs[2:], rec.pairs)
+    for pairs, match in (([(1, -2)], ">= 0"), ([[(1, 0)], [(2, 1)], [(3, 0)]], "rows"),
+                         (torch.tensor([[0.5, 1.0]]), "integers"), (torch.zeros(3, 2, 2, dtype=torch.long), "batch")):
+        with pytest.raises(ValueError, match=match):
+            with ins.instrument(m, ins.Plan(probes=ins.Probes(pairs=pairs))):
+                logits(m, ids, am)
+
+
 def test_offset_probe_validation():
     ids, am = batch()
     m = load("llama", "headlab")

@@ -46,7 +46,7 @@ def test_every_array_keeps_its_values_under_its_dims(model):
     ids, am = inputs()
     spans = [[(0, 2), (4, 7)], [(PAD, PAD + 1)]]
     probes = ins.Probes(argmax=True, entropy=True, spans=spans, offsets=[1, 0, 3], z_positions=[2, N - 1],
-                        pattern=True, layers=[0, 2])
+                        pattern=True, layers=[0, 2], pairs=[[(5, 3), (2, 2)], [(N - 1, PAD)]])
     rec = record(model, probes, ids, am)
     assert set(rec.as_dict()) == set(ins.DIMS)
     for name, tensor in rec.as_dict().items():
@@ -73,6 +73,11 @@ def test_every_array_keeps_its_values_under_its_dims(model):
                                   rec.offset_mass[:, 1, :, N - 1, 2].numpy())
     np.testing.assert_array_equal(z.sel(position=N - 1, layer=2).values, rec.z[:, 1, :, 1].numpy())
     np.testing.assert_array_equal(pattern.sel(layer=0, query=5, key=3).values, rec.pattern[:, 0, :, 5, 3].numpy())
+    pm = rec.to_xarray("pair_mass")
+    assert pm["pair_query"].values.tolist() == [[5, 2], [N - 1, -1]]
+    assert pm["pair_key"].values.tolist() == [[3, 2], [PAD, -1]]
+    np.testing.assert_array_equal(pm.sel(layer=2, pair=0).values[0], rec.pattern[0, 1, :, 5, 3].numpy())
+    np.testing.assert_array_equal(pm.sel(layer=2, pair=0).values[1], rec.pattern[1, 1, :, N - 1, PAD].numpy())
 
 
 def test_to_dataset_holds_every_recorded_array(model):

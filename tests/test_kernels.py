@@ -1,7 +1,7 @@
 """headlab.kernels: every path against a naive eager reference (float64, materialised scores).
 
 The Triton path is checked by tests/test_kernels_triton.py (TRITON_INTERPRET=1); this module checks the
-torch and sdpa paths (the shared reference and case generator are in tests/fixtures/kernels.py).
+torch and sdpa paths; the shared reference and case generator are in tests/fixtures/kernels.py.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from headlab.kernels import attention
 
-from fixtures.kernels import ALL_PROBES, AllocationSpy, check, make_case, reference
+from fixtures.kernels import ALL_PROBES, AllocationSpy, PeakMemorySpy, check, make_case, reference
 
 SHAPES = [
     # (B, H, Hkv, Nq, Nk, D)
@@ -37,6 +37,23 @@ def test_torch_path_matches_reference(shape, edits):
     assert st.backend == "torch"
     ref = reference(q, k, v, scale=scale, key_padding_mask=kpm, **kw)
     check(out, st, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("budget", [40, 200, 1000])
+def test_torch_path_blocks_of_head_groups(monkeypatch, budget):
+    """A small block budget splits the heads into groups of kv heads (with their query heads), then shrinks
+    the query block: the same results for every edit and probe, with GQA 2, padding, a window and a general
+    mask."""
+    import importlib
+
+    tmod = importlib.import_module("headlab.kernels.torch_attention")
+    monkeypatch.setattr(tmod, "_MAX_BLOCK_ELEMS", budget)
+    q, k, v, kpm, kw = make_case(2, 4, 2, 10, 10, 8, pad=(0, 2))
+    am = torch.rand(2, 4, 10, 10, generator=torch.Generator().manual_seed(5)) > 0.2
+    for extra in (dict(window=4), dict(attn_mask=am, causal=False), dict(softcap=2.0)):
+        out, st = attention(q, k, v, scale=0.5, key_padding_mask=kpm, backend="torch", **ALL_PROBES, **kw, **extra)
+        ref = reference(q, k, v, scale=0.5, key_padding_mask=kpm, **kw, **extra)
+        check(out, st, ref, atol=1e-5)
 
 
 @pytest.mark.parametrize("softcap,window,causal", [(5.0, None, True), (None, 4, True), (3.0, 3, True),
@@ -244,3 +261,23 @@ def test_offset_probe_memory_is_blocked():
     assert max(seen) <= max(B * H * 32 * N, B * H * N * 64)  # one score block, or the (B, H, N, O) output
     assert max(seen) < B * H * N * N // 4
     assert st.offset_mass.shape == (B, H, N, 64)
+
+
+def test_torch_path_memory_is_linear_in_length():
+    """Peak live memory of the torch path with every streaming probe (argmax, entropy, spans, offsets and
+    ~N pairs) at N and 2N: at most 2.2x (the scratch is one (B, H, block, N) block, edited in place; the
+    outputs are O(N)); a quadratic term would give ~4x."""
+    B, H, D = 1, 4, 16
+    peaks = []
+    for N in (768, 1536):
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(B, H, N, D, generator=g) for _ in range(3))
+        i = torch.arange(N)
+        pairs = torch.stack([torch.cat([i, i[1:]]), torch.cat([i, i[1:] // 2])], -1)[None]  # diagonal + far keys
+        with PeakMemorySpy() as spy:
+            _, st = attention(q, k, v, scale=0.3, probe_argmax=True, probe_entropy=True,
+                              probe_spans=torch.tensor([[[0, 1], [0, N]]]), probe_offsets=torch.tensor([[0, 1, 7]]),
+                              probe_pairs=pairs, backend="torch", block_q=64)
+        assert st.pair_mass.shape == (B, H, 2 * N - 1)
+        peaks.append(spy.peak)
+    assert peaks[1] <= 2.2 * peaks[0], peaks

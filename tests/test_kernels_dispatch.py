@@ -26,6 +26,9 @@ SCALES = HeadEdits(q_scale=ONES, out_scale=ONES * 0.5)
 SCORE = HeadEdits(score_zero=torch.zeros(B, H, dtype=torch.bool))
 ARGMAX = ProbeRequest(argmax=True)
 NO_OFFSETS = ProbeRequest(offsets=torch.zeros(B, 0, dtype=torch.long))  # a probe, even with no columns
+PAIRS = ProbeRequest(pairs=torch.tensor([[[1, 0]], [[2, 2]]]))
+TORCH_PAIRS = "pairs read off each query block's normalised attention"
+TRITON_PAIRS = "pairs from the rows' log-sum-exp (pair kernel)"
 
 # (requested, edits, probes, softcap, device, native, reads_outputs) -> (backend, reason)
 CASES = [
@@ -52,6 +55,11 @@ CASES = [
     (("torch", None, None, None, "cpu", True, False), ("torch", "requested")),
     (("torch", INFINITE, ARGMAX, 30.0, "cuda", True, False), ("torch", "requested")),
     (("triton", SCALES, None, None, "cpu", True, False), ("triton", "requested")),
+    # pair probes: the reason also says how the chosen path computes them
+    (("auto", None, PAIRS, None, "cpu", True, False), ("torch", f"probes; not on CUDA; {TORCH_PAIRS}")),
+    (("auto", SCORE, PAIRS, None, "cuda", False, False), ("triton", f"probes; CUDA; {TRITON_PAIRS}")),
+    (("torch", None, PAIRS, None, "cuda", True, False), ("torch", f"requested; {TORCH_PAIRS}")),
+    (("triton", None, PAIRS, None, "cpu", True, False), ("triton", f"requested; {TRITON_PAIRS}")),
 ]
 
 
@@ -68,6 +76,7 @@ def test_choose_backend_without_triton(monkeypatch):
     monkeypatch.setattr(kattn, "triton_available", lambda: False)
     assert choose_backend(probes=ARGMAX, device="cuda") == ("torch", "probes; triton is not installed")
     assert choose_backend(edits=FINITE, device="cuda") == ("sdpa", "finite key biases")
+    assert choose_backend(probes=PAIRS, device="cuda") == ("torch", f"probes; triton is not installed; {TORCH_PAIRS}")
 
 
 def test_choose_backend_errors():

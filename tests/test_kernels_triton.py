@@ -39,7 +39,7 @@ def run(q, k, v, kpm, kw, **extra):
     out, st = attention(to(q), to(k), to(v), key_padding_mask=to(kpm), backend="triton",
                         **{n: to(x) for n, x in kw.items()}, **extra)
     assert st.backend == "triton"
-    for name in ("argmax", "argmax_prob", "entropy", "span_mass", "offset_mass", "pattern"):
+    for name in ("argmax", "argmax_prob", "entropy", "span_mass", "offset_mass", "pattern", "pair_mass"):
         if getattr(st, name) is not None:
             setattr(st, name, getattr(st, name).cpu())
     return out.cpu(), st
@@ -75,8 +75,9 @@ def test_triton_split_decode_and_general_mask():
         probe_argmax=True, probe_entropy=True, return_pattern=False, softcap=None, window=None,
         num_splits=3, **{n: dev(x) for n, x in kw.items()},
     )
-    st.argmax, st.argmax_prob, st.entropy, st.span_mass, st.offset_mass = (
-        st.argmax.cpu(), st.argmax_prob.cpu(), st.entropy.cpu(), st.span_mass.cpu(), st.offset_mass.cpu())
+    st.argmax, st.argmax_prob, st.entropy, st.span_mass, st.offset_mass, st.pair_mass = (
+        st.argmax.cpu(), st.argmax_prob.cpu(), st.entropy.cpu(), st.span_mass.cpu(), st.offset_mass.cpu(),
+        st.pair_mass.cpu())
     ref = reference(q, k, v, scale=0.25, key_padding_mask=kpm, **kw)
     check(out.cpu(), st, ref, atol=1e-5)
     # general mask (not causal), no padding
@@ -154,3 +155,36 @@ def test_triton_offset_mass_of_uniform_attention():
             assert st.offset_mass[0, 0, i, o].item() == pytest.approx(want, abs=1e-6), (i, d)
     _, st0 = run(q, k, v, None, dict(probe_offsets=torch.zeros(1, 0, dtype=torch.long)), scale=0.3)
     assert st0.offset_mass.shape == (1, 2, Nq, 0)
+
+
+def test_triton_pairs_across_key_tiles_and_splits():
+    """Pair masses (the pair kernel, from the rows' final max and normaliser) at cells far from the query
+    block's diagonal tile, with edits, padding, softcap and a window; and on the split-key decode path, where
+    the normaliser is the merge of the splits'; the reason names the pair path."""
+    B, H, Hkv, N, D = 2, 4, 2, 45, 16
+    q, k, v, kpm, kw = make_case(B, H, Hkv, N, N, D, pad=(0, 6), offsets=False)
+    dev = lambda x: x.to(DEV) if isinstance(x, torch.Tensor) else x  # noqa: E731
+    for extra in ({}, dict(softcap=3.0, window=20)):
+        ref = reference(q, k, v, scale=0.3, key_padding_mask=kpm, **kw, **extra)
+        out, st = ta.triton_attention(
+            dev(q), dev(k), dev(v), scale=0.3, causal=True, key_padding_mask=dev(kpm), attn_mask=None,
+            block_m=16, block_n=16, **{"softcap": None, "window": None, **extra}, **{n: dev(x) for n, x in kw.items()},
+        )
+        assert ref["pair_mass"].abs().sum() > 5  # the probe reads real mass
+        torch.testing.assert_close(st.pair_mass.cpu().double(), ref["pair_mass"], atol=1e-5, rtol=0)
+        torch.testing.assert_close(out.cpu().double(), ref["z"], atol=1e-5, rtol=0)
+    _, st = run(q, k, v, kpm, kw, scale=0.3)
+    assert st.reason.endswith("pairs from the rows' log-sum-exp (pair kernel)")
+    # decode: 2 queries against 60 keys, key axis split in 4 (merged in torch)
+    q, k, v, kpm, kw = make_case(B, H, Hkv, 2, 60, D, pad=(0, 7), offsets=False)
+    ref = reference(q, k, v, scale=0.3, key_padding_mask=kpm, **kw)
+    for splits in (1, 4):
+        out, st = ta.triton_attention(
+            dev(q), dev(k), dev(v), scale=0.3, causal=True, key_padding_mask=dev(kpm), attn_mask=None,
+            softcap=None, window=None, block_n=16, num_splits=splits, **{n: dev(x) for n, x in kw.items()},
+        )
+        torch.testing.assert_close(st.pair_mass.cpu().double(), ref["pair_mass"], atol=1e-5, rtol=0)
+        torch.testing.assert_close(out.cpu().double(), ref["z"], atol=1e-5, rtol=0)
+    # no pair in range: zeros of the requested width
+    _, st0 = run(q, k, v, kpm, dict(probe_pairs=torch.full((B, 3, 2), -1)), scale=0.3)
+    assert st0.pair_mass.shape == (B, H, 3) and (st0.pair_mass == 0).all()

@@ -6,9 +6,10 @@ Attention is read through headlab's instrumentation probes, never by patching th
   ``Probes(pattern=True)`` records every layer's full pattern once; changing layer, head or query is
   then instant.
 - ``mode="query"`` (longer inputs): the prompt up to the query is prefilled with plain SDPA into a KV
-  cache, then the query token alone runs inside :func:`headlab.instrument.instrument` with
-  ``Probes(pattern=True)``: one attention row per (layer, head), memory linear in the input length.
-  Rows are cached per query.
+  cache (keeping only the last position's logits), then the query token alone runs inside
+  :func:`headlab.instrument.instrument` with ``Probes(pattern=True)``: one attention row per (layer, head),
+  memory linear in the input length (the cache, one row, SDPA's own memory), at any length. Rows are
+  cached per query; each new query costs one prefill of the prompt up to it.
 
 Attention mass on named spans (``spans={"needle": [(start, end)]}`` in characters, like
 :class:`headlab.Example` spans) is recorded with ``Probes(spans=...)`` for every layer and head
@@ -250,8 +251,12 @@ class AttentionView(w.VBox):
         cache = None
         with torch.no_grad():
             if q > 0:
-                pre = model(input_ids=ids[:, :q], attention_mask=torch.ones_like(ids[:, :q]),
-                            position_ids=torch.arange(q, device=ids.device)[None], use_cache=True)
+                kw = dict(input_ids=ids[:, :q], attention_mask=torch.ones_like(ids[:, :q]),
+                          position_ids=torch.arange(q, device=ids.device)[None], use_cache=True)
+                try:  # only the cache is needed: no (q, vocab) logits
+                    pre = model(**kw, logits_to_keep=1)
+                except TypeError:  # a model without logits_to_keep
+                    pre = model(**kw)
                 cache = pre.cache
             kwargs: dict[str, Any] = {"cache": cache} if cache is not None else {}
             with instrument(model, Plan(probes=probes)) as rec:

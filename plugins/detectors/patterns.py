@@ -1,35 +1,44 @@
-"""Pattern detectors: previous-token, duplicate-token and induction heads.
+"""Pattern detectors: previous-token, duplicate-token and induction heads, and any custom detection pattern.
 
 METHODS.md, "Pattern detectors (TransformerLens `head_detector` definitions)". A detection pattern
-``D`` (queries x keys) is compared with each head's attention ``A``: ``mul`` scores
+``D`` (queries x keys, 0/1) is compared with each head's attention ``A``: ``mul`` scores
 ``sum(A * D) / sum(A)``, ``abs`` scores ``1 - sum|A - D| / n``. ``exclude_bos`` zeroes ``A[:, 0]``,
 ``exclude_current_token`` zeroes the diagonal. Scores are averaged over the task's sequences.
 
-Every detection pattern here is lower-triangular, so each of its ones ``D[i, j] = 1`` sits at an offset
-``delta = i - j >= 0`` behind its query. When a batch's patterns use at most :data:`MAX_OFFSETS` distinct
-offsets (previous-token: one; a random sequence repeated twice: a handful), the detectors record only the
-attention at those offsets (``Probes(offsets=...)``, ``M[i, delta] = A[i, i - delta]``) plus two span masses
-per query (``A[i, 0]`` and the row total), and :func:`probe_scores` computes exactly what
-:func:`similarity` computes on the full pattern. Otherwise they fall back to ``Probes(pattern=True)``. The
-result's ``attrs["probe"]`` says which ran (``"offsets"``, ``"pattern"`` or ``"offsets+pattern"``).
+A detection pattern is handled as the list of its ones, ``(query, key)`` pairs (:func:`detection_pairs`;
+previous-token: ``n - 1`` pairs, a random sequence repeated twice: about ``n / 2`` plus the chance
+repeats), never as an ``n x n`` matrix. The detectors record, in one instrumented forward, the attention
+at those pairs (``Probes(pairs=...)``, the kernels' sparse probe: memory O(n + pairs), any length), plus the
+diagonal ``A[i, i]`` when ``exclude_current_token``, and two span masses per query (``A[i, 0]`` and the
+row total); :func:`pair_scores` computes from them exactly what :func:`similarity` computes on the full
+pattern. ``probe: pattern`` records the full attention instead (memory ``n^2`` per head; for checks on
+short inputs). The result's ``attrs["probe"]`` says which ran (``"pairs"`` or ``"pattern"``).
+
+Custom patterns (kind ``pattern``): ``pattern`` names an entry of :data:`PATTERNS` (the three above, or one
+a user added), a ``"module:function"`` import path, or (from Python) a function; the function takes one
+example's token ids (1-D int64 tensor) and returns the pattern's ones: an integer (P, 2) tensor / array /
+list of ``(query, key)`` pairs, a tuple ``(queries, keys)`` of two 1-D arrays, or (TransformerLens style) a
+bool or 0/1 float (n, n) matrix.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import importlib
+import inspect
+from collections.abc import Callable
+from typing import Any, Literal
 
 import numpy as np
 import torch
 import xarray as xr
-from pydantic import Field
+from pydantic import Field, field_serializer
+from pydantic.json_schema import SkipJsonSchema
 
 from headlab import ComponentConfig, StepContext, hookimpl
 from headlab.dims import head_array
 from headlab.generation import tokenize
 
-#: a batch is scored from offset probes when every row's detection pattern (with the diagonal, when it is
-#: excluded) needs at most this many distinct offsets; otherwise from the full attention pattern
-MAX_OFFSETS = 64
+PatternFunction = Callable[[torch.Tensor], Any]
 
 
 class _Pattern(ComponentConfig):
@@ -37,6 +46,9 @@ class _Pattern(ComponentConfig):
     exclude_bos: bool = Field(False, description="zero attention to the first token")
     exclude_current_token: bool = Field(False, description="zero attention to the query's own token")
     batch_size: int = Field(8, ge=1)
+    probe: Literal["pairs", "pattern"] = Field(
+        "pairs", description="pairs: the attention at the pattern's (query, key) pairs (memory linear in length); "
+        "pattern: the full attention pattern (memory n^2 per head; short inputs only)")
 
 
 class PreviousToken(_Pattern):
@@ -57,19 +69,135 @@ class Induction(_Pattern):
     kind: Literal["induction"] = "induction"
 
 
-def detection_pattern(kind: str, tokens: torch.Tensor) -> torch.Tensor:
-    """The (n x n) detection pattern ``D`` of ``kind`` for one token sequence."""
+class CustomPattern(_Pattern):
+    """Heads whose attention matches a detection pattern given by name, import path or function."""
+
+    kind: Literal["pattern"] = "pattern"
+    pattern: str | SkipJsonSchema[PatternFunction] = Field(
+        ..., description="a name in PATTERNS (previous_token, duplicate_token, induction, or one you added) or "
+        "'module:function'; the function maps one example's token ids to the pattern's (query, key) pairs")
+
+    @field_serializer("pattern")
+    def _name_of(self, pattern: Any) -> str:
+        return pattern if isinstance(pattern, str) else pattern_name(pattern)
+
+
+# --------------------------------------------------------------------------- detection patterns as pairs
+def _earlier_copies(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every ``(i, j)`` with ``j < i`` and ``tokens[j] == tokens[i]``, in O(n log n + pairs)."""
+    t = torch.as_tensor(tokens).long().cpu().reshape(-1)
+    n = t.shape[0]
+    if n == 0:
+        empty = torch.zeros(0, dtype=torch.long)
+        return empty, empty
+    order = torch.sort(t, stable=True).indices  # positions grouped by token, increasing within a group
+    st = t[order]
+    new = torch.ones(n, dtype=torch.bool)
+    new[1:] = st[1:] != st[:-1]
+    first = torch.where(new, torch.arange(n), torch.zeros(n, dtype=torch.long)).cummax(0).values
+    rank = torch.arange(n) - first  # place within its token's group
+    qs, ks = [], []
+    idx = (rank >= 1).nonzero().squeeze(-1)
+    lag = 1
+    while idx.numel():  # each round pairs every copy with the copy `lag` places before it
+        qs.append(order[idx])
+        ks.append(order[idx - lag])
+        lag += 1
+        idx = idx[rank[idx] >= lag]
+    if not qs:
+        empty = torch.zeros(0, dtype=torch.long)
+        return empty, empty
+    return torch.cat(qs), torch.cat(ks)
+
+
+def previous_token_pairs(tokens: torch.Tensor) -> torch.Tensor:
+    """Previous-token pattern: ``(i, i - 1)`` for ``i >= 1``."""
+    i = torch.arange(1, len(tokens))
+    return torch.stack([i, i - 1], -1)
+
+
+def duplicate_token_pairs(tokens: torch.Tensor) -> torch.Tensor:
+    """Duplicate-token pattern: ``(i, j)`` for every earlier copy ``j < i`` of token ``i``."""
+    q, k = _earlier_copies(tokens)
+    return torch.stack([q, k], -1)
+
+
+def induction_pairs(tokens: torch.Tensor) -> torch.Tensor:
+    """Induction pattern: ``(i, j + 1)`` for every earlier copy ``j < i`` of token ``i`` (the token after it)."""
+    q, k = _earlier_copies(tokens)
+    return torch.stack([q, k + 1], -1)
+
+
+#: detection patterns by name: a function of one example's token ids returning the pattern's ones (see the
+#: module docstring for the forms it may return); add an entry to use a new name in specs
+PATTERNS: dict[str, PatternFunction] = {
+    "previous_token": previous_token_pairs,
+    "duplicate_token": duplicate_token_pairs,
+    "induction": induction_pairs,
+}
+
+
+def pattern_name(pattern: str | PatternFunction) -> str:
+    """A pattern's name: the name itself, or ``module:qualname`` of a function."""
+    if isinstance(pattern, str):
+        return pattern
+    return f"{getattr(pattern, '__module__', '?')}:{getattr(pattern, '__qualname__', repr(pattern))}"
+
+
+def resolve_pattern(pattern: str | PatternFunction) -> PatternFunction:
+    """The function of a pattern given by name (:data:`PATTERNS`), ``"module:function"`` or as a function."""
+    if callable(pattern):
+        return pattern
+    if pattern in PATTERNS:
+        return PATTERNS[pattern]
+    if ":" in pattern:
+        module, _, attr = pattern.partition(":")
+        obj: Any = importlib.import_module(module)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+        if not callable(obj):
+            raise ValueError(f"detection pattern {pattern!r} is not a function")
+        return obj
+    raise ValueError(f"unknown detection pattern {pattern!r}: give one of {sorted(PATTERNS)} or 'module:function'")
+
+
+def detection_pairs(pattern: str | PatternFunction, tokens: torch.Tensor) -> torch.Tensor:
+    """The ones of the detection pattern for one token sequence, as distinct ``(query, key)`` pairs: a (P, 2)
+    int64 tensor sorted by query, then key. Raises ``ValueError`` for pairs outside ``0..n-1`` or a matrix
+    with values other than 0 and 1."""
+    tokens = torch.as_tensor(tokens).long().cpu().reshape(-1)
     n = tokens.shape[0]
-    if kind == "previous_token":
-        return torch.diag(torch.ones(n - 1), -1)
-    dup = (tokens[:, None] == tokens[None, :]).float().tril(-1)
-    if kind == "duplicate_token":
-        return dup
-    shifted = torch.zeros_like(dup)
-    shifted[:, 1:] = dup[:, :-1]
-    return shifted.tril()
+    got = resolve_pattern(pattern)(tokens)
+    if isinstance(got, tuple) and len(got) == 2:
+        pairs = torch.stack([torch.as_tensor(got[0]).long().reshape(-1), torch.as_tensor(got[1]).long().reshape(-1)],
+                            -1)
+    else:
+        t = torch.as_tensor(np.asarray(got) if isinstance(got, list) else got)
+        if (t.dtype.is_floating_point or t.dtype == torch.bool) and t.dim() == 2 and t.shape == (n, n):
+            if not bool(((t == 0) | (t == 1)).all()):
+                raise ValueError("a detection pattern matrix must hold only 0 and 1")
+            pairs = t.nonzero()
+        else:
+            if t.dtype.is_floating_point or t.dtype == torch.bool:
+                raise ValueError(f"detection pattern pairs must be integers (or an ({n}, {n}) 0/1 matrix)")
+            pairs = t.long().reshape(-1, 2) if t.numel() else torch.zeros(0, 2, dtype=torch.long)
+    if pairs.numel() and (int(pairs.min()) < 0 or int(pairs.max()) >= n):
+        raise ValueError(f"detection pattern pairs must lie in 0..{n - 1}")
+    code = torch.unique(pairs[:, 0] * n + pairs[:, 1], sorted=True)  # distinct, by query then key
+    return torch.stack([code // max(n, 1), code % max(n, 1)], -1)
 
 
+def detection_pattern(pattern: str | PatternFunction, tokens: torch.Tensor) -> torch.Tensor:
+    """The dense (n x n) float detection pattern ``D`` for one token sequence (built only for the full-pattern
+    path and checks)."""
+    n = len(tokens)
+    d = torch.zeros(n, n)
+    pairs = detection_pairs(pattern, tokens)
+    d[pairs[:, 0], pairs[:, 1]] = 1.0
+    return d
+
+
+# --------------------------------------------------------------------------- scores
 def similarity(pattern: torch.Tensor, det: torch.Tensor, measure: str, exclude_bos: bool,
                exclude_current: bool) -> torch.Tensor:
     """Scores of attention patterns ``(..., n, n)`` against ``det`` ``(n, n)``; returns ``(...)``."""
@@ -91,65 +219,69 @@ def similarity(pattern: torch.Tensor, det: torch.Tensor, measure: str, exclude_b
     return 1 - diff.sum((-1, -2)) / n
 
 
-def pattern_offsets(det: torch.Tensor, exclude_current: bool = False) -> list[int] | None:
-    """The distinct offsets ``i - j`` of the ones of ``det`` (n, n), sorted, plus 0 when the diagonal is
-    excluded (its mass is then needed); ``None`` when a one lies above the diagonal (not an offset probe)."""
-    ii, jj = det.nonzero(as_tuple=True)
-    deltas = set((ii - jj).tolist())
-    if any(d < 0 for d in deltas):
-        return None
-    if exclude_current:
-        deltas.add(0)
-    return sorted(deltas)
-
-
-def probe_scores(offset_mass: torch.Tensor, offsets: list[int], bos_mass: torch.Tensor, row_mass: torch.Tensor,
-                 det: torch.Tensor, measure: str, exclude_bos: bool, exclude_current: bool) -> torch.Tensor:
+def pair_scores(pair_mass: torch.Tensor, pairs: torch.Tensor, bos_mass: torch.Tensor, row_mass: torch.Tensor,
+                measure: str, exclude_bos: bool, exclude_current: bool,
+                diag_mass: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`similarity` from probes instead of the pattern ``A`` (n x n); returns ``(...)``.
 
-    ``offset_mass`` (..., n, O): ``A[i, i - offsets[o]]`` (0 where ``i - offsets[o] < 0``), with ``offsets``
-    distinct and covering every offset of ``det``'s ones (and 0 when ``exclude_current``); ``bos_mass``
-    (..., n): ``A[i, 0]``; ``row_mass`` (..., n): ``sum_j A[i, j]`` (1, or 0 for a padding query).
+    ``pairs`` (P, 2): the distinct ``(query, key)`` ones of ``D``; ``pair_mass`` (..., P): ``A`` at them;
+    ``bos_mass`` (..., n): ``A[i, 0]``; ``row_mass`` (..., n): ``sum_j A[i, j]`` (1, or 0 for a padding
+    query); ``diag_mass`` (..., n): ``A[i, i]``, needed when ``exclude_current``.
 
-    With ``A∘D`` summed over ``det``'s ones read off the offsets, and the excluded cells (column 0, the
-    diagonal, counted once where they meet at ``(0, 0)``) read off ``bos_mass`` and offset 0:
-    ``mul`` = ``(sum(A∘D) - sum_excl A·D) / (sum(A) - sum_excl A)``; ``abs`` = ``1 - (sum|A-D| - sum_excl
-    |A-D|) / n`` with ``sum|A-D| = sum(A) + sum(D) - 2 sum(A∘D)`` (A in [0, 1], D in {0, 1}). As in
-    :func:`similarity`, the exclusions remove cells of ``A`` under ``mul`` and cells of ``|A - D|`` under
-    ``abs``.
+    With ``sum(A∘D)`` the sum of the pair masses and the excluded cells ``E`` (column 0, the diagonal,
+    ``(0, 0)`` counted once where they meet): ``mul`` = ``(sum(A∘D) - sum_E A·D) / (sum(A) - sum_E A)``;
+    ``abs`` = ``1 - (sum|A-D| - sum_E |A-D|) / n`` with ``sum|A-D| = sum(A) + sum(D) - 2 sum(A∘D)`` and
+    ``sum_E |A-D| = sum_E A + |E ∩ D| - 2 sum_E A·D`` (A in [0, 1], D in {0, 1}). As in :func:`similarity`,
+    the exclusions remove cells of ``A`` under ``mul`` and cells of ``|A - D|`` under ``abs``.
     """
-    det = det.double()
-    n = det.shape[-1]
-    m = offset_mass.double()
-    offsets = [int(d) for d in offsets]
-    if m.shape[-1] != len(offsets) or m.shape[-2] != n:
-        raise ValueError(f"offset_mass {tuple(m.shape)} does not match {len(offsets)} offsets and n = {n}")
-    i = torch.arange(n)[:, None]
-    j = i - torch.tensor(offsets, dtype=torch.long).reshape(1, -1)
-    w = torch.where(j >= 0, det[i.expand_as(j), j.clamp_min(0)], torch.zeros((), dtype=torch.float64))  # (n, O)
-    a_d = (m * w).sum((-1, -2))  # sum(A ∘ D)
+    m = pair_mass.double()
+    pairs = torch.as_tensor(pairs).long().reshape(-1, 2)
+    n = bos_mass.shape[-1]
+    if m.shape[-1] != pairs.shape[0]:
+        raise ValueError(f"pair_mass {tuple(m.shape)} does not match {pairs.shape[0]} pairs")
+    q, k = pairs[:, 0], pairs[:, 1]
+    a_d = m.sum(-1)  # sum(A ∘ D)
     total = row_mass.double().sum(-1)  # sum(A)
     bos = bos_mass.double()
     zero = torch.zeros_like(total)
-    ex_a, ex_ad, ex_abs = zero, zero, zero  # sums over the excluded cells of A, A·D and |A - D|
+    ex_a, ex_ad, ex_n = zero, zero, 0  # over the excluded cells: sum of A, of A·D, and |E ∩ D|
+
+    def on(sel: torch.Tensor) -> torch.Tensor:
+        return m[..., sel].sum(-1)
+
     if exclude_bos:
-        col = det[:, 0]
-        ex_a, ex_ad, ex_abs = ex_a + bos.sum(-1), ex_ad + (bos * col).sum(-1), ex_abs + (bos - col).abs().sum(-1)
+        ex_a, ex_ad, ex_n = ex_a + bos.sum(-1), ex_ad + on(k == 0), ex_n + int((k == 0).sum())
     if exclude_current:
-        diag, dd = m[..., offsets.index(0)], det.diagonal()
-        ex_a, ex_ad, ex_abs = ex_a + diag.sum(-1), ex_ad + (diag * dd).sum(-1), ex_abs + (diag - dd).abs().sum(-1)
+        if diag_mass is None:
+            raise ValueError("exclude_current needs diag_mass (A[i, i])")
+        ex_a, ex_ad, ex_n = ex_a + diag_mass.double().sum(-1), ex_ad + on(q == k), ex_n + int((q == k).sum())
     if exclude_bos and exclude_current:  # (0, 0) is both the first column and the diagonal: count it once
-        a00, d00 = bos[..., 0], det[0, 0]
-        ex_a, ex_ad, ex_abs = ex_a - a00, ex_ad - a00 * d00, ex_abs - (a00 - d00).abs()
+        both = (q == 0) & (k == 0)
+        ex_a, ex_ad, ex_n = ex_a - bos[..., 0], ex_ad - on(both), ex_n - int(both.sum())
     if measure == "mul":
         return (a_d - ex_ad) / (total - ex_a)
-    return 1 - (total + det.sum() - 2 * a_d - ex_abs) / n
+    ex_abs = ex_a + ex_n - 2 * ex_ad
+    return 1 - (total + pairs.shape[0] - 2 * a_d - ex_abs) / n
+
+
+# --------------------------------------------------------------------------- the detector
+def _forward_kwargs(model: Any) -> dict[str, Any]:
+    """Forward arguments that skip what a detector does not read: the KV cache and all logits but the last
+    (when the model's forward takes ``logits_to_keep``)."""
+    kw: dict[str, Any] = {"use_cache": False}
+    try:
+        if "logits_to_keep" in inspect.signature(model.forward).parameters:
+            kw["logits_to_keep"] = 1
+    except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
+        pass
+    return kw
 
 
 def detect(config: _Pattern, ctx: StepContext) -> xr.Dataset:
     """Score every head of the model against the pattern, per example and averaged."""
     from headlab.instrument import Plan, Probes, instrument
 
+    pattern = config.pattern if isinstance(config, CustomPattern) else config.kind
     geo = ctx.model.geometry
     scores = np.zeros((len(ctx.examples), geo.n_layers, geo.n_heads))
     by_len: dict[int, list[int]] = {}
@@ -157,41 +289,45 @@ def detect(config: _Pattern, ctx: StepContext) -> xr.Dataset:
         n = len(ex.input_ids) if ex.input_ids is not None else len(ctx.model.tokenizer(ex.prompt)["input_ids"])
         by_len.setdefault(n, []).append(i)
     groups = [idx[j: j + config.batch_size] for idx in by_len.values() for j in range(0, len(idx), config.batch_size)]
-    used: set[str] = set()
-    for idx in ctx.progress(groups, f"{config.kind} heads"):
+    fwd = _forward_kwargs(ctx.model.model)
+    use_pairs = config.probe == "pairs"
+    ex_cur = config.exclude_current_token
+    for idx in ctx.progress(groups, f"{pattern_name(pattern)} heads"):
         batch = tokenize(ctx.model, [ctx.examples[i] for i in idx])
         ids = batch.input_ids.cpu()
         n = ids.shape[1]
-        dets = [detection_pattern(config.kind, ids[r]) for r in range(len(idx))]
-        offsets = [pattern_offsets(d, config.exclude_current_token) for d in dets]
-        use_offsets = all(o is not None and len(o) <= MAX_OFFSETS for o in offsets)
-        if use_offsets:  # the attention at the patterns' offsets, A[:, 0] and the row totals
-            probes = Probes(offsets=offsets, spans=[(0, 1), (0, n)])
+        pairs = [detection_pairs(pattern, ids[r]) for r in range(len(idx))]
+        if use_pairs:  # A at D's ones (then at the diagonal), A[:, 0] and the row totals
+            diag = torch.arange(n)[:, None].expand(n, 2)
+            probe_pairs = [torch.cat([p, diag]) if ex_cur else p for p in pairs]
+            probes = Probes(pairs=probe_pairs, spans=[(0, 1), (0, n)])
         else:
             probes = Probes(pattern=True)
-        used.add("offsets" if use_offsets else "pattern")
         with torch.no_grad(), instrument(ctx.model.model, Plan(probes=probes)) as rec:
-            ctx.model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
-        if use_offsets:
-            om = rec.offset_mass.float().cpu()  # (example, layer, head, query, offset)
-            sm = rec.span_mass.float().cpu()  # (example, layer, head, query, 2)
+            ctx.model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **fwd)
+        if use_pairs:
+            pm = rec.pair_mass.cpu()  # (example, layer, head, pair)
+            sm = rec.span_mass.cpu()  # (example, layer, head, query, 2)
             for r, i in enumerate(idx):
-                scores[i] = probe_scores(om[r, ..., :len(offsets[r])], offsets[r], sm[r, ..., 0], sm[r, ..., 1],
-                                         dets[r], config.error_measure, config.exclude_bos,
-                                         config.exclude_current_token).numpy()
+                n_d = pairs[r].shape[0]
+                scores[i] = pair_scores(pm[r, ..., :n_d], pairs[r], sm[r, ..., 0], sm[r, ..., 1],
+                                        config.error_measure, config.exclude_bos, ex_cur,
+                                        diag_mass=pm[r, ..., n_d:n_d + n] if ex_cur else None).numpy()
             continue
-        pattern = rec.pattern.float().cpu()  # (example, layer, head, query, key)
+        pat = rec.pattern.float().cpu()  # (example, layer, head, query, key)
         for r, i in enumerate(idx):
-            scores[i] = similarity(pattern[r], dets[r], config.error_measure, config.exclude_bos,
-                                   config.exclude_current_token).numpy()
+            det = torch.zeros(n, n)
+            det[pairs[r][:, 0], pairs[r][:, 1]] = 1.0
+            scores[i] = similarity(pat[r], det, config.error_measure, config.exclude_bos, ex_cur).numpy()
     per_example = head_array(scores, "example")
     ds = xr.Dataset({"score": per_example.mean("example"), "example_score": per_example})
-    ds.attrs.update(method=config.kind, error_measure=config.error_measure, model=ctx.model.name,
-                    reference="METHODS.md#pattern-detectors", probe="+".join(sorted(used)) or "none")
+    ds.attrs.update(method=config.kind, pattern=pattern_name(pattern), error_measure=config.error_measure,
+                    model=ctx.model.name, reference="METHODS.md#pattern-detectors",
+                    probe=config.probe if groups else "none")
     return ds
 
 
 @hookimpl
 def headlab_register_detectors(register):
-    for config in (PreviousToken, DuplicateToken, Induction):
+    for config in (PreviousToken, DuplicateToken, Induction, CustomPattern):
         register(config, detect)

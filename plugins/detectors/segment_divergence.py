@@ -20,6 +20,7 @@ outlier filter). For a VLM call :func:`segment_divergence` with the image-token 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -55,8 +56,12 @@ def last_z(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
 
     if position_ids is None:
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    kw = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **forward_kwargs)
+    kw.setdefault("use_cache", False)  # only z is read: no KV cache, no (batch, length, vocab) logits
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        kw.setdefault("logits_to_keep", 1)
     with torch.no_grad(), instrument(model, Plan(probes=Probes(z_positions="last"))) as rec:
-        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **forward_kwargs)
+        model(**kw)
     return rec.z[:, :, :, -1].float()
 
 
