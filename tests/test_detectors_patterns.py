@@ -167,11 +167,11 @@ def test_custom_patterns_by_name_path_function_and_matrix(tmp_path):
     task = "{kind: repeated_tokens, n: 3, length: [5, 7]}"
     steps = ("  - id: named\n    detect: {kind: pattern, pattern: induction, exclude_bos: true}\n"
              "  - id: kind\n    detect: {kind: induction, exclude_bos: true}\n"
-             "  - id: path\n    detect: {kind: pattern, pattern: 'test_patterns:_skip_two', error_measure: abs}\n")
+             "  - id: path\n    detect: {kind: pattern, pattern: 'test_detectors_patterns:_skip_two', error_measure: abs}\n")
     run = headlab.run(spec_text(steps, task=task), out=tmp_path / "a")
     np.testing.assert_array_equal(run.results["named"]["example_score"].values, run.results["kind"]["example_score"].values)
     ds = run.results["path"]
-    assert ds.attrs["pattern"] == "test_patterns:_skip_two" and ds.attrs["probe"] == "pairs"
+    assert ds.attrs["pattern"] == "test_detectors_patterns:_skip_two" and ds.attrs["probe"] == "pairs"
     per_example = ds["example_score"].transpose("example", "layer", "head").values
     for e in range(3):
         ids = torch.tensor([int(t) for t in ds["input_ids"].values[e] if t >= 0])
