@@ -14,7 +14,7 @@ from headlab import StepContext, hookimpl
 from headlab.generation import DecodeRequest, tokenize
 from headlab.plugin_manager import get_manager
 from headlab.runner import decode_info
-from headlab.spec import SpecTypes, StrictModel
+from headlab.spec import NonEmptyStr, PositiveInt, SpecTypes, StrictModel
 
 from .common import decoding_config, kind_shorthand, steering_plan
 
@@ -27,8 +27,8 @@ def generate_config(types: SpecTypes) -> type[StrictModel]:
         """Generate continuations for every example, optionally steered and with a decoding strategy."""
 
         metrics: list[Metric] = Field(default_factory=list)
-        max_new_tokens: int = Field(16, ge=1)
-        stop: list[str] = Field(default_factory=list, description="stop strings")
+        max_new_tokens: PositiveInt = Field(16)
+        stop: list[NonEmptyStr] = Field(default_factory=list, description="stop strings (non-empty)")
 
     return Generate
 

@@ -26,6 +26,7 @@ from pydantic import Field
 from headlab import ComponentConfig, StepContext, hookimpl
 from headlab.dims import head_array
 from headlab.generation import tokenize
+from headlab.spec import PositiveInt
 
 #: a batch is scored from offset probes when every row's detection pattern (with the diagonal, when it is
 #: excluded) needs at most this many distinct offsets; otherwise from the full attention pattern
@@ -36,7 +37,7 @@ class _Pattern(ComponentConfig):
     error_measure: Literal["mul", "abs"] = Field("mul", description="mul: sum(A*D)/sum(A); abs: 1 - sum|A-D|/n")
     exclude_bos: bool = Field(False, description="zero attention to the first token")
     exclude_current_token: bool = Field(False, description="zero attention to the query's own token")
-    batch_size: int = Field(8, ge=1)
+    batch_size: PositiveInt = 8
 
 
 class PreviousToken(_Pattern):

@@ -8,19 +8,20 @@ succeed through a fixed positional offset.
 from __future__ import annotations
 
 import random
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
 from headlab import ComponentConfig, Example, TaskContext, hookimpl
+from headlab.spec import PositiveInt
 
 
 class RepeatedTokens(ComponentConfig):
     """Random tokens repeated twice (induction / duplicate-token probe)."""
 
     kind: Literal["repeated_tokens"] = "repeated_tokens"
-    n: int = Field(8, ge=1, description="number of sequences")
-    length: int | list[int] = Field(24, description="length of the random segment (or several, cycled)")
+    n: PositiveInt = Field(8, description="number of sequences")
+    length: PositiveInt | Annotated[list[PositiveInt], Field(min_length=1)] = Field(24, description="length of the random segment (or several, cycled)")
     bos: bool = Field(True, description="prepend the tokenizer's BOS token when it has one")
 
 
