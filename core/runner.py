@@ -23,24 +23,42 @@ import xarray as xr
 from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
 
+from . import resources
 from .context import Example, Reporter, StepContext, TaskContext
-from .model import LoadedModel, load_model
+from .errors import step_error
+from .model import LoadedModel, ModelLoadError, load_model
 from .plugin_manager import get_manager
 from .results import Run, RunWriter, now, open_run
 from .spec import Cell, LoadedSpec, load_spec
 
+PREFLIGHT_CELLS = 4096
+"""Cells checked against the model and the resource budget before a run starts (each is checked again before
+it runs)."""
+
 
 class ModelCache:
-    """Loads each distinct model spec once per run."""
+    """Loads each distinct model spec once per run (within the resource budget ``limits``)."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, limits: Any = None) -> None:
         self._models: dict[str, LoadedModel] = {}
         self.seed = seed
+        self.limits = limits
 
     def get(self, spec: Any) -> LoadedModel:
+        """The loaded model of ``spec``. Any failure is a :class:`ModelLoadError` naming the model (and the
+        plugin that loads it), a :class:`~headlab.resources.ResourceLimitError` past the budget."""
         key = spec.model_dump_json()
         if key not in self._models:
-            self._models[key] = load_model(spec, self.seed)
+            resources.check_model(spec, self.limits)
+            try:
+                self._models[key] = load_model(spec, self.seed)
+            except (ModelLoadError, resources.ResourceLimitError):
+                raise
+            except Exception as e:  # a model plugin or transformers failing in its own way: one line naming it
+                comp = get_manager().components["models"].get(spec.path or spec.id or "")
+                by = f" (model plugin {comp.plugin})" if comp is not None else ""
+                first = (str(e).strip().splitlines() or [""])[0]
+                raise ModelLoadError(f"cannot load model '{spec.name}'{by}: {type(e).__name__}: {first}") from e
         return self._models[key]
 
 
@@ -141,6 +159,7 @@ def run_cell(loaded: LoadedSpec, cell: Cell, models: ModelCache, reporter: Repor
     spec = loaded.for_cell(cell)
     reporter = reporter or Reporter()
     lm = models.get(spec.model)
+    preflight(loaded, spec, lm, cell)
     _seed(spec.seed)
     results: dict[str, xr.Dataset] = {}
     example_cache: dict[str, list[Example]] = {}
@@ -148,13 +167,21 @@ def run_cell(loaded: LoadedSpec, cell: Cell, models: ModelCache, reporter: Repor
         task = step.task or spec.task
         key = task.model_dump_json()
         if key not in example_cache:
-            example_cache[key] = build_examples(task, lm, spec.seed)
+            try:
+                example_cache[key] = build_examples(task, lm, spec.seed)
+            except (Exception, SystemExit) as e:
+                raise step_error(e, step=step, config=None, task=task, cell=cell) from e
         examples = example_cache[key]
         ctx = StepContext(model=lm, examples=examples, results=results, seed=spec.seed, step_id=step.id,
                           reporter=reporter, cancel=cancel or (lambda: False))
         _seed(spec.seed)
         config = getattr(step, step.action)
-        ds = get_manager().get("actions", step.action).impl(config, ctx)
+        try:
+            ds = get_manager().get("actions", step.action).impl(config, ctx)
+            if not isinstance(ds, xr.Dataset):
+                raise TypeError(f"the action returned {type(ds).__name__}, not an xarray Dataset")
+        except (Exception, SystemExit) as e:  # KeyboardInterrupt passes: the run is interrupted, not failed
+            raise step_error(e, step=step, config=config, cell=cell) from e
         ex = examples_dataset(examples, lm)
         ds = ds.merge(ex, compat="override", join="left"
                       if "example" in ds.dims else "outer")
@@ -162,6 +189,37 @@ def run_cell(loaded: LoadedSpec, cell: Cell, models: ModelCache, reporter: Repor
                         model=lm.name)
         results[step.id] = ds
     return results
+
+
+def preflight(loaded: LoadedSpec, spec: Any, lm: LoadedModel, cell: Cell | None = None) -> None:
+    """Checks of one cell's spec against the loaded model, before anything of the cell runs: every ``top`` of
+    a head selection within the model's heads (a located :class:`SpecError`), and the resource guard
+    (:func:`headlab.resources.check`)."""
+    from .heads import HeadSelectionError, check_top
+    from .spec import SpecError, _position, format_path
+
+    swept = f"cell {cell.name} ({', '.join(f'{k}={v!r}' for k, v in cell.values)})" if cell and cell.values else ""
+    for path, node in _selections(spec.model_dump(by_alias=True, exclude_none=True), []):
+        try:
+            check_top(node.get("top"), lm.geometry)
+        except HeadSelectionError as e:
+            where = [*path, "top"]
+            line, col = _position(loaded.tree, where) if loaded.tree is not None else (None, None)
+            raise SpecError(f"{e}" + (f" in {swept}" if swept else ""), source=loaded.source, line=line, col=col,
+                            path=format_path(where)) from None
+    resources.check(spec, lm, swept)
+
+
+def _selections(node: Any, path: list[Any]) -> Any:
+    """(path, mapping) of every head selection with a ``top`` in a dumped spec."""
+    if isinstance(node, Mapping):
+        if "top" in node and ("from" in node or "file" in node):
+            yield path, node
+        for k, v in node.items():
+            yield from _selections(v, [*path, k])
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _selections(v, [*path, i])
 
 
 def _jsonable(config: Any) -> Any:
@@ -216,8 +274,11 @@ def run(spec: str | Path | Mapping[str, Any] | LoadedSpec, *, out: str | Path | 
             loaded = loaded.with_overrides(overrides)
         writer = None
     cells = loaded.cells
-    models = ModelCache(loaded.spec.seed)
+    models = ModelCache(loaded.spec.seed, loaded.spec.limits)
     first_model = models.get(loaded.for_cell(cells[0]).model)
+    for cell in cells[:PREFLIGHT_CELLS]:  # refuse before a store is created; every cell is checked again as it runs
+        cell_spec = loaded.for_cell(cell)
+        preflight(loaded, cell_spec, models.get(cell_spec.model), cell)
     if writer is None:
         attrs = {
             "name": loaded.spec.name, "status": "running", "created": now(), "spec_text": loaded.text,
@@ -241,8 +302,9 @@ def run(spec: str | Path | Mapping[str, Any] | LoadedSpec, *, out: str | Path | 
             reporter.advance("cells")
             if on_cell is not None:
                 on_cell(cell)
-    except BaseException:
+    except BaseException as e:
         writer.set_attrs(status="interrupted")
+        e.add_note(f"run store: {writer.path}")  # the CLI names it in its "interrupted" line
         raise
     finally:
         reporter.stop("cells")

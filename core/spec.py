@@ -220,7 +220,8 @@ class ModelSpec(StrictModel):
         import torch
 
         try:
-            torch.device(value)
+            if torch.device(value).type not in ("cpu", "cuda", "mps", "xpu"):
+                raise ValueError(value)
         except (RuntimeError, ValueError, TypeError):
             raise PydanticCustomError(
                 "unknown_device", "unknown device '{device}': use auto, cpu, cuda, cuda:<index>, mps or xpu",
@@ -672,11 +673,11 @@ def _clean_loc(loc: tuple[Any, ...], data: Any) -> list[Any]:
     node = data
     for part in loc:
         if isinstance(node, Mapping) and part not in node and isinstance(part, str) and (
-                node.get("kind") == part or "[" in part or part.startswith("function-")
+                node.get("kind") == part or "[" in part or part.startswith(("function-", "constrained-", "lax-"))
                 or part in ("list", "dict", "str", "int", "float")):
             continue
-        if isinstance(node, list) and isinstance(part, str):
-            continue
+        if not isinstance(node, Mapping) and isinstance(part, str) and out:
+            continue  # a union member's marker below a list or a scalar (``list[int]``, ``constrained-int``)
         out.append(part)
         if isinstance(node, Mapping):
             node = node.get(part)
@@ -691,7 +692,11 @@ def first_error(exc: ValidationError, data: Any, tree: Any, source: str) -> Spec
     """Turn pydantic's first (most specific) error into a located one-line SpecError."""
     errors = exc.errors(include_url=False)
     rank = {"unknown_key": 0, "unknown_kind": 0, "missing_kind": 0, "expected_component": 0, "step_action": 1}
-    errors.sort(key=lambda e: (rank.get(e["type"], 2), -len(e["loc"])))
+    # in a union, "not an int" for the int member says less than "too short" for the list member the value is
+    mismatch = {"int_type", "int_parsing", "float_type", "float_parsing", "string_type", "bool_type", "bool_parsing",
+                "list_type", "tuple_type", "dict_type", "model_type", "model_attributes_type", "literal_error",
+                "none_required", "is_instance_of"}
+    errors.sort(key=lambda e: (rank.get(e["type"], 2), e["type"] in mismatch, -len(e["loc"])))
     err = errors[0]
     path = _clean_loc(err["loc"], data)
     msg = err["msg"]

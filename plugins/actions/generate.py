@@ -13,6 +13,7 @@ from pydantic import BeforeValidator, Field
 from headlab import StepContext, hookimpl
 from headlab.generation import DecodeRequest, tokenize
 from headlab.plugin_manager import get_manager
+from headlab.resources import Estimate, EstimateContext
 from headlab.runner import decode_info
 from headlab.spec import NonEmptyStr, PositiveInt, SpecTypes, StrictModel
 
@@ -29,6 +30,10 @@ def generate_config(types: SpecTypes) -> type[StrictModel]:
         metrics: list[Metric] = Field(default_factory=list)
         max_new_tokens: PositiveInt = Field(16)
         stop: list[NonEmptyStr] = Field(default_factory=list, description="stop strings (non-empty)")
+
+        def estimate(self, ctx: EstimateContext) -> list[Estimate]:
+            """The KV cache of a batch decoding ``max_new_tokens`` after the longest prompt (resource guard)."""
+            return [ctx.kv_cache(ctx.task.tokens + self.max_new_tokens, ctx.rows(self.batch_size))]
 
     return Generate
 

@@ -14,6 +14,7 @@ from pydantic import BeforeValidator, Field
 from headlab import StepContext, hookimpl
 from headlab.generation import ScoreRequest, continuation_batch
 from headlab.plugin_manager import get_manager
+from headlab.resources import Estimate, EstimateContext
 from headlab.spec import SpecTypes, StrictModel
 
 from .common import decoding_config, kind_shorthand, steering_plan
@@ -32,6 +33,10 @@ def score_config(types: SpecTypes) -> type[StrictModel]:
 
         metrics: list[ChoiceMetric] = Field(defaults, validate_default=True,
                                             description="multiple-choice metrics of the choices' scores")
+
+        def estimate(self, ctx: EstimateContext) -> list[Estimate]:
+            """The KV cache of a batch of prompt + choice rows over the longest prompt (resource guard)."""
+            return [ctx.kv_cache(ctx.task.tokens, ctx.rows(self.batch_size))]
 
     return Score
 

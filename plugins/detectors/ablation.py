@@ -33,6 +33,7 @@ from pydantic import Field, model_validator
 from headlab import ComponentConfig, Example, HeadSelection, StepContext, hookimpl
 from headlab.generation import DecodeRequest, decode_loop, tokenize
 from headlab.model import Geometry, LoadedModel
+from headlab.resources import Estimate, EstimateContext
 from headlab.spec import NonEmptyStr, NonNegativeFloat, NonNegativeInt, PositiveInt, Seed
 
 from .retrieval import length_batches
@@ -64,6 +65,10 @@ class Ablation(ComponentConfig):
     length_slack: NonNegativeFloat = Field(0.125, description="a batch holds prompts at most this fraction longer "
                                 "than its shortest (left padding costs compute)")
     seed: Seed = Field(0, description="offset added to the run seed for the random draws")
+
+    def estimate(self, ctx: EstimateContext) -> list[Estimate]:
+        """The KV cache of a batch (every condition) decoding ``max_new_tokens`` after the longest prompt (resource guard)."""
+        return [ctx.kv_cache(ctx.task.tokens + self.max_new_tokens, ctx.rows(self.batch_size))]
 
     @model_validator(mode="after")
     def _check(self) -> Ablation:

@@ -39,6 +39,7 @@ from headlab import ComponentConfig, Example, StepContext, hookimpl
 from headlab.dims import head_array
 from headlab.generation import tokenize
 from headlab.model import LoadedModel
+from headlab.resources import Estimate, EstimateContext
 from headlab.spec import NonEmptyStr, NonNegativeFloat, NonNegativeInt, PositiveInt
 
 from .retrieval import length_batches, probe_decode
@@ -60,6 +61,10 @@ class Lookback(ComponentConfig):
     batch_size: PositiveInt = 8
     length_slack: NonNegativeFloat = Field(0.125, description="a batch holds prompts at most this fraction longer "
                                 "than its shortest (left padding costs compute)")
+
+    def estimate(self, ctx: EstimateContext) -> list[Estimate]:
+        """The KV cache of a batch decoding ``max_new_tokens`` after the longest prompt (resource guard)."""
+        return [ctx.kv_cache(ctx.task.tokens + self.max_new_tokens, ctx.rows(self.batch_size))]
 
 
 def lookback_ratios(lm: LoadedModel, examples: Sequence[Example], *, context: str | None = None,

@@ -26,6 +26,7 @@ from pydantic import Field
 from headlab import ComponentConfig, StepContext, hookimpl
 from headlab.dims import head_array
 from headlab.generation import tokenize
+from headlab.resources import Estimate, EstimateContext
 from headlab.spec import PositiveInt
 
 #: a batch is scored from offset probes when every row's detection pattern (with the diagonal, when it is
@@ -38,6 +39,13 @@ class _Pattern(ComponentConfig):
     exclude_bos: bool = Field(False, description="zero attention to the first token")
     exclude_current_token: bool = Field(False, description="zero attention to the query's own token")
     batch_size: PositiveInt = 8
+
+    def estimate(self, ctx: EstimateContext) -> list[Estimate]:
+        """The detection patterns (n x n per row, host) and the offset probes of a batch (resource guard)."""
+        rows, n = ctx.rows(self.batch_size), ctx.task.tokens
+        return [Estimate("detection patterns", rows * n * n * 4, f"{rows:,} rows x {n:,} x {n:,} tokens x 4 bytes",
+                         "host"),
+                ctx.attention(n, MAX_OFFSETS, rows, "attention at the pattern's offsets")]
 
 
 class PreviousToken(_Pattern):

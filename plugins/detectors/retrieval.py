@@ -48,6 +48,7 @@ from headlab import ComponentConfig, Example, StepContext, hookimpl
 from headlab.generation import Batch, tokenize
 from headlab.heads import from_retrieval_json, to_retrieval_json
 from headlab.model import Geometry, LoadedModel
+from headlab.resources import Estimate, EstimateContext
 from headlab.spec import FiniteFloat, NonEmptyStr, NonNegativeFloat, PositiveInt, Probability
 
 __all__ = [
@@ -84,6 +85,10 @@ class Retrieval(ComponentConfig):
                                "format {\"<layer>-<head>\": [score per retrieved instance]}")
     load: str | None = Field(None, description="read scores from a reference-format JSON file instead of "
                              "detecting (published head lists); example_score then has no example axis")
+
+    def estimate(self, ctx: EstimateContext) -> list[Estimate]:
+        """The KV cache of a batch decoding ``max_new_tokens`` after the longest prompt (resource guard)."""
+        return [ctx.kv_cache(ctx.task.tokens + self.max_new_tokens, ctx.rows(self.batch_size))]
 
 
 # --------------------------------------------------------------------------- decoding with probes

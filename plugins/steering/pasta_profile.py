@@ -38,6 +38,7 @@ from headlab import ComponentConfig, Example, StepContext, hookimpl
 from headlab.dims import head_array
 from headlab.generation import Batch, DecodeRequest, decode_loop, tokenize
 from headlab.heads import to_pasta_json
+from headlab.resources import Estimate, EstimateContext
 from headlab.spec import HeadSelection, NonEmptyStr, NonNegativeInt, PositiveInt, Probability
 
 from .common import resolve_heads
@@ -61,6 +62,10 @@ class PastaProfile(ComponentConfig):
     top_k: PositiveInt | None = Field(None, description="mark the intersection of every task's top-k as `selected`")
     write: str | None = Field(None, description="write the `selected` heads to this PASTA-format JSON file")
     batch_size: PositiveInt = Field(64, description="(head, example) rows per forward")
+
+    def estimate(self, ctx: EstimateContext) -> list[Estimate]:
+        """The KV cache of a batch of (head, example) rows over the longest prompt (resource guard)."""
+        return [ctx.kv_cache(ctx.task.tokens + self.max_new_tokens, self.batch_size)]
 
     @field_validator("tasks")
     @classmethod

@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from headlab import ComponentConfig, Example, TaskContext, hookimpl
+from headlab.resources import TaskSize
 from headlab.spec import PositiveInt
 
 
@@ -23,6 +24,11 @@ class RepeatedTokens(ComponentConfig):
     n: PositiveInt = Field(8, description="number of sequences")
     length: PositiveInt | Annotated[list[PositiveInt], Field(min_length=1)] = Field(24, description="length of the random segment (or several, cycled)")
     bos: bool = Field(True, description="prepend the tokenizer's BOS token when it has one")
+
+    def size(self) -> TaskSize:
+        """``n`` examples of at most ``1 + 2 x length`` tokens (for the resource guard)."""
+        lengths = self.length if isinstance(self.length, list) else [self.length]
+        return TaskSize(self.n, 1 + 2 * max(lengths))
 
 
 def build(config: RepeatedTokens, ctx: TaskContext) -> list[Example]:

@@ -26,6 +26,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from headlab import ComponentConfig, Example, TaskContext, hookimpl
+from headlab.resources import TaskSize
 from headlab.spec import NonNegativeInt, PositiveInt, Probability, Seed, StrictModel
 
 from . import synthetic as S
@@ -121,6 +122,15 @@ class Niah(ComponentConfig):
             raise ValueError("needles: give at least one")
         return v
 
+    def size(self) -> TaskSize:
+        """How many examples and how long, computed without building the grid (for the resource guard)."""
+        cl = self.context_lengths
+        n_lengths, longest = (cl.n, cl.hi) if isinstance(cl, LengthRange) else (len(cl), max(cl))
+        n_depths = self.depths if isinstance(self.depths, int) else len(self.depths)
+        n_needles = self.needles if isinstance(self.needles, int) else len(self.needles)
+        grid = n_lengths * n_depths * n_needles
+        return TaskSize(min(self.n, grid) if self.n is not None else grid, longest + 64 * (1 + self.distractors))
+
     def grid(self) -> tuple[list[int], list[float], list[tuple[str, str, str]]]:
         """The resolved (context lengths, depths, needles)."""
         cl = self.context_lengths
@@ -196,6 +206,13 @@ class KvRetrieval(ComponentConfig):
         return v
 
 
+    def size(self) -> TaskSize:
+        """``n`` examples per entry of ``num_pairs``; a pair is a key, a colon, the value and a comma."""
+        sizes = [self.num_pairs] if isinstance(self.num_pairs, int) else self.num_pairs
+        hi = self.value_len if isinstance(self.value_len, int) else self.value_len[1]
+        return TaskSize(self.n * len(sizes), 16 + max(sizes) * (hi + 4))
+
+
 def build_kv(config: KvRetrieval, ctx: TaskContext) -> list[Example]:
     """Generate key-value prompts."""
     rows = S.kv_retrieval(config.n, config.num_pairs, value_len=config.value_len, seed=ctx.seed + config.seed)
@@ -218,6 +235,11 @@ class Counterfact(ComponentConfig):
         "all", description="only facts the embedded model keeps against context (strong) or yields (weak)")
     filler_sentences: FillerRange = Field((0, 2), description="filler sentences before/after the fact: [lo, hi]")
     seed: Seed = Field(0, description="offset added to the run seed")
+
+
+    def size(self) -> TaskSize:
+        """One example per fact (or ``n``); filler sentences are at most 32 tokens each."""
+        return TaskSize(self.n or len(S.FACTS), 96 + 2 * 32 * self.filler_sentences[1])
 
 
 def build_counterfact(config: Counterfact, ctx: TaskContext) -> list[Example]:
@@ -252,6 +274,11 @@ class Emphasis(ComponentConfig):
         "statement is correct")
     filler_sentences: FillerRange = Field((0, 2), description="filler sentences between the statements: [lo, hi]")
     seed: Seed = Field(0, description="offset added to the run seed")
+
+
+    def size(self) -> TaskSize:
+        """``n`` examples; filler sentences are at most 32 tokens each."""
+        return TaskSize(self.n, 128 + 32 * self.filler_sentences[1])
 
 
 def build_emphasis(config: Emphasis, ctx: TaskContext) -> list[Example]:
