@@ -265,9 +265,17 @@ def main(argv: list[str] | None = None) -> None:
     debug = "--debug" in args or os.environ.get("HEADLAB_DEBUG", "") not in ("", "0")
     args = [a for a in args if a != "--debug"]
     try:
-        signal.signal(signal.SIGTERM, _terminate)  # a polite kill ends a run like Ctrl-C: resumable
+        previous = signal.signal(signal.SIGTERM, _terminate)  # a polite kill ends a run like Ctrl-C: resumable
     except ValueError:  # not the main thread (an embedding application): leave its handlers alone
-        pass
+        previous = None
+    try:
+        _main(args, debug)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main(args: list[str], debug: bool) -> None:
     try:
         code = app(args, standalone_mode=False)
     except (typer.Abort, KeyboardInterrupt):

@@ -46,6 +46,17 @@ class StepError(Exception):
         return f"{where} ({self.category} '{self.kind}', plugin {self.plugin}): {describe(self.cause)}"
 
 
+class ContractError(TypeError):
+    """A component broke its contract (a detector returned None, a decoder something other than ``Decoded``).
+
+    Raised by the code that called it (an action), naming the component by ``category`` and ``kind``, so the
+    :class:`StepError` names that component and its plugin rather than the caller."""
+
+    def __init__(self, message: str, *, category: str, kind: str) -> None:
+        self.category, self.kind = category, kind
+        super().__init__(message)
+
+
 def describe(exc: BaseException) -> str:
     """``Type: first line of the message`` (SystemExit says that the plugin exited)."""
     if isinstance(exc, SystemExit):
@@ -131,6 +142,8 @@ def step_error(exc: BaseException, *, step: Any, config: Any, task: Any = None, 
                     comps.append(comp)
     comps = [c for c in comps if c is not None]
     found = culprit(exc, comps) or (comps[0] if task is not None and comps else None)
+    if isinstance(exc, ContractError):
+        found = registry.components.get(exc.category, {}).get(exc.kind, found)
     if found is None:
         found = action
     label = CATEGORIES[found.category].label if found is not None else "action"

@@ -11,7 +11,8 @@ import xarray as xr
 from pydantic import BeforeValidator, Field
 
 from headlab import StepContext, hookimpl
-from headlab.generation import DecodeRequest, tokenize
+from headlab.errors import ContractError
+from headlab.generation import Decoded, DecodeRequest, tokenize
 from headlab.plugin_manager import get_manager
 from headlab.resources import Estimate, EstimateContext
 from headlab.runner import decode_info
@@ -52,6 +53,9 @@ def generate(action: Any, ctx: StepContext) -> xr.Dataset:
         plan, reports = steering_plan(action.steer, ctx, batch)
         request = DecodeRequest(ctx.model, batch, action.max_new_tokens, list(action.stop), plan, ctx.seed, ctx)
         decoded = decoder.impl(action.decode, request)
+        if not isinstance(decoded, Decoded) or len(decoded.texts) != len(chunk):
+            raise ContractError(f"the decoder returned {type(decoded).__name__}, not Decoded with one text per "
+                                "prompt", category="decoders", kind=action.decode.kind)
         outputs.extend(decoded.texts)
         tokens.extend(decoded.tokens)
         infos.append((decoded.info, [len(t) for t in decoded.tokens]))
@@ -72,7 +76,13 @@ def generate(action: Any, ctx: StepContext) -> xr.Dataset:
     names = []
     for cfg in action.metrics:
         comp = mgr.get("metrics", cfg.kind)
-        values = np.asarray(comp.impl(cfg, ctx.examples, outputs), dtype=float)
+        try:
+            values = np.asarray(comp.impl(cfg, ctx.examples, outputs), dtype=float)
+        except (TypeError, ValueError) as e:
+            raise ContractError(f"the metric returned no numbers ({e})", category="metrics", kind=cfg.kind) from e
+        if values.shape != (len(ctx.examples),):
+            raise ContractError(f"the metric returned shape {values.shape}, not one number per example",
+                                category="metrics", kind=cfg.kind)
         ds[cfg.kind] = ("example", values)
         names.append(cfg.kind)
     ds.attrs.update(decode=action.decode.kind, steer=[c.kind for c in action.steer], metrics=names)
