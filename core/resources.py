@@ -233,9 +233,9 @@ def check(spec: Any, lm: Any, where: str = "") -> list[tuple[str, Estimate]]:
             place = f"{where}, " if where else ""
             owner = f"step '{step}'" if step else "the model"
             raise ResourceLimitError(
-                f"{place}{owner}: the {est.what} needs an estimated {format_bytes(est.bytes)} "
-                f"({est.detail}); the budget is {format_bytes(allowed)} ({limit.source}). Make the task or batch "
-                f"smaller, or raise the budget: limits: {{memory: ...}} in the spec, {ENV} or --memory-limit")
+                f"{place}{owner}: {est.what} would take an estimated {format_bytes(est.bytes)} ({est.detail}), over "
+                f"the budget of {format_bytes(allowed)} ({limit.source}); make the task or batch smaller, or raise "
+                f"the budget (limits.memory in the spec, {ENV} or --memory-limit)")
     return found
 
 
@@ -266,8 +266,8 @@ def check_model(model_spec: Any, limits: Any = None) -> Estimate | None:
     limit = budget(limits, device)
     if limit.device is not None and est.bytes > limit.device:
         raise ResourceLimitError(
-            f"model: the {est.what} need an estimated {format_bytes(est.bytes)} ({est.detail}); the budget is "
-            f"{format_bytes(limit.device)} ({limit.source}). Make the model smaller, or raise the "
-            f"budget: limits: {{memory: ...}} in the spec, {ENV} or --memory-limit")
+            f"model: {est.what} would take an estimated {format_bytes(est.bytes)} ({est.detail}), over the budget of "
+            f"{format_bytes(limit.device)} ({limit.source}); make the model smaller, or raise the budget "
+            f"(limits.memory in the spec, {ENV} or --memory-limit)")
     return est
 
