@@ -281,7 +281,7 @@ class Limits(StrictModel):
     """The resource guard's budget (see docs/reliability.md). Unset: ``HEADLAB_MEMORY_LIMIT``, else derived from
     the machine's memory (the device's for a GPU run)."""
 
-    memory: Annotated[int | None, BeforeValidator(_size)] = Field(
+    memory: Annotated[Annotated[int, Field(ge=1, le=2**62)] | None, BeforeValidator(_size)] = Field(
         None, description="largest estimated memory a cell may need: bytes or e.g. 8GiB, 512MB")
     guard: bool = Field(True, description="false: run without the resource check")
 
