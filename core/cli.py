@@ -87,8 +87,8 @@ def run(
     out: Annotated[Path | None, typer.Option("--out", help="store directory (default: the spec's `output`)")] = None,
     resume: Annotated[Path | None, typer.Option("--resume", help="finish an interrupted run")] = None,
     memory_limit: Annotated[str | None, typer.Option(
-        "--memory-limit", help="resource budget of a cell, e.g. 8GiB (none: no check); default: the spec's "
-        "limits.memory, else HEADLAB_MEMORY_LIMIT, else 80% of this machine's memory")] = None,
+        "--memory-limit", help="resource budget of a cell, e.g. 8GiB (none: no check); overrides "
+        "HEADLAB_MEMORY_LIMIT and the spec's limits.memory; default: 80% of this machine's memory")] = None,
 ) -> None:
     """Run a spec: every step of every sweep cell, writing results to a zarr store."""
     from . import runner
@@ -103,6 +103,8 @@ def run(
                 parse_size(memory_limit)
             except ValueError as e:
                 raise SpecError(f"--memory-limit: {e}", source="command line") from None
+    previous = os.environ.get(ENV)
+    if memory_limit is not None:
         os.environ[ENV] = memory_limit
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     try:
@@ -120,6 +122,12 @@ def run(
                            f"`headlab run --resume {store}`"), soft_wrap=True)
         _reported.append("interrupted")
         raise typer.Exit(INTERRUPTED) from None
+    finally:
+        if memory_limit is not None:  # the option holds for this command only (main() may run again in process)
+            if previous is None:
+                os.environ.pop(ENV, None)
+            else:
+                os.environ[ENV] = previous
     _print_summary(result)
     console.print(f"[bold]run stored at[/bold] {result.path}")
 
@@ -276,6 +284,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _main(args: list[str], debug: bool) -> None:
+    _reported.clear()
     try:
         code = app(args, standalone_mode=False)
     except (typer.Abort, KeyboardInterrupt):
