@@ -303,7 +303,7 @@ def _check_kind(label: str, kinds: list[str]):
     def check(value: Any) -> Any:
         if not isinstance(value, Mapping) and not isinstance(value, BaseModel):
             raise PydanticCustomError(
-                "expected_component", "expected a {category}: a mapping with `kind` (one of: {kinds}), got {got}",
+                "unknown_kind", "expected a {category}: a mapping with `kind` (one of: {kinds}), got {got}",
                 {"category": label, "kinds": ", ".join(kinds) or "none installed", "got": _describe(value)})
         if isinstance(value, Mapping):
             kind = value.get("kind")
@@ -461,8 +461,8 @@ class _Walk:
     def __init__(self, source: str, tree: Any) -> None:
         self.source, self.tree, self.count, self.path = source, tree, 0, []
 
-    def fail(self, message: str, at: tuple[int, int] | None = None) -> SpecError:
-        line, col = at or _position(self.tree, self.path)
+    def fail(self, message: str) -> SpecError:
+        line, col = _position(self.tree, self.path)
         shown = format_path(self.path[:8]) + ("..." if len(self.path) > 8 else "")
         return SpecError(message, source=self.source, line=line, col=col, path=shown)
 
@@ -479,14 +479,6 @@ class _Walk:
         if isinstance(node, Mapping):
             out = {}
             for k, v in node.items():
-                if not (k is None or isinstance(k, (str, int, float, bool))):
-                    try:
-                        line, col = node.lc.key(k)
-                        at: tuple[int, int] | None = (line + 1, col + 1)
-                    except Exception:  # noqa: BLE001 - no position recorded: locate the mapping instead
-                        at = None
-                    raise self.fail("a mapping key must be a plain name or number, not a list or mapping (a YAML "
-                                    "complex key `? ...`)", at)
                 key = str(k) if not isinstance(k, (int, float, bool)) else k
                 self.path.append(key)
                 out[key] = self(v)
@@ -590,8 +582,6 @@ def parse_yaml(text: str, source: str = "<spec>") -> tuple[dict[str, Any], Any]:
         raise SpecError(f"invalid YAML: {str(e).splitlines()[0]}", source=source) from None
     except RecursionError:  # a parser path not covered by max_depth
         raise SpecError(f"nested deeper than {MAX_DEPTH} levels", source=source) from None
-    except Exception as e:  # ruamel fails with a bare AttributeError/TypeError on some constructs (`? !!pairs`)
-        raise _unsupported_yaml(text, source, e) from None
     if tree is None:
         raise SpecError("the spec is empty", source=source)
     if not isinstance(tree, Mapping):
@@ -604,37 +594,6 @@ def parse_yaml(text: str, source: str = "<spec>") -> tuple[dict[str, Any], Any]:
         raise SpecError(f"YAML tag {getattr(tag, 'value', tag)} is not allowed: a spec holds data only",
                         source=source, line=line, col=col, path=format_path(path))
     return _Walk(source, tree)(tree), tree
-
-
-def _unsupported_yaml(text: str, source: str, error: Exception) -> SpecError:
-    """A located error for YAML ruamel composes but cannot construct: the first complex (non-scalar) mapping
-    key, the usual cause, else the error's first line."""
-    from ruamel.yaml import YAML
-    from ruamel.yaml.nodes import MappingNode, ScalarNode, SequenceNode
-
-    try:
-        yaml = YAML(typ="rt")
-        yaml.Scanner = _bounded_scanner()
-        stack, seen = [yaml.compose(io.StringIO(text))], set()
-        while stack:
-            node = stack.pop()
-            if node is None or id(node) in seen:
-                continue
-            seen.add(id(node))
-            if isinstance(node, MappingNode):
-                for key, value in node.value:
-                    if not isinstance(key, ScalarNode):
-                        mark = key.start_mark
-                        return SpecError("a mapping key must be a plain name or number, not a list or mapping "
-                                         "(a YAML complex key `? ...`)", source=source, line=mark.line + 1,
-                                         col=mark.column + 1)
-                    stack.append(value)
-            elif isinstance(node, SequenceNode):
-                stack.extend(node.value)
-    except Exception:  # noqa: BLE001 - composing failed too: fall back to the constructor's message
-        pass
-    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    return SpecError(f"unsupported YAML ({type(error).__name__}: {first})", source=source)
 
 
 def _position(tree: Any, path: list[Any]) -> tuple[int | None, int | None]:
@@ -691,12 +650,8 @@ def _clean_loc(loc: tuple[Any, ...], data: Any) -> list[Any]:
 def first_error(exc: ValidationError, data: Any, tree: Any, source: str) -> SpecError:
     """Turn pydantic's first (most specific) error into a located one-line SpecError."""
     errors = exc.errors(include_url=False)
-    rank = {"unknown_key": 0, "unknown_kind": 0, "missing_kind": 0, "expected_component": 0, "step_action": 1}
-    # in a union, "not an int" for the int member says less than "too short" for the list member the value is
-    mismatch = {"int_type", "int_parsing", "float_type", "float_parsing", "string_type", "bool_type", "bool_parsing",
-                "list_type", "tuple_type", "dict_type", "model_type", "model_attributes_type", "literal_error",
-                "none_required", "is_instance_of"}
-    errors.sort(key=lambda e: (rank.get(e["type"], 2), e["type"] in mismatch, -len(e["loc"])))
+    rank = {"unknown_key": 0, "unknown_kind": 0, "missing_kind": 0, "step_action": 1}
+    errors.sort(key=lambda e: (rank.get(e["type"], 2), -len(e["loc"])))
     err = errors[0]
     path = _clean_loc(err["loc"], data)
     msg = err["msg"]
