@@ -65,6 +65,7 @@ def counted(path, value, exclusive=False):
         os.kill(os.getpid(), signal.SIGKILL)
     if count == target and mode == "torn":
         data = bytes(value.as_buffer_like())
+        path.parent.mkdir(parents=True, exist_ok=True)
         with open(str(path) + ".torn.partial", "wb") as f:
             f.write(data[: max(1, len(data) // 2)])
             f.flush()
