@@ -51,19 +51,22 @@ sweep:
 MODES = ("before", "torn", "after")
 
 CHILD = r"""
-import os, signal, sys
+import os, signal, sys, threading
 import zarr.storage._local as local
 
 target, mode = int(sys.argv[3]), sys.argv[4]
 count = 0
+lock = threading.Lock()
 put = local._put
 
 def counted(path, value, exclusive=False):
     global count
-    count += 1
-    if count == target and mode == "before":
+    with lock:  # zarr writes from several threads at once
+        count += 1
+        mine = count
+    if mine == target and mode == "before":
         os.kill(os.getpid(), signal.SIGKILL)
-    if count == target and mode == "torn":
+    if mine == target and mode == "torn":
         data = bytes(value.as_buffer_like())
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(str(path) + ".torn.partial", "wb") as f:
@@ -72,7 +75,7 @@ def counted(path, value, exclusive=False):
             os.fsync(f.fileno())
         os.kill(os.getpid(), signal.SIGKILL)
     written = put(path, value, exclusive)
-    if count == target and mode == "after":
+    if mine == target and mode == "after":
         os.kill(os.getpid(), signal.SIGKILL)
     return written
 
