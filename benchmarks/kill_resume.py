@@ -74,10 +74,11 @@ def counted(path, value, exclusive=False):
             f.flush()
             os.fsync(f.fileno())
         os.kill(os.getpid(), signal.SIGKILL)
-    written = put(path, value, exclusive)
-    if mine == target and mode == "after":
-        os.kill(os.getpid(), signal.SIGKILL)
-    return written
+    try:
+        return put(path, value, exclusive)
+    finally:  # also after a write zarr makes fail on purpose (an exclusive write of an existing key)
+        if mine == target and mode == "after":
+            os.kill(os.getpid(), signal.SIGKILL)
 
 local._put = counted
 import headlab
