@@ -5,7 +5,8 @@ the message, never hang or die in the allocator. Estimates come from the configs
 anything is built:
 
 - a task config may define ``size(self) -> TaskSize | None``: how many examples it builds and an upper
-  bound of one example's length in tokens (None: unknown, e.g. a data file);
+  bound of one example's length in tokens (None: unknown, e.g. a data file; the steps are then estimated
+  for one one-token example, a lower bound that still catches a huge ``max_new_tokens``);
 - any config of a step (the action's, a detector, a decoder, a steering method) may define
   ``estimate(self, ctx: EstimateContext) -> Iterable[Estimate]``: its largest tensors, from the model's
   geometry and the task's size (:meth:`EstimateContext.kv_cache`, :meth:`~EstimateContext.attention` and
@@ -207,11 +208,12 @@ def estimates(spec: Any, lm: Any) -> Iterator[tuple[str, Estimate]]:
     for step in spec.steps:
         task = step.task or spec.task
         size = task_size(task)
-        if size is None:
-            continue
-        yield step.id, Estimate(f"examples of task '{task.kind}'",
-                                size.examples * (EXAMPLE_OVERHEAD + BYTES_PER_TOKEN * size.tokens),
-                                f"{size.examples:,} examples x (1 KiB + {size.tokens:,} tokens x 64 bytes)", "host")
+        if size is not None:
+            yield step.id, Estimate(f"examples of task '{task.kind}'",
+                                    size.examples * (EXAMPLE_OVERHEAD + BYTES_PER_TOKEN * size.tokens),
+                                    f"{size.examples:,} examples x (1 KiB + {size.tokens:,} tokens x 64 bytes)", "host")
+        else:  # a task that cannot say (a data file): the step's estimates for one one-token example, a lower bound
+            size = TaskSize(1, 1)
         ctx = EstimateContext(lm.geometry, dtype_bytes, hidden, vocab, size, step.id)
         for config in configs_in(getattr(step, step.action)):
             estimate = getattr(config, "estimate", None)

@@ -70,6 +70,13 @@ def test_huge_sizes_are_refused_before_allocating(tmp_path, text, what):
     assert what in refused(text, tmp_path)
 
 
+def test_a_data_file_task_still_bounds_the_steps(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"q": "a"}\n')
+    text = spec_text(GEN % 2_000_000_000, task=json.dumps({"kind": "jsonl", "path": str(data), "prompt": "{{ q }}"}))
+    assert "KV cache would take an estimated" in refused(text, tmp_path / "r")
+
+
 def test_a_huge_model_config_is_refused_before_it_is_built(tmp_path):
     big = {**TINY_LLAMA, "hidden_size": 65536, "intermediate_size": 262144, "num_hidden_layers": 64}
     message = refused(spec_text(STEPS, model=big), tmp_path, seconds=20)
