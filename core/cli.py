@@ -10,28 +10,42 @@
     headlab report RUN [-o FILE]
     headlab new-plugin {detector|steering|decoder|task|metric} NAME [DIR]
     headlab eval [lm-eval options]   (the eval extra: lm-evaluation-harness with headlab's model)
+
+Any error prints one line (``error: ...``) naming the spec location, or the step, plugin and file, and the
+command exits with 0 (done), 1 (the run failed), 2 (invalid input) or 130 (interrupted; ``--resume``
+finishes the run). ``--debug`` (anywhere on the command line, or ``HEADLAB_DEBUG=1``) prints the traceback.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from .context import Reporter
+from .errors import INTERRUPTED, INVALID, exit_code, one_line
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="headlab: find, steer and decode with the attention heads of language models.")
 # piped output (`headlab runs | cat`) is not cut to 80 columns: identifiers are printed whole
 console = Console(width=None if sys.stdout.isatty() else 240)
 err = Console(stderr=True)
+_reported: list[str] = []  # "interrupted" once a command has said so itself
+
+
+@app.callback()
+def _options(debug: Annotated[bool, typer.Option(
+        "--debug", help="print the traceback of an error (also accepted after the command)")] = False) -> None:
+    """headlab: find, steer and decode with the attention heads of language models."""
 
 
 def _table(*headers: str, title: str | None = None) -> Table:
@@ -89,22 +103,52 @@ def run(
                                                                     "(local, ray, ...; default: the spec's `execution`)")] = None,
     address: Annotated[str | None, typer.Option("--address", help="the executor's cluster address (ray: auto, "
                                                                   "ray://host:port)")] = None,
+    memory_limit: Annotated[str | None, typer.Option(
+        "--memory-limit", help="resource budget of a cell, e.g. 8GiB (none: no check); overrides "
+        "HEADLAB_MEMORY_LIMIT and the spec's limits.memory; default: 80% of this machine's memory")] = None,
 ) -> None:
     """Run a spec: every step of every sweep cell, writing results to a zarr store."""
     import warnings
 
     from . import runner
-    from .spec import SpecError
+    from .resources import ENV
+    from .spec import SpecError, parse_size
 
     if spec is None and resume is None:
         raise SpecError("give a spec file, or --resume RUN", source="command line")
+    if memory_limit is not None:
+        if memory_limit.strip().lower() not in ("none", "off"):
+            try:
+                parse_size(memory_limit)
+            except ValueError as e:
+                raise SpecError(f"--memory-limit: {e}", source="command line") from None
+    previous = os.environ.get(ENV)
+    if memory_limit is not None:
+        os.environ[ENV] = memory_limit
     execution = {k: v for k, v in (("executor", executor), ("address", address)) if v is not None}
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=err, transient=False) as progress, warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".* cells of run .* failed")
-        result = runner.run(spec, out=out, overrides=_parse_set(set_ or []), reporter=RichReporter(progress),
-                            execution=execution) if resume is None else \
-            runner.run(None, resume=resume, reporter=RichReporter(progress), execution=execution)
+    try:
+        with Progress(*columns, console=err, transient=False) as progress, warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".* cells of run .* failed")
+            result = runner.run(spec, out=out, overrides=_parse_set(set_ or []), reporter=RichReporter(progress),
+                                execution=execution) if resume is None else \
+                runner.run(None, resume=resume, reporter=RichReporter(progress), execution=execution)
+    except KeyboardInterrupt as e:
+        store = next((n.removeprefix("run store: ") for n in getattr(e, "__notes__", [])
+                      if n.startswith("run store: ")), None)
+        if store is None:
+            err.print("interrupted before the run store was created: nothing was written")
+        else:
+            err.print(Text(f"interrupted: finished cells are stored in {store}; finish with "
+                           f"`headlab run --resume {store}`"), soft_wrap=True)
+        _reported.append("interrupted")
+        raise typer.Exit(INTERRUPTED) from None
+    finally:
+        if memory_limit is not None:  # the option holds for this command only (main() may run again in process)
+            if previous is None:
+                os.environ.pop(ENV, None)
+            else:
+                os.environ[ENV] = previous
     _print_summary(result)
     console.print(f"[bold]run stored at[/bold] {result.location}")
     if result.failed_cells or result.cells_done < result.cells_total:
@@ -257,40 +301,65 @@ def new_plugin(
     console.print(f"next: pip install -e {root} && pytest {root}", soft_wrap=True)
 
 
-def main() -> None:
-    """Entry point: run the app; known errors print one line and exit 2."""
-    from .heads import HeadSelectionError
-    from .model import ModelLoadError
-    from .plugin_manager import PluginError
-    from .results import RunNotFound
-    from .spec import SpecError
+def _error(e: BaseException, debug: bool) -> None:
+    """Print ``e`` as one line (the traceback first with ``debug``) and exit with its code."""
+    code = exit_code(e)
+    if debug:
+        import traceback
 
+        traceback.print_exception(e, file=sys.stderr)
+    hint = "" if debug or code == INVALID else " (--debug shows the traceback)"
+    err.print(Text.assemble(("error:", "red"), f" {one_line(e)}{hint}"), highlight=False, soft_wrap=True)
+    sys.exit(code)
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: run the app; any error prints one line and exits 1 (run failed) or 2 (invalid input);
+    Ctrl-C, SIGINT or SIGTERM exit 130 with finished cells stored."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args or os.environ.get("HEADLAB_DEBUG", "") not in ("", "0")
+    args = [a for a in args if a != "--debug"]
     try:
-        app(standalone_mode=False)
-    except (SpecError, ModelLoadError, PluginError, RunNotFound, HeadSelectionError, FileExistsError) as e:
-        err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
-        sys.exit(2)
-    except ImportError as e:
-        if "pip install 'headlab[" not in str(e):  # a missing optional extra says which one; others are bugs
-            raise
-        err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
-        sys.exit(2)
+        previous = signal.signal(signal.SIGTERM, _terminate)  # a polite kill ends a run like Ctrl-C: resumable
+    except ValueError:  # not the main thread (an embedding application): leave its handlers alone
+        previous = None
+    try:
+        _main(args, debug)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main(args: list[str], debug: bool) -> None:
+    _reported.clear()
+    try:
+        code = app(args, standalone_mode=False)
     except (typer.Abort, KeyboardInterrupt):
-        err.print("interrupted: finished cells are stored; finish with `headlab run --resume RUN`")
-        sys.exit(130)
-    except Exception as e:  # usage errors of typer's bundled click, and task/plugin value errors
-        exit_code = getattr(e, "exit_code", None)
-        if type(e).__name__ == "Exit":
-            sys.exit(exit_code or 0)
-        if callable(getattr(e, "format_message", None)) and exit_code is not None:
+        code = INTERRUPTED
+    except Exception as e:  # usage errors of typer's bundled click, then everything else
+        if callable(getattr(e, "format_message", None)) and getattr(e, "exit_code", None) is not None \
+                and "click" in type(e).__module__:  # typer's bundled click (typer._click) or click
             command = getattr(getattr(e, "ctx", None), "command_path", "headlab")
-            err.print(f"[red]error:[/red] {e.format_message()} (see `{command} --help`)", highlight=False,
-                      soft_wrap=True)
-            sys.exit(2)
-        if isinstance(e, ValueError):
-            err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
-            sys.exit(2)
-        raise
+            err.print(Text.assemble(("error:", "red"), f" {e.format_message()} (see `{command} --help`)"),
+                      highlight=False, soft_wrap=True)
+            sys.exit(INVALID)
+        if type(e).__name__ == "Exit":
+            code = getattr(e, "exit_code", 0)
+        else:
+            _error(e, debug)
+    except SystemExit as e:  # a plugin calling sys.exit outside a step (a step's is a StepError)
+        if isinstance(e.code, int) or e.code is None:
+            raise
+        _error(RuntimeError(f"sys.exit({e.code!r})"), debug)
+    if isinstance(code, int) and code:
+        if code == INTERRUPTED and not _reported:
+            err.print("interrupted")
+        sys.exit(code)
+
 
 if __name__ == "__main__":
     main()

@@ -44,18 +44,41 @@ def _check(heads: Iterable[Head], geometry: Geometry | None) -> list[Head]:
     return out
 
 
+def check_top(top: int | None, geometry: Geometry | None, what: str = "top") -> None:
+    """Refuse a ``top`` larger than the model's number of heads (it would silently select every head)."""
+    if top is not None and geometry is not None and top > geometry.n_layers * geometry.n_heads:
+        raise HeadSelectionError(
+            f"{what} {top} is more than this model's {geometry.n_layers * geometry.n_heads} heads "
+            f"({geometry.n_layers} layers x {geometry.n_heads} heads)")
+
+
 def read_heads_file(path: str | Path, geometry: Geometry | None = None, top: int | None = None) -> list[Head]:
-    """Heads from a retrieval-head or PASTA JSON file (see module docs)."""
+    """Heads from a retrieval-head or PASTA JSON file (see module docs). Any problem with the file is a
+    :class:`HeadSelectionError` naming it."""
     p = Path(path)
     if not p.is_file():
         raise HeadSelectionError(f"heads file '{path}' does not exist")
-    data = json.loads(p.read_text())
-    if isinstance(data, Mapping) and data and all("-" in str(k) for k in data):
-        scores = from_retrieval_json(data)
-        heads = [h for h, _ in sorted(scores.items(), key=lambda kv: (-kv[1], kv[0]))]
+    check_top(top, geometry)
+    try:
+        data = json.loads(p.read_bytes().decode("utf-8-sig"))
+    except UnicodeDecodeError as e:
+        raise HeadSelectionError(f"heads file '{path}': not UTF-8 text (byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise HeadSelectionError(f"heads file '{path}' line {e.lineno} column {e.colno}: not JSON: {e.msg}") from None
+    except (OSError, RecursionError) as e:
+        raise HeadSelectionError(f"heads file '{path}': cannot read it ({type(e).__name__}: {e})") from None
+    try:
+        if isinstance(data, Mapping) and data and all("-" in str(k) for k in data):
+            scores = from_retrieval_json(data)
+            heads = [h for h, _ in sorted(scores.items(), key=lambda kv: (-kv[1], kv[0]))]
+        else:
+            heads = from_pasta_json(data, geometry)
         return _check(heads[:top] if top else heads, geometry)
-    heads = from_pasta_json(data, geometry)
-    return _check(heads[:top] if top else heads, geometry)
+    except HeadSelectionError as e:
+        raise HeadSelectionError(f"heads file '{path}': {e}") from None
+    except (ValueError, TypeError) as e:
+        raise HeadSelectionError(f"heads file '{path}': not a retrieval-head {{\"<layer>-<head>\": [scores]}} or "
+                                 f"PASTA {{\"<layer>\": [heads]}} head list ({e})") from None
 
 
 def from_retrieval_json(data: Mapping[str, Any]) -> dict[Head, float]:
@@ -109,6 +132,7 @@ def select_heads(selection: Any, results: Mapping[str, xr.Dataset], geometry: Ge
         if "score" not in ds:
             raise HeadSelectionError(f"step '{selection.from_}' produced no `score` to rank heads by")
         order = ranked(ds["score"])
+        check_top(selection.top, geometry)
         if selection.top is not None:
             chosen = [h for h, _ in order[: selection.top]]
         else:

@@ -96,9 +96,26 @@ def geometry_of(model: Any) -> Geometry:
 
 
 def resolve_device(device: str) -> str:
-    """'auto' -> 'cuda' when available, else 'cpu'."""
+    """'auto' -> 'cuda' when available, else 'cpu'. A device this machine does not have is a
+    :class:`ModelLoadError` (one line, before anything is loaded), never a torch traceback."""
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise ModelLoadError(f"unknown device '{device}': use auto, cpu, cuda, cuda:<index>, mps or xpu") from None
+    backend = {"cuda": torch.cuda, "mps": getattr(torch.backends, "mps", None), "xpu": getattr(torch, "xpu", None)}
+    if dev.type in backend:
+        module = backend[dev.type]
+        if module is None or not module.is_available():
+            raise ModelLoadError(f"device '{device}': this machine (torch {torch.__version__}) has no {dev.type.upper()} "
+                                 "device; use device: auto (or cpu)")
+        count = getattr(module, "device_count", lambda: 1)()
+        if dev.index is not None and dev.index >= count:
+            raise ModelLoadError(f"device '{device}': this machine has {count} {dev.type.upper()} device(s) "
+                                 f"(indices 0..{count - 1})")
+    elif dev.type != "cpu":
+        raise ModelLoadError(f"device '{device}' is not supported: use auto, cpu, cuda, cuda:<index>, mps or xpu")
     return device
 
 
@@ -128,8 +145,8 @@ def from_pretrained(path_or_id: str, spec: ModelSpec, *, name: str | None = None
 
     from .instrument import ATTN_IMPLEMENTATION, register
 
-    register()
     device = resolve_device(spec.device)
+    register()
     kwargs: dict[str, Any] = {"trust_remote_code": spec.trust_remote_code, "revision": spec.revision}
     dtype = "auto" if spec.dtype == "auto" else DTYPES[spec.dtype]
     from transformers.utils import logging as hf_logging
@@ -144,6 +161,10 @@ def from_pretrained(path_or_id: str, spec: ModelSpec, *, name: str | None = None
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelLoadError(f"cannot load model '{path_or_id}': {first.rstrip('.')}. Give a local checkpoint directory, "
                              "a registered name (see `headlab plugins`), or a reachable hub id") from None
+    except Exception as e:  # a damaged checkpoint: safetensors, torch or a config class fails in its own way
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ModelLoadError(f"cannot load model '{path_or_id}': {type(e).__name__}: {first.rstrip('.')}. Is the "
+                             "checkpoint complete and undamaged?") from None
     finally:
         if bars:
             hf_logging.enable_progress_bar()
@@ -165,6 +186,7 @@ def from_config(spec: ModelSpec, seed: int = 0) -> LoadedModel:
 
     from .instrument import ATTN_IMPLEMENTATION, register
 
+    device = resolve_device(spec.device)
     register()
     cfg = dict(spec.config or {})
     model_type = cfg.pop("model_type", None)
@@ -176,9 +198,11 @@ def from_config(spec: ModelSpec, seed: int = 0) -> LoadedModel:
     except (ValueError, KeyError) as e:
         raise ModelLoadError(f"model.config: {e}") from None
     torch.manual_seed(seed)
-    device = resolve_device(spec.device)
     dtype = DTYPES.get(spec.dtype, torch.float32)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTN_IMPLEMENTATION, dtype=dtype)
+    try:
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTN_IMPLEMENTATION, dtype=dtype)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"model.config: cannot build a {model_type} model: {type(e).__name__}: {e}") from None
     model.to(device).eval()
     tokenizer = None
     if tokenizer_ref:

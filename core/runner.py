@@ -37,28 +37,38 @@ import xarray as xr
 from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
 
+from . import resources
 from .context import Example, Reporter, StepContext, TaskContext
-from .model import LoadedModel, load_model
+from .errors import step_error
+from .model import LoadedModel, ModelLoadError, load_model
 from .plugin_manager import get_manager, plugins_for_workers, register_worker_plugins
 from .results import Run, RunWriter, is_url, now, open_run, store_location
 from .spec import Cell, LoadedSpec, load_spec
 
+PREFLIGHT_CELLS = 4096
+"""Cells checked against the model and the resource budget before a run starts (each is checked again before
+it runs)."""
+
 
 class ModelCache:
-    """Loads each distinct model spec (with the seed its random weights are drawn with) once.
+    """Loads each distinct model spec (with the seed its random weights are drawn with) once, within the
+    resource budget ``limits``.
 
     A run's driver keeps every model it loaded; a worker process that runs cells of many runs keeps
     the ``max_models`` most recently used (``loads`` counts the loads).
     """
 
-    def __init__(self, seed: int = 0, max_models: int | None = None) -> None:
+    def __init__(self, seed: int = 0, max_models: int | None = None, limits: Any = None) -> None:
         self._models: OrderedDict[str, LoadedModel] = OrderedDict()
         self.seed = seed
         self.max_models = max_models
+        self.limits = limits
         self.loads = 0
 
     def get(self, spec: Any, seed: int | None = None) -> LoadedModel:
-        """The loaded model of ``spec`` (a :class:`headlab.spec.ModelSpec`), loading it if needed."""
+        """The loaded model of ``spec`` (a :class:`headlab.spec.ModelSpec`), loading it if needed. Any
+        failure is a :class:`ModelLoadError` naming the model (and the plugin that loads it), a
+        :class:`~headlab.resources.ResourceLimitError` past the budget."""
         seed = self.seed if seed is None else seed
         key = f"{seed}:{spec.model_dump_json()}"
         if key in self._models:
@@ -70,7 +80,16 @@ class ModelCache:
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-        self._models[key] = load_model(spec, seed)
+        resources.check_model(spec, self.limits)
+        try:
+            self._models[key] = load_model(spec, seed)
+        except (ModelLoadError, resources.ResourceLimitError):
+            raise
+        except Exception as e:  # a model plugin or transformers failing in its own way: one line naming it
+            comp = get_manager().components["models"].get(spec.path or spec.id or "")
+            by = f" (model plugin {comp.plugin})" if comp is not None else ""
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise ModelLoadError(f"cannot load model '{spec.name}'{by}: {type(e).__name__}: {first}") from e
         self.loads += 1
         return self._models[key]
 
@@ -176,6 +195,7 @@ def run_cell(loaded: LoadedSpec, cell: Cell, models: ModelCache, reporter: Repor
     spec = loaded.for_cell(cell)
     reporter = reporter or Reporter()
     lm = models.get(spec.model, seed=loaded.spec.seed)
+    preflight(loaded, spec, lm, cell)
     _seed(spec.seed)
     results: dict[str, xr.Dataset] = {}
     example_cache: dict[str, list[Example]] = {}
@@ -185,13 +205,21 @@ def run_cell(loaded: LoadedSpec, cell: Cell, models: ModelCache, reporter: Repor
         task = step.task or spec.task
         key = task.model_dump_json()
         if key not in example_cache:
-            example_cache[key] = build_examples(task, lm, spec.seed)
+            try:
+                example_cache[key] = build_examples(task, lm, spec.seed)
+            except (Exception, SystemExit) as e:
+                raise step_error(e, step=step, config=None, task=task, cell=cell) from e
         examples = example_cache[key]
         ctx = StepContext(model=lm, examples=examples, results=results, seed=spec.seed, step_id=step.id,
                           reporter=reporter, cancel=cancel or (lambda: False))
         _seed(spec.seed)
         config = getattr(step, step.action)
-        ds = get_manager().get("actions", step.action).impl(config, ctx)
+        try:
+            ds = get_manager().get("actions", step.action).impl(config, ctx)
+            if not isinstance(ds, xr.Dataset):
+                raise TypeError(f"the action returned {type(ds).__name__}, not an xarray Dataset")
+        except (Exception, SystemExit) as e:  # KeyboardInterrupt passes: the run is interrupted, not failed
+            raise step_error(e, step=step, config=config, cell=cell) from e
         if "example_source" not in ds.attrs:  # the step's `example` are the task's examples: store their inputs
             ex = examples_dataset(examples, lm)
             ds = ds.merge(ex, compat="override", join="left"
@@ -200,6 +228,37 @@ def run_cell(loaded: LoadedSpec, cell: Cell, models: ModelCache, reporter: Repor
                         model=lm.name)
         results[step.id] = ds
     return results
+
+
+def preflight(loaded: LoadedSpec, spec: Any, lm: LoadedModel, cell: Cell | None = None) -> None:
+    """Checks of one cell's spec against the loaded model, before anything of the cell runs: every ``top`` of
+    a head selection within the model's heads (a located :class:`SpecError`), and the resource guard
+    (:func:`headlab.resources.check`)."""
+    from .heads import HeadSelectionError, check_top
+    from .spec import SpecError, _position, format_path
+
+    swept = f"cell {cell.name} ({', '.join(f'{k}={v!r}' for k, v in cell.values)})" if cell and cell.values else ""
+    for path, node in _selections(spec.model_dump(by_alias=True, exclude_none=True), []):
+        try:
+            check_top(node.get("top"), lm.geometry)
+        except HeadSelectionError as e:
+            where = [*path, "top"]
+            line, col = _position(loaded.tree, where) if loaded.tree is not None else (None, None)
+            raise SpecError(f"{e}" + (f" in {swept}" if swept else ""), source=loaded.source, line=line, col=col,
+                            path=format_path(where)) from None
+    resources.check(spec, lm, swept)
+
+
+def _selections(node: Any, path: list[Any]) -> Any:
+    """(path, mapping) of every head selection with a ``top`` in a dumped spec."""
+    if isinstance(node, Mapping):
+        if "top" in node and ("from" in node or "file" in node):
+            yield path, node
+        for k, v in node.items():
+            yield from _selections(v, [*path, k])
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _selections(v, [*path, i])
 
 
 def _jsonable(config: Any) -> Any:
@@ -505,6 +564,11 @@ def run(spec: str | Path | Mapping[str, Any] | LoadedSpec | None, *, out: str | 
         "executors")
     if comp is None:
         raise ValueError("no executor is installed")
+    models = ModelCache(loaded.spec.seed, limits=loaded.spec.limits)
+    if comp.kind == "local":  # refuse before a store is created; every cell is checked again as it runs
+        for cell in todo[:PREFLIGHT_CELLS]:
+            cell_spec = loaded.for_cell(cell)
+            preflight(loaded, cell_spec, models.get(cell_spec.model), cell)
 
     def create(prov: dict[str, Any]) -> RunWriter:
         attrs = {
@@ -518,12 +582,15 @@ def run(spec: str | Path | Mapping[str, Any] | LoadedSpec | None, *, out: str | 
 
     job = Job(loaded, todo, writer=writer, create=create, total=len(cells), reporter=reporter, cancel=cancel,
               on_cell=on_cell, executor=comp.kind)
+    job.models = models
     try:
         comp.impl(config if config is not None else comp.config(), job)
         job.start()
-    except BaseException:
+    except BaseException as e:
         if job.started:
             job.writer.set_attrs(status="failed" if job.failures else "interrupted")
+            if hasattr(e, "add_note"):
+                e.add_note(f"run store: {job.writer.path}")  # the CLI names it in its "interrupted" line
         raise
     finally:
         if job.started:

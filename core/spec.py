@@ -35,7 +35,9 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
+    Discriminator,
     Field,
+    Tag,
     ValidationError,
     create_model,
     field_validator,
@@ -67,6 +69,14 @@ NAME_MAX = 100
 ID_PATTERN = r"^[A-Za-z_][A-Za-z0-9_-]*$"
 """A step ``id``: it names a group of the run store and is the first part of dotted sweep paths."""
 ID_MAX = 64
+MAX_INT = 2**31 - 1
+"""Largest count or length a spec field takes (:data:`PositiveInt`, :data:`NonNegativeInt`); anything larger
+is never a real experiment, and the resource guard refuses much smaller values that do not fit."""
+MAX_SEED = 2**32 - 1
+"""Largest seed (:data:`Seed`): the range every seeded library accepts (numpy's legacy seeds are 32-bit)."""
+MAX_YAML_INT = 2**63 - 1
+"""Largest integer (in absolute value) a spec's YAML may hold: past it no tensor or C library can take it."""
+
 _PATTERN_HELP = {
     NAME_PATTERN: "a name may hold only letters, digits, '.', '_' and '-', starting with a letter or digit "
                   "(it names the run directory)",
@@ -94,10 +104,31 @@ def _suggest(word: str, options: Iterable[str]) -> str:
     return f" (did you mean '{match[0]}'?)" if match else ""
 
 
-class StrictModel(BaseModel):
-    """Base of every spec model: unknown keys are errors with a "did you mean" suggestion."""
+# --- shared field types: every built-in config uses them, so bounds hold by construction ---------------
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+PositiveInt = Annotated[int, Field(ge=1, le=MAX_INT)]
+"""A count or length: 1 .. :data:`MAX_INT` (``n``, ``length``, ``max_new_tokens``, ``batch_size``, ``top``)."""
+NonNegativeInt = Annotated[int, Field(ge=0, le=MAX_INT)]
+"""A count that may be zero, or an index: 0 .. :data:`MAX_INT` (``distractors``, a layer, a token id)."""
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+"""A seed or a seed offset: 0 .. :data:`MAX_SEED`."""
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+"""Any finite number (NaN and infinities are refused; every float of a :class:`StrictModel` is finite anyway)."""
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+"""A finite number > 0 (factors, temperatures, scales)."""
+NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+"""A finite number >= 0 (weights, slack fractions)."""
+Probability = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+"""A finite number in [0, 1] (probabilities, fractions, recall thresholds)."""
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+"""A string of at least one character (stop strings, span names: an empty one would match everywhere)."""
+
+
+class StrictModel(BaseModel):
+    """Base of every spec model: unknown keys are errors with a "did you mean" suggestion, and every float
+    field is finite (NaN and infinities are refused, in third-party configs too)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -131,8 +162,8 @@ class HeadsFrom(StrictModel):
     """Heads taken from an earlier step's ``score``: the ``top`` highest, or all above ``threshold``."""
 
     from_: str = Field(alias="from", description="id of an earlier step whose result has a `score`")
-    top: int | None = Field(None, ge=1, description="take the k highest-scoring heads")
-    threshold: float | None = Field(None, description="take heads whose score is >= threshold")
+    top: PositiveInt | None = Field(None, description="take the k highest-scoring heads (at most the model's heads)")
+    threshold: FiniteFloat | None = Field(None, description="take heads whose score is >= threshold")
     random: bool = Field(False, description="draw the same number of heads at random instead (control)")
 
     @model_validator(mode="after")
@@ -146,11 +177,25 @@ class HeadsFile(StrictModel):
     """Heads from a JSON file: retrieval-head format ``{"<layer>-<head>": [scores]}`` (ranked by mean,
     with ``top``) or PASTA format ``{"<layer>": [heads]}`` / ``[layers]``."""
 
-    file: str
-    top: int | None = Field(None, ge=1)
+    file: NonEmptyStr
+    top: PositiveInt | None = Field(None, description="take the k best heads of the file (at most the model's heads)")
 
 
-HeadSelection = HeadsFrom | HeadsFile | list[tuple[int, int]] | dict[str, list[int]]
+def _heads_form(value: Any) -> str:
+    """Which form of head selection ``value`` is, so an error names the form's own key (``top``), not another's."""
+    if isinstance(value, HeadsFrom) or (isinstance(value, Mapping) and ("from" in value or "from_" in value)):
+        return "heads[from]"
+    if isinstance(value, HeadsFile) or (isinstance(value, Mapping) and "file" in value):
+        return "heads[file]"
+    return "heads[layers]" if isinstance(value, Mapping) else "heads[pairs]"
+
+
+HeadSelection = Annotated[
+    Union[  # noqa: UP007
+        Annotated[HeadsFrom, Tag("heads[from]")], Annotated[HeadsFile, Tag("heads[file]")],
+        Annotated[list[tuple[NonNegativeInt, NonNegativeInt]], Tag("heads[pairs]")],
+        Annotated[dict[str, list[NonNegativeInt]], Tag("heads[layers]")]],
+    Discriminator(_heads_form)]
 """How a spec names heads: ``{from: step, top: k}``, ``[[layer, head], ...]``, ``{"<layer>": [heads]}``
 or ``{file: heads.json}``."""
 
@@ -160,14 +205,31 @@ or ``{file: heads.json}``."""
 class ModelSpec(StrictModel):
     """Which model to load and how. A bare string in the spec is the ``id``."""
 
-    id: str | None = Field(None, description="Hugging Face id, local directory, or registered name")
-    path: str | None = Field(None, description="local directory with a Hugging Face checkpoint")
+    id: NonEmptyStr | None = Field(None, description="Hugging Face id, local directory, or registered name")
+    path: NonEmptyStr | None = Field(None, description="local directory with a Hugging Face checkpoint")
     config: dict[str, Any] | None = Field(
         None, description="build from a transformers config mapping (needs `model_type`) with random weights")
     revision: str | None = None
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     device: str = Field("auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', ...")
     trust_remote_code: bool = False
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        """A device torch knows (whether this machine has it is checked when the model loads)."""
+        if value == "auto":
+            return value
+        import torch
+
+        try:
+            if torch.device(value).type not in ("cpu", "cuda", "mps", "xpu"):
+                raise ValueError(value)
+        except (RuntimeError, ValueError, TypeError):
+            raise PydanticCustomError(
+                "unknown_device", "unknown device '{device}': use auto, cpu, cuda, cuda:<index>, mps or xpu",
+                {"device": value}) from None
+        return value
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSpec:
@@ -184,6 +246,47 @@ class ModelSpec(StrictModel):
         if self.config is not None:
             return f"random-{self.config.get('model_type', 'model')}"
         return str(self.path or self.id)
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_size(value: Any) -> int:
+    """Bytes of a size: an integer, or a string such as ``512MB``, ``8GiB``, ``1.5G``. Raises ValueError."""
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a size")
+    if isinstance(value, int):
+        if value < 1:
+            raise ValueError(f"{value} is not a positive number of bytes")
+        return value
+    match = _SIZE.match(str(value))
+    if not match:
+        raise ValueError(f"{value!r} is not a size (write e.g. 8GiB, 512MB or a number of bytes)")
+    unit = match.group(2).lower().removesuffix("b")
+    size = int(float(match.group(1)) * _UNITS[unit])
+    if size < 1:
+        raise ValueError(f"{value!r} is not a positive size")
+    return size
+
+
+def _size(value: Any) -> Any:
+    if value is None:
+        return None
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise PydanticCustomError("size", str(e)) from None
+
+
+class Limits(StrictModel):
+    """The resource guard's budget (see docs/reliability.md). Unset: ``HEADLAB_MEMORY_LIMIT``, else derived from
+    the machine's memory (the device's for a GPU run)."""
+
+    memory: Annotated[Annotated[int, Field(ge=1, le=2**62)] | None, BeforeValidator(_size)] = Field(
+        None, description="largest estimated memory a cell may need: bytes or e.g. 8GiB, 512MB")
+    guard: bool = Field(True, description="false: run without the resource check")
 
 
 def _coerce_model(value: Any) -> Any:
@@ -203,6 +306,11 @@ def _check_kind(label: str, kinds: list[str], key: str = "kind", default: str | 
     def check(value: Any) -> Any:
         if isinstance(value, str) and key != "kind":  # `execution: ray` = `execution: {executor: ray}`
             value = {key: value}
+        if not isinstance(value, Mapping) and not isinstance(value, BaseModel):
+            raise PydanticCustomError(
+                "unknown_kind", "expected a {category}: a mapping with `{key}` (one of: {kinds}), got {got}",
+                {"category": label, "key": key, "kinds": ", ".join(kinds) or "none installed",
+                 "got": _describe(value)})
         if isinstance(value, Mapping):
             kind = value.get(key, value.get("kind"))
             if kind is None and default is not None and key != "kind":  # `execution: {}`: the default executor
@@ -210,6 +318,10 @@ def _check_kind(label: str, kinds: list[str], key: str = "kind", default: str | 
             if kind is None:
                 raise PydanticCustomError("missing_kind", "missing `{key}` (one of: {kinds})",
                                           {"key": key, "kinds": ", ".join(kinds) or "none installed"})
+            if not isinstance(kind, str):
+                raise PydanticCustomError("unknown_kind", "`{key}` must be a name (one of: {kinds}), got {got}",
+                                          {"key": key, "kinds": ", ".join(kinds) or "none installed",
+                                           "got": _describe(kind)})
             if kind not in kinds:
                 raise PydanticCustomError(
                     "unknown_kind", "unknown {category} kind '{kind}'{hint}; installed: {kinds}",
@@ -217,6 +329,19 @@ def _check_kind(label: str, kinds: list[str], key: str = "kind", default: str | 
                      "kinds": ", ".join(kinds) or "none (install a plugin that provides one)"})
         return value
     return check
+
+
+def _describe(value: Any) -> str:
+    """``a list``, ``the number 3``, ...: what a value is, for messages."""
+    if value is None:
+        return "nothing (null)"
+    if isinstance(value, bool):
+        return f"the boolean {str(value).lower()}"
+    if isinstance(value, (int, float)):
+        return f"the number {value}"
+    if isinstance(value, str):
+        return f"the string {value[:40]!r}"
+    return {list: "a list", tuple: "a list", dict: "a mapping"}.get(type(value), f"a {type(value).__name__}")
 
 
 class SpecTypes:
@@ -314,12 +439,14 @@ def build_spec_model(registry: Registry | None = None) -> type[BaseModel]:
         steps: list[Step] = Field(min_length=1)
         sweep: dict[str, list[Any]] = Field(default_factory=dict,
                                             description="dotted spec path -> values; a grid of cells")
-        seed: int = 0
+        seed: Seed = Field(0, description=f"seed of every cell (0 .. {MAX_SEED})")
         output: str = Field("./headlab-runs", description="directory (or fsspec URL) holding run stores")
         execution: Optional[Executor] = Field(  # noqa: UP045
             default_factory=lambda: executor() if executor is not None else None,
             description="how the cells run: `executor: <kind>` and its options (default: "
                         f"{executor.kind_name() if executor is not None else 'none installed'}); never changes results")
+        limits: Limits = Field(default_factory=lambda: Limits(),
+                               description="resource budget a cell may use (checked before it runs)")
 
         @field_validator("steps")
         @classmethod
@@ -393,6 +520,9 @@ class _Walk:
             return items
         if hasattr(node, "value") and tag is not None:
             raise self.fail(f"YAML tag {tag} is not allowed: a spec holds data only")
+        if isinstance(node, int) and not isinstance(node, bool) and abs(node) > MAX_YAML_INT:
+            digits = len(str(abs(int(node))))
+            raise self.fail(f"the integer ({digits} digits) is too large; the limit is {MAX_YAML_INT:,} in absolute value")
         if type(node).__name__ in ("ScalarFloat", "ScalarInt", "ScalarBoolean"):
             return {"ScalarFloat": float, "ScalarInt": int, "ScalarBoolean": bool}[type(node).__name__](node)
         if isinstance(node, str):
@@ -561,11 +691,12 @@ def _clean_loc(loc: tuple[Any, ...], data: Any) -> list[Any]:
     node = data
     for part in loc:
         if isinstance(node, Mapping) and part not in node and isinstance(part, str) and (
-                part in (node.get("kind"), node.get("executor")) or "[" in part or part.startswith("function-")
+                part in (node.get("kind"), node.get("executor")) or "[" in part
+                or part.startswith(("function-", "constrained-", "lax-"))
                 or part in ("list", "dict", "str", "int", "float")):
             continue
-        if isinstance(node, list) and isinstance(part, str):
-            continue
+        if not isinstance(node, Mapping) and isinstance(part, str) and out:
+            continue  # a union member's marker below a list or a scalar (``list[int]``, ``constrained-int``)
         out.append(part)
         if isinstance(node, Mapping):
             node = node.get(part)
@@ -795,7 +926,7 @@ def validate_data(data: dict[str, Any], *, text: str = "", source: str = "<spec>
 
 
 UNSWEEPABLE = {"name": "it names the run, not a cell", "output": "it is where runs are stored, not a cell",
-               "sweep": "a sweep cannot sweep itself"}
+               "sweep": "a sweep cannot sweep itself", "limits": "the resource budget holds for the whole run"}
 
 
 def _sweep_label(value: Any) -> Any:

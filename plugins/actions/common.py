@@ -8,7 +8,8 @@ from pydantic import Field, model_validator
 from headlab import scoring
 from headlab.generation import Batch
 from headlab.instrument import Plan
-from headlab.spec import SpecTypes, StrictModel
+from headlab.plugin_manager import get_manager
+from headlab.spec import PositiveInt, SpecTypes, StrictModel
 
 
 def kind_shorthand(value: Any) -> Any:
@@ -26,7 +27,7 @@ def decoding_config(types: SpecTypes) -> type[StrictModel]:
     class Decoding(StrictModel):
         decode: Decoder = Field(description=about)
         steer: list[Steer] = Field(default_factory=list, description="steering methods applied together")
-        batch_size: int = Field(8, ge=1, description="prompts (generate) or prompt+choice rows (score) per forward")
+        batch_size: PositiveInt = Field(8, description="prompts (generate) or prompt+choice rows (score) per forward")
 
         @model_validator(mode="before")
         @classmethod

@@ -5,6 +5,7 @@ from typing import Any
 import xarray as xr
 
 from headlab import StepContext, hookimpl
+from headlab.errors import ContractError
 from headlab.plugin_manager import get_manager
 from headlab.spec import SpecTypes
 
@@ -17,6 +18,9 @@ def detect_config(types: SpecTypes) -> Any:
 def detect(config: Any, ctx: StepContext) -> xr.Dataset:
     """Run the detector ``config.kind``; its dataset gets the attribute ``method`` (the kind) if unset."""
     ds = get_manager().get("detectors", config.kind).impl(config, ctx)
+    if not isinstance(ds, xr.Dataset):
+        raise ContractError(f"the detector returned {type(ds).__name__}, not an xarray Dataset",
+                            category="detectors", kind=config.kind)
     ds.attrs.setdefault("method", config.kind)
     return ds
 

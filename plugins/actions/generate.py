@@ -11,10 +11,12 @@ import xarray as xr
 from pydantic import BeforeValidator, Field
 
 from headlab import StepContext, hookimpl
-from headlab.generation import DecodeRequest, tokenize
+from headlab.errors import ContractError
+from headlab.generation import Decoded, DecodeRequest, tokenize
 from headlab.plugin_manager import get_manager
+from headlab.resources import Estimate, EstimateContext
 from headlab.runner import decode_info
-from headlab.spec import SpecTypes, StrictModel
+from headlab.spec import NonEmptyStr, PositiveInt, SpecTypes, StrictModel
 
 from .common import decoding_config, kind_shorthand, steering_plan
 
@@ -27,8 +29,12 @@ def generate_config(types: SpecTypes) -> type[StrictModel]:
         """Generate continuations for every example, optionally steered and with a decoding strategy."""
 
         metrics: list[Metric] = Field(default_factory=list)
-        max_new_tokens: int = Field(16, ge=1)
-        stop: list[str] = Field(default_factory=list, description="stop strings")
+        max_new_tokens: PositiveInt = Field(16)
+        stop: list[NonEmptyStr] = Field(default_factory=list, description="stop strings (non-empty)")
+
+        def estimate(self, ctx: EstimateContext) -> list[Estimate]:
+            """The KV cache of a batch decoding ``max_new_tokens`` after the longest prompt (resource guard)."""
+            return [ctx.kv_cache(ctx.task.tokens + self.max_new_tokens, ctx.rows(self.batch_size))]
 
     return Generate
 
@@ -47,6 +53,9 @@ def generate(action: Any, ctx: StepContext) -> xr.Dataset:
         plan, reports = steering_plan(action.steer, ctx, batch)
         request = DecodeRequest(ctx.model, batch, action.max_new_tokens, list(action.stop), plan, ctx.seed, ctx)
         decoded = decoder.impl(action.decode, request)
+        if not isinstance(decoded, Decoded) or len(decoded.texts) != len(chunk):
+            raise ContractError(f"the decoder returned {type(decoded).__name__}, not Decoded with one text per "
+                                "prompt", category="decoders", kind=action.decode.kind)
         outputs.extend(decoded.texts)
         tokens.extend(decoded.tokens)
         infos.append((decoded.info, [len(t) for t in decoded.tokens]))
@@ -67,7 +76,13 @@ def generate(action: Any, ctx: StepContext) -> xr.Dataset:
     names = []
     for cfg in action.metrics:
         comp = mgr.get("metrics", cfg.kind)
-        values = np.asarray(comp.impl(cfg, ctx.examples, outputs), dtype=float)
+        try:
+            values = np.asarray(comp.impl(cfg, ctx.examples, outputs), dtype=float)
+        except (TypeError, ValueError) as e:
+            raise ContractError(f"the metric returned no numbers ({e})", category="metrics", kind=cfg.kind) from e
+        if values.shape != (len(ctx.examples),):
+            raise ContractError(f"the metric returned shape {values.shape}, not one number per example",
+                                category="metrics", kind=cfg.kind)
         ds[cfg.kind] = ("example", values)
         names.append(cfg.kind)
     ds.attrs.update(decode=action.decode.kind, steer=[c.kind for c in action.steer], metrics=names)

@@ -12,8 +12,10 @@ import xarray as xr
 from pydantic import BeforeValidator, Field
 
 from headlab import StepContext, hookimpl
-from headlab.generation import ScoreRequest, continuation_batch
+from headlab.errors import ContractError
+from headlab.generation import Scored, ScoreRequest, continuation_batch
 from headlab.plugin_manager import get_manager
+from headlab.resources import Estimate, EstimateContext
 from headlab.spec import SpecTypes, StrictModel
 
 from .common import decoding_config, kind_shorthand, steering_plan
@@ -32,6 +34,10 @@ def score_config(types: SpecTypes) -> type[StrictModel]:
 
         metrics: list[ChoiceMetric] = Field(defaults, validate_default=True,
                                             description="multiple-choice metrics of the choices' scores")
+
+        def estimate(self, ctx: EstimateContext) -> list[Estimate]:
+            """The KV cache of a batch of prompt + choice rows over the longest prompt (resource guard)."""
+            return [ctx.kv_cache(ctx.task.tokens, ctx.rows(self.batch_size))]
 
     return Score
 
@@ -59,6 +65,9 @@ def score(action: Any, ctx: StepContext) -> xr.Dataset:
         plan, _ = steering_plan(action.steer, ctx, batch)
         request = ScoreRequest(ctx.model, batch, n_tokens, sources, conts, plan, ctx.seed, ctx)
         scored = scorer(action.decode, request)
+        if not isinstance(scored, Scored) or len(scored.logprobs) != len(chunk):
+            raise ContractError(f"the scorer returned {type(scored).__name__}, not Scored with one value per row",
+                                category="decoders", kind=action.decode.kind)
         for (i, j), value, n in zip(chunk, scored.logprobs, n_tokens, strict=True):
             logprobs[i, j], n_tok[i, j] = value, n
     metrics = {cfg.kind: np.asarray(mgr.get("choice_metrics", cfg.kind).impl(cfg, ctx.examples, logprobs),

@@ -17,6 +17,7 @@ from pydantic import Field
 
 from headlab import ComponentConfig
 from headlab.generation import Batch, ScoreRequest, instrumented
+from headlab.spec import PositiveFloat, PositiveInt, Probability
 
 
 class Selection(ComponentConfig):
@@ -24,9 +25,9 @@ class Selection(ComponentConfig):
 
     kind: str
     do_sample: bool = Field(False, description="sample from softmax(scores) instead of taking the argmax")
-    temperature: float = Field(1.0, gt=0, description="sampling temperature (with do_sample)")
-    top_k: int | None = Field(None, ge=1, description="sample among the top-k scores (with do_sample)")
-    top_p: float | None = Field(None, gt=0, le=1, description="nucleus sampling mass (with do_sample)")
+    temperature: PositiveFloat = Field(1.0, description="sampling temperature (with do_sample)")
+    top_k: PositiveInt | None = Field(None, description="sample among the top-k scores (with do_sample)")
+    top_p: Probability | None = Field(None, gt=0, description="nucleus sampling mass (with do_sample)")
 
 
 def pick(scores: torch.Tensor, config: Selection, generator: torch.Generator | None) -> torch.Tensor:

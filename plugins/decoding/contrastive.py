@@ -41,7 +41,7 @@ from headlab.generation import (
     tokenize,
 )
 from headlab.model import LoadedModel, load_model
-from headlab.spec import ModelSpec
+from headlab.spec import FiniteFloat, ModelSpec, NonNegativeFloat, PositiveFloat, Probability
 
 from .common import (
     Selection,
@@ -65,10 +65,10 @@ class Contrastive(Selection):
     kind: Literal["contrastive"] = "contrastive"
     amateur: Annotated[ModelSpec, BeforeValidator(_coerce_model)] = Field(
         description="the amateur model: a name/id or {path: ...} / {config: ...}; same tokenizer as the expert")
-    alpha: float = Field(0.1, ge=0, le=1, description="plausibility: keep tokens with p_expert >= alpha * max p_expert")
-    amateur_temperature: float = Field(1.0, gt=0, description="divide the amateur's logits by this before log_softmax")
+    alpha: Probability = Field(0.1, description="plausibility: keep tokens with p_expert >= alpha * max p_expert")
+    amateur_temperature: PositiveFloat = Field(1.0, description="divide the amateur's logits by this before log_softmax")
     score_plausibility: bool = Field(False, description="apply the plausibility filter when scoring choices")
-    relative_top_value: float = Field(-1000.0, description="score of an implausible token when scoring")
+    relative_top_value: FiniteFloat = Field(-1000.0, description="score of an implausible token when scoring")
 
 
 _AMATEURS: dict[tuple[str, int, str], LoadedModel] = {}
@@ -149,7 +149,7 @@ class CAD(Selection):
     """Context-aware decoding: with-context logits contrasted with no-context logits, one batched forward."""
 
     kind: Literal["cad"] = "cad"
-    alpha: float = Field(0.5, ge=0, description="(1 + alpha) * logits(y|c,x) - alpha * logits(y|x)")
+    alpha: NonNegativeFloat = Field(0.5, description="(1 + alpha) * logits(y|c,x) - alpha * logits(y|x)")
     context: Literal["auto", "span", "meta"] = Field(
         "auto", description="how to find the context to remove: span (spans['context']), meta "
         "(meta['context'] text), auto (span, else meta)")

@@ -49,7 +49,7 @@ from headlab.generation import (
     sum_continuation,
 )
 from headlab.instrument import Plan, shared_trunk
-from headlab.spec import HeadSelection
+from headlab.spec import HeadSelection, NonNegativeFloat, PositiveFloat, Seed
 
 from .common import Selection, entropy_alpha, generator_for, pick, predicting, score_forward
 
@@ -61,10 +61,10 @@ class DeCoRe(Selection):
     heads: HeadSelection = Field(description="the retrieval heads to mask: {from: <step>, top: k}, "
                                  "[[layer, head], ...], {file: heads.json, top: k} or {\"<layer>\": [heads]}")
     random: bool = Field(False, description="DeCoRe-random: mask as many heads drawn at random (not the selected ones)")
-    random_seed: int = Field(0, description="offset added to the run seed for the random heads")
-    alpha: float | Literal["entropy"] = Field(0.5, description="static alpha, or 'entropy': the base "
+    random_seed: Seed = Field(0, description="offset added to the run seed for the random heads")
+    alpha: NonNegativeFloat | Literal["entropy"] = Field(0.5, description="static alpha, or 'entropy': the base "
                                               "distribution's entropy at each step")
-    alpha_cap: float | None = Field(None, gt=0, description="entropy alpha: cap at this value")
+    alpha_cap: PositiveFloat | None = Field(None, description="entropy alpha: cap at this value")
     scale_alpha: bool = Field(False, description="entropy alpha: divide by log |V|")
     mask: Literal["query", "score", "output"] = Field(
         "query", description="query: zero the query (the reference's flash mode); score: zero the scores; "

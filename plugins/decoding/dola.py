@@ -28,7 +28,7 @@ The reference runs TruthfulQA MC with ``relative_top 0`` and ``post_softmax fals
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 from pydantic import Field
@@ -43,6 +43,7 @@ from headlab.generation import (
     decode_loop,
     sum_continuation,
 )
+from headlab.spec import FiniteFloat, NonNegativeInt, PositiveFloat, Probability
 
 from .common import (
     SeenTokens,
@@ -61,7 +62,7 @@ class DoLa(Selection):
     """DoLa: contrast the final layer with the most divergent early layer (METHODS.md "DoLa")."""
 
     kind: Literal["dola"] = "dola"
-    layers: Literal["low", "high"] | list[int] = Field(
+    layers: Literal["low", "high"] | Annotated[list[NonNegativeInt], Field(min_length=1)] = Field(
         "high", description="candidate premature layers: 'low', 'high' (HF buckets) or explicit indices "
         "(hidden_states index: 0 = embeddings; indices >= num_layers are dropped)")
     divergence: Literal["reference", "jsd"] = Field(
@@ -70,16 +71,16 @@ class DoLa(Selection):
     layer_choice: Literal["row", "batch"] = Field(
         "row", description="row: each row picks its own premature layer (batch-invariant, default); batch: "
         "one layer for the whole batch from the batch-mean divergence (the reference)")
-    relative_top: float = Field(0.1, ge=0, lt=1, description="adaptive plausibility: keep tokens with "
+    relative_top: Probability = Field(0.1, lt=1, description="adaptive plausibility: keep tokens with "
                                 "p >= relative_top * max p (0 keeps all)")
-    repetition_penalty: float = Field(1.2, gt=0, description="HF repetition penalty on prompt and generated "
+    repetition_penalty: PositiveFloat = Field(1.2, description="HF repetition penalty on prompt and generated "
                                       "tokens (reference 1.2; 1 disables)")
     final_norm: bool = Field(False, description="apply the model's final norm to premature hidden states "
                              "(the reference does not)")
-    score_relative_top: float = Field(0.0, ge=0, lt=1, description="plausibility filter when scoring "
+    score_relative_top: Probability = Field(0.0, lt=1, description="plausibility filter when scoring "
                                       "choices (reference TruthfulQA MC: 0)")
     score_post_softmax: bool = Field(False, description="renormalise the contrast with log_softmax when scoring")
-    relative_top_value: float = Field(-1000.0, description="score of a token failing the plausibility "
+    relative_top_value: FiniteFloat = Field(-1000.0, description="score of a token failing the plausibility "
                                       "filter when scoring")
 
 

@@ -13,6 +13,7 @@ from pydantic import Field
 
 from headlab import ComponentConfig, hookimpl
 from headlab.generation import Decoded, DecodeRequest, Scored, ScoreRequest, decode_loop, sum_continuation
+from headlab.spec import PositiveFloat, PositiveInt, Probability
 
 
 class Greedy(ComponentConfig):
@@ -25,9 +26,9 @@ class Sample(ComponentConfig):
     """Sample the next token with temperature, top-k and top-p (nucleus) filtering."""
 
     kind: Literal["sample"] = "sample"
-    temperature: float = Field(1.0, gt=0)
-    top_k: int | None = Field(None, ge=1)
-    top_p: float | None = Field(None, gt=0, le=1)
+    temperature: PositiveFloat = 1.0
+    top_k: PositiveInt | None = None
+    top_p: Probability | None = Field(None, gt=0)
 
 
 def greedy(config: Greedy, request: DecodeRequest) -> Decoded:

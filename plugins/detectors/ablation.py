@@ -33,6 +33,8 @@ from pydantic import Field, model_validator
 from headlab import ComponentConfig, Example, HeadSelection, StepContext, hookimpl
 from headlab.generation import DecodeRequest, decode_loop, tokenize
 from headlab.model import Geometry, LoadedModel
+from headlab.resources import Estimate, EstimateContext
+from headlab.spec import NonEmptyStr, NonNegativeFloat, NonNegativeInt, PositiveInt, Seed
 
 from .retrieval import length_batches
 
@@ -46,9 +48,9 @@ class Ablation(ComponentConfig):
 
     kind: Literal["ablation"] = "ablation"
     heads: HeadSelection = Field(description="ranked heads to mask, e.g. {from: retrieval, threshold: 0.1}")
-    k: list[int | Literal["all"]] = Field(default_factory=lambda: ["all"],
+    k: list[PositiveInt | Literal["all"]] = Field(default_factory=lambda: ["all"],
                                           description="numbers of heads to mask; 'all' = every selected head")
-    draws: int = Field(3, ge=0, description="random draws per k")
+    draws: NonNegativeInt = Field(3, description="random draws per k")
     match_layers: bool = Field(False, description="random heads: as many per layer as the top k")
     exclude_selected: bool = Field(True, description="random heads are drawn from heads outside the top k")
     mode: Literal["query", "score", "output"] = Field(
@@ -56,13 +58,17 @@ class Ablation(ComponentConfig):
     mask_prompt: bool = Field(True, description="mask during the prompt too; false: prefill the prompt minus its "
                               "last token unmasked, mask from the last prompt token on (DeCoRe's reference)")
     metric: str | dict[str, Any] = Field("needle_recall", description="metric kind, or {kind, ...options}")
-    max_new_tokens: int = Field(16, ge=1)
-    stop: list[str] = Field(default_factory=list, description="stop strings")
-    batch_size: int = Field(32, ge=1, description="rows per forward (every condition of batch_size // conditions "
+    max_new_tokens: PositiveInt = 16
+    stop: list[NonEmptyStr] = Field(default_factory=list, description="stop strings (non-empty)")
+    batch_size: PositiveInt = Field(32, description="rows per forward (every condition of batch_size // conditions "
                             "examples)")
-    length_slack: float = Field(0.125, ge=0, description="a batch holds prompts at most this fraction longer "
+    length_slack: NonNegativeFloat = Field(0.125, description="a batch holds prompts at most this fraction longer "
                                 "than its shortest (left padding costs compute)")
-    seed: int = Field(0, description="offset added to the run seed for the random draws")
+    seed: Seed = Field(0, description="offset added to the run seed for the random draws")
+
+    def estimate(self, ctx: EstimateContext) -> list[Estimate]:
+        """The KV cache of a batch (every condition) decoding ``max_new_tokens`` after the longest prompt (resource guard)."""
+        return [ctx.kv_cache(ctx.task.tokens + self.max_new_tokens, ctx.rows(self.batch_size))]
 
     @model_validator(mode="after")
     def _check(self) -> Ablation:

@@ -39,6 +39,8 @@ from headlab import ComponentConfig, Example, StepContext, hookimpl
 from headlab.dims import head_array
 from headlab.generation import tokenize
 from headlab.model import LoadedModel
+from headlab.resources import Estimate, EstimateContext
+from headlab.spec import NonEmptyStr, NonNegativeFloat, NonNegativeInt, PositiveInt
 
 from .retrieval import length_batches, probe_decode
 
@@ -53,12 +55,16 @@ class Lookback(ComponentConfig):
     kind: Literal["lookback"] = "lookback"
     context: str | None = Field(None, description="name of the examples' span whose end closes the context "
                                 "(default: the whole prompt minus prompt_tail)")
-    prompt_tail: int = Field(0, ge=0, description="last prompt tokens counted as new tokens (answer prefix)")
-    max_new_tokens: int = Field(32, ge=1)
-    stop: list[str] = Field(default_factory=list, description="stop strings")
-    batch_size: int = Field(8, ge=1)
-    length_slack: float = Field(0.125, ge=0, description="a batch holds prompts at most this fraction longer "
+    prompt_tail: NonNegativeInt = Field(0, description="last prompt tokens counted as new tokens (answer prefix)")
+    max_new_tokens: PositiveInt = 32
+    stop: list[NonEmptyStr] = Field(default_factory=list, description="stop strings (non-empty)")
+    batch_size: PositiveInt = 8
+    length_slack: NonNegativeFloat = Field(0.125, description="a batch holds prompts at most this fraction longer "
                                 "than its shortest (left padding costs compute)")
+
+    def estimate(self, ctx: EstimateContext) -> list[Estimate]:
+        """The KV cache of a batch decoding ``max_new_tokens`` after the longest prompt (resource guard)."""
+        return [ctx.kv_cache(ctx.task.tokens + self.max_new_tokens, ctx.rows(self.batch_size))]
 
 
 def lookback_ratios(lm: LoadedModel, examples: Sequence[Example], *, context: str | None = None,

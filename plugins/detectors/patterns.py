@@ -37,6 +37,8 @@ from pydantic.json_schema import SkipJsonSchema
 from headlab import ComponentConfig, StepContext, hookimpl
 from headlab.dims import head_array
 from headlab.generation import tokenize
+from headlab.resources import Estimate, EstimateContext
+from headlab.spec import PositiveInt
 
 PatternFunction = Callable[[torch.Tensor], Any]
 
@@ -45,10 +47,18 @@ class _Pattern(ComponentConfig):
     error_measure: Literal["mul", "abs"] = Field("mul", description="mul: sum(A*D)/sum(A); abs: 1 - sum|A-D|/n")
     exclude_bos: bool = Field(False, description="zero attention to the first token")
     exclude_current_token: bool = Field(False, description="zero attention to the query's own token")
-    batch_size: int = Field(8, ge=1)
+    batch_size: PositiveInt = 8
     probe: Literal["pairs", "pattern"] = Field(
         "pairs", description="pairs: the attention at the pattern's (query, key) pairs (memory linear in length); "
         "pattern: the full attention pattern (memory n^2 per head; short inputs only)")
+
+    def estimate(self, ctx: EstimateContext) -> list[Estimate]:
+        """The full attention patterns of a batch when ``probe: pattern`` (resource guard); the pair probes
+        take memory linear in length."""
+        rows, n = ctx.rows(self.batch_size), ctx.task.tokens
+        if self.probe != "pattern":
+            return [ctx.activations(n, rows, "hidden states of a batch's forward")]
+        return [ctx.attention(n, n, rows, "full attention patterns")]
 
 
 class PreviousToken(_Pattern):

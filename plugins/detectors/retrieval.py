@@ -49,6 +49,8 @@ from headlab import ComponentConfig, Example, StepContext, hookimpl
 from headlab.generation import Batch, tokenize
 from headlab.heads import from_retrieval_json, to_retrieval_json
 from headlab.model import Geometry, LoadedModel
+from headlab.resources import Estimate, EstimateContext
+from headlab.spec import FiniteFloat, NonEmptyStr, NonNegativeFloat, PositiveInt, Probability
 
 __all__ = [
     "ProbeDecode",
@@ -67,14 +69,14 @@ class Retrieval(ComponentConfig):
     """Retrieval heads (Wu et al. 2024): heads that copy the needle token they attend to."""
 
     kind: Literal["retrieval"] = "retrieval"
-    span: str = Field("needle", description="name of the examples' character span holding the needle")
-    max_new_tokens: int = Field(50, ge=1, description="greedy decoding length (reference: 50)")
-    stop: list[str] = Field(default_factory=list, description="stop strings (the reference stops at a newline)")
-    batch_size: int = Field(16, ge=1, description="examples decoded together (sorted by length)")
-    length_slack: float = Field(0.125, ge=0, description="a batch holds prompts at most this fraction longer "
+    span: NonEmptyStr = Field("needle", description="name of the examples' character span holding the needle")
+    max_new_tokens: PositiveInt = Field(50, description="greedy decoding length (reference: 50)")
+    stop: list[NonEmptyStr] = Field(default_factory=list, description="stop strings (the reference stops at a newline)")
+    batch_size: PositiveInt = Field(16, description="examples decoded together (sorted by length)")
+    length_slack: NonNegativeFloat = Field(0.125, description="a batch holds prompts at most this fraction longer "
                                 "than its shortest (left padding costs compute)")
-    threshold: float = Field(0.1, description="heads with score >= threshold are retrieval heads (paper: 0.1)")
-    recall_threshold: float = Field(0.5, ge=0, le=1,
+    threshold: FiniteFloat = Field(0.1, description="heads with score >= threshold are retrieval heads (paper: 0.1)")
+    recall_threshold: Probability = Field(0.5,
                                     description="an instance counts when ROUGE-1 recall > this (reference: 0.5)")
     reference: Literal["answer", "needle", "target"] = Field(
         "answer", description="text the output's ROUGE-1 recall is measured against: the answer "
@@ -84,6 +86,10 @@ class Retrieval(ComponentConfig):
                                "format {\"<layer>-<head>\": [score per retrieved instance]}")
     load: str | None = Field(None, description="read scores from a reference-format JSON file instead of "
                              "detecting (published head lists); example_score then has no example axis")
+
+    def estimate(self, ctx: EstimateContext) -> list[Estimate]:
+        """The KV cache of a batch decoding ``max_new_tokens`` after the longest prompt (resource guard)."""
+        return [ctx.kv_cache(ctx.task.tokens + self.max_new_tokens, ctx.rows(self.batch_size))]
 
 
 # --------------------------------------------------------------------------- decoding with probes

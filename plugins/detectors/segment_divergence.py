@@ -32,6 +32,8 @@ from pydantic import Field
 from headlab import ComponentConfig, StepContext, hookimpl
 from headlab.dims import head_array
 from headlab.generation import tokenize
+from headlab.resources import Estimate, EstimateContext
+from headlab.spec import NonEmptyStr, PositiveInt
 
 __all__ = ["SegmentDivergence", "detect", "last_z", "remove_spans", "segment_divergence"]
 
@@ -42,11 +44,15 @@ class SegmentDivergence(ComponentConfig):
     """Per-head L2 distance of the output with vs without a marked span, at the generation position (VHD)."""
 
     kind: Literal["segment_divergence"] = "segment_divergence"
-    span: str = Field("context", description="name of the examples' character span(s) to take away")
+    span: NonEmptyStr = Field("context", description="name of the examples' character span(s) to take away")
     method: Literal["remove", "mask"] = Field(
         "remove", description="remove: delete the span's tokens (VHR's text-only forward); "
         "mask: keep them and their positions but hide them from attention")
-    batch_size: int = Field(8, ge=1)
+    batch_size: PositiveInt = 8
+
+    def estimate(self, ctx: EstimateContext) -> list[Estimate]:
+        """Hidden states of a batch's forward over the longest prompt (resource guard)."""
+        return [ctx.activations(ctx.task.tokens, ctx.rows(self.batch_size))]
 
 
 def last_z(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,

@@ -25,6 +25,7 @@ import numpy as np
 from pydantic import Field
 
 from headlab import ComponentConfig, Example, hookimpl
+from headlab.spec import Probability
 
 _NON_ALNUM = re.compile(r"[^a-z0-9]+")
 
@@ -91,7 +92,7 @@ class NeedleRecall(ComponentConfig):
     """ROUGE-1 recall of the answer in the output > threshold (needle retrieved: 1, else 0)."""
 
     kind: Literal["needle_recall"] = "needle_recall"
-    threshold: float = Field(0.5, ge=0.0, le=1.0, description="recall must exceed this to count as 1")
+    threshold: Probability = Field(0.5, description="recall must exceed this to count as 1")
     raw: bool = Field(False, description="return the recall itself instead of 0/1")
     stemmer: bool = Field(True, description="Porter stemming, as the reference code (use_stemmer=True)")
     reference: Literal["answer", "target"] = Field(

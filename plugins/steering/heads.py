@@ -28,7 +28,7 @@ from pydantic import Field
 
 from headlab import ComponentConfig, StepContext, hookimpl
 from headlab.generation import Batch
-from headlab.spec import HeadSelection
+from headlab.spec import FiniteFloat, HeadSelection, NonNegativeInt
 
 from .common import resolve_heads
 
@@ -37,7 +37,7 @@ class HeadMask(ComponentConfig):
     """Mask heads: zero their query (uniform attention), their scores, or their output."""
 
     kind: Literal["head_mask"] = "head_mask"
-    heads: HeadSelection | list[int] = Field(
+    heads: HeadSelection | list[NonNegativeInt] = Field(
         description="heads to mask: {from: step, top: k} (random: true for the control), [[layer, head], ...], "
         "{\"<layer>\": [heads]}, a list of layers, or {file: heads.json}")
     mode: Literal["query", "score", "output"] = Field(
@@ -48,8 +48,8 @@ class HeadScale(ComponentConfig):
     """Scale heads: multiply their output, their value vectors or their query by a factor."""
 
     kind: Literal["head_scale"] = "head_scale"
-    heads: HeadSelection | list[int] = Field(description="heads to scale (same forms as head_mask)")
-    factor: float = Field(description="multiplier")
+    heads: HeadSelection | list[NonNegativeInt] = Field(description="heads to scale (same forms as head_mask)")
+    factor: FiniteFloat = Field(description="multiplier (finite)")
     target: Literal["output", "values", "queries"] = Field(
         "output", description="output: z *= factor; values: V of the head's kv head *= factor (its whole GQA "
         "group); queries: q *= factor")

@@ -39,7 +39,7 @@ from pydantic import Field
 from headlab import ComponentConfig, StepContext, hookimpl
 from headlab.generation import Batch
 from headlab.instrument import KeyBias
-from headlab.spec import HeadSelection
+from headlab.spec import HeadSelection, NonEmptyStr, NonNegativeInt, Probability
 
 from .common import resolve_heads
 
@@ -51,15 +51,15 @@ class Pasta(ComponentConfig):
     """PASTA: down-weight attention to non-emphasised prompt tokens on the selected heads."""
 
     kind: Literal["pasta"] = "pasta"
-    heads: HeadSelection | list[int] = Field(
+    heads: HeadSelection | list[NonNegativeInt] = Field(
         description="heads to steer: {from: step, top: k}, [[layer, head], ...], {\"<layer>\": [heads]}, "
         "a list of layers, or {file: heads.json}")
-    alpha: float = Field(0.01, gt=0, le=1, description="attention to non-emphasised tokens is multiplied by "
+    alpha: Probability = Field(0.01, gt=0, description="attention to non-emphasised tokens is multiplied by "
                          "alpha (log(alpha) added to their scores); 1 = no steering")
     scale_position: ScalePosition = Field(
         "exclude", description="exclude: log(alpha) on prompt keys outside the emphasis (BOS included); "
         "include: net -log(alpha) on prompt keys outside the emphasis; generation: log(alpha) on all prompt keys")
-    span: str = Field("emphasis", description="name of the examples' character spans to emphasise")
+    span: NonEmptyStr = Field("emphasis", description="name of the examples' character spans to emphasise")
     missing: Literal["error", "skip"] = Field(
         "error", description="what to do with an example that has no emphasised span")
 

@@ -38,7 +38,8 @@ from headlab import ComponentConfig, Example, StepContext, hookimpl
 from headlab.dims import head_array
 from headlab.generation import Batch, DecodeRequest, decode_loop, tokenize
 from headlab.heads import to_pasta_json
-from headlab.spec import HeadSelection
+from headlab.resources import Estimate, EstimateContext
+from headlab.spec import HeadSelection, NonEmptyStr, NonNegativeInt, PositiveInt, Probability
 
 from .common import resolve_heads
 from .pasta import ScalePosition, Span, apply_pasta
@@ -50,17 +51,21 @@ class PastaProfile(ComponentConfig):
     kind: Literal["pasta_profile"] = "pasta_profile"
     tasks: list[dict[str, Any]] = Field(
         default_factory=list, description="task configs to profile on ({kind: ..., ...}); empty: the step's task")
-    n_examples: int | None = Field(16, ge=1, description="examples per task (the first n; None = all)")
+    n_examples: PositiveInt | None = Field(16, description="examples per task (the first n; None = all)")
     metric: str = Field("target_logprob", description="target_logprob (teacher-forced log p(target)) or a "
                         "metric kind computed on greedy generations")
-    max_new_tokens: int = Field(4, ge=1, description="generation length for generation metrics")
-    alpha: float = Field(0.01, gt=0, le=1)
+    max_new_tokens: PositiveInt = Field(4, description="generation length for generation metrics")
+    alpha: Probability = Field(0.01, gt=0)
     scale_position: ScalePosition = "exclude"
-    span: str = Field("emphasis", description="name of the examples' emphasised character spans")
-    heads: HeadSelection | list[int] | None = Field(None, description="candidate heads (default: every head)")
-    top_k: int | None = Field(None, ge=1, description="mark the intersection of every task's top-k as `selected`")
+    span: NonEmptyStr = Field("emphasis", description="name of the examples' emphasised character spans")
+    heads: HeadSelection | list[NonNegativeInt] | None = Field(None, description="candidate heads (default: every head)")
+    top_k: PositiveInt | None = Field(None, description="mark the intersection of every task's top-k as `selected`")
     write: str | None = Field(None, description="write the `selected` heads to this PASTA-format JSON file")
-    batch_size: int = Field(64, ge=1, description="(head, example) rows per forward")
+    batch_size: PositiveInt = Field(64, description="(head, example) rows per forward")
+
+    def estimate(self, ctx: EstimateContext) -> list[Estimate]:
+        """The KV cache of a batch of (head, example) rows over the longest prompt (resource guard)."""
+        return [ctx.kv_cache(ctx.task.tokens + self.max_new_tokens, self.batch_size)]
 
     @field_validator("tasks")
     @classmethod

@@ -38,6 +38,7 @@ from pydantic import Field
 from headlab import ComponentConfig, StepContext, hookimpl
 from headlab.dims import head_array
 from headlab.generation import Batch
+from headlab.spec import NonEmptyStr, NonNegativeInt, PositiveFloat
 
 Span = tuple[int, int]
 #: pre-softmax bias that removes a key (exp underflows to exactly 0; finite, so no 0 * inf)
@@ -48,11 +49,11 @@ class Vhr(ComponentConfig):
     """VHR: at the first generation step, reinforce the heads most sensitive to a segment (image tokens)."""
 
     kind: Literal["vhr"] = "vhr"
-    alpha: float = Field(2.0, gt=0, description="output scale of the selected heads (reference 2; 3 stronger)")
-    layers: list[int] | Literal["all", "reference"] = Field(
+    alpha: PositiveFloat = Field(2.0, description="output scale of the selected heads (reference 2; 3 stronger)")
+    layers: list[NonNegativeInt] | Literal["all", "reference"] = Field(
         "all", description="layers to reinforce: all, a list, or reference (layer 1 + the last 14)")
-    segment: str = Field("image", description="name of the examples' character spans forming the segment")
-    segment_token_id: int | None = Field(
+    segment: NonEmptyStr = Field("image", description="name of the examples' character spans forming the segment")
+    segment_token_id: NonNegativeInt | None = Field(
         None, description="use the positions holding this token id as the segment (e.g. the image token)")
     outlier_filter: bool = Field(True, description="zero VHD where both VHD and TA exceed mean + std")
 

@@ -57,6 +57,7 @@ from pydantic import Field, field_validator, model_validator
 
 from headlab import ComponentConfig, Example, TaskContext, hookimpl
 from headlab.context import strip_tags as core_strip_tags
+from headlab.spec import PositiveInt, Seed
 
 __all__ = [
     "TaskDataError", "TemplateLimitError", "Row", "Template", "lint_template", "strip_tags", "read_rows", "load_hf",
@@ -643,9 +644,9 @@ class DataSource(ComponentConfig):
                                    "(only when it is installed); e.g. 'truthfulqa/truthful_qa'")
     hf_config: str | None = Field(None, description="dataset configuration name for hf_dataset")
     split: str = Field("validation", description="split for hf_dataset")
-    n: int | None = Field(None, ge=1, description="use only the first n records (all when unset)")
+    n: PositiveInt | None = Field(None, description="use only the first n records (all when unset)")
     shuffle: bool = Field(False, description="shuffle the records (seeded) before taking n")
-    seed: int = Field(0, description="offset added to the run seed for shuffling")
+    seed: Seed = Field(0, description="offset added to the run seed for shuffling")
 
     @model_validator(mode="after")
     def _one_source(self) -> DataSource:

@@ -8,20 +8,27 @@ succeed through a fixed positional offset.
 from __future__ import annotations
 
 import random
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
 from headlab import ComponentConfig, Example, TaskContext, hookimpl
+from headlab.resources import TaskSize
+from headlab.spec import PositiveInt
 
 
 class RepeatedTokens(ComponentConfig):
     """Random tokens repeated twice (induction / duplicate-token probe)."""
 
     kind: Literal["repeated_tokens"] = "repeated_tokens"
-    n: int = Field(8, ge=1, description="number of sequences")
-    length: int | list[int] = Field(24, description="length of the random segment (or several, cycled)")
+    n: PositiveInt = Field(8, description="number of sequences")
+    length: PositiveInt | Annotated[list[PositiveInt], Field(min_length=1)] = Field(24, description="length of the random segment (or several, cycled)")
     bos: bool = Field(True, description="prepend the tokenizer's BOS token when it has one")
+
+    def size(self) -> TaskSize:
+        """``n`` examples of at most ``1 + 2 x length`` tokens (for the resource guard)."""
+        lengths = self.length if isinstance(self.length, list) else [self.length]
+        return TaskSize(self.n, 1 + 2 * max(lengths))
 
 
 def build(config: RepeatedTokens, ctx: TaskContext) -> list[Example]:

@@ -21,12 +21,13 @@ count of the embedded model.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from headlab import ComponentConfig, Example, TaskContext, hookimpl
-from headlab.spec import StrictModel
+from headlab.resources import TaskSize
+from headlab.spec import NonNegativeInt, PositiveInt, Probability, Seed, StrictModel
 
 from . import synthetic as S
 from .files import TaskDataError, resolve_path, strip_tags
@@ -48,15 +49,25 @@ def length_function(tokenizer: Any) -> Callable[[str], int] | None:
 class LengthRange(StrictModel):
     """``n`` context lengths evenly spaced in ``[lo, hi]`` (the reference grid: 128..2048, 20)."""
 
-    lo: int = Field(128, ge=1)
-    hi: int = Field(2048, ge=1)
-    n: int = Field(20, ge=1)
+    lo: PositiveInt = 128
+    hi: PositiveInt = 2048
+    n: PositiveInt = 20
 
     @model_validator(mode="after")
     def _order(self) -> LengthRange:
         if self.hi < self.lo:
             raise ValueError("hi must be >= lo")
         return self
+
+
+def _ordered(value: tuple[int, int]) -> tuple[int, int]:
+    if value[0] > value[1]:
+        raise ValueError(f"[lo, hi] with lo <= hi (got [{value[0]}, {value[1]}])")
+    return value
+
+
+FillerRange = Annotated[tuple[NonNegativeInt, NonNegativeInt], AfterValidator(_ordered)]
+"""``[lo, hi]``: a number of filler sentences drawn in that range (lo <= hi)."""
 
 
 class Needle(StrictModel):
@@ -71,20 +82,20 @@ class Niah(ComponentConfig):
     """Needle in a haystack over context lengths x depths x needles (retrieval heads)."""
 
     kind: Literal["niah"] = "niah"
-    context_lengths: list[int] | LengthRange = Field(
+    context_lengths: list[PositiveInt] | LengthRange = Field(
         default_factory=lambda: [128, 256, 512],
         description="haystack + needle length in tokens: a list, or {lo, hi, n} evenly spaced "
         "(reference: {lo: 128, hi: 2048, n: 20})")
-    depths: list[float] | int = Field(
+    depths: list[Probability] | PositiveInt = Field(
         5, description="needle depths in [0, 1] (0 = start), or a count k for k evenly spaced depths "
         "0..1 (reference: 10)")
-    needles: int | list[Needle] = Field(
+    needles: PositiveInt | list[Needle] = Field(
         3, description="the first k of the 3 reference needles, or a list of {needle, question, answer}")
     haystack: str | None = Field(None, description="haystack text file (default: the bundled haystack)")
-    distractors: int = Field(0, ge=0, description="other needles (different subjects) at random depths")
+    distractors: NonNegativeInt = Field(0, description="other needles (different subjects) at random depths")
     random_offset: bool = Field(False, description="start the haystack cut at a random token")
-    n: int | None = Field(None, ge=1, description="use n examples spread evenly over the grid (all when unset)")
-    seed: int = Field(0, description="offset added to the run seed")
+    n: PositiveInt | None = Field(None, description="use n examples spread evenly over the grid (all when unset)")
+    seed: Seed = Field(0, description="offset added to the run seed")
 
     @field_validator("context_lengths")
     @classmethod
@@ -110,6 +121,15 @@ class Niah(ComponentConfig):
         if isinstance(v, list) and not v:
             raise ValueError("needles: give at least one")
         return v
+
+    def size(self) -> TaskSize:
+        """How many examples and how long, computed without building the grid (for the resource guard)."""
+        cl = self.context_lengths
+        n_lengths, longest = (cl.n, cl.hi) if isinstance(cl, LengthRange) else (len(cl), max(cl))
+        n_depths = self.depths if isinstance(self.depths, int) else len(self.depths)
+        n_needles = self.needles if isinstance(self.needles, int) else len(self.needles)
+        grid = n_lengths * n_depths * n_needles
+        return TaskSize(min(self.n, grid) if self.n is not None else grid, longest + 64 * (1 + self.distractors))
 
     def grid(self) -> tuple[list[int], list[float], list[tuple[str, str, str]]]:
         """The resolved (context lengths, depths, needles)."""
@@ -163,11 +183,11 @@ class KvRetrieval(ComponentConfig):
     """Key-value retrieval: 'k1 : v1 , k2 : v2 , ... . kq :' -> ' vq' (associative recall)."""
 
     kind: Literal["kv_retrieval"] = "kv_retrieval"
-    n: int = Field(8, ge=1, description="examples per entry of num_pairs")
-    num_pairs: int | list[int] = Field(default_factory=lambda: [4, 8, 16],
+    n: PositiveInt = Field(8, description="examples per entry of num_pairs")
+    num_pairs: PositiveInt | list[PositiveInt] = Field(default_factory=lambda: [4, 8, 16],
                                        description="pairs per prompt (one value or several)")
-    value_len: int | tuple[int, int] = Field((1, 2), description="numbers per value: k or [lo, hi]")
-    seed: int = Field(0, description="offset added to the run seed")
+    value_len: PositiveInt | tuple[PositiveInt, PositiveInt] = Field((1, 2), description="numbers per value: k or [lo, hi]")
+    seed: Seed = Field(0, description="offset added to the run seed")
 
     @field_validator("num_pairs")
     @classmethod
@@ -186,6 +206,13 @@ class KvRetrieval(ComponentConfig):
         return v
 
 
+    def size(self) -> TaskSize:
+        """``n`` examples per entry of ``num_pairs``; a pair is a key, a colon, the value and a comma."""
+        sizes = [self.num_pairs] if isinstance(self.num_pairs, int) else self.num_pairs
+        hi = self.value_len if isinstance(self.value_len, int) else self.value_len[1]
+        return TaskSize(self.n * len(sizes), 16 + max(sizes) * (hi + 4))
+
+
 def build_kv(config: KvRetrieval, ctx: TaskContext) -> list[Example]:
     """Generate key-value prompts."""
     rows = S.kv_retrieval(config.n, config.num_pairs, value_len=config.value_len, seed=ctx.seed + config.seed)
@@ -201,13 +228,18 @@ class Counterfact(ComponentConfig):
     """Contexts that contradict memorised facts, then the question (context vs memory)."""
 
     kind: Literal["counterfact"] = "counterfact"
-    n: int | None = Field(None, ge=1, description="number of examples (default: one per fact)")
+    n: PositiveInt | None = Field(None, description="number of examples (default: one per fact)")
     conflict: bool = Field(True, description="the context contradicts the fact (false: it restates it)")
     closed_book: bool = Field(False, description="no context: the question alone, target = the memorised fact")
     strength: Literal["all", "strong", "weak"] = Field(
         "all", description="only facts the embedded model keeps against context (strong) or yields (weak)")
-    filler_sentences: tuple[int, int] = Field((0, 2), description="filler sentences before/after the fact")
-    seed: int = Field(0, description="offset added to the run seed")
+    filler_sentences: FillerRange = Field((0, 2), description="filler sentences before/after the fact: [lo, hi]")
+    seed: Seed = Field(0, description="offset added to the run seed")
+
+
+    def size(self) -> TaskSize:
+        """One example per fact (or ``n``); filler sentences are at most 32 tokens each."""
+        return TaskSize(self.n or len(S.FACTS), 96 + 2 * 32 * self.filler_sentences[1])
 
 
 def build_counterfact(config: Counterfact, ctx: TaskContext) -> list[Example]:
@@ -235,13 +267,18 @@ class Emphasis(ComponentConfig):
     """Two conflicting statements, the first emphasised (PASTA); the later one wins by default."""
 
     kind: Literal["emphasis"] = "emphasis"
-    n: int = Field(32, ge=1, description="number of examples")
+    n: PositiveInt = Field(32, description="number of examples")
     emphasis: Literal["span", "markers", "instruction"] = Field(
         "span", description="span: <em> markers removed, recorded in spans['emphasis'] (for steering); "
         "markers: <em>...</em> kept in the prompt as plain text; instruction: a sentence saying the first "
         "statement is correct")
-    filler_sentences: tuple[int, int] = Field((0, 2), description="filler sentences between the statements")
-    seed: int = Field(0, description="offset added to the run seed")
+    filler_sentences: FillerRange = Field((0, 2), description="filler sentences between the statements: [lo, hi]")
+    seed: Seed = Field(0, description="offset added to the run seed")
+
+
+    def size(self) -> TaskSize:
+        """``n`` examples; filler sentences are at most 32 tokens each."""
+        return TaskSize(self.n, 128 + 32 * self.filler_sentences[1])
 
 
 def build_emphasis(config: Emphasis, ctx: TaskContext) -> list[Example]:

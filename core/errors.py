@@ -1,0 +1,156 @@
+"""Errors at the boundary: which plugin and step failed, one line for people, an exit code for shells.
+
+Exit codes of the ``headlab`` command (docs/reliability.md):
+
+- ``0``: done;
+- ``1``: the run failed: a plugin, the model or headlab itself raised something that is not about the input;
+- ``2``: invalid input, refused: a spec, a command line, a file or data file, a model that does not load, a
+  head selection, a resource budget, a damaged or missing run store. A plugin says "your input is wrong" by
+  raising ``ValueError`` (or a subclass: ``TaskDataError``, ``HeadSelectionError``, ...);
+- ``130``: interrupted (Ctrl-C, SIGINT or SIGTERM); finished cells are stored and ``--resume`` completes it.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterable
+from typing import Any
+
+OK, FAILED, INVALID, INTERRUPTED = 0, 1, 2, 130
+"""The exit codes of the ``headlab`` command."""
+
+MAX_LINE = 600
+"""Longest one-line message the command prints (the rest is behind ``--debug``)."""
+
+
+class StepError(Exception):
+    """A step of a run failed: the exception of its plugin, with the step and the component named.
+
+    ``step`` is the step id, ``action`` its action, ``category``/``kind``/``plugin`` the component whose code
+    raised (the task when building the examples failed, a decoder, a steering method, ... else the action),
+    ``cell`` the sweep cell's name (``c0003``) and ``values`` its sweep values. The original exception is
+    ``__cause__`` (and :attr:`cause`).
+    """
+
+    def __init__(self, cause: BaseException, *, step: str, action: str, category: str, kind: str, plugin: str,
+                 cell: str = "", values: dict[str, Any] | None = None) -> None:
+        self.cause, self.step, self.action = cause, step, action
+        self.category, self.kind, self.plugin = category, kind, plugin
+        self.cell, self.values = cell, dict(values or {})
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        where = f"step '{self.step}'"
+        if self.values:
+            where += f" of cell {self.cell} (" + ", ".join(f"{k}={v!r}" for k, v in self.values.items()) + ")"
+        return f"{where} ({self.category} '{self.kind}', plugin {self.plugin}): {describe(self.cause)}"
+
+
+class ContractError(TypeError):
+    """A component broke its contract (a detector returned None, a decoder something other than ``Decoded``).
+
+    Raised by the code that called it (an action), naming the component by ``category`` and ``kind``, so the
+    :class:`StepError` names that component and its plugin rather than the caller."""
+
+    def __init__(self, message: str, *, category: str, kind: str) -> None:
+        self.category, self.kind = category, kind
+        super().__init__(message)
+
+
+def describe(exc: BaseException) -> str:
+    """``Type: first line of the message`` (SystemExit says that the plugin exited)."""
+    if isinstance(exc, SystemExit):
+        return f"SystemExit: the plugin called sys.exit({exc.code!r})"
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+def one_line(exc: BaseException) -> str:
+    """The message the command prints for ``exc``: one line, at most :data:`MAX_LINE` characters. Errors that
+    are already about the input (SpecError, ...) keep their own text; others get their type in front."""
+    if isinstance(exc, StepError) or input_error(exc):
+        text = " ".join(str(exc).split()) or type(exc).__name__
+    else:
+        text = " ".join(describe(exc).split())
+    return text if len(text) <= MAX_LINE else text[: MAX_LINE - 3] + "..."
+
+
+def input_error(exc: BaseException) -> bool:
+    """Whether ``exc`` says the input was wrong (exit code 2) rather than that the run failed (1)."""
+    from .model import ModelLoadError
+    from .plugin_manager import PluginError
+    from .results import RunNotFound
+    from .spec import SpecError
+
+    missing_extra = isinstance(exc, ImportError) and "pip install 'headlab[" in str(exc)
+    return missing_extra or isinstance(exc, (SpecError, ModelLoadError, PluginError, RunNotFound, ValueError,
+                                             FileNotFoundError, FileExistsError, IsADirectoryError,
+                                             NotADirectoryError, PermissionError))
+
+
+def exit_code(exc: BaseException) -> int:
+    """The exit code of the command for an exception that ended it (see the module docs)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return INTERRUPTED
+    if isinstance(exc, StepError):
+        return INVALID if input_error(exc.cause) else FAILED
+    return INVALID if input_error(exc) else FAILED
+
+
+def _modules(tb: types.TracebackType | None) -> list[tuple[str, Any]]:
+    """(module name, code object) of each frame of a traceback, innermost first."""
+    out = []
+    while tb is not None:
+        out.append((tb.tb_frame.f_globals.get("__name__", ""), tb.tb_frame.f_code))
+        tb = tb.tb_next
+    return out[::-1]
+
+
+def culprit(exc: BaseException, candidates: Iterable[Any]) -> Any:
+    """The component among ``candidates`` whose code raised ``exc``: the one whose implementation's module
+    is innermost in the traceback (its function itself preferred when two share a module); None if none."""
+    comps = list(candidates)
+    frames = _modules(exc.__traceback__)
+    codes = {code for _, code in frames}
+    for module, _ in frames:
+        here = [c for c in comps if any(getattr(f, "__module__", None) == module for f in _functions(c))]
+        if here:
+            return next((c for c in here if any(getattr(f, "__code__", None) in codes for f in _functions(c))),
+                        here[0])
+    return None
+
+
+def _functions(comp: Any) -> list[Any]:
+    return [f for f in (comp.impl, getattr(comp, "score", None)) if f is not None]
+
+
+def step_error(exc: BaseException, *, step: Any, config: Any, task: Any = None, cell: Any = None) -> StepError:
+    """A :class:`StepError` for ``exc`` raised by step ``step`` (``task`` set: while building its examples),
+    naming the component whose code raised it (see :func:`culprit`)."""
+    from .plugin_manager import CATEGORIES, get_manager
+    from .resources import configs_in
+
+    registry = get_manager().registry
+    action = registry.actions.get(step.action)
+    comps = []
+    if task is not None:
+        comps.append(registry.components["tasks"].get(task.kind))
+    else:
+        for cfg in configs_in(config):
+            kind = getattr(cfg, "kind", None)
+            for category, spec in CATEGORIES.items():
+                comp = registry.components[category].get(kind) if spec.style == "config" and kind else None
+                if comp is not None and isinstance(cfg, comp.config):
+                    comps.append(comp)
+    comps = [c for c in comps if c is not None]
+    found = culprit(exc, comps) or (comps[0] if task is not None and comps else None)
+    if isinstance(exc, ContractError):
+        found = registry.components.get(exc.category, {}).get(exc.kind, found)
+    if found is None:
+        found = action
+    label = CATEGORIES[found.category].label if found is not None else "action"
+    values = cell.as_dict() if cell is not None else {}
+    err = StepError(exc, step=step.id, action=step.action, category=label,
+                    kind=found.kind if found is not None else step.action,
+                    plugin=found.plugin if found is not None else "?", cell=getattr(cell, "name", ""), values=values)
+    return err

@@ -1,0 +1,144 @@
+"""Interrupted runs (issue 15): Ctrl-C (SIGINT) or SIGTERM during ``headlab run`` exits 130 and leaves a run that
+``--resume`` completes to exactly the uninterrupted results; kill -9 at random (seeded) points of a sweep run,
+store creation included, never leaves anything resume cannot finish (benchmarks/kill_resume.py runs >= 20)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import xarray as xr
+
+import headlab
+from headlab.cli import main
+
+from conftest import spec_text
+
+ROOT = Path(__file__).parent.parent
+
+SLOW_PLUGIN = '''
+"""A detector that takes a while (so a signal lands mid-run) and returns a deterministic score."""
+import time
+from typing import Literal
+
+import numpy as np
+import xarray as xr
+
+from headlab import ComponentConfig, hookimpl
+
+
+class Slow(ComponentConfig):
+    kind: Literal["slow"] = "slow"
+    seconds: float = 1.5
+
+
+def detect(config, ctx):
+    time.sleep(config.seconds)
+    g = ctx.model.geometry
+    score = np.arange(g.n_layers * g.n_heads, dtype=float).reshape(g.n_layers, g.n_heads) * len(ctx.examples[0].input_ids)
+    return xr.Dataset({"score": (("layer", "head"), score)})
+
+
+@hookimpl
+def headlab_register_detectors(register):
+    register(Slow, detect)
+'''
+STEPS = "  - id: ind\n    detect: {kind: induction}\n  - id: slow\n    detect: {kind: slow}\n"
+SWEEP = "  task.length: [4, 5, 6, 7]\n"
+
+
+def slow_plugin(tmp_path: Path) -> Path:
+    """A distribution on a PYTHONPATH directory with the slow detector as a `headlab` entry point."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "slow_detector.py").write_text(SLOW_PLUGIN)
+    info = site / "slow_detector-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: slow_detector\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[headlab]\nslow_detector = slow_detector\n")
+    return site
+
+
+def first_cell_done(out: Path) -> Path | None:
+    for run in out.glob("[!.]*"):
+        meta = run / "cells" / "c0000" / "zarr.json"
+        if meta.is_file():
+            try:
+                if json.loads(meta.read_text())["attributes"].get("done"):
+                    return run
+            except (ValueError, KeyError):
+                pass
+    return None
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_run_exits_130_and_resume_equals_an_uninterrupted_run(tmp_path, signum):
+    site = slow_plugin(tmp_path)
+    spec = tmp_path / "s.yaml"
+    spec.write_text(spec_text(STEPS, sweep=SWEEP))
+    out = tmp_path / "runs"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "headlab.cli", "run", str(spec), "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    deadline = time.time() + 240
+    try:
+        while (run := first_cell_done(out)) is None:
+            assert proc.poll() is None, proc.communicate()
+            assert time.time() < deadline, "no cell finished in time"
+            time.sleep(0.05)
+        proc.send_signal(signum)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr  # was 0: `headlab run x && headlab report ...` went on
+    assert "Traceback" not in stderr, stderr
+    assert f"interrupted: finished cells are stored in {run}; finish with `headlab run --resume {run}`" in stderr
+    partial = headlab.open_run(run)
+    assert partial.status == "interrupted" and 1 <= partial.cells_done < 4, (partial.status, partial.cells_done)
+
+    sys.path.insert(0, str(site))
+    try:
+        import slow_detector
+
+        name = headlab.register_plugin(slow_detector, "slow_detector", replace=True)  # maybe autoloaded already
+        try:
+            main(["run", "--resume", str(run)])  # returns normally: exit code 0
+            resumed = headlab.open_run(run)
+            text = spec_text(STEPS.replace("{kind: slow}", "{kind: slow, seconds: 0}"), sweep=SWEEP)
+            reference = headlab.run(text.replace(", seconds: 0", ""), out=tmp_path / "reference")
+        finally:
+            headlab.unregister_plugin(name)
+    finally:
+        sys.path.remove(str(site))
+        sys.modules.pop("slow_detector", None)
+    assert resumed.status == "complete" and resumed.cells_done == 4 and not resumed.problems
+    for step in ("ind", "slow"):
+        xr.testing.assert_identical(resumed.results[step], reference.results[step])
+
+
+def kill_resume():
+    spec = importlib.util.spec_from_file_location("kill_resume", ROOT / "benchmarks" / "kill_resume.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_kill_9_at_random_points_then_resume_equals_the_uninterrupted_run(tmp_path):
+    """Three seeded points of benchmarks/kill_resume.py's sweep (the first while the store is being created);
+    the script itself runs >= 20."""
+    kr = kill_resume()
+    spec, writes, reference = kr.reference(tmp_path)
+    points = kr.points(writes, 3, seed=15)
+    assert points[0][0] <= 3 and len(points) == 3
+    results = [kr.kill_and_resume(tmp_path, spec, reference, target, mode) for target, mode in points]
+    assert all(r["ok"] for r in results), results
+    assert {r["where"] for r in results} == {"creating", "running"}, results
