@@ -39,7 +39,7 @@ from pydantic_core import to_jsonable_python
 
 from . import resources
 from .context import Example, Reporter, StepContext, TaskContext
-from .errors import step_error
+from .errors import StepError, step_error
 from .model import LoadedModel, ModelLoadError, load_model
 from .plugin_manager import get_manager, plugins_for_workers, register_worker_plugins
 from .results import Run, RunWriter, is_url, now, open_run, store_location
@@ -320,6 +320,8 @@ class CellFailure:
     @classmethod
     def from_exception(cls, cell: Cell, step: str | None, exc: BaseException) -> CellFailure:
         """The failure of ``cell`` in ``step`` by ``exc`` (its traceback included)."""
+        if isinstance(exc, StepError):  # the plugin's own exception is the error to record
+            exc = exc.cause
         text = str(exc).strip().splitlines()
         line = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))

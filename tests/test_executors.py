@@ -95,7 +95,7 @@ def test_local_failure_is_recorded_and_resume_finishes(tmp_path):
         fault.write_text("on")
         config = f"{{log: {tmp_path / 'log.txt'}, fail_value: 1, fail_while: {fault}}}"
         text = spec_text(f"  - id: p\n    probe: {config}\n", sweep="  p.value: [0, 1, 2]\n")
-        with pytest.raises(RuntimeError, match="injected fault"):
+        with pytest.raises(headlab.StepError, match="injected fault"):  # names the step, its cause is the fault
             headlab.run(text, out=tmp_path / "runs")
         (path,) = (tmp_path / "runs").iterdir()
         failed = headlab.open_run(path)

@@ -8,7 +8,6 @@ from pydantic import Field, model_validator
 from headlab import scoring
 from headlab.generation import Batch
 from headlab.instrument import Plan
-from headlab.plugin_manager import get_manager
 from headlab.spec import PositiveInt, SpecTypes, StrictModel
 
 
