@@ -242,10 +242,12 @@ def _print_summary(result: Any) -> None:
             for r in info["tasks"]:
                 table.add_row(*(str(r["cell"].get(k, "")) for k in keys), r["task"],
                               *(f"{r['metrics'][m]:.4f}" if m in r["metrics"] else "" for m in names))
-        else:
-            table = _table("metric", "mean", title=f"{step}: metrics")
-            for k, v in info["metrics"].items():
-                table.add_row(k, f"{v:.4f}")
+        else:  # one row per sweep cell, never a mean across sweep values
+            keys = list(dict.fromkeys(k for r in info["cells"] for k in r["cell"]))
+            names = list(dict.fromkeys(m for r in info["cells"] for m in r["metrics"]))
+            table = _table(*keys, *names, title=f"{step}: {info['kind']} metrics (mean over examples)")
+            for r in info["cells"]:
+                table.add_row(*(str(r["cell"][k]) for k in keys), *(f"{r['metrics'][m]:.4f}" for m in names))
         console.print(table)
 
 

@@ -443,17 +443,23 @@ class Run:
             return None
         if not keys:
             return parts[0]
+        # dims without coordinates (`step`: cells swept over max_new_tokens generate different numbers of
+        # tokens) are aligned by position; integer arrays are padded with -1 (as within a cell), others NaN
+        parts = [p.assign_coords({d: np.arange(n) for d, n in p.sizes.items() if d not in p.coords}) for p in parts]
+        fill = {name: -1 for p in parts for name, v in p.data_vars.items() if np.issubdtype(v.dtype, np.integer)}
         ds = xr.concat(parts, dim="cell", join="outer", combine_attrs="override", coords="different",
-                       compat="equals", data_vars="all")
+                       compat="equals", data_vars="all", **({"fill_value": fill} if fill else {}))
         ds = ds.assign_coords({k: ("cell", [coord_value(v.get(k)) for v in labels]) for k in keys})
         if len(keys) == 1:
             return ds.swap_dims({"cell": keys[0]})
         return ds.set_index(cell=keys).unstack("cell")
 
     def summary(self) -> dict[str, Any]:
-        """Top heads per detect step; per other step its ``kind`` (the action) and metric means over all
-        cells (``metrics``), or, for per-task metrics (``evaluate``), one row per sweep cell and task
-        (``tasks``: ``[{"cell": {...}, "task": name, "metrics": {...}}]``)."""
+        """Top heads per detect step (their score averaged over the sweep); per other step its ``kind`` (the
+        action) and, never averaged across sweep values, its metrics: ``cells``, one row per sweep cell
+        (``[{"cell": {sweep key: value}, "metrics": {name: mean over the cell's examples}}]``), and
+        ``metrics``, the same means when the run has one cell; for per-task metrics (``evaluate``), one row
+        per sweep cell and task (``tasks``: ``[{"cell": {...}, "task": name, "metrics": {...}}]``)."""
         from .heads import ranked
 
         out: dict[str, Any] = {}
@@ -471,9 +477,23 @@ class Run:
                 if by_task:  # per-task metrics (evaluate): one row per sweep cell and task, never averaged
                     out[step] = {"kind": kind, "metrics": {}, "tasks": self._task_rows(ds, by_task)}
                     continue
-                out[step] = {"kind": kind,
-                             "metrics": {m: float(np.nanmean(ds[m].values)) for m in metrics}}
+                cells = self._cell_rows(ds, metrics)
+                out[step] = {"kind": kind, "cells": cells,
+                             "metrics": cells[0]["metrics"] if len(cells) == 1 else {}}
         return out
+
+    def _cell_rows(self, ds: xr.Dataset, metrics: list[str]) -> list[dict[str, Any]]:
+        """``[{"cell": {sweep key: value}, "metrics": {name: mean over the cell's examples}}]``."""
+        import itertools
+
+        keys = [k for k in self.sweep if k in ds.dims]
+        grids = [[v.item() if hasattr(v, "item") else v for v in ds[k].values] for k in keys]
+        rows = []
+        for combo in itertools.product(*grids):
+            cell = dict(zip(keys, combo, strict=True))
+            sub = ds.sel(cell) if cell else ds
+            rows.append({"cell": cell, "metrics": {m: float(np.nanmean(sub[m].values)) for m in metrics}})
+        return rows
 
     def _task_rows(self, ds: xr.Dataset, metrics: list[str]) -> list[dict[str, Any]]:
         """``[{"cell": {sweep key: value}, "task": name, "metrics": {name: value}}]`` for per-task metrics."""
@@ -501,7 +521,9 @@ class Run:
                 top = ", ".join(f"L{t['layer']}H{t['head']} {t['score']:.3f}" for t in info["top"][:5])
                 rows.append(f"<tr><td>{escape(step)}</td><td>detect {escape(info['method'])}</td><td>{top}</td></tr>")
             else:
-                ms = ", ".join(f"{k} {v:.3f}" for k, v in info["metrics"].items())
+                ms = "; ".join(", ".join(f"{k} {v:.3f}" for k, v in r["metrics"].items())
+                               + (f" ({', '.join(f'{a}={b}' for a, b in r['cell'].items())})" if r["cell"] else "")
+                               for r in info.get("cells", []))
                 ms += "; ".join(
                     ", ".join(f"{c}={v}" for c, v in r["cell"].items()) + (" " if r["cell"] else "") + f"{r['task']}: "
                     + ", ".join(f"{k} {v:.3f}" for k, v in r["metrics"].items()) for r in info.get("tasks", []))

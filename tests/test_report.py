@@ -8,6 +8,7 @@ import subprocess
 import sys
 from html.parser import HTMLParser
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import pytest
@@ -150,3 +151,34 @@ def test_values_section_lists_small_numeric_results():
     assert rows == [("base", "", "0.75"), ("top", "k=4", "0"), ("top", "k=8", "0.25"),
                     ("random", "k=4, draw=0", "0.5"), ("random", "k=4, draw=1", "0.7"),
                     ("random", "k=8, draw=0", "0.6"), ("random", "k=8, draw=1", "0.4")]
+
+
+def test_summary_and_show_give_metrics_per_cell_never_a_mean_across_the_sweep(tmp_path):
+    """A generate step swept over max_new_tokens: one summary row per cell, each the mean over that cell's
+    examples only (the mean across sweep values was printed before)."""
+    steps = "  - id: gen\n    generate: {max_new_tokens: 2, metrics: [word_count]}\n"
+
+    class Words(headlab.ComponentConfig):
+        """Words per output."""
+
+        kind: Literal["word_count_report"] = "word_count_report"
+
+    text = spec_text(steps.replace("word_count", "word_count_report"), sweep="  gen.max_new_tokens: [1, 3]\n",
+                     out=str(tmp_path / "runs"))
+
+    class Plugin:
+        @headlab.hookimpl
+        def headlab_register_metrics(self, register):
+            register(Words, lambda config, examples, outputs: np.array([len(o.split()) for o in outputs], float))
+
+    name = headlab.register_plugin(Plugin(), name="report-words", replace=True)
+    try:
+        run = headlab.run(text)
+        info = run.summary()["gen"]
+        words = run.results["gen"]["word_count_report"]
+        assert info["kind"] == "generate" and info["metrics"] == {}
+        got = {r["cell"]["gen.max_new_tokens"]: r["metrics"]["word_count_report"] for r in info["cells"]}
+        assert got == {n: float(words.sel({"gen.max_new_tokens": n}).mean()) for n in (1, 3)}
+        assert got[1] == 1.0 and got[3] == 3.0  # a random model without EOS: exactly max_new_tokens words
+    finally:
+        headlab.unregister_plugin(name)
