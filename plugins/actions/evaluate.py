@@ -27,7 +27,7 @@ import xarray as xr
 from pydantic import Field, model_validator
 
 from headlab import StepContext, hookimpl
-from headlab.spec import SpecTypes, StrictModel
+from headlab.spec import FiniteFloat, NonNegativeInt, PositiveInt, SpecTypes, StrictModel
 
 from .common import decoding_config
 
@@ -42,16 +42,16 @@ def evaluate_config(types: SpecTypes) -> type[StrictModel]:
 
         tasks: list[str | dict[str, Any]] = Field(min_length=1, description="lm-eval task names (or task "
                                                   "config mappings), e.g. [truthfulqa_mc2, nq_open]")
-        limit: int | float | None = Field(None, gt=0, description="examples per task (a fraction if < 1)")
-        num_fewshot: int | None = Field(None, ge=0, description="few-shot examples (default: the task's)")
+        limit: PositiveInt | FiniteFloat | None = Field(None, gt=0, description="examples per task (a fraction if < 1)")
+        num_fewshot: NonNegativeInt | None = Field(None, description="few-shot examples (default: the task's)")
         include_path: str | list[str] | None = Field(
             None, description="directories of extra task YAMLs (relative to the working directory)")
         include_defaults: bool = Field(True, description="index lm-eval's own tasks too (false: only "
                                        "include_path, much faster to start)")
-        max_gen_toks: int = Field(256, ge=1, description="generated tokens at most (when the task sets none)")
+        max_gen_toks: PositiveInt = Field(256, description="generated tokens at most (when the task sets none)")
         gen_kwargs: dict[str, Any] | None = Field(None, description="generation arguments for every task "
                                                   "(lm-eval's --gen_kwargs)")
-        bootstrap_iters: int = Field(1000, ge=0, description="bootstrap iterations for stderr of non-mean metrics")
+        bootstrap_iters: NonNegativeInt = Field(1000, description="bootstrap iterations for stderr of non-mean metrics")
 
         @model_validator(mode="after")
         def _lm_eval_installed(self) -> Any:

@@ -28,7 +28,7 @@ from pydantic import Field
 from headlab import ComponentConfig, hookimpl
 from headlab.plugin_manager import PluginError
 from headlab.runner import CellError, CellFailure, CellTask, Job, ModelCache, execute_cell
-from headlab.spec import Cell
+from headlab.spec import Cell, NonNegativeInt, PositiveInt
 
 INSTALL = "executor 'ray' needs Ray, which is not installed: pip install 'headlab[ray]'"
 
@@ -43,10 +43,10 @@ class RayExecutor(ComponentConfig):
                           "else one found as 'auto' finds it, else a new local one for this run")
     num_gpus_per_cell: float = Field(0, ge=0, description="GPUs of each worker (a cell runs on one worker)")
     num_cpus_per_cell: float = Field(1, gt=0, description="CPUs of each worker")
-    max_retries: int = Field(2, ge=0, description="times a failed cell (raised, or its worker died) is sent again")
-    workers: int | None = Field(None, ge=1, description="worker processes (default: as many as the cluster's "
+    max_retries: NonNegativeInt = Field(2, description="times a failed cell (raised, or its worker died) is sent again")
+    workers: PositiveInt | None = Field(None, description="worker processes (default: as many as the cluster's "
                                                          "CPUs and GPUs hold, at most one per cell)")
-    models_per_worker: int = Field(1, ge=1, description="loaded models a worker keeps (least recently used go)")
+    models_per_worker: PositiveInt = Field(1, description="loaded models a worker keeps (least recently used go)")
     keep_workers: bool = Field(False, description="keep the workers and their models for this process's next run "
                                                   "(they hold their CPUs and GPUs meanwhile)")
 
