@@ -278,5 +278,6 @@ steps:
   - id: a
     score: {{}}
 """
-    with pytest.raises(ValueError, match="choices"):
+    with pytest.raises(headlab.StepError, match="choices") as err:  # names the step; the cause is the plugin's
         headlab.run(spec, out=tmp_path / "r")
+    assert isinstance(err.value.cause, ValueError) and err.value.step == "a"
