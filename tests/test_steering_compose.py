@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+import headlab
 from headlab import instrument as ins
 from headlab.generation import tokenize
 from headlab.instrument import SteeringConflictError
@@ -115,8 +116,9 @@ def test_conflict_in_a_spec_is_a_clear_error(tmp_path):
     steps = """  - id: both
     generate: {max_new_tokens: 2, steer: [{kind: pasta, heads: [[0, 1]]}, {kind: pasta, heads: {"0": [1, 2]}}]}
 """
-    with pytest.raises(SteeringConflictError, match=r"steering conflict: 'pasta' and 'pasta'.*\(0, 1\)"):
+    with pytest.raises(headlab.StepError, match=r"steering conflict: 'pasta' and 'pasta'.*\(0, 1\)") as err:
         run_spec(tmp_path, steps, n=2)
+    assert isinstance(err.value.cause, SteeringConflictError) and err.value.step == "both"
     ok = """  - id: both
     generate: {max_new_tokens: 2, steer: [{kind: pasta, heads: [[0, 1]]}, {kind: head_mask, heads: [[0, 1]]}]}
 """
