@@ -55,7 +55,7 @@ def refused(text: str, tmp_path, seconds: float = 30) -> str:
 @pytest.mark.parametrize("text, what", [
     (spec_text(STEPS, task="{kind: repeated_tokens, n: 1000000000, length: 8}"),
      "examples of task 'repeated_tokens' would take an estimated 1.9 TiB (1,000,000,000 examples"),
-    (spec_text(STEPS, task="{kind: repeated_tokens, n: 4, length: 100000000}"), "detection patterns"),
+    (spec_text(STEPS, task="{kind: repeated_tokens, n: 4, length: 100000000}"), "hidden states of a batch's forward"),
     (spec_text(GEN % 1_000_000_000), "KV cache would take an estimated 1.9 TiB (2 layers x 2 x 2 kv heads x 16 dims "
                                      "x 1,000,000,017 tokens x 4 rows x 4 bytes)"),
     (spec_text("  - id: r\n    detect: {kind: retrieval}\n", task="{kind: niah, context_lengths: [1000000000]}"),
@@ -85,7 +85,7 @@ def test_a_huge_model_config_is_refused_before_it_is_built(tmp_path):
 
 def test_one_huge_cell_of_a_sweep_is_refused_before_any_cell_runs(tmp_path):
     text = spec_text(STEPS, sweep="  task.length: [4, 5, 100000000]\n")
-    assert refused(text, tmp_path).startswith("cell c0002 (task.length=100000000), step 'ind': detection patterns")
+    assert refused(text, tmp_path).startswith("cell c0002 (task.length=100000000), step 'ind': hidden states of a batch's forward")
 
 
 def test_the_budget_comes_from_the_command_line_the_environment_or_the_spec(tmp_path, monkeypatch, capfd):
@@ -130,7 +130,12 @@ def test_estimates_follow_the_formulas(tmp_path):
     found = {(step, e.what): e for step, e in estimates(loaded.spec, lm)}
     tokens = 1 + 2 * 20
     assert found[("g", "KV cache")].bytes == 2 * 2 * 2 * 16 * (tokens + 10) * 3 * 4
-    assert found[("ind", "detection patterns")].bytes == 5 * tokens * tokens * 4
+    # pair probes: memory linear in length (one forward's hidden states), the full pattern only when asked
+    assert found[("ind", "hidden states of a batch's forward")].bytes == 5 * tokens * 64 * 4
+    patterns = headlab.load_spec(spec_text("  - id: ind\n    detect: {kind: induction, probe: pattern}\n",
+                                           task="{kind: repeated_tokens, n: 5, length: 20}"))
+    full = {(step, e.what): e for step, e in estimates(patterns.spec, lm)}
+    assert full[("ind", "full attention patterns")].bytes == 5 * 2 * 4 * tokens * tokens * 4
     assert found[("ind", "examples of task 'repeated_tokens'")].bytes == 5 * (1024 + 64 * tokens)
 
 
