@@ -31,6 +31,7 @@ DETECT = {
     "previous_token": ({}, REPEATED),
     "duplicate_token": ({}, REPEATED),
     "induction": ({}, REPEATED),
+    "pattern": ({"pattern": "previous_token"}, REPEATED),
     "retrieval": ({"max_new_tokens": 3}, NIAH),
     "ablation": ({"heads": [[0, 1], [1, 2], [2, 3]], "k": [1, "all"], "draws": 1, "max_new_tokens": 2}, NIAH),
     "segment_divergence": ({"span": "context"}, COUNTERFACT),
