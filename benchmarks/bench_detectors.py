@@ -21,7 +21,8 @@ tokens). Per length, each tool runs in a fresh process (its peak memory is its o
   and transformers); skipped when absent.
 
 A tool is skipped where its predicted peak exceeds ``--mem-limit-gib`` (default: 90% of the memory
-available when the benchmark starts). Time: the median of ``--reps`` runs in one process (load excluded);
+available when the benchmark starts). Time: the median of ``--reps`` runs in one process (load excluded),
+wall clock and the process's CPU time (less sensitive to other processes on a shared machine);
 peak memory: growth of the peak RSS over the RSS after loading (CPU), ``max_memory_allocated`` on CUDA.
 headlab and TL write their (layer, head) scores; the table shows the largest difference.
 """
@@ -147,13 +148,14 @@ def measure(tool: str, n: int, checkpoint: str, reps: int, threads: int, device:
         base = torch.cuda.memory_allocated()
     else:
         base = _rss()
-    times = []
+    times, cpu = [], []
     for _ in range(reps):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         out = once()
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c)
         if tool in ("headlab", "tl"):
             np.save(scores_out, np.asarray(out, dtype=np.float64))
         del out
@@ -161,7 +163,8 @@ def measure(tool: str, n: int, checkpoint: str, reps: int, threads: int, device:
         peak = torch.cuda.max_memory_allocated() - base
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
-    return {"seconds": statistics.median(times), "runs": times, "peak_bytes": max(0, peak), **extra}
+    return {"seconds": statistics.median(times), "cpu_seconds": statistics.median(cpu), "runs": times,
+            "peak_bytes": max(0, peak), **extra}
 
 
 def _mem_available() -> int:
@@ -175,7 +178,7 @@ def _mem_available() -> int:
 def _fmt(r: dict) -> str:
     if "error" in r:
         return f"- ({r['error']})"
-    return f"{r['seconds']:.1f} s, {r['peak_bytes'] / 2**20:,.0f} MiB"
+    return f"{r['seconds']:.1f} s (CPU {r['cpu_seconds']:.1f} s), {r['peak_bytes'] / 2**20:,.0f} MiB"
 
 
 def main() -> None:
@@ -238,21 +241,22 @@ def main() -> None:
         print(f"  plain SDPA forward        {_fmt(sd)}")
         print(f"  SDPA, last logits only    {_fmt(sl)}")
         print(f"  headlab induction         {_fmt(hl)}  probe={hl.get('probe', '-')}  vs SDPA: time "
-              f"{ratio(hl, sd, 'seconds')}, peak {ratio(hl, sd, 'peak_bytes')}; vs SDPA last logits: time "
-              f"{ratio(hl, sl, 'seconds')}, peak {ratio(hl, sl, 'peak_bytes')}")
+              f"{ratio(hl, sd, 'seconds')} (CPU {ratio(hl, sd, 'cpu_seconds')}), peak {ratio(hl, sd, 'peak_bytes')}; "
+              f"vs SDPA last logits: time {ratio(hl, sl, 'seconds')} (CPU {ratio(hl, sl, 'cpu_seconds')}), peak "
+              f"{ratio(hl, sl, 'peak_bytes')}")
         print(f"  TransformerLens detect    {_fmt(tl)}  vs headlab: time {ratio(tl, hl, 'seconds')}, "
               f"peak {ratio(tl, hl, 'peak_bytes')}")
         if diff is not None:
             print(f"  headlab vs TL scores: max |diff| = {diff:.2e}")
     print("\n| tokens | plain SDPA forward | SDPA, last logits only | headlab `induction` | headlab vs SDPA "
-          "(time, peak) | vs SDPA last logits | TransformerLens `detect_head` | max abs diff vs TL |")
+          "(time, CPU time, peak) | vs SDPA last logits | TransformerLens `detect_head` | max abs diff vs TL |")
     print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         sd, sl, hl, tl = (row["results"].get(t, {"error": "not run"}) for t in TOOLS)
         d = "-" if row["max_abs_diff_vs_tl"] is None else f"{row['max_abs_diff_vs_tl']:.1e}"
         print(f"| {row['tokens']:,} | {_fmt(sd)} | {_fmt(sl)} | {_fmt(hl)} | {ratio(hl, sd, 'seconds')}, "
-              f"{ratio(hl, sd, 'peak_bytes')} | {ratio(hl, sl, 'seconds')}, {ratio(hl, sl, 'peak_bytes')} | "
-              f"{_fmt(tl)} | {d} |")
+              f"{ratio(hl, sd, 'cpu_seconds')}, {ratio(hl, sd, 'peak_bytes')} | {ratio(hl, sl, 'seconds')}, "
+              f"{ratio(hl, sl, 'cpu_seconds')}, {ratio(hl, sl, 'peak_bytes')} | {_fmt(tl)} | {d} |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
