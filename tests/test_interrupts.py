@@ -79,7 +79,7 @@ def first_cell_done(out: Path) -> Path | None:
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_a_signal_during_run_exits_130_and_resume_equals_an_uninterrupted_run(tmp_path, signum):
+def test_a_signal_during_run_exits_130_and_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch, signum):
     site = slow_plugin(tmp_path)
     spec = tmp_path / "s.yaml"
     spec.write_text(spec_text(STEPS, sweep=SWEEP))
@@ -105,7 +105,7 @@ def test_a_signal_during_run_exits_130_and_resume_equals_an_uninterrupted_run(tm
     partial = headlab.open_run(run)
     assert partial.status == "interrupted" and 1 <= partial.cells_done < 4, (partial.status, partial.cells_done)
 
-    sys.path.insert(0, str(site))
+    monkeypatch.syspath_prepend(str(site))
     try:
         import slow_detector
 
@@ -118,7 +118,6 @@ def test_a_signal_during_run_exits_130_and_resume_equals_an_uninterrupted_run(tm
         finally:
             headlab.unregister_plugin(name)
     finally:
-        sys.path.remove(str(site))
         sys.modules.pop("slow_detector", None)
     assert resumed.status == "complete" and resumed.cells_done == 4 and not resumed.problems
     for step in ("ind", "slow"):
