@@ -446,6 +446,8 @@ class Job:
         self._started = False
         self._token = uuid.uuid4().hex
         self._plugins: list[tuple[str, Any]] | None = None
+        self._failed_before: set[str] = set()
+        self._provenance = False
 
     @property
     def writer(self) -> RunWriter:
@@ -473,6 +475,8 @@ class Job:
             return self._writer
         if self._writer is None:
             self._writer = self._create(provenance(model))
+        self._failed_before = set(self._writer.failed_cells())
+        self._provenance = "model_digest" in self._writer.root().attrs
         self._writer.set_attrs(status="running", executor=self.executor)
         self._started = True
         self.reporter.start("cells", self._total, f"{self.spec.spec.name}: cells")
@@ -506,8 +510,9 @@ class Job:
     def cell_done(self, result: CellResult) -> None:
         """Record a cell a worker ran and wrote (:func:`execute_cell`) as done."""
         writer = self.writer
-        if result.provenance and "model_digest" not in writer.root().attrs:
+        if result.provenance and not self._provenance:
             writer.set_attrs(**result.provenance)
+            self._provenance = True
         writer.mark_done(result.cell.name, started=result.started, seconds=result.seconds, host=result.host)
         self._finished(result.cell)
 
@@ -524,7 +529,9 @@ class Job:
         return bool(self._cancel())
 
     def _finished(self, cell: Cell) -> None:
-        self.writer.record_failure(cell.name, None)
+        if cell.name in self._failed_before or cell.name in self.failures:
+            self.writer.record_failure(cell.name, None)
+            self.failures.pop(cell.name, None)
         self.reporter.advance("cells")
         if self._on_cell is not None:
             self._on_cell(cell)

@@ -54,9 +54,10 @@ def cluster(tmp_path_factory):
     import executor_plugins
 
     logs = tmp_path_factory.mktemp("ray-logs")
-    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "HEADLAB_TEST_LOADS")}
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "HEADLAB_TEST_LOADS", "RAY_agent_register_timeout_ms")}
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), saved["PYTHONPATH"]) if p)
     os.environ["HEADLAB_TEST_LOADS"] = str(logs / "loads.txt")
+    os.environ.setdefault("RAY_agent_register_timeout_ms", "180000")  # Ray's agents start slowly on a busy machine
     name = headlab.register_plugin(executor_plugins, replace=True)
     for attempt in range(3):  # Ray gives its raylet 30 s to start; a loaded machine can miss that once
         try:

@@ -135,7 +135,12 @@ def execute(config: RayExecutor, job: Job) -> None:
     ray = _ray()
     started_here = False
     if not ray.is_initialized():
-        ray.init(address=config.address, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+        try:
+            ray.init(address=config.address, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+        except (ConnectionError, TimeoutError, ValueError, RuntimeError) as e:
+            text = str(e).strip().splitlines()
+            raise PluginError(f"executor 'ray': cannot connect to a Ray cluster at address {config.address!r}"
+                              + (f": {text[0]}" if text else "")) from None
         started_here = True
     try:
         job.start()
