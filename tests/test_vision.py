@@ -183,3 +183,64 @@ def test_images_on_a_text_model_or_without_markers_are_clear_errors(image_task, 
     with pytest.raises(headlab.StepError, match="takes no images"):
         headlab.run("name: t\ntask: {kind: test_images, n: 1}\nsteps:\n  - id: g\n    generate: {}\n",
                     out=tmp_path)
+
+
+def test_scores_of_continuations_after_images_equal_transformers(vlm):
+    exs = F.examples(3)
+    conts = [" yes", " red circle", " no"]
+    ours = headlab.logprobs(vlm, exs, conts)
+    for r, (ex, cont) in enumerate(zip(exs, conts, strict=True)):
+        full = alone(vlm, type(ex)(prompt=ex.prompt + cont, images=ex.images))
+        n = len(vlm.tokenizer(ex.prompt + cont)["input_ids"]) - len(vlm.tokenizer(ex.prompt)["input_ids"])
+        ids = full["input_ids"][0]
+        with torch.no_grad():
+            logp = vlm.model(**full).logits[0].double().log_softmax(-1)
+        want = [float(logp[i - 1, ids[i]]) for i in range(len(ids) - n, len(ids))]
+        np.testing.assert_allclose(ours.tokens[r], want, atol=2e-5)
+
+
+def naive_decore(lm, ex, heads, alpha, n_new):
+    """DeCoRe by recomputing the whole sequence at every step (no KV cache), the masked model made by zeroing
+    the heads' slices of the ``o_proj`` input (METHODS.md: ``mask: output``)."""
+    H = lm.geometry.n_heads
+    D = lm.geometry.head_dim
+    layers = F.text_layers(lm.model)
+    enc = dict(alone(lm, ex))
+    out = []
+
+    def zero(layer):
+        def pre(mod, args):
+            x = args[0].clone().unflatten(-1, (H, D))
+            for ly, h in heads:
+                if ly == layer:
+                    x[..., h, :] = 0
+            return (x.flatten(-2),)
+        return pre
+
+    for _ in range(n_new):
+        with torch.no_grad():
+            base = lm.model(**enc).logits[0, -1].double().log_softmax(-1)
+            hooks = [layers[ly].self_attn.o_proj.register_forward_pre_hook(zero(ly)) for ly in {h[0] for h in heads}]
+            try:
+                masked = lm.model(**enc).logits[0, -1].double().log_softmax(-1)
+            finally:
+                for h in hooks:
+                    h.remove()
+        token = int(((1 + alpha) * base - alpha * masked).argmax())
+        out.append(token)
+        for key in ("input_ids", "attention_mask", "mm_token_type_ids"):
+            if key in enc:
+                extra = torch.tensor([[token if key == "input_ids" else int(key == "attention_mask")]])
+                enc[key] = torch.cat([enc[key], extra.to(enc[key].dtype)], dim=1)
+    return out
+
+
+@pytest.mark.parametrize("share_trunk", [True, False])
+def test_decore_on_images_equals_a_naive_recomputing_loop(vlm, share_trunk):
+    exs = F.examples(3)
+    heads = [(1, 0), (1, 5), (2, 3)]
+    decode = {"kind": "decore", "heads": [list(h) for h in heads], "alpha": 0.5, "mask": "output", "prefix": "masked",
+              "share_trunk": share_trunk}
+    ours = headlab.generate(vlm, exs, decode=decode, max_new_tokens=NEW)
+    for r, ex in enumerate(exs):
+        assert ours.tokens[r] == naive_decore(vlm, ex, heads, 0.5, NEW), r
