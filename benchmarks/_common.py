@@ -3,6 +3,7 @@ fresh subprocess (so its peak memory is its own), and printing results and ratio
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 
@@ -23,6 +24,15 @@ def random_llama(impl: str, device: str, dtype: str, *, layers: int, heads: int,
     torch.manual_seed(0)
     m = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation=impl, dtype=getattr(torch, dtype))
     return m.eval().to(device)
+
+
+def add_case_options(p: argparse.ArgumentParser) -> None:
+    """The options of a script that measures each case in a subprocess of itself: ``--timeout`` (seconds per
+    case), ``--threads`` and the hidden ``--_case`` (set in the subprocess: measure that case and print JSON)."""
+    p.add_argument("--timeout", type=int, default=1800)
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch CPU threads (0 = torch default); 1 avoids OpenMP stalls on a shared machine")
+    p.add_argument("--_case", default=None, help=argparse.SUPPRESS)
 
 
 def run_case(cmd: list[str], timeout: float, killed: str = "killed") -> dict:

@@ -19,7 +19,7 @@ import os
 import sys
 import time
 
-from _common import fmt, random_llama, ratio, run_case
+from _common import add_case_options, fmt, random_llama, ratio, run_case
 
 LAYERS, HEADS, HEAD_DIM = 4, 8, 64
 
@@ -95,10 +95,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--eager-max", type=int, default=8192, help="skip eager above this length")
     p.add_argument("--pasta-length", type=int, default=8192)
-    p.add_argument("--timeout", type=int, default=1800)
-    p.add_argument("--threads", type=int, default=0,
-                   help="torch CPU threads (0 = torch default); 1 avoids OpenMP stalls on a shared machine")
-    p.add_argument("--_case", default=None, help=argparse.SUPPRESS)
+    add_case_options(p)
     args = p.parse_args()
     if args._case:
         print(json.dumps(measure(args._case, args.lengths[0], args.device, args.dtype, args.reps, args.threads)))

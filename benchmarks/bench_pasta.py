@@ -27,8 +27,8 @@ import os
 import sys
 import time
 
+from _common import add_case_options, random_llama, ratio, run_case
 from _common import fmt as _fmt
-from _common import random_llama, ratio, run_case
 
 LAYERS, HEADS, HEAD_DIM, VOCAB = 4, 8, 64, 1000
 
@@ -139,10 +139,7 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--heads-per-layer", type=int, default=4, help="steered heads in every layer")
     p.add_argument("--dense-max", type=int, default=8192, help="skip the dense-mask case above this length")
-    p.add_argument("--timeout", type=int, default=1800)
-    p.add_argument("--threads", type=int, default=0,
-                   help="torch CPU threads (0 = torch default); 1 avoids OpenMP stalls on a shared machine")
-    p.add_argument("--_case", default=None, help=argparse.SUPPRESS)
+    add_case_options(p)
     args = p.parse_args()
     if args._case:
         print(json.dumps(measure(args._case, args.lengths[0], args.new, args.device, args.dtype,
