@@ -21,20 +21,13 @@ import headlab
 from headlab.results import RunDamaged, RunNotFound
 from headlab.spec import MAX_DEPTH, SpecError
 
-from conftest import spec_text
+from conftest import spec_error, spec_text
 from fixtures.timing import within
 
 ROOT = Path(__file__).parent.parent
 STEPS = """  - id: ind
     detect: {kind: induction, exclude_bos: true}
 """
-
-
-def spec_error(text: str) -> SpecError:
-    with pytest.raises(SpecError) as info:
-        headlab.load_spec(text)
-    assert "\n" not in str(info.value)
-    return info.value
 
 
 # --- the run store ------------------------------------------------------------------------------
