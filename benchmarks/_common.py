@@ -1,9 +1,12 @@
 """Helpers shared by the benchmark scripts: the random Llama they measure, running one measurement in a
-fresh subprocess (so its peak memory is its own), and printing results and ratios."""
+fresh subprocess (so its peak memory is its own), measuring its peak memory growth, and printing results and
+ratios."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import subprocess
 
 
@@ -23,6 +26,41 @@ def random_llama(impl: str, device: str, dtype: str, *, layers: int, heads: int,
     torch.manual_seed(0)
     m = transformers.LlamaForCausalLM._from_config(cfg, attn_implementation=impl, dtype=getattr(torch, dtype))
     return m.eval().to(device)
+
+
+def add_case_options(p: argparse.ArgumentParser) -> None:
+    """The options of a script that measures each case in a subprocess of itself: ``--timeout`` (seconds per
+    case), ``--threads`` and the hidden ``--_case`` (set in the subprocess: measure that case and print JSON)."""
+    p.add_argument("--timeout", type=int, default=1800)
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch CPU threads (0 = torch default); 1 avoids OpenMP stalls on a shared machine")
+    p.add_argument("--_case", default=None, help=argparse.SUPPRESS)
+
+
+def memory_base(device: str) -> int:
+    """The baseline of :func:`peak_growth`, in bytes: on CUDA the allocated memory (after resetting the peak
+    statistics), on CPU the resident set size."""
+    if device == "cuda":
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_growth(device: str, base: int) -> int:
+    """Bytes the peak memory rose above ``base`` (:func:`memory_base`): ``torch.cuda.max_memory_allocated`` on
+    CUDA, the peak resident set size (``ru_maxrss``) on CPU; 0 when it did not rise."""
+    if device == "cuda":
+        import torch
+
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    return max(0, peak)
 
 
 def run_case(cmd: list[str], timeout: float, killed: str = "killed") -> dict:

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ratio, run_case  # noqa: E402
+from _common import memory_base, peak_growth, ratio, run_case  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, HIDDEN, VOCAB = 4, 8, 64, 512, 32000
 TOOLS = ("sdpa", "sdpa-last", "headlab", "tl")
@@ -89,14 +89,8 @@ def predicted_bytes(tool: str, n: int) -> float:
     return 2 * LAYERS * HEADS * n * n * 4 + 2 * HEADS * n * n * 4 + 4 * n * n * 8 + n * VOCAB * 4 + act
 
 
-def _rss() -> int:
-    with open(f"/proc/{os.getpid()}/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def measure(tool: str, n: int, checkpoint: str, reps: int, threads: int, device: str, scores_out: str) -> dict:
     """Run one tool in this process; returns seconds (median), peak growth and what ran."""
-    import resource
 
     import numpy as np
     import torch
@@ -144,10 +138,7 @@ def measure(tool: str, n: int, checkpoint: str, reps: int, threads: int, device:
 
     if device == "cuda":
         torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        base = _rss()
+    base = memory_base(device)
     times, cpu = [], []
     for _ in range(reps):
         t, c = time.perf_counter(), time.process_time()
@@ -159,12 +150,8 @@ def measure(tool: str, n: int, checkpoint: str, reps: int, threads: int, device:
         if tool in ("headlab", "tl"):
             np.save(scores_out, np.asarray(out, dtype=np.float64))
         del out
-    if device == "cuda":
-        peak = torch.cuda.max_memory_allocated() - base
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
     return {"seconds": statistics.median(times), "cpu_seconds": statistics.median(cpu), "runs": times,
-            "peak_bytes": max(0, peak), **extra}
+            "peak_bytes": peak_growth(device, base), **extra}
 
 
 def _mem_available() -> int:

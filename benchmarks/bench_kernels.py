@@ -15,11 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 
-from _common import fmt, random_llama, ratio, run_case
+from _common import add_case_options, fmt, memory_base, peak_growth, random_llama, ratio, run_case
 
 LAYERS, HEADS, HEAD_DIM = 4, 8, 64
 
@@ -30,7 +29,6 @@ def build(impl: str, device: str, dtype: str):
 
 def measure(case: str, n: int, device: str, dtype: str, reps: int, threads: int = 0) -> dict:
     """Run one case in this process; returns seconds per forward and peak memory growth (bytes)."""
-    import resource
 
     import torch
 
@@ -62,23 +60,14 @@ def measure(case: str, n: int, device: str, dtype: str, reps: int, threads: int 
             return out
 
     run() if n <= 4096 else None  # warm-up (kernels, allocator) at small sizes
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        with open(f"/proc/{os.getpid()}/statm") as f:
-            base = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    base = memory_base(device)
     times = []
     for _ in range(reps):
         t = time.perf_counter()
         out = run()
         times.append(time.perf_counter() - t)
         del out
-    if device == "cuda":
-        peak = torch.cuda.max_memory_allocated() - base
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
-    return {"seconds": min(times), "peak_bytes": max(0, peak)}
+    return {"seconds": min(times), "peak_bytes": peak_growth(device, base)}
 
 
 def sub(case, n, args) -> dict:
@@ -95,10 +84,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--eager-max", type=int, default=8192, help="skip eager above this length")
     p.add_argument("--pasta-length", type=int, default=8192)
-    p.add_argument("--timeout", type=int, default=1800)
-    p.add_argument("--threads", type=int, default=0,
-                   help="torch CPU threads (0 = torch default); 1 avoids OpenMP stalls on a shared machine")
-    p.add_argument("--_case", default=None, help=argparse.SUPPRESS)
+    add_case_options(p)
     args = p.parse_args()
     if args._case:
         print(json.dumps(measure(args._case, args.lengths[0], args.device, args.dtype, args.reps, args.threads)))

@@ -23,12 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 
+from _common import add_case_options, memory_base, peak_growth, random_llama, ratio, run_case
 from _common import fmt as _fmt
-from _common import random_llama, ratio, run_case
 
 LAYERS, HEADS, HEAD_DIM, VOCAB = 4, 8, 64, 1000
 
@@ -65,7 +64,6 @@ def dense_hooks(model, heads: list[tuple[int, int]], emph: tuple[int, int], n_pr
 
 def measure(case: str, n: int, new: int, device: str, dtype: str, heads_per_layer: int, threads: int) -> dict:
     """Run one case in this process: seconds for the whole generation, peak memory growth, tokens."""
-    import resource
 
     import torch
 
@@ -105,19 +103,11 @@ def measure(case: str, n: int, new: int, device: str, dtype: str, heads_per_laye
 
     if device == "cuda":
         run()  # warm-up (kernel compilation, allocator)
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        with open(f"/proc/{os.getpid()}/statm") as f:
-            base = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    base = memory_base(device)
     t = time.perf_counter()
     tokens = run()
     seconds = time.perf_counter() - t
-    if device == "cuda":
-        peak = torch.cuda.max_memory_allocated() - base
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
-    return {"seconds": seconds, "peak_bytes": max(0, peak), "tokens": tokens}
+    return {"seconds": seconds, "peak_bytes": peak_growth(device, base), "tokens": tokens}
 
 
 def sub(case: str, n: int, args) -> dict:
@@ -139,10 +129,7 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--heads-per-layer", type=int, default=4, help="steered heads in every layer")
     p.add_argument("--dense-max", type=int, default=8192, help="skip the dense-mask case above this length")
-    p.add_argument("--timeout", type=int, default=1800)
-    p.add_argument("--threads", type=int, default=0,
-                   help="torch CPU threads (0 = torch default); 1 avoids OpenMP stalls on a shared machine")
-    p.add_argument("--_case", default=None, help=argparse.SUPPRESS)
+    add_case_options(p)
     args = p.parse_args()
     if args._case:
         print(json.dumps(measure(args._case, args.lengths[0], args.new, args.device, args.dtype,

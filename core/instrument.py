@@ -202,7 +202,8 @@ class Edit:
     owner: str | None
     instance: Any
 
-    def _normalise(self) -> None:
+    def __post_init__(self) -> None:
+        """Normalise ``heads`` and ``rows``; a config as ``owner`` sets ``owner`` and ``instance``."""
         if self.heads is not None:
             self.heads = _heads(self.heads)
         self.rows = _rows(self.rows)
@@ -219,12 +220,9 @@ class Edit:
 
 
 @dataclass
-class QueryScale(Edit):
-    """Multiply the queries of ``heads`` by ``factor`` on ``rows`` (0 = query masking: uniform attention
-    over the causal prefix, output = mean of V)."""
+class _ScaleEdit(Edit):
+    """The fields of :class:`QueryScale` and :class:`OutputScale`: a ``factor`` on ``heads`` and ``rows``."""
 
-    kind: ClassVar[str] = "q_scale"
-    description: ClassVar[str] = "query scale/mask"
     heads: list[Head]
     factor: float
     rows: list[int] | None = None
@@ -232,8 +230,17 @@ class QueryScale(Edit):
     instance: Any = field(default=None, kw_only=True, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self._normalise()
+        super().__post_init__()
         self.factor = float(self.factor)
+
+
+@dataclass
+class QueryScale(_ScaleEdit):
+    """Multiply the queries of ``heads`` by ``factor`` on ``rows`` (0 = query masking: uniform attention
+    over the causal prefix, output = mean of V)."""
+
+    kind: ClassVar[str] = "q_scale"
+    description: ClassVar[str] = "query scale/mask"
 
 
 @dataclass
@@ -247,25 +254,13 @@ class ScoreZero(Edit):
     owner: str | None = field(default=None, kw_only=True)
     instance: Any = field(default=None, kw_only=True, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        self._normalise()
-
 
 @dataclass
-class OutputScale(Edit):
+class OutputScale(_ScaleEdit):
     """Multiply the outputs ``z`` (before ``o_proj``) of ``heads`` by ``factor`` on ``rows`` (0 = ablation)."""
 
     kind: ClassVar[str] = "out_scale"
     description: ClassVar[str] = "output scale/mask"
-    heads: list[Head]
-    factor: float
-    rows: list[int] | None = None
-    owner: str | None = field(default=None, kw_only=True)
-    instance: Any = field(default=None, kw_only=True, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        self._normalise()
-        self.factor = float(self.factor)
 
 
 @dataclass
@@ -286,9 +281,6 @@ class KeyBias(Edit):
     owner: str | None = field(default=None, kw_only=True)
     instance: Any = field(default=None, kw_only=True, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        self._normalise()
-
 
 @dataclass
 class LayerCallback(Edit):
@@ -306,9 +298,6 @@ class LayerCallback(Edit):
     rows: list[int] | None = None
     owner: str | None = field(default=None, kw_only=True)
     instance: Any = field(default=None, kw_only=True, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        self._normalise()
 
     def covers(self, layer: int, head: int) -> bool:
         return self.heads is None or super().covers(layer, head)

@@ -482,29 +482,25 @@ class Run:
                              "metrics": cells[0]["metrics"] if len(cells) == 1 else {}}
         return out
 
-    def _cell_rows(self, ds: xr.Dataset, metrics: list[str]) -> list[dict[str, Any]]:
-        """``[{"cell": {sweep key: value}, "metrics": {name: mean over the cell's examples}}]``."""
+    def _sweep_cells(self, ds: xr.Dataset) -> Iterator[tuple[dict[str, Any], xr.Dataset]]:
+        """``(cell, sub)`` for every sweep cell of ``ds``: ``{sweep key: value}`` and the dataset at it."""
         import itertools
 
         keys = [k for k in self.sweep if k in ds.dims]
         grids = [[v.item() if hasattr(v, "item") else v for v in ds[k].values] for k in keys]
-        rows = []
         for combo in itertools.product(*grids):
             cell = dict(zip(keys, combo, strict=True))
-            sub = ds.sel(cell) if cell else ds
-            rows.append({"cell": cell, "metrics": {m: float(np.nanmean(sub[m].values)) for m in metrics}})
-        return rows
+            yield cell, (ds.sel(cell) if cell else ds)
+
+    def _cell_rows(self, ds: xr.Dataset, metrics: list[str]) -> list[dict[str, Any]]:
+        """``[{"cell": {sweep key: value}, "metrics": {name: mean over the cell's examples}}]``."""
+        return [{"cell": cell, "metrics": {m: float(np.nanmean(sub[m].values)) for m in metrics}}
+                for cell, sub in self._sweep_cells(ds)]
 
     def _task_rows(self, ds: xr.Dataset, metrics: list[str]) -> list[dict[str, Any]]:
         """``[{"cell": {sweep key: value}, "task": name, "metrics": {name: value}}]`` for per-task metrics."""
-        import itertools
-
-        keys = [k for k in self.sweep if k in ds.dims]
-        grids = [[v.item() if hasattr(v, "item") else v for v in ds[k].values] for k in keys]
         rows = []
-        for combo in itertools.product(*grids):
-            cell = dict(zip(keys, combo, strict=True))
-            sub = ds.sel(cell) if cell else ds
+        for cell, sub in self._sweep_cells(ds):
             for t in sub["task"].values.tolist():
                 values = {m: float(sub[m].sel(task=t)) for m in metrics}
                 if any(np.isfinite(v) for v in values.values()):

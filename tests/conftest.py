@@ -35,3 +35,14 @@ def spec_text(steps: str, *, sweep: str = "", task: str = "{kind: repeated_token
     if out:
         text += f"output: {out}\n"
     return text
+
+
+def spec_error(text: str) -> str:
+    """The message of the ``SpecError`` that loading the spec ``text`` raises (asserted to be one line)."""
+    import headlab
+    from headlab.spec import SpecError
+
+    with pytest.raises(SpecError) as info:
+        headlab.load_spec(text)
+    assert "\n" not in str(info.value)
+    return str(info.value)

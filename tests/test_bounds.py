@@ -22,21 +22,13 @@ from headlab.spec import (
     PositiveInt,
     Probability,
     Seed,
-    SpecError,
     SpecTypes,
     StrictModel,
 )
 
-from conftest import spec_text
+from conftest import spec_error, spec_text
 
 STEPS = "  - id: ind\n    detect: {kind: induction}\n"
-
-
-def spec_error(text: str) -> str:
-    with pytest.raises(SpecError) as info:
-        headlab.load_spec(text)
-    assert "\n" not in str(info.value)
-    return str(info.value)
 
 
 def walk_numbers(node, path):

@@ -21,7 +21,7 @@ from headlab.cli import main
 from headlab.model import ModelLoadError
 from headlab.spec import SpecError
 
-from conftest import TINY_LLAMA, spec_text
+from conftest import TINY_LLAMA, spec_error, spec_text
 
 ROOT = Path(__file__).parent.parent
 STEPS = "  - id: ind\n    detect: {kind: induction}\n"
@@ -44,13 +44,6 @@ def error_line(stderr: str) -> str:
     assert len(lines) == 1, stderr
     assert "Traceback" not in stderr, stderr
     return lines[0]
-
-
-def spec_error(text: str) -> str:
-    with pytest.raises(SpecError) as info:
-        headlab.load_spec(text)
-    assert "\n" not in str(info.value)
-    return str(info.value)
 
 
 # --- a broken plugin: named with its step, exit 1 (a bug) or 2 (it refused its input) -------------------

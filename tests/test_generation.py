@@ -16,6 +16,8 @@ from headlab.generation import DecodeRequest, DecodeState, decode_loop, tokenize
 from headlab.model import LoadedModel, load_model
 from headlab.spec import ModelSpec
 
+from fixtures.decoding import model_config, word_tokenizer
+
 # "abcdef": transformers' stop-string matcher tokenizes it to read the vocabulary
 WORDS = ("<pad> <bos> <eos> <unk> the capital of is in paris rome berlin madrid lisbon question what answer : ? "
          "italy france a b c d e f g h i j k l m n o p q r s t u v w x y z abcdef").split()
@@ -23,27 +25,12 @@ PROMPTS = ["the capital of france is", "a b c", "what is the capital of italy ? 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def word_tokenizer():
-    """A word-level fast tokenizer over :data:`WORDS` (BOS prepended; pad 0, BOS 1, EOS 2)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
-    tk.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
-    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-                                   unk_token="<unk>")
-
-
 @pytest.fixture(scope="module")
 def lm() -> LoadedModel:
     """A random 2-layer Llama (headlab attention) whose greedy outputs are varied (large init range)."""
-    cfg = {"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
-           "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": len(WORDS),
-           "max_position_embeddings": 128, "initializer_range": 0.25, "tie_word_embeddings": False,
-           "eos_token_id": 2, "bos_token_id": 1, "pad_token_id": 0}
+    cfg = model_config(layers=2, vocab_size=len(WORDS), max_position_embeddings=128)
     model = load_model(ModelSpec(config=cfg, device="cpu"), seed=2)
-    model.tokenizer = word_tokenizer()
+    model.tokenizer = word_tokenizer(WORDS)
     return model
 
 

@@ -15,6 +15,8 @@ import transformers
 
 from headlab import instrument as ins
 
+from fixtures.kernels import pasta_reweighted
+
 ins.register()
 
 V = 97
@@ -74,6 +76,14 @@ def batch(B=2, n=N, pad=PAD, seed=0):
         am[1, :pad] = 0
         ids[1, :pad] = 0
     return ids, am
+
+
+def eager_pattern(arch: str, ids, am) -> torch.Tensor:
+    """(B, L, H, N, N): eager's ``output_attentions`` for ``arch`` on the batch, stacked over layers."""
+    eager = load(arch, "eager")
+    with torch.no_grad():
+        att = eager(input_ids=ids, attention_mask=am, output_attentions=True).attentions
+    return torch.stack(list(att), dim=1).float()
 
 
 def logits(model, ids, am, **kw):
@@ -157,11 +167,8 @@ def test_pasta_bias_equals_reweighting():
     plan.bias_keys([(0, 1)], [(0, emph[0]), (emph[1], N)], math.log(alpha))
     with ins.instrument(m, plan) as rec:
         logits(m, ids, am)
-    w = torch.full((N,), alpha)
-    w[emph[0]:emph[1]] = 1
     want = pe.clone()
-    want[:, 1] = want[:, 1] * w
-    want[:, 1] = want[:, 1] / want[:, 1].sum(-1, keepdim=True).clamp_min(1e-30)
+    want[:, 1] = pasta_reweighted(pe[:, 1], alpha, emph)
     got = rec.pattern[:, 0]
     for b in range(2):
         r = am[b].bool()
@@ -330,10 +337,7 @@ def test_llava_vlm():
 def test_offset_mass_equals_eager_pattern_diagonals(arch):
     """Probes(offsets=...) records A[t, t - delta] of eager's pattern, with per-row offsets and left padding."""
     ids, am = batch()
-    eager = load(arch, "eager")
-    with torch.no_grad():
-        pat_e = torch.stack(list(eager(input_ids=ids, attention_mask=am, output_attentions=True).attentions),
-                            dim=1).float()  # (B, L, H, N, N)
+    pat_e = eager_pattern(arch, ids, am)
     m = load(arch, "headlab")
     per_row = [[1, 0, 3, 11], [2, 1]]
     with ins.instrument(m, ins.Plan(probes=ins.Probes(offsets=per_row))) as rec:
@@ -408,10 +412,7 @@ def test_pair_mass_equals_eager_pattern_cells(arch):
     with left padding (Mistral and Gemma 2: sliding windows shorter than the sequence); rec.pairs and the
     xarray coordinates name the cells; a (B, P, 2) tensor and a function of (start, stop) are the same probe."""
     ids, am = batch()
-    eager = load(arch, "eager")
-    with torch.no_grad():
-        pat_e = torch.stack(list(eager(input_ids=ids, attention_mask=am, output_attentions=True).attentions),
-                            dim=1).float()  # (B, L, H, N, N)
+    pat_e = eager_pattern(arch, ids, am)
     m = load(arch, "headlab")
     per_row = _random_pairs(2, N, 20, seed=1)
     with ins.instrument(m, ins.Plan(probes=ins.Probes(pairs=per_row))) as rec:

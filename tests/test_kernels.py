@@ -13,7 +13,15 @@ import torch
 
 from headlab.kernels import attention
 
-from fixtures.kernels import ALL_PROBES, AllocationSpy, PeakMemorySpy, check, make_case, reference
+from fixtures.kernels import (
+    ALL_PROBES,
+    AllocationSpy,
+    PeakMemorySpy,
+    check,
+    make_case,
+    pasta_reweighted,
+    reference,
+)
 
 SHAPES = [
     # (B, H, Hkv, Nq, Nk, D)
@@ -173,12 +181,7 @@ def test_edit_semantics():
     bias = torch.full((1, 2, 2), math.log(alpha))
     _, st_b = attention(q, k, v, scale=0.3, key_spans=spans, key_bias=bias, return_pattern=True)
     _, st_0 = attention(q, k, v, scale=0.3, return_pattern=True, backend="torch")
-    a = st_0.pattern.clone()
-    w = torch.full((6,), alpha)
-    w[2:4] = 1.0
-    a = a * w
-    a = a / a.sum(-1, keepdim=True)
-    torch.testing.assert_close(st_b.pattern, a, atol=1e-6, rtol=0)
+    torch.testing.assert_close(st_b.pattern, pasta_reweighted(st_0.pattern, alpha, (2, 4)), atol=1e-6, rtol=0)
 
 
 def test_memory_is_blocked():

@@ -28,7 +28,7 @@ if "headlab.kernels.triton_attention" in sys.modules and not ON_CUDA:
     importlib.reload(sys.modules["headlab.kernels.triton_attention"])
 from headlab.kernels import triton_attention as ta  # noqa: E402
 
-from fixtures.kernels import ALL_PROBES, check, make_case, reference  # noqa: E402
+from fixtures.kernels import ALL_PROBES, check, make_case, pasta_reweighted, reference  # noqa: E402
 
 pytestmark = pytest.mark.triton
 DEV = "cuda" if ON_CUDA else "cpu"
@@ -104,11 +104,7 @@ def test_triton_pasta_equals_reweighting():
     _, st_b = run(q, k, v, None, dict(key_spans=spans, key_bias=torch.full((1, 2, 2), math.log(alpha))),
                   scale=0.3, return_pattern=True)
     ref = reference(q, k, v, scale=0.3)["pattern"].float()
-    w = torch.full((16,), alpha)
-    w[5:9] = 1
-    a = ref * w
-    a = a / a.sum(-1, keepdim=True)
-    torch.testing.assert_close(st_b.pattern, a, atol=1e-5, rtol=0)
+    torch.testing.assert_close(st_b.pattern, pasta_reweighted(ref, alpha, (5, 9)), atol=1e-5, rtol=0)
 
 
 def test_triton_offsets_across_key_tiles_and_splits():

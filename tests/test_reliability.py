@@ -12,7 +12,6 @@ import subprocess
 import sys
 import textwrap
 import tracemalloc
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -22,34 +21,13 @@ import headlab
 from headlab.results import RunDamaged, RunNotFound
 from headlab.spec import MAX_DEPTH, SpecError
 
-from conftest import spec_text
+from conftest import spec_error, spec_text
+from fixtures.timing import within
 
 ROOT = Path(__file__).parent.parent
 STEPS = """  - id: ind
     detect: {kind: induction, exclude_bos: true}
 """
-
-
-@contextmanager
-def within(seconds: float):
-    """Fail (TimeoutError) when the block runs longer than ``seconds``: a hang fails fast."""
-    def expire(signum, frame):
-        raise TimeoutError(f"took longer than {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-def spec_error(text: str) -> SpecError:
-    with pytest.raises(SpecError) as info:
-        headlab.load_spec(text)
-    assert "\n" not in str(info.value)
-    return info.value
 
 
 # --- the run store ------------------------------------------------------------------------------

@@ -6,9 +6,7 @@ the machine."""
 from __future__ import annotations
 
 import json
-import signal
 import time
-from contextlib import contextmanager
 
 import pytest
 
@@ -18,23 +16,10 @@ from headlab.cli import main
 from headlab.resources import ENV, ResourceLimitError
 
 from conftest import TINY_LLAMA, spec_text
+from fixtures.timing import within
 
 STEPS = "  - id: ind\n    detect: {kind: induction}\n"
 GEN = "  - id: g\n    generate: {max_new_tokens: %d}\n"
-
-
-@contextmanager
-def within(seconds: float):
-    def expire(signum, frame):
-        raise TimeoutError(f"took longer than {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture(autouse=True)

@@ -10,9 +10,6 @@ A bounded number of examples runs here; benchmarks/fuzz_specs.py runs tens of th
 
 from __future__ import annotations
 
-import signal
-from contextlib import contextmanager
-
 import pytest
 
 pytest.importorskip("hypothesis", reason="property tests need hypothesis (pip install -e '.[dev]')")
@@ -22,6 +19,8 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 
 import headlab  # noqa: E402
 from headlab.spec import SpecError  # noqa: E402
+
+from fixtures.timing import within  # noqa: E402
 
 SETTINGS = settings(max_examples=30, deadline=None, database=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -36,23 +35,9 @@ CROSS_FIELD = (
 )
 
 
-@contextmanager
-def within(seconds: float):
-    def expire(signum, frame):
-        raise TimeoutError(f"loading took longer than {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 def outcome(value) -> str:
     """'ok', or the SpecError's message; asserts the error is located and nothing else escapes."""
-    with within(SECONDS):
+    with within(SECONDS, "loading"):
         try:
             headlab.load_spec(value)
         except SpecError as e:
