@@ -105,12 +105,12 @@ def with_marker(prompt: str) -> str:
 def _ordered(value: tuple[int, int]) -> tuple[int, int]:
     if value[0] > value[1]:
         raise ValueError(f"[lo, hi] with lo <= hi (got [{value[0]}, {value[1]}])")
-    if value[1] > MAX_OBJECTS:
-        raise ValueError(f"at most {MAX_OBJECTS} objects per image (a {GRID} x {GRID} grid)")
     return value
 
 
-ObjectRange = Annotated[tuple[PositiveInt, PositiveInt], AfterValidator(_ordered)]
+ObjectCount = Annotated[int, Field(ge=1, le=MAX_OBJECTS)]
+ObjectRange = Annotated[tuple[ObjectCount, ObjectCount], AfterValidator(_ordered)]
+"""``[lo, hi]`` objects per image, ``1 <= lo <= hi <= 9`` (a 3 x 3 grid)."""
 
 
 class Shapes(ComponentConfig):
@@ -125,9 +125,10 @@ class Shapes(ComponentConfig):
         "random", description="POPE's setting for the absent objects of presence questions")
     per_image: PositiveInt = Field(1, description="questions per image (presence: this many yes and as many no)")
     objects: ObjectRange = Field((2, 4), description="objects per image: [lo, hi] (hi <= 9)")
-    shapes: list[Shape] = Field(default_factory=lambda: list(SHAPES), min_length=1, description="shapes to draw")
+    shapes: list[Shape] = Field(default_factory=lambda: list(SHAPES), min_length=1,
+                                description="shapes to draw (a repeated entry counts once)")
     colours: list[Colour] = Field(default_factory=lambda: ["red", "green", "blue", "yellow", "purple", "orange"],
-                                  min_length=1, description="colours to draw with")
+                                  min_length=1, description="colours to draw with (a repeated entry counts once)")
     background: Colour = Field("white", description="canvas colour (not one of colours)")
     image_size: PositiveInt = Field(224, le=4096, description="image width and height in pixels")
     prompt: str = Field(DEFAULT_PROMPT, description="Jinja2 template with {{ question }} and the <image> marker "
@@ -137,9 +138,7 @@ class Shapes(ComponentConfig):
     @field_validator("shapes", "colours")
     @classmethod
     def _distinct(cls, v: list[str]) -> list[str]:
-        if len(set(v)) != len(v):
-            raise ValueError(f"repeated entries in {v}")
-        return v
+        return list(dict.fromkeys(v))  # a repeated entry counts once
 
     @field_validator("prompt")
     @classmethod
