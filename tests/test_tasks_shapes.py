@@ -37,7 +37,7 @@ def test_same_seed_same_images_and_questions_other_seed_others():
 
 
 def test_the_image_shows_exactly_the_objects_colours():
-    for ex in build(n=6, question="caption", objects=(1, 9), colours=list(COLOURS)[:-1]):
+    for ex in build(n=6, question="caption", objects=(1, 9), colours=[c for c in COLOURS if c not in ("white", "black")]):
         image = ex.images[0]
         assert image.size == (224, 224) and image.mode == "RGB"
         drawn = {rgb for _, rgb in image.getcolors(maxcolors=1 << 16)} - {COLOURS["white"]}
@@ -123,7 +123,7 @@ def test_prompt_template_and_marker():
 
 
 def test_config_errors():
-    with pytest.raises(ValidationError, match="background 'red' is one of the colours"):
+    with pytest.raises(ValidationError, match="background"):
         Shapes(background="red")
     with pytest.raises(ValidationError, match="lo <= hi"):
         Shapes(objects=(4, 2))
@@ -151,7 +151,7 @@ def test_words_out_of_the_embedded_vocabulary_are_the_documented_ones():
     vocab = set(vocabulary())
     words = set()
     for q in ("presence", "colour", "count", "caption"):
-        for ex in build(n=20, question=q, colours=list(COLOURS)[:-1], objects=(3, 9)):
+        for ex in build(n=20, question=q, colours=[c for c in COLOURS if c not in ("white", "black")], objects=(3, 9)):
             words |= set(tokenize_words(ex.prompt.replace("<image>", "") + (ex.target or "")))
     missing = sorted(words - vocab)
     doc = shapes.__doc__

@@ -38,8 +38,8 @@ Vocabulary: the words are those of the embedded ``headlab-tiny`` tokenizer
 (:func:`headlab.plugins.tasks.synthetic.vocabulary`) where possible; out of it are ``Is``, ``image``,
 ``yes``, ``no``, ``colour``, ``How``, ``are``, ``Describe``, the shapes ``circle``, ``triangle``,
 ``cross`` and every plural but none (``square``, ``star`` are in it), and the numbers above ``three``.
-All colours (``red``, ``green``, ``blue``, ``yellow``, ``purple``, ``orange``, ``brown``, ``black``,
-``gray``, ``white``) are in it.
+All colours (``red``, ``green``, ``blue``, ``yellow``, ``purple``, ``orange``, ``brown``, ``gray``; the
+canvas is ``white`` or ``black``) are in it.
 """
 
 from __future__ import annotations
@@ -83,7 +83,8 @@ GRID = 3
 MAX_OBJECTS = GRID * GRID
 DEFAULT_PROMPT = "<image>\nQuestion: {{ question }}\nAnswer:"
 
-Colour = Literal["red", "green", "blue", "yellow", "purple", "orange", "brown", "black", "gray", "white"]
+Colour = Literal["red", "green", "blue", "yellow", "purple", "orange", "brown", "gray"]
+Background = Literal["white", "black"]
 Shape = Literal["circle", "square", "triangle", "star", "cross"]
 
 
@@ -129,7 +130,7 @@ class Shapes(ComponentConfig):
                                 description="shapes to draw (a repeated entry counts once)")
     colours: list[Colour] = Field(default_factory=lambda: ["red", "green", "blue", "yellow", "purple", "orange"],
                                   min_length=1, description="colours to draw with (a repeated entry counts once)")
-    background: Colour = Field("white", description="canvas colour (not one of colours)")
+    background: Background = Field("white", description="canvas colour")
     image_size: PositiveInt = Field(224, le=4096, description="image width and height in pixels")
     prompt: str = Field(DEFAULT_PROMPT, description="Jinja2 template with {{ question }} and the <image> marker "
                         "(added in front when missing)")
@@ -150,8 +151,6 @@ class Shapes(ComponentConfig):
 
     @model_validator(mode="after")
     def _feasible(self) -> Shapes:
-        if self.background in self.colours:
-            raise ValueError(f"the background {self.background!r} is one of the colours; shapes would be invisible")
         lo, hi = self.objects
         universe = len(self.shapes) * len(self.colours)
         if hi > universe:
