@@ -218,8 +218,8 @@ def test_hf_dataset_through_datasets(monkeypatch):
 # --- registration, spec validation and docs ---------------------------------------------------------
 
 MY_TASKS = ("niah", "kv_retrieval", "counterfact", "emphasis", "jsonl", "csv", "truthfulqa", "nq_open",
-            "nq_swap", "memotrap", "xsum")
-MY_METRICS = ("needle_recall", "rouge_l", "context_memory", "any_answer")
+            "nq_swap", "memotrap", "xsum", "shapes", "pope")
+MY_METRICS = ("needle_recall", "rouge_l", "context_memory", "any_answer", "pope", "chair")
 
 
 def test_kinds_are_registered_and_documented():
