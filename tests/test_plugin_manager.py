@@ -399,3 +399,27 @@ def test_core_names_no_action_and_no_decoder():
         source = path.read_text()
         for literal in ('"greedy"', "'greedy'", '"detect"', '"generate"', '"score"', "mc_metrics"):
             assert literal not in source, f"{path.name} names {literal}"
+
+
+def test_every_register_option_is_documented():
+    """Each keyword option of a ``"config"`` category's ``register`` (``default=``, ``score=``, ``aggregate=``)
+    is in docs/plugins.md and in the docstring of a hook that takes it."""
+    seen: dict[str, object] = {}
+
+    class Probe:
+        @staticmethod
+        @headlab.hookimpl
+        def headlab_register_metrics(register):
+            seen["register"] = register
+
+    name = headlab.register_plugin(Probe, name="register-probe", replace=True)
+    try:
+        options = [p.name for p in inspect.signature(seen["register"]).parameters.values() if p.kind == p.KEYWORD_ONLY]
+    finally:
+        headlab.unregister_plugin(name)
+    assert {"default", "score", "aggregate"} <= set(options)
+    docs = (ROOT / "docs" / "plugins.md").read_text()
+    hook_docs = " ".join(inspect.getdoc(getattr(hookspecs, n)) or "" for n in hook_names())
+    for option in options:
+        assert f"{option}=" in docs, f"register option {option}= is missing from docs/plugins.md"
+        assert f"{option}=" in hook_docs, f"register option {option}= is in no hook's docstring"

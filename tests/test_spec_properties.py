@@ -32,6 +32,8 @@ CROSS_FIELD = (
     "num_pairs must be between", "context_lengths must be positive", "value_len: 1 <= lo <= hi",
     "hi must be >= lo", "needles:", "k: a list of positive head counts", "no metrics plugin provides kind",
     "a depth count must be", "depths are fractions", "missing `kind`", "with lo <= hi",
+    "distinct colour x shape objects", "yes questions need", "no questions need", "questions are about different shapes",
+    "`image_dir` needs `image`",
 )
 
 

@@ -16,6 +16,7 @@ from headlab.generation import Decoded, DecodeRequest, tokenize
 from headlab.plugin_manager import get_manager
 from headlab.resources import Estimate, EstimateContext
 from headlab.runner import decode_info
+from headlab.scoring import metric_values
 from headlab.spec import NonEmptyStr, PositiveInt, SpecTypes, StrictModel
 
 from .common import decoding_config, kind_shorthand, steering_plan
@@ -75,16 +76,9 @@ def generate(action: Any, ctx: StepContext) -> xr.Dataset:
     ds.attrs.update(attrs)
     names = []
     for cfg in action.metrics:
-        comp = mgr.get("metrics", cfg.kind)
-        try:
-            values = np.asarray(comp.impl(cfg, ctx.examples, outputs), dtype=float)
-        except (TypeError, ValueError) as e:
-            raise ContractError(f"the metric returned no numbers ({e})", category="metrics", kind=cfg.kind) from e
-        if values.shape != (len(ctx.examples),):
-            raise ContractError(f"the metric returned shape {values.shape}, not one number per example",
-                                category="metrics", kind=cfg.kind)
-        ds[cfg.kind] = ("example", values)
-        names.append(cfg.kind)
+        for name, array in metric_values(cfg, ctx.examples, outputs).items():
+            ds[name] = array
+            names.append(name)
     ds.attrs.update(decode=action.decode.kind, steer=[c.kind for c in action.steer], metrics=names)
     return ds
 
