@@ -5,7 +5,7 @@ spec, a (layer x head) heatmap of every detect step's scores (averaged over swee
 cell when there is a sweep), top-head tables, metric tables per sweep cell, line plots of metrics and
 top-head scores against numeric sweep keys, sample generations, per-task metrics with sample records
 (``evaluate`` steps), and, for steps on examples with images that stored a preview
-(:func:`headlab.vision.attention_preview`), the first image with the top heads' attention over its patches. Everything is inline (CSS and
+(:func:`headlab.image_attention.attention_preview`), the first image with the top heads' attention over its patches. Everything is inline (CSS and
 SVG); the file loads nothing from the network and needs no JavaScript.
 
 The colour scale (:func:`color`) is shared with the notebook widgets so a head looks the same in a
@@ -360,7 +360,7 @@ def _image_figure(run: Run, ds: xr.Dataset, n_heads: int = 3) -> str:
     """The stored image preview of a step (first example, first sweep cell) with the attention of its top
     heads over the patches: by the step's score for a detect step, else by the attention mass on the image."""
     from .heads import ranked
-    from .vision import PREVIEW_ATTENTION, image_attention_svg, preview_of
+    from .image_attention import PREVIEW_ATTENTION, image_attention_svg, preview_of
 
     found = preview_of(ds)
     if found is None:

@@ -1,4 +1,4 @@
-"""Attention over images: headlab.vision's pieces against independent computations, the image panel's
+"""Attention over images: headlab.image_attention's pieces against independent computations, the image panel's
 values (ImagePatchView, AttentionView with a tiny random LLaVA) against an eager-attention forward, and
 the image figure of ``headlab report``."""
 
@@ -12,9 +12,7 @@ import numpy as np
 import pytest
 import xarray as xr
 
-from headlab.report import color, render_report
-from headlab.results import RunWriter, open_run
-from headlab.vision import (
+from headlab.image_attention import (
     PREVIEW_ATTENTION,
     PREVIEW_IMAGE,
     image_array,
@@ -25,6 +23,8 @@ from headlab.vision import (
     preview_of,
     resize_image,
 )
+from headlab.report import color, render_report
+from headlab.results import RunWriter, open_run
 
 PIL = pytest.importorskip("PIL.Image")
 

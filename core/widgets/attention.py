@@ -31,9 +31,9 @@ import xarray as xr
 
 from ..context import Example
 from ..dims import head_array
+from ..image_attention import forward_kwargs, image_attention_svg
 from ..model import LoadedModel
 from ..report import NAN_COLOR, PALETTE, color
-from ..vision import image_attention_svg
 
 _ESM = """
 const PALETTE = %PALETTE%;
@@ -189,7 +189,7 @@ class AttentionView(w.VBox):
         self.token_spans: dict[str, list[tuple[int, int]]] = {
             name: [tuple(s) for s in self.batch.spans(name)[0]] for name in example.spans}
         self.images: list[Any] = list(getattr(example, "images", None) or [])
-        self.model_inputs: dict[str, Any] = dict(getattr(self.batch, "model_inputs", None) or {})
+        self.model_inputs: dict[str, Any] = forward_kwargs(self.batch)
         spans_of = getattr(self.batch, "image_spans", None) or [[]]
         grids_of = getattr(self.batch, "image_grids", None) or [[]]
         self.image_spans: list[tuple[int, int]] = [(int(a), int(b)) for a, b in spans_of[0]]
@@ -365,7 +365,7 @@ class AttentionView(w.VBox):
                         query: int | None = None) -> np.ndarray:
         """The attention of one head from ``query`` to the tokens of image ``image`` as its ``(rows, cols)``
         patch grid (NaN for image tokens after the query): the values its :class:`ImagePatchView` shows."""
-        from ..vision import patch_grid
+        from ..image_attention import patch_grid
 
         if not 0 <= image < len(self.image_spans):
             raise ValueError(f"no image {image}; this view has {len(self.image_spans)}")

@@ -18,8 +18,8 @@ import anywidget
 import numpy as np
 import traitlets
 
+from ..image_attention import image_array, png_data_uri, resize_image
 from ..report import PALETTE
-from ..vision import image_array, png_data_uri, resize_image
 
 _ESM = """
 const PALETTE = %PALETTE%;

@@ -1,4 +1,4 @@
-"""Attention over images: per-patch values of a head's attention to an image's tokens, and pictures of it.
+"""Attention over images (``headlab.image_attention``): per-patch values of a head's attention to an image's tokens, and pictures of it.
 
 - :func:`image_array`: an image (``PIL.Image``, a local file path, or an array) as ``(height, width, 3)``
   uint8.
@@ -107,6 +107,16 @@ def patch_grid(values: Any, grid: tuple[int, int]) -> np.ndarray:
     return arr.reshape(*arr.shape[:-1], rows, cols)
 
 
+def forward_kwargs(batch: Batch) -> dict[str, Any]:
+    """Keyword arguments of the model's forward over ``batch`` besides ``input_ids`` and ``attention_mask``:
+    its processor inputs (``pixel_values``, ...) and, where set, its multimodal ``position_ids``."""
+    out: dict[str, Any] = dict(getattr(batch, "model_inputs", None) or {})
+    pos = getattr(batch, "position_ids", None)
+    if pos is not None:
+        out["position_ids"] = pos
+    return out
+
+
 def image_token_attention(lm: LoadedModel, batch: Batch, *, row: int = 0, query: int | None = None,
                           layers: Sequence[int] | None = None) -> list[np.ndarray]:
     """Attention of every (layer, head) from ``query`` (a padded position of row ``row``; default the
@@ -131,7 +141,7 @@ def image_token_attention(lm: LoadedModel, batch: Batch, *, row: int = 0, query:
     per_row = [[(q, k) for k in keys] if r == row else [] for r in range(batch.size)]
     probes = Probes(pairs=per_row, layers=None if layers is None else [int(x) for x in layers])
     with torch.no_grad(), instrument(lm.model, Plan(probes=probes)) as rec:
-        lm.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **(batch.model_inputs or {}))
+        lm.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **forward_kwargs(batch))
     mass = rec.pair_mass[row].float().cpu().numpy()[..., : len(keys)]  # (layer, head, pair)
     out, at = [], 0
     for (a, b), grid in zip(spans, grids, strict=True):
