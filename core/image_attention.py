@@ -117,6 +117,25 @@ def forward_kwargs(batch: Batch) -> dict[str, Any]:
     return out
 
 
+def model_view(lm: LoadedModel, batch: Batch, index: int = 0) -> np.ndarray | None:
+    """Image ``index`` of ``batch`` (in the order of its ``pixel_values``: row 0's images first) as the
+    model sees it, ``(H, W, 3)`` uint8, so that its token grid lies exactly on it (a LLaVA processor crops
+    and resizes): the processor's ``pixel_values`` with the normalisation undone. None when they are not
+    one ``(channel, height, width)`` picture per image (Qwen2-VL's flattened patches, LLaVA-NeXT's tiles):
+    then the original image is what the grid covers."""
+    pv = (getattr(batch, "model_inputs", None) or {}).get("pixel_values")
+    if pv is None or pv.dim() != 4 or pv.shape[1] != 3 or not 0 <= index < pv.shape[0]:
+        return None
+    ip = getattr(getattr(lm, "processor", None), "image_processor", None)
+    x = pv[index].float().cpu().numpy().transpose(1, 2, 0)
+    if getattr(ip, "do_normalize", True):
+        mean = np.asarray(getattr(ip, "image_mean", None) or [0.5, 0.5, 0.5], dtype=float)
+        std = np.asarray(getattr(ip, "image_std", None) or [0.5, 0.5, 0.5], dtype=float)
+        x = x * std + mean
+    scale = float(getattr(ip, "rescale_factor", 1 / 255)) if getattr(ip, "do_rescale", True) else 1.0
+    return np.clip(np.round(x / scale), 0, 255).astype(np.uint8)
+
+
 def image_token_attention(lm: LoadedModel, batch: Batch, *, row: int = 0, query: int | None = None,
                           layers: Sequence[int] | None = None) -> list[np.ndarray]:
     """Attention of every (layer, head) from ``query`` (a padded position of row ``row``; default the
@@ -153,8 +172,9 @@ def image_token_attention(lm: LoadedModel, batch: Batch, *, row: int = 0, query:
 def attention_preview(lm: LoadedModel, example: Example | Batch, *, query: int | None = None,
                       max_side: int = 224) -> xr.Dataset:
     """The first image of ``example`` (an :class:`headlab.Example` with images, or a :class:`Batch` whose
-    first row has one) downscaled to at most ``max_side`` pixels, and every head's attention from
-    ``query`` (default: the last prompt token) over its patches.
+    first row has one) as the model sees it (:func:`model_view`, else the original), downscaled to at most
+    ``max_side`` pixels, and every head's attention from ``query`` (default: the last prompt token) over its
+    patches.
 
     Returns a Dataset with ``preview_image (pixel_y, pixel_x, channel)`` uint8 and ``preview_attention
     (layer, head, patch_row, patch_col)`` float32 (attrs ``query``: the padded query position, ``image_tokens``:
@@ -170,7 +190,8 @@ def attention_preview(lm: LoadedModel, example: Example | Batch, *, query: int |
         return xr.Dataset()
     att = image_token_attention(lm, batch, row=0, query=query)[0]
     q = batch.length - 1 if query is None else int(query)
-    img = resize_image(images[0], max_side)
+    seen = model_view(lm, batch, 0)
+    img = resize_image(images[0] if seen is None else seen, max_side)
     start, end = batch.image_spans[0][0]
     ds = xr.Dataset({
         PREVIEW_IMAGE: (("pixel_y", "pixel_x", "channel"), img),

@@ -31,7 +31,7 @@ import xarray as xr
 
 from ..context import Example
 from ..dims import head_array
-from ..image_attention import forward_kwargs, image_attention_svg
+from ..image_attention import forward_kwargs, image_attention_svg, model_view
 from ..model import LoadedModel
 from ..report import NAN_COLOR, PALETTE, color
 
@@ -214,10 +214,15 @@ class AttentionView(w.VBox):
                                          value="tokens", description="colour by")
         self.view = TokenView(spans=[[a, b, name] for name, ss in self.token_spans.items() for a, b in ss],
                               image_spans=[[a, b] for a, b in self.image_spans])
+        self.shown_images = [img if (seen := model_view(self.lm, self.batch, i)) is None else seen
+                             for i, img in enumerate(self.images)]
         self.image_views = [ImagePatchView.from_values(img, grid, [None] * (grid[0] * grid[1]), token_start=a,
                                                        width=image_width)
-                            for img, (a, _), grid in zip(self.images, self.image_spans, self.image_grids, strict=True)]
+                            for img, (a, _), grid in zip(self.shown_images, self.image_spans, self.image_grids,
+                                                         strict=True)]
         self.info = w.HTML()
+        for view in self.image_views:
+            view.observe(lambda _: setattr(self.info, "value", self._info_html()), names="selected")
         for ctl in (self.layer_slider, self.head_slider, self.page_slider, self.colour_by):
             ctl.observe(lambda _: self.refresh(), names="value")
         self.query_slider.observe(self._query_changed, names="value")
@@ -480,6 +485,13 @@ class AttentionView(w.VBox):
                 rows += (f'<tr><td>#{a}..{b - 1}</td><td>[image {i}] mass</td><td></td>'
                          f"<td>{float(np.nansum(self.image_attention(i))):.4f}</td></tr>")
         out = f'<table class="hl-topkeys"><tr><th colspan="4">most attended keys</th></tr>{rows}</table>'
+        for i, view in enumerate(self.image_views):
+            if view.selected >= 0:
+                p = view.patch()
+                v = self.image_attention(i)[p["row"], p["col"]]
+                out += (f'<div class="hl-selected-patch" data-image="{i}" data-token="{p["token"]}">image {i} patch '
+                        f'(row {p["row"]}, col {p["col"]}), token #{p["token"]}: '
+                        f'{"after the query" if np.isnan(v) else f"{v:.6f}"}</div>')
         if self.token_spans:
             mass = self.span_mass().sel(layer=self.layer, head=self.head)
             out += "<div>mass on spans: " + ", ".join(
@@ -493,6 +505,6 @@ class AttentionView(w.VBox):
             f'margin:1px;white-space:pre" title="{x}">{html.escape(t)}</span>'
             for _, t, x in self.shown)
         figs = "".join(image_attention_svg(img, self.image_attention(i), title=f"image {i}")
-                       for i, img in enumerate(self.images))
+                       for i, img in enumerate(self.shown_images))
         return f"<div>{html.escape(self.view.caption)}<br>{figs}{toks}</div>"
 
