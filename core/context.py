@@ -15,6 +15,9 @@ from .model import LoadedModel
 
 T = TypeVar("T")
 
+#: where an example's image goes in its prompt (one marker per image, in order)
+IMAGE_MARKER = "<image>"
+
 
 @dataclass
 class Example:
@@ -23,6 +26,8 @@ class Example:
     ``spans`` are character offsets ``[start, end)`` into ``prompt`` by name (``needle``,
     ``emphasis``, ...). ``input_ids`` is set by tasks defined on token ids (then ``prompt`` is their
     decoding). ``meta`` holds scalars (depth, context length, ...) stored as coordinates.
+    ``images`` are the example's images (``PIL.Image.Image`` or local file paths), each placed in ``prompt``
+    at a ``<image>`` marker (:data:`IMAGE_MARKER`), in order.
     """
 
     prompt: str
@@ -32,6 +37,7 @@ class Example:
     spans: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     input_ids: list[int] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    images: list[Any] = field(default_factory=list)
 
 
 def strip_tags(text: str, tags: Mapping[str, str]) -> tuple[str, dict[str, list[tuple[int, int]]]]:

@@ -28,6 +28,13 @@ class Batch:
     default, a batch of prompts to generate from) means every row is all prompt. Steering methods that
     treat prompt keys specially (PASTA) read a row's prompt from :meth:`prompt_span`, so a choice's own
     tokens are treated like generated tokens, as in ``generate``.
+
+    A batch of examples with images (a vision-language model) also has ``model_inputs``, the processor's
+    inputs for the forward over the prompts (``pixel_values``, ...; pass them with :meth:`forward_inputs`),
+    ``image_spans`` (per row, per image: its tokens' padded positions ``[start, end)``; also
+    ``spans("image")``), ``image_grids`` (per row, per image: the rows and columns of its tokens, row-major)
+    and, for models with multimodal rotary positions (Qwen2-VL), ``position_ids`` of shape
+    ``(3, batch, length)``; otherwise positions follow the attention mask (:meth:`positions`).
     """
 
     input_ids: torch.Tensor
@@ -36,6 +43,10 @@ class Batch:
     pad: list[int]
     examples: list[Example] = field(default_factory=list)
     continuation: list[int] = field(default_factory=list)
+    model_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
+    image_spans: list[list[tuple[int, int]]] = field(default_factory=list)
+    image_grids: list[list[tuple[int, int]]] = field(default_factory=list)
+    position_ids: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -62,16 +73,49 @@ class Batch:
         return toks[0] + self.pad[row], toks[-1] + 1 + self.pad[row]
 
     def spans(self, name: str) -> list[list[tuple[int, int]]]:
-        """Token spans of the examples' character spans called ``name``, per row."""
+        """Token spans of the examples' character spans called ``name``, per row; ``image``: the image tokens
+        (:attr:`image_spans`) when the batch has images and no example names a span ``image``."""
+        if name == "image" and self.image_spans and not any("image" in ex.spans for ex in self.examples):
+            return [list(row) for row in self.image_spans]
         return [[self.token_span(r, s, e) for s, e in ex.spans.get(name, [])] for r, ex in enumerate(self.examples)]
+
+    @property
+    def has_images(self) -> bool:
+        """Whether the batch's forward takes processor inputs (its examples have images)."""
+        return bool(self.model_inputs)
+
+    def positions(self, copies: int = 1) -> torch.Tensor:
+        """Position ids of the prompts for ``copies`` copy-major copies of the batch: :attr:`position_ids`
+        if set, else the attention mask's running count (padding at 0)."""
+        if self.position_ids is None:
+            mask = self.attention_mask.repeat(copies, 1) if copies > 1 else self.attention_mask
+            return (mask.cumsum(-1) - 1).clamp(min=0)
+        return self.position_ids.repeat(1, copies, 1) if copies > 1 else self.position_ids
+
+    def forward_inputs(self, copies: int = 1) -> dict[str, torch.Tensor]:
+        """The processor inputs (:attr:`model_inputs`) for ``copies`` copy-major copies of the batch."""
+        from .vision import tile_inputs
+
+        return tile_inputs(self.model_inputs, copies)
 
 
 def tokenize(lm: LoadedModel, examples: list[Example], device: str | None = None) -> Batch:
-    """Tokenize examples (their ``input_ids`` if set, else ``prompt``) into a left-padded batch."""
+    """Tokenize examples (their ``input_ids`` if set, else ``prompt``, with their ``images`` through the
+    model's processor) into a left-padded batch."""
     tok = lm.tokenizer
     rows: list[list[int]] = []
     offsets: list[list[tuple[int, int]]] = []
+    encoded: list[Any] = []
     for ex in examples:
+        if ex.images:
+            from .vision import encode
+
+            enc_images = encode(lm, ex)
+            rows.append(enc_images.ids)
+            offsets.append(enc_images.offsets)
+            encoded.append(enc_images)
+            continue
+        encoded.append(None)
         if ex.input_ids is not None:
             rows.append(list(ex.input_ids))
             offsets.append([(0, 0)] * len(ex.input_ids))
@@ -91,7 +135,32 @@ def tokenize(lm: LoadedModel, examples: list[Example], device: str | None = None
         mask[i, n - len(r):] = 1
         pads.append(n - len(r))
     device = device or lm.device
-    return Batch(ids.to(device), mask.to(device), offsets, pads, list(examples))
+    batch = Batch(ids.to(device), mask.to(device), offsets, pads, list(examples))
+    if any(e is not None for e in encoded):
+        _add_images(lm, batch, encoded, device)
+    return batch
+
+
+def _add_images(lm: LoadedModel, batch: Batch, encoded: list[Any], device: str) -> None:
+    """Processor inputs, image spans and grids of a batch whose examples have images."""
+    if any(e is None for e in encoded):
+        raise ValueError("a batch mixes examples with and without images; give every example of a task images, "
+                         "or none")
+    n = batch.length
+    inputs: dict[str, list[torch.Tensor]] = {}
+    for e, pad in zip(encoded, batch.pad, strict=True):
+        for k, v in e.per_token.items():
+            inputs.setdefault(k, []).append(torch.nn.functional.pad(v, (n - v.shape[1], 0)))
+        for k, v in e.inputs.items():
+            inputs.setdefault(k, []).append(v)
+        batch.image_spans.append([(s + pad, t + pad) for s, t in e.spans])
+        batch.image_grids.append(list(e.grids))
+    batch.model_inputs = {k: torch.cat(v).to(device) for k, v in inputs.items()}
+    rope_index = getattr(getattr(lm.model, "model", None), "get_rope_index", None)
+    if rope_index is not None and "mm_token_type_ids" in batch.model_inputs:
+        kw = {k: v for k, v in batch.model_inputs.items() if k in ("image_grid_thw", "video_grid_thw")}
+        batch.position_ids, _ = rope_index(batch.input_ids, mm_token_type_ids=batch.model_inputs["mm_token_type_ids"],
+                                           attention_mask=batch.attention_mask, **kw)
 
 
 @dataclass
@@ -192,7 +261,10 @@ class DecodeState:
         self.eos = torch.tensor(request.lm.eos_ids, dtype=torch.long, device=dev)
         self.input_ids = ids
         self.attention_mask = mask
-        self.positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        if batch.has_images and (ids.shape[1] != batch.length or not torch.equal(ids, batch.input_ids.repeat(
+                self.copies, 1))):
+            raise ValueError("decode: rows other than copies of the batch cannot carry its images")
+        self.positions = batch.positions(self.copies)
         self.cache: Any = None
         self.outputs: Any = None
         self.step = 0
@@ -212,8 +284,8 @@ class DecodeState:
         if self.cache is not None or self.step:
             raise ValueError("DecodeState.split_prompt: only before the first forward")
         ids, mask, pos = self.input_ids, self.attention_mask, self.positions
-        self.input_ids, self.positions = ids[:, -1:], pos[:, -1:]
-        return ids[:, :-1], mask[:, :-1], pos[:, :-1]
+        self.input_ids, self.positions = ids[:, -1:], pos[..., -1:]
+        return ids[:, :-1], mask[:, :-1], pos[..., :-1]
 
     def record(self, tokens: torch.Tensor) -> None:
         """Store the tokens chosen at this step, one per entry of :attr:`rows` (a prompt that has finished
@@ -249,12 +321,12 @@ class DecodeState:
                 idx = torch.cat([keep + c * n for c in range(self.copies)])
                 _select_rows(self.cache, idx)
                 self.rows = self.rows[keep]
-                mask, pos = mask[idx], pos[idx]
+                mask, pos = mask[idx], pos.index_select(-2, idx)
         last = self.generated[:, -1] if self.rows.shape[0] == self.finished.shape[0] else \
             self.generated[self.rows, -1]
         self.input_ids = (last.repeat(self.copies) if self.copies > 1 else last)[:, None]
         self.attention_mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        self.positions = pos[:, -1:] + 1
+        self.positions = pos[..., -1:] + 1
 
     def tokens(self) -> list[list[int]]:
         """Per prompt, the tokens it generated, up to its first EOS (excluded)."""
@@ -397,6 +469,9 @@ def decode_loop(request: DecodeRequest | DecodeState, choose: Choose, *,
         if state.input_ids.shape[1] < 2:
             raise ValueError("decode_loop: a prefill function needs prompts of at least 2 tokens")
     split = prefill is not None or (split_prompt is not None and state.input_ids.shape[1] > 1)
+    # the processor inputs (images) go to the first forward over the prompt only
+    first = batch.forward_inputs(1 if trunk is not None else copies) if batch.has_images and state.step == 0 \
+        else {}
 
     def trunk_at(layer: int | None) -> contextlib.AbstractContextManager[Any]:
         from .instrument import shared_trunk
@@ -407,22 +482,24 @@ def decode_loop(request: DecodeRequest | DecodeState, choose: Choose, *,
         if split:
             ids, mask, pos = state.split_prompt()
             if prefill is not None:
-                state.cache = prefill(model, ids, mask, pos)
+                state.cache = prefill(model, ids, mask, pos, **first)
             else:
                 with trunk_at(None if trunk is None else lm.geometry.n_layers):
                     state.cache = run(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                                      **kwargs).cache
+                                      **kwargs, **first).cache
                 if trunk is not None:
                     from .instrument import expand_cache
 
                     expand_cache(state.cache, trunk, copies)
+            first = {}
             if split_prompt is not None:
                 split_prompt()
         with trunk_at(trunk):
             while state.step < request.max_new_tokens:
                 with around_forward(state) if around_forward is not None else contextlib.nullcontext():
                     out = run(input_ids=state.input_ids, attention_mask=state.attention_mask,
-                              position_ids=state.positions, cache=state.cache, use_cache=True, **kwargs)
+                              position_ids=state.positions, cache=state.cache, use_cache=True, **kwargs, **first)
+                first = {}
                 state.outputs, state.cache = out, out.cache
                 state.record(choose(out, state))
                 if on_step is not None:
@@ -434,28 +511,29 @@ def decode_loop(request: DecodeRequest | DecodeState, choose: Choose, *,
 
 
 def prefill(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-            *, per_row: bool | None = None) -> Any:
+            *, per_row: bool | None = None, **forward_kwargs: Any) -> Any:
     """The KV cache of a left-padded batch of prompts, computing no logits beyond the last position.
 
     ``per_row`` (default: on a CPU) runs each row on its own tokens, without its padding, and stacks the
     caches left-padded with zeros (keys the attention mask hides): a single unpadded row takes SDPA's
     causal kernel, where a padded batch needs a masked one that is slower on a CPU. Same cache as the
     batched prefill up to float rounding. Models whose cache has layers other than plain growing ones
-    (sliding windows, static or quantised caches) are prefilled batched.
+    (sliding windows, static or quantised caches) are prefilled batched, and so are batches with
+    ``forward_kwargs`` (processor inputs such as ``pixel_values``, passed to the model).
     """
     from transformers.cache_utils import DynamicLayer
 
     def run(**kw: Any) -> Any:
         try:
-            return model(**kw, use_cache=True, logits_to_keep=1)
+            return model(**kw, **forward_kwargs, use_cache=True, logits_to_keep=1)
         except TypeError:  # a model without logits_to_keep
-            return model(**kw, use_cache=True)
+            return model(**kw, **forward_kwargs, use_cache=True)
 
     B, n = input_ids.shape
     if per_row is None:
-        per_row = input_ids.device.type == "cpu" and B > 1
+        per_row = input_ids.device.type == "cpu" and B > 1 and not forward_kwargs
     pads = (attention_mask == 0).sum(-1).tolist()
-    if per_row and all(bool(attention_mask[r, p:].all()) and p < n for r, p in enumerate(pads)):
+    if per_row and not forward_kwargs and all(bool(attention_mask[r, p:].all()) and p < n for r, p in enumerate(pads)):
         caches = [run(input_ids=input_ids[r: r + 1, p:], attention_mask=attention_mask[r: r + 1, p:],
                       position_ids=position_ids[r: r + 1, p:]).cache for r, p in enumerate(pads)]
         if all(type(layer) is DynamicLayer for c in caches for layer in c.layers):
@@ -535,7 +613,7 @@ def continuation_batch(lm: LoadedModel, pairs: list[tuple[Example, str | list[in
         if ex.input_ids is None and isinstance(cont, str):
             if tok is None:
                 raise ValueError("scoring text needs a tokenizer (the model has none); give token ids")
-            row = Example(prompt=ex.prompt + cont, spans=ex.spans, meta=ex.meta)
+            row = Example(prompt=ex.prompt + cont, spans=ex.spans, meta=ex.meta, images=ex.images)
             full = len(tok(row.prompt, add_special_tokens=True)["input_ids"])
             prefix = len(tok(ex.prompt, add_special_tokens=True)["input_ids"])
             n = full - prefix
@@ -553,6 +631,9 @@ def continuation_batch(lm: LoadedModel, pairs: list[tuple[Example, str | list[in
             else:
                 tail = [int(t) for t in cont]
             row = Example(prompt=ex.prompt, input_ids=head + tail, spans=ex.spans, meta=ex.meta)
+            if ex.images:
+                raise ValueError("scoring a token-id continuation of an example with images is not supported; "
+                                 "give the continuation as text")
             n = len(tail)
         if n < 1:
             raise ValueError(f"continuation adds no token to the prompt {ex.prompt[-40:]!r}")

@@ -49,6 +49,21 @@ class LoadedModel:
     digest: str | None = None
     device: str = "cpu"
     dtype: str = "float32"
+    processor: Any = None
+
+    @property
+    def is_vision(self) -> bool:
+        """Whether the model reads images (it has a processor)."""
+        return self.processor is not None
+
+    @property
+    def image_token_id(self) -> int | None:
+        """The token id that stands for an image patch in the input (None for a text model)."""
+        if self.processor is None:
+            return None
+        from .vision import image_token_id
+
+        return image_token_id(self.processor, self.model.config)
 
     @property
     def pad_id(self) -> int:
@@ -153,10 +168,19 @@ def from_pretrained(path_or_id: str, spec: ModelSpec, *, name: str | None = None
 
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # headlab shows its own progress; a per-load bar is noise
+    processor = None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path_or_id, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=dtype,
-                                                     attn_implementation=ATTN_IMPLEMENTATION, **kwargs)
+        if is_vision_checkpoint(path_or_id, kwargs):
+            from transformers import AutoModelForImageTextToText, AutoProcessor
+
+            processor = AutoProcessor.from_pretrained(path_or_id, **kwargs)
+            tokenizer = processor.tokenizer
+            model = AutoModelForImageTextToText.from_pretrained(path_or_id, dtype=dtype,
+                                                                attn_implementation=ATTN_IMPLEMENTATION, **kwargs)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(path_or_id, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=dtype,
+                                                         attn_implementation=ATTN_IMPLEMENTATION, **kwargs)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelLoadError(f"cannot load model '{path_or_id}': {first.rstrip('.')}. Give a local checkpoint directory, "
@@ -173,7 +197,18 @@ def from_pretrained(path_or_id: str, spec: ModelSpec, *, name: str | None = None
     digest = weights_digest(local) if local.is_dir() else _hub_commit(model)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name or path_or_id, geometry=geometry_of(model),
                        revision=spec.revision or _hub_commit(model), digest=digest, device=device,
-                       dtype=str(model.dtype).removeprefix("torch."))
+                       dtype=str(model.dtype).removeprefix("torch."), processor=processor)
+
+
+def is_vision_checkpoint(path_or_id: str, kwargs: dict[str, Any]) -> bool:
+    """Whether a checkpoint is a vision-language model (its config has a ``vision_config``)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path_or_id, **kwargs)
+    except (OSError, ValueError):
+        return False  # the model load below reports the problem
+    return getattr(config, "vision_config", None) is not None
 
 
 def _hub_commit(model: Any) -> str | None:
@@ -191,24 +226,59 @@ def from_config(spec: ModelSpec, seed: int = 0) -> LoadedModel:
     cfg = dict(spec.config or {})
     model_type = cfg.pop("model_type", None)
     tokenizer_ref = cfg.pop("tokenizer", None)
+    processor_options = cfg.pop("processor", None)
     if not model_type:
         raise ModelLoadError("model.config needs a `model_type` (e.g. llama, mistral, qwen2, gpt2)")
-    try:
-        config = AutoConfig.for_model(model_type, **cfg)
-    except (ValueError, KeyError) as e:
-        raise ModelLoadError(f"model.config: {e}") from None
-    torch.manual_seed(seed)
-    dtype = DTYPES.get(spec.dtype, torch.float32)
-    try:
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTN_IMPLEMENTATION, dtype=dtype)
-    except (ValueError, KeyError, TypeError) as e:
-        raise ModelLoadError(f"model.config: cannot build a {model_type} model: {type(e).__name__}: {e}") from None
-    model.to(device).eval()
+    vision = "vision_config" in cfg
     tokenizer = None
     if tokenizer_ref:
         tokenizer = load_model_by_name_tokenizer(str(tokenizer_ref)) or AutoTokenizer.from_pretrained(tokenizer_ref)
+    if vision:
+        from .vision import vision_tokens_for_config
+
+        if tokenizer is None:
+            raise ModelLoadError("model.config: a vision-language model needs a `tokenizer` (e.g. headlab-tiny)")
+        tokens = vision_tokens_for_config(model_type)
+        tokenizer.add_special_tokens({"additional_special_tokens": list(tokens)}, replace_extra_special_tokens=False)
+        ids = {t: tokenizer.convert_tokens_to_ids(t) for t in tokens}
+        if model_type.startswith("qwen2"):
+            for key, token in (("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+                               ("vision_start_token_id", "<|vision_start|>"),
+                               ("vision_end_token_id", "<|vision_end|>")):
+                cfg.setdefault(key, ids[token])
+        else:
+            cfg.setdefault("image_token_index" if model_type == "llava" else "image_token_id", ids[tokens[0]])
+        text = dict(cfg.get("text_config") or {})
+        text.setdefault("vocab_size", len(tokenizer))
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            text.setdefault(key, getattr(tokenizer, key, None))
+        cfg["text_config"] = text
+    try:
+        config = AutoConfig.for_model(model_type, **cfg)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"model.config: {e}") from None
+    torch.manual_seed(seed)
+    dtype = DTYPES.get(spec.dtype, torch.float32)
+    if vision:
+        from transformers import AutoModelForImageTextToText as auto_class
+    else:
+        auto_class = AutoModelForCausalLM
+    try:
+        model = auto_class.from_config(config, attn_implementation=ATTN_IMPLEMENTATION, dtype=dtype)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"model.config: cannot build a {model_type} model: {type(e).__name__}: {e}") from None
+    model.to(device).eval()
+    processor = None
+    if vision:
+        from .vision import processor_for_config
+
+        try:
+            processor = processor_for_config(model_type, config, tokenizer, processor_options)
+        except (ValueError, TypeError) as e:
+            raise ModelLoadError(str(e) if str(e).startswith("model.config") else f"model.config.processor: {e}") \
+                from None
     return LoadedModel(model=model, tokenizer=tokenizer, name=spec.name, geometry=geometry_of(model),
-                       digest=state_digest(model), device=device, dtype=spec.dtype)
+                       digest=state_digest(model), device=device, dtype=spec.dtype, processor=processor)
 
 
 def load_model_by_name_tokenizer(name: str) -> Any | None:

@@ -146,9 +146,17 @@ def score_forward(request: ScoreRequest, plan: Any = REQUEST_PLAN,
                   rows: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs: Any) -> Any:
     """One forward over the rows to score (or ``rows``), under ``plan`` (default: the request's plan;
     ``None``: no plan), keeping the logits of the last ``C + 1`` positions (``C``: the longest
-    continuation)."""
-    ids, mask = rows if rows is not None else (request.batch.input_ids, request.batch.attention_mask)
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    continuation). Rows made of copies of the batch get its images (processor inputs)."""
+    batch = request.batch
+    ids, mask = rows if rows is not None else (batch.input_ids, batch.attention_mask)
+    copies = ids.shape[0] // batch.size
+    if batch.has_images and ids.shape[1] == batch.length and torch.equal(ids, batch.input_ids.repeat(copies, 1)):
+        pos = batch.positions(copies)
+        kwargs = {**batch.forward_inputs(copies), **kwargs}
+    elif batch.has_images:
+        raise ValueError("scoring rows other than copies of the batch cannot carry its images")
+    else:
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
     plan = request.plan if plan is REQUEST_PLAN else plan
     with torch.no_grad(), instrumented(request.lm, plan):
         return request.lm.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False,

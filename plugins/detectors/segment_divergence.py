@@ -3,8 +3,9 @@
 METHODS.md, "Vision/segment-aware head divergence (VHD, He et al. 2025, used by VHR)":
 ``VHD[l,h] = || z[l,h](x with segment) - z[l,h](x without segment) ||_2`` at the current generation
 position (the last input position), where ``z[l,h]`` is the head's output ``A·V`` before ``o_proj``. In
-a vision-language model the segment is the image tokens; here it is any marked span: the examples'
-character spans called ``span`` (several spans of one example are removed together).
+a vision-language model the segment is the image tokens (``span: image``, the default for examples with
+images); otherwise any marked span: the examples' character spans called ``span`` (several spans of one
+example are removed together).
 
 Two forwards per batch, both through :func:`headlab.instrument.instrument` with
 ``Probes(z_positions="last")`` (nothing else recorded): the input as is, and the input without the
@@ -14,8 +15,9 @@ hides them from every query through the attention mask.
 
 Outputs: ``score (layer, head)`` (mean over examples), ``example_score (example, layer, head)`` and
 ``norm_without (example, layer, head)`` ``= ||z[l,h](x without segment)||^2`` (VHR's ``TA``, used by its
-outlier filter). For a VLM call :func:`segment_divergence` with the image-token positions as spans,
-``forward_kwargs={"pixel_values": ...}`` and nothing for the forward without the image.
+outlier filter). With images the forward with the segment gets the processor inputs (``pixel_values``,
+...); ``remove``'s forward without it has neither the image tokens nor the image, ``mask``'s keeps both
+and hides the tokens.
 """
 
 from __future__ import annotations
@@ -44,7 +46,9 @@ class SegmentDivergence(ComponentConfig):
     """Per-head L2 distance of the output with vs without a marked span, at the generation position (VHD)."""
 
     kind: Literal["segment_divergence"] = "segment_divergence"
-    span: NonEmptyStr = Field("context", description="name of the examples' character span(s) to take away")
+    span: NonEmptyStr | None = Field(
+        None, description="name of the examples' span(s) to take away (default: image for examples with images "
+        "(the image tokens), else context)")
     method: Literal["remove", "mask"] = Field(
         "remove", description="remove: delete the span's tokens (VHR's text-only forward); "
         "mask: keep them and their positions but hide them from attention")
@@ -92,12 +96,14 @@ def remove_spans(input_ids: torch.Tensor, attention_mask: torch.Tensor, spans: S
 def segment_divergence(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, spans: Spans, *,
                        method: Literal["remove", "mask"] = "remove", pad_id: int = 0,
                        forward_kwargs: dict[str, Any] | None = None,
-                       forward_kwargs_without: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       forward_kwargs_without: dict[str, Any] | None = None,
+                       position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """VHD per (row, layer, head) and ``||z_without||^2``, both (batch, layer, head) float32.
 
     ``spans``: per row, ``[start, end)`` token positions (padded coordinates) of the segment; the last
     position (the generation position) must stay outside. ``forward_kwargs`` go to the forward with the
-    segment (e.g. ``pixel_values``), ``forward_kwargs_without`` to the one without it.
+    segment (e.g. ``pixel_values``), ``forward_kwargs_without`` to the one without it; ``position_ids``
+    (default: following the mask) to the forward with the segment and, with ``mask``, the one without.
     """
     n = input_ids.shape[1]
     for r, row in enumerate(spans):
@@ -105,12 +111,12 @@ def segment_divergence(model: Any, input_ids: torch.Tensor, attention_mask: torc
             raise ValueError(f"row {r} has no segment span")
         if any(e >= n for _, e in row):
             raise ValueError(f"row {r}: the segment covers the last (generation) position")
-    z_with = last_z(model, input_ids, attention_mask, **(forward_kwargs or {}))
+    z_with = last_z(model, input_ids, attention_mask, position_ids=position_ids, **(forward_kwargs or {}))
     if method == "remove":
         ids, mask = remove_spans(input_ids, attention_mask, spans, pad_id)
         z_without = last_z(model, ids, mask, **(forward_kwargs_without or {}))
     elif method == "mask":
-        pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        pos = (attention_mask.cumsum(-1) - 1).clamp(min=0) if position_ids is None else position_ids
         mask = attention_mask.clone()
         for r, row in enumerate(spans):
             for s, e in row:
@@ -124,24 +130,29 @@ def segment_divergence(model: Any, input_ids: torch.Tensor, attention_mask: torc
 def detect(config: SegmentDivergence, ctx: StepContext) -> xr.Dataset:
     """The ``segment_divergence`` detector over the task's examples."""
     geo = ctx.model.geometry
+    images = any(ex.images for ex in ctx.examples)
+    name = config.span or ("image" if images else "context")
     for i, ex in enumerate(ctx.examples):
-        if not ex.spans.get(config.span):
-            raise ValueError(f"segment_divergence: example {i} has no '{config.span}' span")
+        if not ex.spans.get(name) and not (name == "image" and ex.images):
+            raise ValueError(f"segment_divergence: example {i} has no '{name}' span")
     vhd = np.zeros((len(ctx.examples), geo.n_layers, geo.n_heads))
     norm = np.zeros_like(vhd)
     idx_all = list(range(len(ctx.examples)))
     chunks = [idx_all[j: j + config.batch_size] for j in range(0, len(idx_all), config.batch_size)]
     for idx in ctx.progress(chunks, "segment divergence"):
         batch = tokenize(ctx.model, [ctx.examples[i] for i in idx])
-        spans = batch.spans(config.span)
+        spans = batch.spans(name)
+        inputs = batch.forward_inputs()
         d, t = segment_divergence(ctx.model.model, batch.input_ids, batch.attention_mask, spans,
-                                  method=config.method, pad_id=ctx.model.pad_id)
+                                  method=config.method, pad_id=ctx.model.pad_id, forward_kwargs=inputs,
+                                  forward_kwargs_without=inputs if config.method == "mask" else None,
+                                  position_ids=batch.positions() if batch.has_images else None)
         vhd[idx] = d.double().cpu().numpy()
         norm[idx] = t.double().cpu().numpy()
     per = head_array(vhd, "example")
     ds = xr.Dataset({"score": per.mean("example"), "example_score": per,
                      "norm_without": head_array(norm, "example")})
-    ds.attrs.update(method="segment_divergence", span=config.span, removal=config.method, model=ctx.model.name,
+    ds.attrs.update(method="segment_divergence", span=name, removal=config.method, model=ctx.model.name,
                     reference="METHODS.md#visionsegment-aware-head-divergence-vhd-he-et-al-2025-used-by-vhr")
     return ds
 
