@@ -109,12 +109,11 @@ def patch_grid(values: Any, grid: tuple[int, int]) -> np.ndarray:
 
 def forward_kwargs(batch: Batch) -> dict[str, Any]:
     """Keyword arguments of the model's forward over ``batch`` besides ``input_ids`` and ``attention_mask``:
-    its processor inputs (``pixel_values``, ...) and, where set, its multimodal ``position_ids``."""
-    out: dict[str, Any] = dict(getattr(batch, "model_inputs", None) or {})
-    pos = getattr(batch, "position_ids", None)
-    if pos is not None:
-        out["position_ids"] = pos
-    return out
+    for a batch with images, its processor inputs (``pixel_values``, ...) and its ``position_ids``
+    (multimodal for Qwen2-VL); nothing for a text batch."""
+    if not batch.has_images:
+        return {}
+    return {**batch.forward_inputs(), "position_ids": batch.positions()}
 
 
 def model_view(lm: LoadedModel, batch: Batch, index: int = 0) -> np.ndarray | None:
@@ -123,10 +122,10 @@ def model_view(lm: LoadedModel, batch: Batch, index: int = 0) -> np.ndarray | No
     and resizes): the processor's ``pixel_values`` with the normalisation undone. None when they are not
     one ``(channel, height, width)`` picture per image (Qwen2-VL's flattened patches, LLaVA-NeXT's tiles):
     then the original image is what the grid covers."""
-    pv = (getattr(batch, "model_inputs", None) or {}).get("pixel_values")
+    pv = batch.model_inputs.get("pixel_values")
     if pv is None or pv.dim() != 4 or pv.shape[1] != 3 or not 0 <= index < pv.shape[0]:
         return None
-    ip = getattr(getattr(lm, "processor", None), "image_processor", None)
+    ip = getattr(lm.processor, "image_processor", None)
     x = pv[index].float().cpu().numpy().transpose(1, 2, 0)
     if getattr(ip, "do_normalize", True):
         mean = np.asarray(getattr(ip, "image_mean", None) or [0.5, 0.5, 0.5], dtype=float)
@@ -185,7 +184,7 @@ def attention_preview(lm: LoadedModel, example: Example | Batch, *, query: int |
 
     batch = example if isinstance(example, Batch) else tokenize(lm, [example], device=lm.device)
     first = batch.examples[0] if batch.examples else None
-    images = list(getattr(first, "images", None) or [])
+    images = list(first.images) if first is not None else []
     if not images or not batch.image_spans or not batch.image_spans[0]:
         return xr.Dataset()
     att = image_token_attention(lm, batch, row=0, query=query)[0]

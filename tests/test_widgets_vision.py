@@ -179,3 +179,166 @@ def test_report_of_a_text_run_has_no_image_figure(tmp_path):
     assert preview_of(run.results["vhd"]) is None
     html = render_report(run)
     assert "image-attention" not in html and "attention over the image" not in html and "L0" in html
+
+
+# --------------------------------------------------------------------------- a tiny random LLaVA
+LLAVA = {"model_type": "llava", "tokenizer": "headlab-tiny",
+         "vision_config": {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
+                           "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 16, "patch_size": 4,
+                           "projection_dim": 32},
+         "text_config": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
+                         "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 128,
+                         "initializer_range": 0.25},
+         "vision_feature_layer": -1, "vision_feature_select_strategy": "default"}
+
+
+@pytest.fixture(scope="module")
+def vlm():
+    from headlab.model import load_model
+    from headlab.plugin_manager import get_manager
+    from headlab.spec import ModelSpec
+
+    if "headlab-tiny" not in get_manager().components["models"]:
+        pytest.skip("the embedded model headlab-tiny (the tokenizer) is not in this checkout")
+    return load_model(ModelSpec(config=dict(LLAVA), device="cpu"))
+
+
+def eager_attention(lm, batch):
+    """Every layer's attention probabilities from an eager-attention copy of the model (no headlab code
+    in the attention): (layer, head, query, key) of row 0."""
+    import copy
+
+    import torch
+
+    model = copy.deepcopy(lm.model)
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_attentions=True,
+                    **batch.model_inputs)
+    return torch.stack(out.attentions)[:, 0].float().numpy()
+
+
+def vlm_example(image=None):
+    from headlab.context import IMAGE_MARKER, Example
+
+    img = PIL.fromarray(picture(24, 32)) if image is None else image
+    return Example(prompt=f"the cat {IMAGE_MARKER} is what ?", images=[img])
+
+
+def test_image_token_attention_and_preview_equal_eager_attention(vlm):
+    from headlab.generation import tokenize
+    from headlab.image_attention import attention_preview, image_token_attention
+
+    batch = tokenize(vlm, [vlm_example()])
+    (a, b), = batch.image_spans[0]
+    grid = batch.image_grids[0][0]
+    assert grid == (4, 4) and b - a == 16
+    assert all(t == vlm.image_token_id for t in batch.input_ids[0, a:b].tolist())
+    ref = eager_attention(vlm, batch)  # (layer, head, query, key)
+    q = batch.length - 1
+    got = image_token_attention(vlm, batch)[0]
+    assert got.shape == (3, 8, 4, 4)
+    for layer in range(3):
+        for head in range(8):
+            for k in range(b - a):
+                assert abs(got[layer, head, k // 4, k % 4] - ref[layer, head, q, a + k]) < 1e-5
+    # another query: a text token after the image
+    np.testing.assert_allclose(image_token_attention(vlm, batch, query=b + 1)[0].reshape(3, 8, -1),
+                               ref[:, :, b + 1, a:b], atol=1e-5)
+    pre = attention_preview(vlm, vlm_example())
+    assert pre[PREVIEW_ATTENTION].dims == ("layer", "head", "patch_row", "patch_col")
+    np.testing.assert_allclose(pre[PREVIEW_ATTENTION].values.reshape(3, 8, -1), ref[:, :, q, a:b], atol=1e-5)
+    assert pre[PREVIEW_ATTENTION].attrs == {"query": q, "image_tokens": [a, b]}
+    assert pre[PREVIEW_IMAGE].dtype == np.uint8 and pre[PREVIEW_IMAGE].dims == ("pixel_y", "pixel_x", "channel")
+    from headlab.context import Example
+
+    assert len(attention_preview(vlm, Example(prompt="the cat sat")).data_vars) == 0
+
+
+def test_model_view_is_the_image_the_model_reads(vlm):
+    from headlab.generation import tokenize
+    from headlab.image_attention import model_view
+
+    square = picture(16, 16)  # the processor's own size: no resize, no crop
+    batch = tokenize(vlm, [vlm_example(PIL.fromarray(square))])
+    seen = model_view(vlm, batch, 0)
+    assert seen.shape == (16, 16, 3) and np.abs(seen.astype(int) - square.astype(int)).max() <= 1
+    assert model_view(vlm, batch, 1) is None
+
+
+@pytest.mark.parametrize("mode", ["pattern", "query"])
+def test_attention_view_image_panel_shows_the_attention_to_each_patch(vlm, mode):
+    from headlab.generation import tokenize
+    from headlab.widgets import AttentionView
+
+    ex = vlm_example()
+    batch = tokenize(vlm, [ex])
+    ref = eager_attention(vlm, batch)
+    (a, b), = batch.image_spans[0]
+    view = AttentionView(vlm, example=ex, layer=2, head=5, mode=mode)
+    assert view.mode == mode and len(view.image_views) == 1
+    panel = view.image_views[0]
+    q = batch.length - 1
+    assert (panel.rows, panel.cols, panel.token_start) == (4, 4, a)
+    np.testing.assert_allclose(panel.grid_values.reshape(-1), ref[2, 5, q, a:b], atol=1e-5)
+    panel.selected = 6  # a click on patch (1, 2)
+    p = panel.patch()
+    assert (p["row"], p["col"], p["token"]) == (1, 2, a + 6) and abs(p["value"] - ref[2, 5, q, a + 6]) < 1e-5
+    assert f"token #{a + 6}: {ref[2, 5, q, a + 6]:.6f}" in view.info.value
+    # the token strip: the image is one chip carrying the image's attention mass
+    chips = [(pos, t, x) for pos, t, x in view.shown if t.startswith("[image")]
+    assert chips == [(a, "[image 4 x 4]", pytest.approx(float(ref[2, 5, q, a:b].sum()), abs=1e-5))]
+    assert len(view.view.tokens) == batch.length - (b - a) + 1 and view.view.image_spans == [[a, b]]
+    assert view.view.positions == [p for p in range(batch.length) if not a < p < b]
+    # other head and a query after the image
+    view.set(layer=1, head=3, query=b + 1)
+    np.testing.assert_allclose(panel.grid_values.reshape(-1), ref[1, 3, b + 1, a:b], atol=1e-5)
+    np.testing.assert_allclose(view.image_attention(0, 0, 7, q).reshape(-1), ref[0, 7, q, a:b], atol=1e-5)
+    # a query before the image: no value on any patch; a query inside it: the patches up to it
+    view.set(query=a - 1)
+    assert np.isnan(panel.grid_values).all() and view.shown[a][2] is None
+    view.set(query=a + 5)
+    vals = panel.grid_values.reshape(-1)
+    np.testing.assert_allclose(vals[:6], ref[1, 3, a + 5, a: a + 6], atol=1e-5)
+    assert np.isnan(vals[6:]).all()
+    assert "[image 0 (1, 1)]" in view.view.caption
+    html = view._repr_html_()
+    assert 'class="image-attention"' in html
+
+
+def test_attention_view_span_mass_with_images(vlm):
+    from headlab.generation import tokenize
+    from headlab.widgets import AttentionView
+
+    ex = vlm_example()
+    ex.spans["cat"] = [(4, 7)]
+    batch = tokenize(vlm, [ex])
+    ref = eager_attention(vlm, batch)
+    view = AttentionView(vlm, example=ex, mode="query")
+    s, e = view.token_spans["cat"][0]
+    q = batch.length - 1
+    np.testing.assert_allclose(view.span_mass().sel(span="cat").values, ref[:, :, q, s:e].sum(-1), atol=1e-5)
+
+
+def test_report_of_a_vlm_run_draws_the_preview(vlm, tmp_path):
+    from headlab.generation import tokenize
+    from headlab.image_attention import attention_preview
+
+    batch = tokenize(vlm, [vlm_example()])
+    ref = eager_attention(vlm, batch)
+    (a, b), = batch.image_spans[0]
+    pre = attention_preview(vlm, batch)
+    rng = np.random.default_rng(1)
+    score = rng.random((3, 8))
+    ds = xr.Dataset({"score": (("layer", "head"), score)}, coords={"layer": np.arange(3), "head": np.arange(8)},
+                    attrs={"action": "detect", "method": "segment_divergence"}).merge(pre)
+    spec = "name: vlm\nmodel: tiny\nsteps:\n  - id: vhd\n    detect: {kind: segment_divergence}\n"
+    writer = RunWriter.create(tmp_path / "run", {"name": "vlm", "spec_text": spec, "status": "complete",
+                                                 "sweep": {}, "steps": ["vhd"], "cells_total": 1})
+    writer.write_cell("c0000", {}, {"vhd": ds}, {})
+    html = render_report(open_run(tmp_path / "run"))
+    svg = re.findall(r'<svg[^>]*class="image-attention".*?</svg>', html, flags=re.S)[0]
+    layer, head = divmod(int(np.argmax(score)), 8)
+    assert f"L{layer}H{head}" in svg
+    rects = [a_ for t, a_ in tags(svg) if t == "rect" and a_.get("class") == "patch"]
+    np.testing.assert_allclose([float(r["data-value"]) for r in rects], ref[layer, head, -1, a:b], rtol=1e-3)

@@ -178,9 +178,9 @@ class AttentionView(w.VBox):
         if example is None:
             if prompt is None and input_ids is None:
                 raise ValueError("give a prompt or input_ids (or an example)")
-            extra: dict[str, Any] = {"images": list(images)} if images else {}
             example = Example(prompt=prompt or "", input_ids=list(input_ids) if input_ids is not None else None,
-                              spans={k: [tuple(s) for s in v] for k, v in (spans or {}).items()}, **extra)
+                              spans={k: [tuple(s) for s in v] for k, v in (spans or {}).items()},
+                              images=list(images or []))
         self.example = example
         self.batch = tokenize(self.lm, [example], device=self.lm.device)
         self.input_ids = self.batch.input_ids
@@ -188,12 +188,10 @@ class AttentionView(w.VBox):
         self.tokens = _token_text(self.lm.tokenizer, self.input_ids[0].tolist())
         self.token_spans: dict[str, list[tuple[int, int]]] = {
             name: [tuple(s) for s in self.batch.spans(name)[0]] for name in example.spans}
-        self.images: list[Any] = list(getattr(example, "images", None) or [])
+        self.images: list[Any] = list(example.images)
         self.model_inputs: dict[str, Any] = forward_kwargs(self.batch)
-        spans_of = getattr(self.batch, "image_spans", None) or [[]]
-        grids_of = getattr(self.batch, "image_grids", None) or [[]]
-        self.image_spans: list[tuple[int, int]] = [(int(a), int(b)) for a, b in spans_of[0]]
-        self.image_grids: list[tuple[int, int]] = [(int(r), int(c)) for r, c in grids_of[0]]
+        self.image_spans: list[tuple[int, int]] = [(int(a), int(b)) for a, b in (self.batch.image_spans or [[]])[0]]
+        self.image_grids: list[tuple[int, int]] = [(int(r), int(c)) for r, c in (self.batch.image_grids or [[]])[0]]
         if len(self.image_spans) != len(self.images):
             raise ValueError(f"{len(self.images)} images but {len(self.image_spans)} image-token spans in the prompt")
         self.mode = ("pattern" if self.n_tokens <= pattern_limit else "query") if mode == "auto" else mode
