@@ -28,6 +28,8 @@ from headlab.results import RunWriter, open_run
 
 PIL = pytest.importorskip("PIL.Image")
 
+from fixtures.image_attention import LLAVA, eager_attention, picture, vlm_example  # noqa: E402
+
 
 class Tags(HTMLParser):
     def __init__(self) -> None:
@@ -42,11 +44,6 @@ def tags(html: str) -> list[tuple[str, dict[str, str | None]]]:
     p = Tags()
     p.feed(html)
     return p.tags
-
-
-def picture(h: int = 12, w: int = 20) -> np.ndarray:
-    y, x = np.mgrid[0:h, 0:w]
-    return np.stack([(x * 12) % 256, (y * 20) % 256, (x * y) % 256], axis=-1).astype(np.uint8)
 
 
 # --------------------------------------------------------------------------- pieces
@@ -182,16 +179,6 @@ def test_report_of_a_text_run_has_no_image_figure(tmp_path):
 
 
 # --------------------------------------------------------------------------- a tiny random LLaVA
-LLAVA = {"model_type": "llava", "tokenizer": "headlab-tiny",
-         "vision_config": {"model_type": "clip_vision_model", "hidden_size": 32, "intermediate_size": 64,
-                           "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 16, "patch_size": 4,
-                           "projection_dim": 32},
-         "text_config": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
-                         "num_attention_heads": 8, "num_key_value_heads": 4, "max_position_embeddings": 128,
-                         "initializer_range": 0.25},
-         "vision_feature_layer": -1, "vision_feature_select_strategy": "default"}
-
-
 @pytest.fixture(scope="module")
 def vlm():
     from headlab.model import load_model
@@ -202,27 +189,6 @@ def vlm():
         pytest.skip("the embedded model headlab-tiny (the tokenizer) is not in this checkout")
     return load_model(ModelSpec(config=dict(LLAVA), device="cpu"))
 
-
-def eager_attention(lm, batch):
-    """Every layer's attention probabilities from an eager-attention copy of the model (no headlab code
-    in the attention): (layer, head, query, key) of row 0."""
-    import copy
-
-    import torch
-
-    model = copy.deepcopy(lm.model)
-    model.set_attn_implementation("eager")
-    with torch.no_grad():
-        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_attentions=True,
-                    **batch.model_inputs)
-    return torch.stack(out.attentions)[:, 0].float().numpy()
-
-
-def vlm_example(image=None):
-    from headlab.context import IMAGE_MARKER, Example
-
-    img = PIL.fromarray(picture(24, 32)) if image is None else image
-    return Example(prompt=f"the cat {IMAGE_MARKER} is what ?", images=[img])
 
 
 def test_image_token_attention_and_preview_equal_eager_attention(vlm):
