@@ -212,7 +212,7 @@ class ModelSpec(StrictModel):
     revision: str | None = None
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     device: str = Field("auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', ...",
-                        json_schema_extra={"pattern": r"^(auto|cpu|(cuda|mps|xpu)(:[0-9]+)?)$"})
+                        json_schema_extra={"pattern": r"^(auto|cpu|(cuda|mps|xpu)(:(0|[1-9][0-9]*))?)$"})
     trust_remote_code: bool = False
 
     @field_validator("device")

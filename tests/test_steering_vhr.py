@@ -1,110 +1,29 @@
 """VHR (plugins/steering/vhr.py) against a naive implementation written here.
 
-The naive VHR runs on an eager model with forward hooks only: a pre-hook on each attention module, at the
-first forward, recomputes that layer's queries, keys and values from the hidden states it receives
-(q/k/v projections, RoPE), computes the last position's head outputs with and without the segment in
-float64, applies METHODS.md's outlier filter (mean + sample std per layer, both VHD and TA) and the
-above-median selection with numpy, and stores the per-row scales; a pre-hook on ``o_proj`` multiplies the
-selected heads' slices by alpha on every call (prefill and decode). Checked on text spans (tiny Llama,
+The naive VHR (tests/fixtures/vision.py) runs on an eager model with forward hooks only: a pre-hook on each
+attention module, at the first forward, recomputes that layer's queries, keys and values from the hidden
+states it receives (q/k/v projections, RoPE), computes the last position's head outputs with and without the
+segment in float64, applies METHODS.md's outlier filter (mean + sample std per layer, both VHD and TA) and
+the above-median selection with numpy, and stores the per-row scales; a pre-hook on ``o_proj`` multiplies
+the selected heads' slices by alpha on every call (prefill and decode). Checked on text spans (tiny Llama,
 emphasis spans) and on a tiny LLaVA (CLIP vision tower + Llama) with image tokens.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import numpy as np
 import pytest
 import torch
 import transformers
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from headlab import instrument as ins
 from headlab.generation import tokenize
 from headlab.plugins.steering import vhr as V
 
 from fixtures.steering import emphasis_examples, loaded, step_ctx, tiny
-
-
-def text_layers(model):
-    inner = model.model
-    return getattr(inner, "language_model", inner).layers
-
-
-def naive_select(vhd: np.ndarray, ta: np.ndarray, outlier_filter: bool = True) -> np.ndarray:
-    """METHODS.md VHR selection for one row of one layer, with explicit loops."""
-    vhd = vhd.astype(np.float64).copy()
-    H = len(vhd)
-    if outlier_filter:
-        tv = vhd.mean() + vhd.std(ddof=1)
-        tt = ta.mean() + ta.std(ddof=1)
-        for h in range(H):
-            if vhd[h] > tv and ta[h] > tt:
-                vhd[h] = 0.0
-    med = np.median(vhd)
-    return np.array([vhd[h] > med for h in range(H)])
-
-
-@contextlib.contextmanager
-def naive_vhr(model, segments, layers, alpha=2.0, outlier_filter=True):
-    cfg = model.config.get_text_config()
-    H, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    D = cfg.hidden_size // H
-    scales: dict[int, torch.Tensor] = {}
-    record: dict[int, np.ndarray] = {}
-    hooks = []
-    for layer, block in enumerate(text_layers(model)):
-        if layer not in layers:
-            continue
-        attn = block.self_attn
-
-        def pre(mod, args, kwargs, layer=layer):
-            if layer in scales:
-                return None
-            h = kwargs["hidden_states"].double()
-            B, N, _ = h.shape
-            q = (h @ mod.q_proj.weight.double().T).view(B, N, H, D).transpose(1, 2)
-            k = (h @ mod.k_proj.weight.double().T).view(B, N, Hkv, D).transpose(1, 2)
-            v = (h @ mod.v_proj.weight.double().T).view(B, N, Hkv, D).transpose(1, 2)
-            cos, sin = kwargs["position_embeddings"]
-            q, k = apply_rotary_pos_emb(q, k, cos.double(), sin.double())
-            k = k.repeat_interleave(H // Hkv, dim=1)
-            v = v.repeat_interleave(H // Hkv, dim=1)
-            mask = kwargs["attention_mask"][:, 0, -1].double()  # (B, N) additive, last query
-            s = (q[:, :, -1:] @ k.transpose(-1, -2))[:, :, 0] * D**-0.5 + mask[:, None]  # (B, H, N)
-            scale = torch.ones(B, H)
-            sel_all = np.zeros((B, H), dtype=bool)
-            for b in range(B):
-                if not segments[b]:
-                    continue
-                seg = torch.zeros(N, dtype=torch.bool)
-                for a, e in segments[b]:
-                    seg[a:e] = True
-                z_with = (torch.softmax(s[b], -1)[:, None] @ v[b])[:, 0]  # (H, D)
-                z_without = (torch.softmax(s[b].masked_fill(seg, -torch.inf), -1)[:, None] @ v[b])[:, 0]
-                vhd = (z_with - z_without).norm(dim=-1).numpy()
-                ta = (z_without**2).sum(-1).numpy()
-                sel = naive_select(vhd, ta, outlier_filter)
-                sel_all[b] = sel
-                scale[b] = torch.where(torch.from_numpy(sel), alpha, 1.0)
-            scales[layer] = scale
-            record[layer] = sel_all
-            return None
-
-        def o_pre(mod, args, layer=layer):
-            x = args[0].clone()
-            B, N, _ = x.shape
-            x = (x.view(B, N, H, D) * scales[layer][:, None, :, None].to(x.dtype)).view(B, N, H * D)
-            return (x,)
-
-        hooks.append(attn.register_forward_pre_hook(pre, with_kwargs=True))
-        hooks.append(attn.o_proj.register_forward_pre_hook(o_pre))
-    try:
-        yield record
-    finally:
-        for h in hooks:
-            h.remove()
+from fixtures.vision import naive_select, naive_vhr
 
 
 def generate(model, ids, am, n_new, **kw):
