@@ -28,7 +28,7 @@ from headlab.results import RunWriter, open_run
 
 PIL = pytest.importorskip("PIL.Image")
 
-from fixtures.image_attention import LLAVA, eager_attention, picture, vlm_example  # noqa: E402
+from fixtures.image_attention import LLAVA, QWEN2_VL, eager_attention, picture, vlm_example  # noqa: E402
 
 
 class Tags(HTMLParser):
@@ -308,3 +308,33 @@ def test_report_of_a_vlm_run_draws_the_preview(vlm, tmp_path):
     assert f"L{layer}H{head}" in svg
     rects = [a_ for t, a_ in tags(svg) if t == "rect" and a_.get("class") == "patch"]
     np.testing.assert_allclose([float(r["data-value"]) for r in rects], ref[layer, head, -1, a:b], rtol=1e-3)
+
+
+@pytest.mark.parametrize("mode", ["pattern", "query"])
+def test_attention_view_on_qwen2_vl_non_square_grid_and_multimodal_positions(mode):
+    """Qwen2-VL: multimodal rotary positions, a grid that follows the image's aspect, no crop (the
+    original image is what the grid covers)."""
+    from headlab.generation import tokenize
+    from headlab.image_attention import attention_preview, model_view
+    from headlab.model import load_model
+    from headlab.plugin_manager import get_manager
+    from headlab.spec import ModelSpec
+    from headlab.widgets import AttentionView
+
+    if "headlab-tiny" not in get_manager().components["models"]:
+        pytest.skip("the embedded model headlab-tiny (the tokenizer) is not in this checkout")
+    lm = load_model(ModelSpec(config=dict(QWEN2_VL), device="cpu"))
+    ex = vlm_example(PIL.fromarray(picture(32, 64)))
+    batch = tokenize(lm, [ex])
+    (a, b), = batch.image_spans[0]
+    rows, cols = batch.image_grids[0][0]
+    assert rows * cols == b - a and rows != cols and batch.position_ids is not None
+    assert model_view(lm, batch, 0) is None
+    ref = eager_attention(lm, batch)
+    view = AttentionView(lm, example=ex, layer=1, head=6, mode=mode)
+    q = batch.length - 1
+    np.testing.assert_allclose(view.image_views[0].grid_values, ref[1, 6, q, a:b].reshape(rows, cols), atol=1e-5)
+    assert view.image_views[0].aspect == pytest.approx(32 / 64)
+    pre = attention_preview(lm, ex)
+    np.testing.assert_allclose(pre[PREVIEW_ATTENTION].values, ref[:, :, q, a:b].reshape(3, 8, rows, cols), atol=1e-5)
+    assert pre[PREVIEW_IMAGE].shape == (32, 64, 3)
