@@ -3,8 +3,9 @@
 ``headlab report RUN`` (or :func:`write_report`) writes one self-contained HTML file: provenance, the
 spec, a (layer x head) heatmap of every detect step's scores (averaged over sweep cells, and one per
 cell when there is a sweep), top-head tables, metric tables per sweep cell, line plots of metrics and
-top-head scores against numeric sweep keys, sample generations, and per-task metrics with sample records
-(``evaluate`` steps). Everything is inline (CSS and
+top-head scores against numeric sweep keys, sample generations, per-task metrics with sample records
+(``evaluate`` steps), and, for steps on examples with images that stored a preview
+(:func:`headlab.image_attention.attention_preview`), the first image with the top heads' attention over its patches. Everything is inline (CSS and
 SVG); the file loads nothing from the network and needs no JavaScript.
 
 The colour scale (:func:`color`) is shared with the notebook widgets so a head looks the same in a
@@ -356,6 +357,38 @@ def _values_section(step: str, ds: xr.Dataset) -> str:
     return "".join(out)
 
 
+def _image_figure(run: Run, ds: xr.Dataset, n_heads: int = 3) -> str:
+    """The stored image preview of a step (first example, first sweep cell) with the attention of its top
+    heads over the patches: by the step's score for a detect step, else by the attention mass on the image."""
+    from .heads import ranked
+    from .image_attention import PREVIEW_ATTENTION, image_attention_svg, preview_of
+
+    found = preview_of(ds)
+    if found is None:
+        return ""
+    image, att = found
+    if "score" in ds and {"layer", "head"} <= set(ds["score"].dims):
+        score = ds["score"]
+        dims = _sweep_dims(run, score)
+        score = score.mean(dims) if dims else score
+        extra = [d for d in score.dims if d not in ("layer", "head")]
+        score = score.mean(extra) if extra else score
+        how = "top heads by score"
+    else:
+        score = att.sum(["patch_row", "patch_col"])
+        how = "heads with the most attention on the image"
+    layers = set(att["layer"].values.tolist()) if "layer" in att.coords else set(range(att.sizes["layer"]))
+    top = [(h, s) for h, s in ranked(score) if h[0] in layers][:n_heads]
+    q = ds[PREVIEW_ATTENTION].attrs.get("query")
+    figs = []
+    for (layer, head), s in top:
+        vals = att.sel(layer=layer, head=head).values if "layer" in att.coords else att.values[layer, head]
+        figs.append(image_attention_svg(image, vals, title=f"L{layer}H{head} ({s:.3g})", width=240))
+    where = f" from token #{q}" if q is not None else ""
+    return (f'<h3>attention over the image ({how}; first example, attention{where} to each patch)</h3>'
+            f'<div class="row image-attention">{"".join(figs)}</div>')
+
+
 CSS = """
 body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px;color:#222;max-width:1200px}
 h1{font-size:22px}h2{font-size:17px;border-bottom:1px solid #ddd;padding-bottom:4px;margin-top:28px}
@@ -389,13 +422,17 @@ def render_report(run: Run | str | Path, *, n_examples: int = 8) -> str:
         parts.append("<p>No finished cells yet.</p>")
     for step, ds in results.items():
         if "score" in ds and {"layer", "head"} <= set(ds["score"].dims):
-            parts.append(_detect_section(run, step, ds))
+            section = _detect_section(run, step, ds)
         elif "output" in ds and ds.attrs.get("action", "generate") == "generate":
-            parts.append(_generate_section(run, step, ds, n_examples))
+            section = _generate_section(run, step, ds, n_examples)
         elif "task" in ds.dims and any(m in ds and "task" in ds[m].dims for m in ds.attrs.get("metrics", [])):
-            parts.append(_task_section(run, step, ds, n_examples))
+            section = _task_section(run, step, ds, n_examples)
         else:
-            parts.append(_values_section(step, ds))
+            section = _values_section(step, ds)
+        figure = _image_figure(run, ds)
+        if figure:
+            section = section.removesuffix("</section>") + figure + "</section>"
+        parts.append(section)
     parts.append(f"<h2>spec</h2><pre>{escape(run.spec_text)}</pre>")
     parts.append(f'<p style="color:#888;font-size:11px">{escape(str(run.path))}</p></body></html>')
     return "\n".join(parts)

@@ -2,10 +2,13 @@
 Debian's chromium (driven by Playwright through its executable path), run top to bottom; the widgets
 must render, respond to the mouse through the kernel, and nothing may be fetched from outside
 localhost. A screenshot is saved (to ``$HEADLAB_ARTIFACTS`` when set, else the test's tmp dir).
+The image attention view is checked the same way on a notebook written here (a tiny random LLaVA): a
+click on a patch shows the attention value computed independently in the test.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -55,6 +58,13 @@ def lab(tmp_path):
     work = tmp_path / "lab"
     work.mkdir()
     shutil.copy(ROOT / "notebooks" / "quickstart.ipynb", work / "quickstart.ipynb")
+    with _jupyterlab(tmp_path, work, model) as served:
+        yield served
+
+
+@contextlib.contextmanager
+def _jupyterlab(tmp_path: Path, work: Path, model: str):
+    """JupyterLab on 127.0.0.1 serving ``work``; yields (url, token, dir)."""
     config = tmp_path / "jupyter-config"
     (config / "labconfig").mkdir(parents=True)
     (config / "labconfig" / "page_config.json").write_text(json.dumps(
@@ -112,6 +122,28 @@ def _wait(page, js: str, timeout_s: float, what: str, tmp_path: Path):
     pytest.fail(f"timed out waiting for {what}; prompts {prompts}; screenshot at {tmp_path / 'timeout.png'}")
 
 
+def _run_notebook(page, url: str, token: str, name: str, tmp_path: Path) -> None:
+    """Open notebook ``name`` in JupyterLab, run every cell, and check that none raised."""
+    page.goto(f"{url}/lab/tree/{name}?token={token}", timeout=120_000)
+    _wait(page, "() => !!(window.jupyterapp && document.querySelector('.jp-NotebookPanel .jp-Cell'))",
+          120, "the notebook to open", tmp_path)
+    _wait(page, """() => { const w = window.jupyterapp.shell.currentWidget;
+               const k = w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel;
+               return !!k && k.connectionStatus === 'connected' && k.status === 'idle'; }""",
+          120, "the kernel", tmp_path)
+    page.evaluate("""() => { window.__headlabRun = null;
+        window.jupyterapp.commands.execute('notebook:run-all-cells').then(
+          r => window.__headlabRun = 'done', e => window.__headlabRun = 'error: ' + e); return true; }""")
+    n_code = page.evaluate("() => document.querySelectorAll('.jp-NotebookPanel .jp-CodeCell').length")
+    _wait(page, f"""() => {{
+        const prompts = [...document.querySelectorAll('.jp-NotebookPanel .jp-CodeCell .jp-InputPrompt')]
+          .map(p => p.textContent.trim());
+        return prompts.length === {n_code} && prompts.every(p => /^\\[\\d+\\]:$/.test(p));
+    }}""", 300, "every cell to run", tmp_path)
+    tracebacks = page.locator(".jp-RenderedText[data-mime-type='application/vnd.jupyter.error']")
+    assert tracebacks.count() == 0, tracebacks.first.text_content()[:2000]
+
+
 def test_quickstart_widgets_render_and_respond_in_jupyterlab(lab, tmp_path):
     url, token, work = lab
     artifacts = Path(os.environ.get("HEADLAB_ARTIFACTS", tmp_path))
@@ -125,24 +157,7 @@ def test_quickstart_widgets_render_and_respond_in_jupyterlab(lab, tmp_path):
             page = context.pages[0] if context.pages else context.new_page()
             page.on("request", lambda r: None if r.url.startswith((url, "data:", "blob:", "about:"))
                     else outside.append(r.url))
-            page.goto(f"{url}/lab/tree/quickstart.ipynb?token={token}", timeout=120_000)
-            _wait(page, "() => !!(window.jupyterapp && document.querySelector('.jp-NotebookPanel .jp-Cell'))",
-                  120, "the notebook to open", tmp_path)
-            _wait(page, """() => { const w = window.jupyterapp.shell.currentWidget;
-                       const k = w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel;
-                       return !!k && k.connectionStatus === 'connected' && k.status === 'idle'; }""",
-                  120, "the kernel", tmp_path)
-            page.evaluate("""() => { window.__headlabRun = null;
-                window.jupyterapp.commands.execute('notebook:run-all-cells').then(
-                  r => window.__headlabRun = 'done', e => window.__headlabRun = 'error: ' + e); return true; }""")
-            n_code = page.evaluate("() => document.querySelectorAll('.jp-NotebookPanel .jp-CodeCell').length")
-            _wait(page, f"""() => {{
-                const prompts = [...document.querySelectorAll('.jp-NotebookPanel .jp-CodeCell .jp-InputPrompt')]
-                  .map(p => p.textContent.trim());
-                return prompts.length === {n_code} && prompts.every(p => /^\\[\\d+\\]:$/.test(p));
-            }}""", 300, "every cell to run", tmp_path)
-            tracebacks = page.locator(".jp-RenderedText[data-mime-type='application/vnd.jupyter.error']")
-            assert tracebacks.count() == 0, tracebacks.first.text_content()[:2000]
+            _run_notebook(page, url, token, "quickstart.ipynb", tmp_path)
 
             # SpecRunner: finished, progress bars full, results rendered inside it
             runner = page.locator(".headlab-spec-runner").first
@@ -218,3 +233,97 @@ def test_quickstart_widgets_render_and_respond_in_jupyterlab(lab, tmp_path):
         assert hi - lo > 100  # not a blank page
     except ImportError:  # pragma: no cover - pillow comes with the notebook extras
         pass
+
+
+VISION_CELLS = [
+    """import numpy as np
+from PIL import Image
+
+from headlab.context import Example
+from headlab.model import load_model
+from headlab.spec import ModelSpec
+from headlab.widgets import AttentionView
+
+from fixtures.image_attention import LLAVA, PROMPT, picture
+
+lm = load_model(ModelSpec(config=dict(LLAVA), device="cpu"))
+example = Example(prompt=PROMPT, images=[Image.fromarray(picture(24, 32))])""",
+    "view = AttentionView(lm, example=example, layer=2, head=5)\nview",
+]
+
+
+def test_image_attention_view_click_shows_the_patch_value(tmp_path, monkeypatch):
+    """AttentionView of a tiny random LLaVA: the image panel is drawn over the image; hovering a patch
+    shows its value as a tooltip, clicking shows it under the image and, through the kernel, in the
+    view's info; the value equals an eager-attention forward of the same model computed here."""
+    nbformat = pytest.importorskip("nbformat")
+    import numpy as np
+
+    from headlab.generation import tokenize
+    from headlab.model import load_model
+    from headlab.plugin_manager import get_manager
+    from headlab.spec import ModelSpec
+
+    from fixtures.image_attention import LLAVA, eager_attention, vlm_example
+
+    if "headlab-tiny" not in get_manager().components["models"]:
+        pytest.skip("the embedded model headlab-tiny (the tokenizer) is not in this checkout yet")
+    lm = load_model(ModelSpec(config=dict(LLAVA), device="cpu"))  # the same seed as the notebook's
+    batch = tokenize(lm, [vlm_example()])
+    (a, b), = batch.image_spans[0]
+    rows, cols = batch.image_grids[0][0]
+    ref = eager_attention(lm, batch)[2, 5, batch.length - 1, a:b]
+    patch = int(np.argmax(ref))  # the most attended patch: a value well above rounding
+    expected = float(ref[patch])
+
+    work = tmp_path / "lab"
+    work.mkdir()
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in VISION_CELLS], metadata={
+        "kernelspec": {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}})
+    nbformat.write(nb, work / "vision.ipynb")
+    artifacts = Path(os.environ.get("HEADLAB_ARTIFACTS", tmp_path))
+    artifacts.mkdir(parents=True, exist_ok=True)
+    outside: list[str] = []
+    env_path = os.environ.get("PYTHONPATH", "")
+    monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests") + (os.pathsep + env_path if env_path else ""))  # fixtures.*
+    with _jupyterlab(tmp_path, work, "headlab-tiny") as (url, token, _), \
+            playwright_sync.sync_playwright() as pw:
+        context = pw.chromium.launch_persistent_context(
+            str(tmp_path / "chromium-profile"), executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS,
+            viewport={"width": 1400, "height": 1000}, accept_downloads=False)
+        try:
+            page = context.pages[0] if context.pages else context.new_page()
+            page.on("request", lambda r: None if r.url.startswith((url, "data:", "blob:", "about:"))
+                    else outside.append(r.url))
+            _run_notebook(page, url, token, "vision.ipynb", tmp_path)
+            panel = page.locator(".headlab-image-attention").first
+            _wait(page, "() => !!document.querySelector('.headlab-image-attention .hl-patch')", 60,
+                  "the image panel", tmp_path)
+            assert panel.locator(".hl-patch").count() == rows * cols
+            assert panel.locator("img.hl-image").get_attribute("src").startswith("data:image/png;base64,")
+            assert panel.locator(".hl-colourbar .hl-gradient").count() == 1
+            chips = page.locator(".headlab-attention .hl-image-chip")
+            assert chips.count() == 1 and chips.first.text_content() == f"[image {rows} x {cols}]"
+            cell = panel.locator(f'.hl-patch[data-index="{patch}"]')
+            r, c = divmod(patch, cols)
+            assert (cell.get_attribute("data-row"), cell.get_attribute("data-col"),
+                    cell.get_attribute("data-token")) == (str(r), str(c), str(a + patch))
+            cell.hover()
+            tip = panel.locator(".hl-tip").text_content()
+            assert tip.startswith(f"row {r}, col {c}, token #{a + patch}: ")
+            assert abs(float(tip.rsplit(": ", 1)[1]) - expected) <= 1e-3 * abs(expected) + 1e-7
+            cell.click()
+            info = panel.locator(".hl-patch-info").text_content()
+            assert info.startswith(f"row {r}, col {c}, token #{a + patch}: ")
+            assert abs(float(info.rsplit(": ", 1)[1]) - expected) <= 1e-3 * abs(expected) + 1e-7
+            # the click reached Python, which shows the value it computed
+            shown = _wait(page, """() => { const e = document.querySelector('.hl-selected-patch');
+                return e ? e.textContent : ''; }""", 30, "the click to reach the kernel", tmp_path)
+            assert f"token #{a + patch}: " in shown
+            assert abs(float(shown.rsplit(": ", 1)[1]) - expected) < 1e-5
+            assert panel.locator(".hl-patch.hl-selected").get_attribute("data-index") == str(patch)
+            panel.scroll_into_view_if_needed()
+            page.screenshot(path=str(artifacts / "browser-image-attention.png"))
+        finally:
+            context.close()
+    assert not outside, f"requests left localhost: {outside[:5]}"

@@ -3,7 +3,9 @@
 - :class:`HeadMap`: (layer x head) heatmap of any score array; hover values, click/drag selection
   as a head list, a spec fragment (``heads: [[l, h], ...]``) and PASTA JSON.
 - :class:`AttentionView`: tokens coloured by one head's attention from one query (or the attention
-  mass on named spans), through the instrumentation probes, paged for long inputs.
+  mass on named spans), through the instrumentation probes, paged for long inputs; with images (a
+  vision-language model), each image with the head's attention as a heatmap over its patches.
+- :class:`ImagePatchView`: an image with one value per patch as a heatmap (hover/click for values).
 - :class:`SpecRunner`: edit/load a spec, validate with inline errors, run with live progress,
   cancel into a resumable run, result tables.
 - :class:`RunBrowser` / :class:`Compare`: runs of a store, metric tables across sweep cells and runs,
@@ -32,10 +34,11 @@ from .browser import (
     top_heads_table,
 )
 from .headmap import HeadMap, as_head_scores, spec_fragment
+from .image import ImagePatchView
 from .runner import SpecRunner, WidgetReporter, error_html
 
 __all__ = [
-    "AttentionView", "Compare", "HeadMap", "RunBrowser", "SpecRunner", "TokenView", "WidgetReporter",
+    "AttentionView", "Compare", "HeadMap", "ImagePatchView", "RunBrowser", "SpecRunner", "TokenView", "WidgetReporter",
     "as_head_scores", "diff_html", "error_html", "generation_table", "generations_html", "metric_table",
     "side_by_side", "spec_fragment", "top_heads_table",
 ]

@@ -31,6 +31,7 @@ import xarray as xr
 
 from ..context import Example
 from ..dims import head_array
+from ..image_attention import forward_kwargs, image_attention_svg, model_view
 from ..model import LoadedModel
 from ..report import NAN_COLOR, PALETTE, color
 
@@ -51,6 +52,7 @@ export default {
     function draw() {
       const tokens = model.get("tokens"), weights = model.get("weights"), offset = model.get("offset");
       const query = model.get("query"), spans = model.get("spans") || [];
+      const positions = model.get("positions") || [], images = model.get("image_spans") || [];
       const finite = weights.filter(v => v !== null && isFinite(v));
       const hi = model.get("vmax") > 0 ? model.get("vmax") : (finite.length ? Math.max(...finite) : 1);
       root.innerHTML = "";
@@ -61,9 +63,11 @@ export default {
       const box = document.createElement("div");
       box.className = "hl-tokens";
       tokens.forEach((t, i) => {
-        const pos = offset + i, v = weights[i];
+        const pos = positions.length ? positions[i] : offset + i, v = weights[i];
+        const image = images.find(([a, b]) => pos >= a && pos < b);
         const s = document.createElement("span");
-        s.className = "hl-tok" + (pos === query ? " hl-query" : "") + (v === null ? " hl-future" : "");
+        s.className = "hl-tok" + (pos === query ? " hl-query" : "") + (v === null ? " hl-future" : "")
+          + (image ? " hl-image-chip" : "");
         const inSpan = spans.find(([a, b]) => pos >= a && pos < b);
         if (inSpan) { s.classList.add("hl-span"); s.dataset.span = inSpan[2]; }
         const c = colour(v, hi);
@@ -74,14 +78,19 @@ export default {
         s.textContent = t;
         s.dataset.pos = pos;
         s.dataset.weight = v === null ? "" : Number(v).toPrecision(4);
-        s.title = `#${pos} ${JSON.stringify(t)}` + (v === null ? " (after the query)" : `: ${Number(v).toPrecision(4)}`)
-          + (inSpan ? ` [${inSpan[2]}]` : "");
-        s.addEventListener("click", () => { model.set("query", pos); model.save_changes(); });
+        if (image) {
+          s.title = `tokens #${image[0]}..${image[1] - 1}: ${t}` + (v === null ? " (after the query)"
+            : `, attention mass ${Number(v).toPrecision(4)}`);
+        } else {
+          s.title = `#${pos} ${JSON.stringify(t)}` + (v === null ? " (after the query)" : `: ${Number(v).toPrecision(4)}`)
+            + (inSpan ? ` [${inSpan[2]}]` : "");
+          s.addEventListener("click", () => { model.set("query", pos); model.save_changes(); });
+        }
         box.appendChild(s);
       });
       root.appendChild(box);
     }
-    for (const name of ["tokens", "weights", "offset", "query", "spans", "caption", "vmax"])
+    for (const name of ["tokens", "weights", "offset", "query", "spans", "caption", "vmax", "positions", "image_spans"])
       model.on("change:" + name, draw);
     draw();
   }
@@ -97,11 +106,16 @@ _CSS = """
 .headlab-attention .hl-future { color: #aaa; }
 .headlab-attention .hl-span { border-bottom: 2px solid #e4002b; }
 .headlab-attention .hl-query { border: 2px solid #e4002b; font-weight: bold; }
+.headlab-attention .hl-image-chip { cursor: default; border: 1px dashed #555; font-style: italic; }
 """
 
 
 class TokenView(anywidget.AnyWidget):
-    """Tokens coloured by one weight each; clicking a token sets ``query`` to its position."""
+    """Tokens coloured by one weight each; clicking a token sets ``query`` to its position.
+
+    ``positions`` (optional) gives each shown item's token position (default ``offset + i``); an item whose
+    position falls in one of ``image_spans`` is an image chip (one item for a whole image; its weight is the
+    image's attention mass; clicking it does nothing)."""
 
     _esm = _ESM
     _css = _CSS
@@ -112,6 +126,8 @@ class TokenView(anywidget.AnyWidget):
     spans = traitlets.List(help="[start, end, name] token spans (absolute positions)").tag(sync=True)
     caption = traitlets.Unicode("").tag(sync=True)
     vmax = traitlets.Float(0.0, help="top of the colour scale; 0 = the page's maximum").tag(sync=True)
+    positions = traitlets.List(help="token position of each item (empty: offset + i)").tag(sync=True)
+    image_spans = traitlets.List(help="[start, end] token spans of images (each shown as one chip)").tag(sync=True)
 
 
 def _token_text(tokenizer: Any, ids: Sequence[int]) -> list[str]:
@@ -141,26 +157,43 @@ class AttentionView(w.VBox):
     inputs. ``spans`` are named character spans of the prompt. The query defaults to the last token.
     Controls: layer, head, query (or click a token), page; "colour by" switches between per-token
     attention and the attention mass on each span.
+
+    With a vision-language model, ``images`` (PIL images or local paths, one per ``<image>`` marker of
+    the prompt; or an ``example`` with images) are passed to the model; each image is shown as an
+    :class:`ImagePatchView` next to the tokens, its patches coloured by the head's attention from the
+    query to the image's tokens, and the image's tokens are one ``[image r x c]`` chip in the token strip
+    (coloured by the image's attention mass). :meth:`image_attention` gives the same values.
     """
 
     def __init__(self, model: LoadedModel | str, prompt: str | None = None, *,
                  input_ids: Sequence[int] | None = None, layer: int = 0, head: int = 0,
                  query: int | None = None, spans: Mapping[str, Sequence[tuple[int, int]]] | None = None,
                  page_size: int = 64, pattern_limit: int = 256,
-                 mode: Literal["auto", "pattern", "query"] = "auto") -> None:
+                 mode: Literal["auto", "pattern", "query"] = "auto", images: Sequence[Any] | None = None,
+                 example: Example | None = None, image_width: int = 280) -> None:
         from ..generation import tokenize
+        from .image import ImagePatchView
 
         self.lm = _load(model)
-        if prompt is None and input_ids is None:
-            raise ValueError("give a prompt or input_ids")
-        example = Example(prompt=prompt or "", input_ids=list(input_ids) if input_ids is not None else None,
-                          spans={k: [tuple(s) for s in v] for k, v in (spans or {}).items()})
+        if example is None:
+            if prompt is None and input_ids is None:
+                raise ValueError("give a prompt or input_ids (or an example)")
+            example = Example(prompt=prompt or "", input_ids=list(input_ids) if input_ids is not None else None,
+                              spans={k: [tuple(s) for s in v] for k, v in (spans or {}).items()},
+                              images=list(images or []))
+        self.example = example
         self.batch = tokenize(self.lm, [example], device=self.lm.device)
         self.input_ids = self.batch.input_ids
         self.n_tokens = int(self.input_ids.shape[1])
         self.tokens = _token_text(self.lm.tokenizer, self.input_ids[0].tolist())
         self.token_spans: dict[str, list[tuple[int, int]]] = {
             name: [tuple(s) for s in self.batch.spans(name)[0]] for name in example.spans}
+        self.images: list[Any] = list(example.images)
+        self.model_inputs: dict[str, Any] = forward_kwargs(self.batch)
+        self.image_spans: list[tuple[int, int]] = [(int(a), int(b)) for a, b in (self.batch.image_spans or [[]])[0]]
+        self.image_grids: list[tuple[int, int]] = [(int(r), int(c)) for r, c in (self.batch.image_grids or [[]])[0]]
+        if len(self.image_spans) != len(self.images):
+            raise ValueError(f"{len(self.images)} images but {len(self.image_spans)} image-token spans in the prompt")
         self.mode = ("pattern" if self.n_tokens <= pattern_limit else "query") if mode == "auto" else mode
         self.page_size = int(page_size)
         self._pattern: np.ndarray | None = None
@@ -177,15 +210,28 @@ class AttentionView(w.VBox):
         self.page_slider = w.IntSlider(value=q // self.page_size, min=0, max=self.n_pages - 1, description="page")
         self.colour_by = w.ToggleButtons(options=["tokens", "spans"] if self.token_spans else ["tokens"],
                                          value="tokens", description="colour by")
-        self.view = TokenView(spans=[[a, b, name] for name, ss in self.token_spans.items() for a, b in ss])
+        self.view = TokenView(spans=[[a, b, name] for name, ss in self.token_spans.items() for a, b in ss],
+                              image_spans=[[a, b] for a, b in self.image_spans])
+        self.shown_images = [img if (seen := model_view(self.lm, self.batch, i)) is None else seen
+                             for i, img in enumerate(self.images)]
+        self.image_views = [ImagePatchView.from_values(img, grid, [None] * (grid[0] * grid[1]), token_start=a,
+                                                       width=image_width)
+                            for img, (a, _), grid in zip(self.shown_images, self.image_spans, self.image_grids,
+                                                         strict=True)]
         self.info = w.HTML()
+        for view in self.image_views:
+            view.observe(lambda _: setattr(self.info, "value", self._info_html()), names="selected")
         for ctl in (self.layer_slider, self.head_slider, self.page_slider, self.colour_by):
             ctl.observe(lambda _: self.refresh(), names="value")
         self.query_slider.observe(self._query_changed, names="value")
         self.view.observe(lambda ch: setattr(self.query_slider, "value", ch["new"]), names="query")
         controls = w.HBox([self.layer_slider, self.head_slider, self.query_slider])
         pager = w.HBox([self.page_slider, self.colour_by]) if self.n_pages > 1 or self.token_spans else w.HBox([])
-        super().__init__([controls, pager, self.view, self.info])
+        body: w.Widget = self.view
+        if self.image_views:
+            body = w.HBox([w.VBox(self.image_views), self.view])
+            self.view.layout.flex = "1"
+        super().__init__([controls, pager, body, self.info])
         self.add_class("headlab-attention-view")
         self.refresh()
 
@@ -238,9 +284,19 @@ class AttentionView(w.VBox):
 
         if self._pattern is None:
             with torch.no_grad(), instrument(self.lm.model, Plan(probes=Probes(pattern=True))) as rec:
-                self.lm.model(input_ids=self.input_ids, attention_mask=self.batch.attention_mask)
+                self.lm.model(input_ids=self.input_ids, attention_mask=self.batch.attention_mask, **self.model_inputs)
             self._pattern = rec.pattern[0].float().cpu().numpy()  # (layer, head, query, key)
         return self._pattern
+
+    def _query_row(self, q: int) -> np.ndarray:
+        """With model inputs beyond the ids (images): one forward of the whole input recording the pairs
+        ``(q, 0..q)`` (memory linear in the length): ``(layer, head, q + 1)``."""
+        from ..instrument import Plan, Probes, instrument
+
+        pairs = [(q, k) for k in range(q + 1)]
+        with torch.no_grad(), instrument(self.lm.model, Plan(probes=Probes(pairs=pairs))) as rec:
+            self.lm.model(input_ids=self.input_ids, attention_mask=self.batch.attention_mask, **self.model_inputs)
+        return rec.pair_mass[0, :, :, : q + 1].float().cpu().numpy()
 
     def _single_query(self, q: int, probes: Any) -> Any:
         """Prefill tokens ``[0, q)`` with plain attention, then run token ``q`` under ``probes``."""
@@ -272,8 +328,11 @@ class AttentionView(w.VBox):
         if self.mode == "pattern":
             return self._compute_pattern()[:, :, q, : q + 1]
         if q not in self._rows:
-            rec = self._single_query(q, Probes(pattern=True))
-            self._rows[q] = rec.pattern[0, :, :, -1, : q + 1].float().cpu().numpy()
+            if self.model_inputs:
+                self._rows[q] = self._query_row(q)
+            else:
+                rec = self._single_query(q, Probes(pattern=True))
+                self._rows[q] = rec.pattern[0, :, :, -1, : q + 1].float().cpu().numpy()
         return self._rows[q]
 
     def row(self, layer: int | None = None, head: int | None = None, query: int | None = None) -> np.ndarray:
@@ -294,7 +353,10 @@ class AttentionView(w.VBox):
         q = self.query if query is None else int(query)
         names = [n for n, ss in self.token_spans.items() for _ in ss]
         flat = [s for ss in self.token_spans.values() for s in ss]
-        if q not in self._mass:
+        if q not in self._mass and self.model_inputs:
+            r = self.rows(q)  # (layer, head, q + 1): the mass on a span is the sum of its visible keys
+            self._mass[q] = np.stack([r[:, :, a: min(b, q + 1)].sum(-1) for a, b in flat], axis=-1)
+        elif q not in self._mass:
             rec = self._single_query(q, Probes(spans=flat))
             self._mass[q] = rec.span_mass[0, :, :, -1, :].float().cpu().numpy()  # (layer, head, span)
         arr = self._mass[q]
@@ -302,11 +364,38 @@ class AttentionView(w.VBox):
         return head_array(np.stack(list(per_name.values())), "span", name="span_mass").assign_coords(
             span=list(per_name))
 
+    def image_attention(self, image: int = 0, layer: int | None = None, head: int | None = None,
+                        query: int | None = None) -> np.ndarray:
+        """The attention of one head from ``query`` to the tokens of image ``image`` as its ``(rows, cols)``
+        patch grid (NaN for image tokens after the query): the values its :class:`ImagePatchView` shows."""
+        from ..image_attention import patch_grid
+
+        if not 0 <= image < len(self.image_spans):
+            raise ValueError(f"no image {image}; this view has {len(self.image_spans)}")
+        a, b = self.image_spans[image]
+        r = self.row(layer, head, query)
+        vals = np.full(b - a, np.nan)
+        seen = r[a: min(b, len(r))]
+        vals[: len(seen)] = seen
+        return patch_grid(vals, self.image_grids[image])
+
+    def _image_of(self, pos: int) -> int | None:
+        return next((i for i, (a, b) in enumerate(self.image_spans) if a <= pos < b), None)
+
+    def token_label(self, pos: int) -> str:
+        """The token at ``pos``; an image token as ``[image i (row, col)]``."""
+        i = self._image_of(pos)
+        if i is None:
+            return self.tokens[pos]
+        k = pos - self.image_spans[i][0]
+        cols = self.image_grids[i][1]
+        return f"[image {i} ({k // cols}, {k % cols})]"
+
     def top_keys(self, k: int = 5) -> list[tuple[int, str, float]]:
         """The ``k`` most attended keys of the current head and query: ``(position, token, weight)``."""
         r = self.row()
         order = np.argsort(-r, kind="stable")[:k]
-        return [(int(i), self.tokens[i], float(r[i])) for i in order]
+        return [(int(i), self.token_label(int(i)), float(r[i])) for i in order]
 
     # ---- display
     def page_range(self, page: int | None = None) -> tuple[int, int]:
@@ -331,25 +420,76 @@ class AttentionView(w.VBox):
             r = self.row()
             for pos in range(start, min(end, q + 1)):
                 weights[pos - start] = float(r[pos])
-            caption = (f"layer {self.layer} head {self.head}, query #{q} {self.tokens[q]!r}; "
+            caption = (f"layer {self.layer} head {self.head}, query #{q} {self.token_label(q)!r}; "
                        f"tokens {start}..{end - 1} of {self.n_tokens} ({self.mode} mode)")
-            vmax = float(r.max()) if r.size else 1.0
+            text = [float(r[p]) for p in range(q + 1) if self._image_of(p) is None]
+            vmax = max(text) if text else (float(r.max()) if r.size else 1.0)
+        tokens, positions, shown = self._collapse(start, end, weights)
         with self.view.hold_sync():
-            self.view.tokens = self.tokens[start:end]
-            self.view.weights = weights
+            self.view.tokens = tokens
+            self.view.weights = shown
+            self.view.positions = positions
             self.view.offset = start
             self.view.query = q
             self.view.caption = caption
             self.view.vmax = vmax
         self.weights = weights
+        self.shown = list(zip(positions, tokens, shown, strict=True))
+        self._refresh_images()
         self.info.value = self._info_html()
+
+    def _collapse(self, start: int, end: int, weights: list[float | None]
+                  ) -> tuple[list[str], list[int], list[float | None]]:
+        """The page's items: text tokens as they are, each image's tokens as one ``[image r x c]`` chip
+        whose weight is the sum of its tokens' (None when none is visible)."""
+        if not self.image_spans:
+            return self.tokens[start:end], list(range(start, end)), list(weights)
+        tokens, positions, shown = [], [], []
+        pos = start
+        while pos < end:
+            i = self._image_of(pos)
+            if i is None:
+                tokens.append(self.tokens[pos])
+                positions.append(pos)
+                shown.append(weights[pos - start])
+                pos += 1
+                continue
+            a, b = self.image_spans[i]
+            rows, cols = self.image_grids[i]
+            seen = [x for x in weights[pos - start: min(b, end) - start] if x is not None]
+            tokens.append(f"[image {rows} x {cols}]")
+            positions.append(pos)
+            shown.append(float(sum(seen)) if seen else None)
+            pos = min(b, end)
+        return tokens, positions, shown
+
+    def _refresh_images(self) -> None:
+        q = self.query
+        for i, view in enumerate(self.image_views):
+            vals = self.image_attention(i)
+            a, b = self.image_spans[i]
+            mass = float(np.nansum(vals))
+            view.set_values(self.image_grids[i], vals)
+            view.caption = (f"image {i} (tokens #{a}..{b - 1}): layer {self.layer} head {self.head}, "
+                            f"query #{q}; attention mass {mass:.4f}")
 
     def _info_html(self) -> str:
         rows = "".join(
             f"<tr><td>#{p}</td><td><code>{html.escape(repr(t))}</code></td>"
             f'<td style="background:{color(v, 0, max(1e-9, self.top_keys(1)[0][2]))}">&nbsp;&nbsp;</td>'
             f"<td>{v:.4f}</td></tr>" for p, t, v in self.top_keys(5))
+        for i, (a, b) in enumerate(self.image_spans):
+            if a <= self.query:
+                rows += (f'<tr><td>#{a}..{b - 1}</td><td>[image {i}] mass</td><td></td>'
+                         f"<td>{float(np.nansum(self.image_attention(i))):.4f}</td></tr>")
         out = f'<table class="hl-topkeys"><tr><th colspan="4">most attended keys</th></tr>{rows}</table>'
+        for i, view in enumerate(self.image_views):
+            if view.selected >= 0:
+                p = view.patch()
+                v = self.image_attention(i)[p["row"], p["col"]]
+                out += (f'<div class="hl-selected-patch" data-image="{i}" data-token="{p["token"]}">image {i} patch '
+                        f'(row {p["row"]}, col {p["col"]}), token #{p["token"]}: '
+                        f'{"after the query" if np.isnan(v) else f"{v:.6f}"}</div>')
         if self.token_spans:
             mass = self.span_mass().sel(layer=self.layer, head=self.head)
             out += "<div>mass on spans: " + ", ".join(
@@ -357,11 +497,12 @@ class AttentionView(w.VBox):
         return out
 
     def _repr_html_(self) -> str:  # static fallback (nbconvert, GitHub)
-        start, end = self.page_range()
-        hi = max((x for x in self.weights if x is not None), default=1.0) or 1.0
+        hi = max((x for _, _, x in self.shown if x is not None), default=1.0) or 1.0
         toks = "".join(
-            f'<span style="background:{NAN_COLOR if x is None else color(x, 0, hi)};padding:0 2px;'
+            f'<span style="background:{NAN_COLOR if x is None else color(min(x, hi), 0, hi)};padding:0 2px;'
             f'margin:1px;white-space:pre" title="{x}">{html.escape(t)}</span>'
-            for t, x in zip(self.tokens[start:end], self.weights, strict=True))
-        return f"<div>{html.escape(self.view.caption)}<br>{toks}</div>"
+            for _, t, x in self.shown)
+        figs = "".join(image_attention_svg(img, self.image_attention(i), title=f"image {i}")
+                       for i, img in enumerate(self.shown_images))
+        return f"<div>{html.escape(self.view.caption)}<br>{figs}{toks}</div>"
 
