@@ -46,6 +46,11 @@ DIMENSIONS: dict[str, str] = {
     "draw": "a random draw of heads (ablation's control)",
     "rank": "a place in a ranked list of heads (0 = first)",
     "slot": "a place in a list of heads, padded with -1",
+    "patch_row": "a row of an image's token grid (image patches, top to bottom)",
+    "patch_col": "a column of an image's token grid (image patches, left to right)",
+    "pixel_y": "a pixel row of a stored image (top to bottom)",
+    "pixel_x": "a pixel column of a stored image (left to right)",
+    "channel": "a colour channel of a stored image (red, green, blue)",
 }
 
 

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import base64
 import math
-import struct
-import zlib
 from collections.abc import Sequence
 from html import escape
 from pathlib import Path
@@ -70,27 +68,20 @@ def resize_image(image: Any, max_side: int) -> np.ndarray:
         return arr
     scale = max_side / max(h, w)
     nh, nw = max(1, round(h * scale)), max(1, round(w * scale))
-    try:
-        from PIL import Image
+    from PIL import Image
 
-        return np.asarray(Image.fromarray(arr).resize((nw, nh), Image.Resampling.BILINEAR), dtype=np.uint8).copy()
-    except ImportError:  # pragma: no cover - Pillow comes with the vision models' processors
-        ys = (np.arange(nh) * h / nh).astype(int)
-        xs = (np.arange(nw) * w / nw).astype(int)
-        return arr[ys][:, xs]
+    return np.asarray(Image.fromarray(arr).resize((nw, nh), Image.Resampling.BILINEAR), dtype=np.uint8).copy()
 
 
 def png_bytes(image: Any) -> bytes:
-    """``image`` encoded as PNG (8-bit RGB), without any imaging library."""
-    arr = image_array(image)
-    h, w = arr.shape[:2]
-    raw = b"".join(b"\x00" + arr[y].tobytes() for y in range(h))
+    """``image`` encoded as PNG (8-bit RGB)."""
+    import io
 
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+    from PIL import Image
 
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b""))
+    buf = io.BytesIO()
+    Image.fromarray(image_array(image)).save(buf, format="PNG")
+    return buf.getvalue()
 
 
 def png_data_uri(image: Any) -> str:

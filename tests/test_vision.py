@@ -169,6 +169,16 @@ def test_vhr_from_a_spec_equals_the_python_api_and_the_naive_reference(vlm, imag
     assert vhd.attrs["span"] == "image"
     removed = run.results["vhd_remove"]["example_score"].values
     assert np.isfinite(removed).all() and (removed > 0).any()
+    # every array names its dims from the vocabulary; the report draws the stored image attention
+    from headlab.dims import unknown_dims
+    from headlab.report import render_report
+
+    for step in ("vhd", "vhd_remove", "g"):
+        assert unknown_dims(run.results[step]) == [], step
+    att = vhd["preview_attention"]
+    assert att.dims == ("layer", "head", "patch_row", "patch_col")
+    assert att.shape[2] * att.shape[3] == batch.image_spans[0][0][1] - batch.image_spans[0][0][0]
+    assert 'class="image-attention"' in render_report(run)
 
 
 def test_images_on_a_text_model_or_without_markers_are_clear_errors(image_task, tmp_path):

@@ -13,6 +13,7 @@ from pydantic import BeforeValidator, Field
 from headlab import StepContext, hookimpl
 from headlab.errors import ContractError
 from headlab.generation import Decoded, DecodeRequest, tokenize
+from headlab.image_attention import attention_preview
 from headlab.plugin_manager import get_manager
 from headlab.resources import Estimate, EstimateContext
 from headlab.runner import decode_info
@@ -80,6 +81,8 @@ def generate(action: Any, ctx: StepContext) -> xr.Dataset:
             ds[name] = array
             names.append(name)
     ds.attrs.update(decode=action.decode.kind, steer=[c.kind for c in action.steer], metrics=names)
+    if ctx.examples and ctx.examples[0].images:  # the first image with every head's attention, for the report
+        ds = ds.merge(attention_preview(ctx.model, ctx.examples[0]))
     return ds
 
 

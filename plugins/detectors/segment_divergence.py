@@ -34,6 +34,7 @@ from pydantic import Field
 from headlab import ComponentConfig, StepContext, hookimpl
 from headlab.dims import head_array
 from headlab.generation import tokenize
+from headlab.image_attention import attention_preview
 from headlab.resources import Estimate, EstimateContext
 from headlab.spec import NonEmptyStr, PositiveInt
 
@@ -154,6 +155,8 @@ def detect(config: SegmentDivergence, ctx: StepContext) -> xr.Dataset:
                      "norm_without": head_array(norm, "example")})
     ds.attrs.update(method="segment_divergence", span=name, removal=config.method, model=ctx.model.name,
                     reference="METHODS.md#visionsegment-aware-head-divergence-vhd-he-et-al-2025-used-by-vhr")
+    if images:  # the first example's image with every head's attention on it, for the report
+        ds = ds.merge(attention_preview(ctx.model, ctx.examples[0]))
     return ds
 
 
