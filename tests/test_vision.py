@@ -254,3 +254,16 @@ def test_decore_on_images_equals_a_naive_recomputing_loop(vlm, share_trunk):
     ours = headlab.generate(vlm, exs, decode=decode, max_new_tokens=NEW)
     for r, ex in enumerate(exs):
         assert ours.tokens[r] == naive_decore(vlm, ex, heads, 0.5, NEW), r
+
+
+def test_the_spec_in_the_docs_runs(tmp_path):
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "vision.md").read_text()
+    block = re.findall(r"```yaml\n(.*?)```", text, flags=re.S)[0]
+    run = headlab.run(block, out=tmp_path)
+    answers = run.results["answers"]
+    assert {"pope", "pope_accuracy", "pope_f1", "pope_yes_ratio", "vhr_selected", "preview_attention"} <= set(answers)
+    assert answers["pope_yes_ratio"].dims == ()  # a step-level aggregate
+    assert run.results["visual_heads"]["score"].dims == ("layer", "head")
