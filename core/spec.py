@@ -202,6 +202,10 @@ or ``{file: heads.json}``."""
 
 # --- fixed parts of the spec ---------------------------------------------------------------------
 
+#: the devices a spec may name: torch's device strings with an index of 0..127 (torch wraps larger ones)
+DEVICE_PATTERN = r"^(auto|cpu|(cuda|mps|xpu)(:([0-9]|[1-9][0-9]|1[01][0-9]|12[0-7]))?)$"
+
+
 class ModelSpec(StrictModel):
     """Which model to load and how. A bare string in the spec is the ``id``."""
 
@@ -212,7 +216,7 @@ class ModelSpec(StrictModel):
     revision: str | None = None
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     device: str = Field("auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', ...",
-                        json_schema_extra={"pattern": r"^(auto|cpu|(cuda|mps|xpu)(:(0|[1-9][0-9]*))?)$"})
+                        json_schema_extra={"pattern": DEVICE_PATTERN})
     trust_remote_code: bool = False
 
     @field_validator("device")
@@ -224,7 +228,7 @@ class ModelSpec(StrictModel):
         import torch
 
         try:
-            if torch.device(value).type not in ("cpu", "cuda", "mps", "xpu"):
+            if not re.fullmatch(DEVICE_PATTERN, value) or torch.device(value).type not in ("cpu", "cuda", "mps", "xpu"):
                 raise ValueError(value)
         except (RuntimeError, ValueError, TypeError):
             raise PydanticCustomError(
