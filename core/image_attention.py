@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import xarray as xr
 
-from .report import color
+from .report import color, colour_bar_svg
 
 if TYPE_CHECKING:
     from .context import Example
@@ -251,12 +251,6 @@ def image_attention_svg(image: Any, values: Any, *, title: str = "", width: int 
                          f'height="{ch:.2f}" fill="{color(v, vmin, hi)}" fill-opacity="{opacity}" '
                          f'data-row="{r}" data-col="{c}" data-value="{label}">'
                          f"<title>row {r}, col {c}: {label}</title></rect>")
-    steps = 20
-    for i in range(steps):
-        v = hi - (hi - vmin) * i / (steps - 1)
-        parts.append(f'<rect x="{bar_x}" y="{top + i * ih / steps:.1f}" width="10" height="{ih / steps + 0.5:.1f}" '
-                     f'fill="{color(v, vmin, hi)}"/>')
-    parts.append(f'<text x="{bar_x + 13}" y="{top + 8}">{hi:.3g}</text>')
-    parts.append(f'<text x="{bar_x + 13}" y="{top + ih}">{vmin:.3g}</text>')
+    parts.extend(colour_bar_svg(bar_x, top, ih, vmin, hi))
     parts.append("</svg>")
     return "".join(parts)

@@ -100,18 +100,22 @@ def heatmap_svg(values: np.ndarray | xr.DataArray, *, title: str = "", cell: int
         if n_heads <= 16 or head % max(1, n_heads // 16) == 0:
             parts.append(f'<text x="{left + head * cell + cell / 2:.1f}" y="{base}" '
                          f'text-anchor="middle">{head}</text>')
-    # colour bar
-    bx = left + n_heads * cell + 14
-    steps = 20
-    bar_h = max(n_layers * cell, 40)
-    for i in range(steps):
-        v = vmax - (vmax - vmin) * i / (steps - 1)
-        parts.append(f'<rect x="{bx}" y="{top + i * bar_h / steps:.1f}" width="10" '
-                     f'height="{bar_h / steps + 0.5:.1f}" fill="{color(v, vmin, vmax)}"/>')
-    parts.append(f'<text x="{bx + 13}" y="{top + 8}">{vmax:.3g}</text>')
-    parts.append(f'<text x="{bx + 13}" y="{top + bar_h}">{vmin:.3g}</text>')
+    parts.extend(colour_bar_svg(left + n_heads * cell + 14, top, max(n_layers * cell, 40), vmin, vmax))
     parts.append("</svg>")
     return "".join(parts)
+
+
+def colour_bar_svg(x: float, top: float, height: float, vmin: float, vmax: float, steps: int = 20) -> list[str]:
+    """SVG elements of a vertical colour bar on :func:`color`'s scale at ``(x, top)``, ``vmax`` at the top,
+    labelled with both ends."""
+    parts = []
+    for i in range(steps):
+        v = vmax - (vmax - vmin) * i / (steps - 1)
+        parts.append(f'<rect x="{x}" y="{top + i * height / steps:.1f}" width="10" '
+                     f'height="{height / steps + 0.5:.1f}" fill="{color(v, vmin, vmax)}"/>')
+    parts.append(f'<text x="{x + 13}" y="{top + 8}">{vmax:.3g}</text>')
+    parts.append(f'<text x="{x + 13}" y="{top + height}">{vmin:.3g}</text>')
+    return parts
 
 
 def line_plot_svg(xs: Sequence[Any], series: Mapping[str, Sequence[float]], *, xlabel: str = "",

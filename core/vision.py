@@ -16,6 +16,7 @@ own ``AutoProcessor``.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ import torch
 from .context import IMAGE_MARKER, Example
 
 __all__ = ["EncodedImages", "Qwen2VLImageTokens", "encode", "image_grid", "image_token_id", "load_image",
-           "placeholder", "processor_for_config", "tile_inputs", "vision_tokens_for_config"]
+           "placeholder", "processor_for_config", "tile_inputs", "token_runs", "vision_tokens_for_config"]
 
 QWEN_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
@@ -164,12 +165,14 @@ class EncodedImages:
     grids: list[tuple[int, int]] = field(default_factory=list)
 
 
-def _runs(ids: list[int], token: int) -> list[tuple[int, int]]:
-    out, start = [], None
+def token_runs(ids: Sequence[int], token_id: int) -> list[tuple[int, int]]:
+    """Maximal runs ``[s, e)`` of positions holding ``token_id``."""
+    out: list[tuple[int, int]] = []
+    start = None
     for i, t in enumerate([*ids, None]):
-        if t == token and start is None:
+        if t == token_id and start is None:
             start = i
-        elif t != token and start is not None:
+        elif t != token_id and start is not None:
             out.append((start, i))
             start = None
     return out
@@ -246,7 +249,7 @@ def encode(lm: Any, example: Example) -> EncodedImages:
     if j != len(short):
         raise ValueError("the processor's tokens of an example differ from its tokenizer's; headlab cannot map "
                          "the prompt's characters to tokens")
-    spans = _runs(ids, image_id) if image_id is not None else []
+    spans = token_runs(ids, image_id) if image_id is not None else []
     if len(spans) != len(images):
         raise ValueError(f"the processor made {len(spans)} image token run(s) for {len(images)} image(s)")
     grids = [image_grid(processor, inputs, k, e - s) for k, (s, e) in enumerate(spans)]

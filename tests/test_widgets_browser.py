@@ -110,6 +110,23 @@ def _jupyterlab(tmp_path: Path, work: Path, model: str):
         log.close()
 
 
+@contextlib.contextmanager
+def _browser(tmp_path: Path, url: str):
+    """A headless chromium page (Debian's executable) and the list of requests it made outside ``url``."""
+    outside: list[str] = []
+    with playwright_sync.sync_playwright() as pw:
+        context = pw.chromium.launch_persistent_context(
+            str(tmp_path / "chromium-profile"), executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS,
+            viewport={"width": 1400, "height": 1000}, accept_downloads=False)
+        try:
+            page = context.pages[0] if context.pages else context.new_page()
+            page.on("request", lambda r: None if r.url.startswith((url, "data:", "blob:", "about:"))
+                    else outside.append(r.url))
+            yield page, outside
+        finally:
+            context.close()
+
+
 def _wait(page, js: str, timeout_s: float, what: str, tmp_path: Path):
     deadline = time.time() + timeout_s
     while time.time() < deadline:
@@ -148,80 +165,70 @@ def test_quickstart_widgets_render_and_respond_in_jupyterlab(lab, tmp_path):
     url, token, work = lab
     artifacts = Path(os.environ.get("HEADLAB_ARTIFACTS", tmp_path))
     artifacts.mkdir(parents=True, exist_ok=True)
-    outside: list[str] = []
-    with playwright_sync.sync_playwright() as pw:
-        context = pw.chromium.launch_persistent_context(
-            str(tmp_path / "chromium-profile"), executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS,
-            viewport={"width": 1400, "height": 1000}, accept_downloads=False)
-        try:
-            page = context.pages[0] if context.pages else context.new_page()
-            page.on("request", lambda r: None if r.url.startswith((url, "data:", "blob:", "about:"))
-                    else outside.append(r.url))
-            _run_notebook(page, url, token, "quickstart.ipynb", tmp_path)
+    with _browser(tmp_path, url) as (page, outside):
+        _run_notebook(page, url, token, "quickstart.ipynb", tmp_path)
 
-            # SpecRunner: finished, progress bars full, results rendered inside it
-            runner = page.locator(".headlab-spec-runner").first
-            assert "complete" in runner.locator(".headlab-run-status").text_content()
-            assert runner.locator(".headlab-run-results .headlab-headmap").count() == 2
-            bars = runner.locator(".widget-hprogress .progress-bar")
-            assert bars.count() == 2
-            assert "width: 100%" in (bars.first.get_attribute("style") or "")
-            assert "progress-bar-success" in (bars.first.get_attribute("class") or "")
-            # HeadMaps: one cell per head, top-3 selected, the spec fragment shown
-            maps = page.locator(".jp-OutputArea-output .headlab-headmap")
-            assert maps.count() >= 4
-            hm = maps.nth(2)  # the "induction" map of section 3
-            cells = hm.locator(".hl-cell")
-            n_cells = cells.count()
-            assert n_cells >= 4 and hm.locator(".hl-sel").count() == 3
-            assert hm.locator(".hl-fragment").text_content().startswith("heads: [[")
-            # hover shows the value; a click toggles the head in Python, whose fragment comes back
-            target = hm.locator(".hl-cell:not(.hl-sel)").first
-            layer, head = target.get_attribute("data-layer"), target.get_attribute("data-head")
-            target.hover()
-            assert hm.locator(".hl-tip").text_content().startswith(f"layer {layer}, head {head}: ")
-            target.click()
-            _wait(page, f"""() => {{ const m = document.querySelectorAll('.jp-OutputArea-output .headlab-headmap')[2];
-                return m.querySelector('.hl-fragment').textContent.includes('[{layer}, {head}]')
-                    && m.querySelectorAll('.hl-sel').length === 4; }}""", 30, "the click to reach the kernel", tmp_path)
-            # drag a 2x2 block from the top-left cell: the block joins the selection
-            first = hm.locator('.hl-cell[data-layer="0"][data-head="0"]').bounding_box()
-            last = hm.locator('.hl-cell[data-layer="1"][data-head="1"]').bounding_box()
-            page.mouse.move(first["x"] + 4, first["y"] + 4)
-            page.mouse.down()
-            page.mouse.move(last["x"] + 4, last["y"] + 4, steps=4)
-            page.mouse.up()
-            _wait(page, """() => { const m = document.querySelectorAll('.jp-OutputArea-output .headlab-headmap')[2];
-                const t = m.querySelector('.hl-fragment').textContent;
-                return ['[0, 0]', '[0, 1]', '[1, 0]', '[1, 1]'].every(s => t.includes(s)); }""", 30,
-                  "the drag selection", tmp_path)
-            # AttentionView: every token shown; clicking a token makes it the query (recomputed in Python)
-            att = page.locator(".headlab-attention").first
-            toks = att.locator(".hl-tok")
-            assert toks.count() == 33 and att.locator(".hl-query").count() == 1
-            toks.nth(10).click()
-            _wait(page, """() => { const a = document.querySelector('.headlab-attention');
-                return a.querySelector('.hl-caption').textContent.includes('query #10')
-                    && a.querySelector('.hl-query').dataset.pos === '10'
-                    && a.querySelectorAll('.hl-future').length === 22; }""", 30, "the query change", tmp_path)
-            att.scroll_into_view_if_needed()
-            page.screenshot(path=str(artifacts / "browser-attention.png"))
-            # RunBrowser: lists the run
-            assert page.locator(".headlab-run-browser table.hl-runs tbody tr").count() == 1
-            # inline validation: a typo in the editor shows the located error under it
-            editor = runner.locator("textarea")
-            editor.fill(editor.input_value().replace("kind: induction", "kind: inductoin"))
-            editor.press("Tab")  # the editor syncs on blur
-            _wait(page, """() => { const e = document.querySelector('.headlab-spec-runner .headlab-spec-errors');
-                return e && e.textContent.includes("unknown detector kind 'inductoin'")
-                    && !!e.querySelector('.hl-error-line'); }""", 30, "the inline error", tmp_path)
-            runner.scroll_into_view_if_needed()
-            shot = artifacts / "browser-quickstart.png"
-            page.screenshot(path=str(shot), full_page=False)
-            hm.scroll_into_view_if_needed()
-            page.screenshot(path=str(artifacts / "browser-headmap.png"))
-        finally:
-            context.close()
+        # SpecRunner: finished, progress bars full, results rendered inside it
+        runner = page.locator(".headlab-spec-runner").first
+        assert "complete" in runner.locator(".headlab-run-status").text_content()
+        assert runner.locator(".headlab-run-results .headlab-headmap").count() == 2
+        bars = runner.locator(".widget-hprogress .progress-bar")
+        assert bars.count() == 2
+        assert "width: 100%" in (bars.first.get_attribute("style") or "")
+        assert "progress-bar-success" in (bars.first.get_attribute("class") or "")
+        # HeadMaps: one cell per head, top-3 selected, the spec fragment shown
+        maps = page.locator(".jp-OutputArea-output .headlab-headmap")
+        assert maps.count() >= 4
+        hm = maps.nth(2)  # the "induction" map of section 3
+        cells = hm.locator(".hl-cell")
+        n_cells = cells.count()
+        assert n_cells >= 4 and hm.locator(".hl-sel").count() == 3
+        assert hm.locator(".hl-fragment").text_content().startswith("heads: [[")
+        # hover shows the value; a click toggles the head in Python, whose fragment comes back
+        target = hm.locator(".hl-cell:not(.hl-sel)").first
+        layer, head = target.get_attribute("data-layer"), target.get_attribute("data-head")
+        target.hover()
+        assert hm.locator(".hl-tip").text_content().startswith(f"layer {layer}, head {head}: ")
+        target.click()
+        _wait(page, f"""() => {{ const m = document.querySelectorAll('.jp-OutputArea-output .headlab-headmap')[2];
+            return m.querySelector('.hl-fragment').textContent.includes('[{layer}, {head}]')
+                && m.querySelectorAll('.hl-sel').length === 4; }}""", 30, "the click to reach the kernel", tmp_path)
+        # drag a 2x2 block from the top-left cell: the block joins the selection
+        first = hm.locator('.hl-cell[data-layer="0"][data-head="0"]').bounding_box()
+        last = hm.locator('.hl-cell[data-layer="1"][data-head="1"]').bounding_box()
+        page.mouse.move(first["x"] + 4, first["y"] + 4)
+        page.mouse.down()
+        page.mouse.move(last["x"] + 4, last["y"] + 4, steps=4)
+        page.mouse.up()
+        _wait(page, """() => { const m = document.querySelectorAll('.jp-OutputArea-output .headlab-headmap')[2];
+            const t = m.querySelector('.hl-fragment').textContent;
+            return ['[0, 0]', '[0, 1]', '[1, 0]', '[1, 1]'].every(s => t.includes(s)); }""", 30,
+              "the drag selection", tmp_path)
+        # AttentionView: every token shown; clicking a token makes it the query (recomputed in Python)
+        att = page.locator(".headlab-attention").first
+        toks = att.locator(".hl-tok")
+        assert toks.count() == 33 and att.locator(".hl-query").count() == 1
+        toks.nth(10).click()
+        _wait(page, """() => { const a = document.querySelector('.headlab-attention');
+            return a.querySelector('.hl-caption').textContent.includes('query #10')
+                && a.querySelector('.hl-query').dataset.pos === '10'
+                && a.querySelectorAll('.hl-future').length === 22; }""", 30, "the query change", tmp_path)
+        att.scroll_into_view_if_needed()
+        page.screenshot(path=str(artifacts / "browser-attention.png"))
+        # RunBrowser: lists the run
+        assert page.locator(".headlab-run-browser table.hl-runs tbody tr").count() == 1
+        # inline validation: a typo in the editor shows the located error under it
+        editor = runner.locator("textarea")
+        editor.fill(editor.input_value().replace("kind: induction", "kind: inductoin"))
+        editor.press("Tab")  # the editor syncs on blur
+        _wait(page, """() => { const e = document.querySelector('.headlab-spec-runner .headlab-spec-errors');
+            return e && e.textContent.includes("unknown detector kind 'inductoin'")
+                && !!e.querySelector('.hl-error-line'); }""", 30, "the inline error", tmp_path)
+        runner.scroll_into_view_if_needed()
+        shot = artifacts / "browser-quickstart.png"
+        page.screenshot(path=str(shot), full_page=False)
+        hm.scroll_into_view_if_needed()
+        page.screenshot(path=str(artifacts / "browser-headmap.png"))
     assert not outside, f"requests left localhost: {outside[:5]}"
     data = shot.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
@@ -283,47 +290,36 @@ def test_image_attention_view_click_shows_the_patch_value(tmp_path, monkeypatch)
     nbformat.write(nb, work / "vision.ipynb")
     artifacts = Path(os.environ.get("HEADLAB_ARTIFACTS", tmp_path))
     artifacts.mkdir(parents=True, exist_ok=True)
-    outside: list[str] = []
     env_path = os.environ.get("PYTHONPATH", "")
     monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests") + (os.pathsep + env_path if env_path else ""))  # fixtures.*
-    with _jupyterlab(tmp_path, work, "headlab-tiny") as (url, token, _), \
-            playwright_sync.sync_playwright() as pw:
-        context = pw.chromium.launch_persistent_context(
-            str(tmp_path / "chromium-profile"), executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS,
-            viewport={"width": 1400, "height": 1000}, accept_downloads=False)
-        try:
-            page = context.pages[0] if context.pages else context.new_page()
-            page.on("request", lambda r: None if r.url.startswith((url, "data:", "blob:", "about:"))
-                    else outside.append(r.url))
-            _run_notebook(page, url, token, "vision.ipynb", tmp_path)
-            panel = page.locator(".headlab-image-attention").first
-            _wait(page, "() => !!document.querySelector('.headlab-image-attention .hl-patch')", 60,
-                  "the image panel", tmp_path)
-            assert panel.locator(".hl-patch").count() == rows * cols
-            assert panel.locator("img.hl-image").get_attribute("src").startswith("data:image/png;base64,")
-            assert panel.locator(".hl-colourbar .hl-gradient").count() == 1
-            chips = page.locator(".headlab-attention .hl-image-chip")
-            assert chips.count() == 1 and chips.first.text_content() == f"[image {rows} x {cols}]"
-            cell = panel.locator(f'.hl-patch[data-index="{patch}"]')
-            r, c = divmod(patch, cols)
-            assert (cell.get_attribute("data-row"), cell.get_attribute("data-col"),
-                    cell.get_attribute("data-token")) == (str(r), str(c), str(a + patch))
-            cell.hover()
-            tip = panel.locator(".hl-tip").text_content()
-            assert tip.startswith(f"row {r}, col {c}, token #{a + patch}: ")
-            assert abs(float(tip.rsplit(": ", 1)[1]) - expected) <= 1e-3 * abs(expected) + 1e-7
-            cell.click()
-            info = panel.locator(".hl-patch-info").text_content()
-            assert info.startswith(f"row {r}, col {c}, token #{a + patch}: ")
-            assert abs(float(info.rsplit(": ", 1)[1]) - expected) <= 1e-3 * abs(expected) + 1e-7
-            # the click reached Python, which shows the value it computed
-            shown = _wait(page, """() => { const e = document.querySelector('.hl-selected-patch');
-                return e ? e.textContent : ''; }""", 30, "the click to reach the kernel", tmp_path)
-            assert f"token #{a + patch}: " in shown
-            assert abs(float(shown.rsplit(": ", 1)[1]) - expected) < 1e-5
-            assert panel.locator(".hl-patch.hl-selected").get_attribute("data-index") == str(patch)
-            panel.scroll_into_view_if_needed()
-            page.screenshot(path=str(artifacts / "browser-image-attention.png"))
-        finally:
-            context.close()
+    with _jupyterlab(tmp_path, work, "headlab-tiny") as (url, token, _), _browser(tmp_path, url) as (page, outside):
+        _run_notebook(page, url, token, "vision.ipynb", tmp_path)
+        panel = page.locator(".headlab-image-attention").first
+        _wait(page, "() => !!document.querySelector('.headlab-image-attention .hl-patch')", 60,
+              "the image panel", tmp_path)
+        assert panel.locator(".hl-patch").count() == rows * cols
+        assert panel.locator("img.hl-image").get_attribute("src").startswith("data:image/png;base64,")
+        assert panel.locator(".hl-colourbar .hl-gradient").count() == 1
+        chips = page.locator(".headlab-attention .hl-image-chip")
+        assert chips.count() == 1 and chips.first.text_content() == f"[image {rows} x {cols}]"
+        cell = panel.locator(f'.hl-patch[data-index="{patch}"]')
+        r, c = divmod(patch, cols)
+        assert (cell.get_attribute("data-row"), cell.get_attribute("data-col"),
+                cell.get_attribute("data-token")) == (str(r), str(c), str(a + patch))
+        cell.hover()
+        tip = panel.locator(".hl-tip").text_content()
+        assert tip.startswith(f"row {r}, col {c}, token #{a + patch}: ")
+        assert abs(float(tip.rsplit(": ", 1)[1]) - expected) <= 1e-3 * abs(expected) + 1e-7
+        cell.click()
+        info = panel.locator(".hl-patch-info").text_content()
+        assert info.startswith(f"row {r}, col {c}, token #{a + patch}: ")
+        assert abs(float(info.rsplit(": ", 1)[1]) - expected) <= 1e-3 * abs(expected) + 1e-7
+        # the click reached Python, which shows the value it computed
+        shown = _wait(page, """() => { const e = document.querySelector('.hl-selected-patch');
+            return e ? e.textContent : ''; }""", 30, "the click to reach the kernel", tmp_path)
+        assert f"token #{a + patch}: " in shown
+        assert abs(float(shown.rsplit(": ", 1)[1]) - expected) < 1e-5
+        assert panel.locator(".hl-patch.hl-selected").get_attribute("data-index") == str(patch)
+        panel.scroll_into_view_if_needed()
+        page.screenshot(path=str(artifacts / "browser-image-attention.png"))
     assert not outside, f"requests left localhost: {outside[:5]}"

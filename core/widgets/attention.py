@@ -33,17 +33,10 @@ from ..context import Example
 from ..dims import head_array
 from ..image_attention import forward_kwargs, image_attention_svg, model_view
 from ..model import LoadedModel
-from ..report import NAN_COLOR, PALETTE, color
+from ..report import NAN_COLOR, color
+from .js import PRELUDE
 
-_ESM = """
-const PALETTE = %PALETTE%;
-function colour(v, hi) {
-  if (v === null || v === undefined || !isFinite(v)) return null;
-  const t = hi > 0 ? Math.min(1, Math.max(0, v / hi)) : 0;
-  const x = t * (PALETTE.length - 1), i = Math.min(Math.floor(x), PALETTE.length - 2), f = x - i;
-  const a = PALETTE[i], b = PALETTE[i + 1];
-  return [0, 1, 2].map(k => Math.round(a[k] + (b[k] - a[k]) * f));
-}
+_ESM = PRELUDE + """
 export default {
   render({ model, el }) {
     const root = document.createElement("div");
@@ -53,13 +46,9 @@ export default {
       const tokens = model.get("tokens"), weights = model.get("weights"), offset = model.get("offset");
       const query = model.get("query"), spans = model.get("spans") || [];
       const positions = model.get("positions") || [], images = model.get("image_spans") || [];
-      const finite = weights.filter(v => v !== null && isFinite(v));
-      const hi = model.get("vmax") > 0 ? model.get("vmax") : (finite.length ? Math.max(...finite) : 1);
+      const hi = topOf(weights, model.get("vmax"));
       root.innerHTML = "";
-      const head = document.createElement("div");
-      head.className = "hl-caption";
-      head.textContent = model.get("caption");
-      root.appendChild(head);
+      root.appendChild(element("div", "hl-caption", model.get("caption")));
       const box = document.createElement("div");
       box.className = "hl-tokens";
       tokens.forEach((t, i) => {
@@ -95,7 +84,7 @@ export default {
     draw();
   }
 };
-""".replace("%PALETTE%", str([list(c) for c in PALETTE]))
+"""
 
 _CSS = """
 .headlab-attention { font-family: sans-serif; font-size: 12px; }

@@ -19,17 +19,9 @@ import numpy as np
 import traitlets
 
 from ..image_attention import image_array, png_data_uri, resize_image
-from ..report import PALETTE
+from .js import PRELUDE
 
-_ESM = """
-const PALETTE = %PALETTE%;
-function colour(v, hi) {
-  if (v === null || v === undefined || !isFinite(v)) return null;
-  const t = hi > 0 ? Math.min(1, Math.max(0, v / hi)) : 0;
-  const x = t * (PALETTE.length - 1), i = Math.min(Math.floor(x), PALETTE.length - 2), f = x - i;
-  const a = PALETTE[i], b = PALETTE[i + 1];
-  return [0, 1, 2].map(k => Math.round(a[k] + (b[k] - a[k]) * f));
-}
+_ESM = PRELUDE + """
 function fmt(v) { return (v === null || v === undefined || !isFinite(v)) ? "n/a" : Number(v).toPrecision(4); }
 export default {
   render({ model, el }) {
@@ -43,13 +35,9 @@ export default {
     function draw() {
       const rows = model.get("rows"), cols = model.get("cols"), values = model.get("values");
       const W = model.get("width"), aspect = model.get("aspect"), H = Math.round(W * aspect);
-      const finite = values.filter(v => v !== null && isFinite(v));
-      const hi = model.get("vmax") > 0 ? model.get("vmax") : (finite.length ? Math.max(...finite) : 1);
+      const hi = topOf(values, model.get("vmax"));
       root.innerHTML = "";
-      const cap = document.createElement("div");
-      cap.className = "hl-caption";
-      cap.textContent = model.get("caption");
-      root.appendChild(cap);
+      root.appendChild(element("div", "hl-caption", model.get("caption")));
       const row = document.createElement("div");
       row.className = "hl-image-row";
       const stage = document.createElement("div");
@@ -108,7 +96,7 @@ export default {
     draw();
   }
 };
-""".replace("%PALETTE%", str([list(c) for c in PALETTE]))
+"""
 
 _CSS = """
 .headlab-image-attention { font-family: sans-serif; font-size: 12px; display: inline-block; margin: 4px 8px; }

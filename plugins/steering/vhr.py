@@ -39,6 +39,7 @@ from headlab import ComponentConfig, StepContext, hookimpl
 from headlab.dims import head_array
 from headlab.generation import Batch
 from headlab.spec import NonEmptyStr, NonNegativeInt, PositiveFloat
+from headlab.vision import token_runs
 
 Span = tuple[int, int]
 #: pre-softmax bias that removes a key (exp underflows to exactly 0; finite, so no 0 * inf)
@@ -61,19 +62,6 @@ class Vhr(ComponentConfig):
 def reference_layers(n_layers: int) -> list[int]:
     """Layer 1 plus the last 14 layers (the reference setting on LLaVA-1.5-7B), within the model."""
     return sorted({ly for ly in [1, *range(n_layers - 14, n_layers)] if 0 <= ly < n_layers})
-
-
-def token_runs(ids: Sequence[int], token_id: int) -> list[Span]:
-    """Maximal runs ``[s, e)`` of positions holding ``token_id``."""
-    out: list[Span] = []
-    start = None
-    for i, t in enumerate(list(ids) + [None]):
-        if t == token_id and start is None:
-            start = i
-        elif t != token_id and start is not None:
-            out.append((start, i))
-            start = None
-    return out
 
 
 @dataclass
