@@ -105,6 +105,13 @@ def headlab_register_metrics(register: Register) -> None:
     ``compute(config, examples: list[headlab.Example], outputs: list[str]) -> numpy.ndarray`` returns
     one float per example; the run summary shows the mean. A ``generate`` step lists them in
     ``metrics:`` (a bare kind or a mapping with options).
+
+    A metric whose step-level numbers are not means of per-example values (precision, F1, a ratio of
+    sums) registers them too: ``register(ConfigModel, compute, aggregate=aggregate)`` with
+    ``aggregate(config, examples, outputs, values: numpy.ndarray) -> Mapping[str, float]`` (``values``:
+    what ``compute`` returned). Each ``name`` (an identifier) is stored as the variable
+    ``<kind>_<name>`` without the ``example`` dimension, next to the per-example ``<kind>``, and listed
+    with the step's metrics; :func:`headlab.scoring.metric_values` computes both.
     """
 
 

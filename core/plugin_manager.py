@@ -41,6 +41,8 @@ BUILTIN_PLUGINS = (
     "headlab.plugins.tasks.synthetic_tasks",
     "headlab.plugins.tasks.files",
     "headlab.plugins.tasks.benchmarks",
+    "headlab.plugins.tasks.shapes",
+    "headlab.plugins.tasks.pope",
     "headlab.plugins.detectors.patterns",
     "headlab.plugins.detectors.retrieval",
     "headlab.plugins.detectors.ablation",
@@ -58,6 +60,7 @@ BUILTIN_PLUGINS = (
     "headlab.plugins.metrics.rouge",
     "headlab.plugins.metrics.answers",
     "headlab.plugins.metrics.multiple_choice",
+    "headlab.plugins.metrics.hallucination",
     "headlab.plugins.actions.detect",
     "headlab.plugins.actions.generate",
     "headlab.plugins.actions.score",
@@ -77,8 +80,9 @@ class Category:
 
     ``style`` is the signature of ``register``:
 
-    - ``"config"``: ``register(ConfigModel, implementation, *, default=False)``; the config models of
-      the category join one discriminated union of the spec (see :class:`headlab.spec.SpecTypes`);
+    - ``"config"``: ``register(ConfigModel, implementation, *, default=False)`` (decoders also take
+      ``score=``, metrics ``aggregate=``); the config models of the category join one discriminated union
+      of the spec (see :class:`headlab.spec.SpecTypes`);
     - ``"action"``: ``register(name, config, run, description="")``, a step action;
     - ``"model"``: ``register(name, load, description="")``, a named model.
 
@@ -125,6 +129,8 @@ class Component:
     (actions), or None (models). ``default`` marks the category's default kind (``register(...,
     default=True)``; the generate and score actions use the default decoder). ``score`` is a decoder's
     scorer for the ``score`` action (``register(Config, decode, score=score_fn)``), None if it has none.
+    ``aggregate`` is a metric's step-level aggregate (``register(Config, compute, aggregate=fn)``, see
+    :func:`headlab.hookspecs.headlab_register_metrics`), None if it has none.
     """
 
     category: str
@@ -135,6 +141,7 @@ class Component:
     description: str = ""
     default: bool = False
     score: Callable[..., Any] | None = None
+    aggregate: Callable[..., Any] | None = None
 
 
 @dataclass
@@ -348,7 +355,8 @@ class Manager:
             staged.append(comp)
 
         def register_config(config: type[ComponentConfig], impl: Callable[..., Any], *,
-                            default: bool = False, score: Callable[..., Any] | None = None) -> None:
+                            default: bool = False, score: Callable[..., Any] | None = None,
+                            aggregate: Callable[..., Any] | None = None) -> None:
             if not (isinstance(config, type) and issubclass(config, ComponentConfig)):
                 raise PluginError(f"{info.name}: {category.name} config must subclass headlab.ComponentConfig")
             kind = config.kind_name()
@@ -368,9 +376,11 @@ class Manager:
                                       f"{other.plugin} is already the default")
             if score is not None and (category.name != "decoders" or not callable(score)):
                 raise PluginError(f"{info.name}: {category.label} '{kind}': only decoders take a callable score=")
+            if aggregate is not None and (category.name != "metrics" or not callable(aggregate)):
+                raise PluginError(f"{info.name}: {category.label} '{kind}': only metrics take a callable aggregate=")
             doc = (config.__doc__ or impl.__doc__ or "").strip().splitlines()
             add(Component(category.name, kind, config, impl, info.name, doc[0] if doc else "", bool(default),
-                          score))
+                          score, aggregate))
 
         def register_action(name: str, config: Any, run: Callable[..., Any], description: str = "") -> None:
             if not (isinstance(name, str) and re.fullmatch(r"[A-Za-z][A-Za-z0-9_]*", name)) \

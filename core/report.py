@@ -272,7 +272,8 @@ def _generate_section(run: Run, step: str, ds: xr.Dataset, n_examples: int) -> s
             rows.append([_label(c)] + [float(np.nanmean(sub[m].values.astype(float))) for m in metrics])
         out.append("<h3>metrics (mean over examples)</h3>" + _table(["cell", *metrics], rows, "metrics"))
         if dims and len(cells) > 1:
-            out.append(_sweep_plots(run, dims, cells, {m: ds[m].mean("example") for m in metrics}, "metric"))
+            means = {m: ds[m].mean("example") if "example" in ds[m].dims else ds[m] for m in metrics}
+            out.append(_sweep_plots(run, dims, cells, means, "metric"))
     prompts = ds["prompt"]
     head = ["example", "prompt", "target"] + [_label(c) for c in cells]
     rows = []

@@ -457,7 +457,8 @@ class Run:
     def summary(self) -> dict[str, Any]:
         """Top heads per detect step (their score averaged over the sweep); per other step its ``kind`` (the
         action) and, never averaged across sweep values, its metrics: ``cells``, one row per sweep cell
-        (``[{"cell": {sweep key: value}, "metrics": {name: mean over the cell's examples}}]``), and
+        (``[{"cell": {sweep key: value}, "metrics": {name: mean over the cell's examples}}]``; a metric's
+        step-level aggregate, stored without the ``example`` dimension, as it is), and
         ``metrics``, the same means when the run has one cell; for per-task metrics (``evaluate``), one row
         per sweep cell and task (``tasks``: ``[{"cell": {...}, "task": name, "metrics": {...}}]``)."""
         from .heads import ranked

@@ -26,7 +26,7 @@ from .context import Example, StepContext
 from .generation import Batch, Decoded, DecodeRequest, Scored, ScoreRequest, continuation_batch, tokenize
 from .model import LoadedModel
 
-__all__ = ["as_model", "component", "generate", "logprobs", "steering_plan"]
+__all__ = ["as_model", "component", "generate", "logprobs", "metric_values", "steering_plan"]
 
 Text = str | Example | Sequence[int]
 
@@ -76,6 +76,54 @@ def component(category: str, value: Any) -> Any:
         err = e.errors()[0]
         where = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("function-", "tagged-union")))
         raise ValueError(f"{category} config {dict(value)!r}: {where + ': ' if where else ''}{err['msg']}") from None
+
+
+def metric_values(config: Any, examples: Sequence[Example], outputs: Sequence[str]) -> dict[str, Any]:
+    """What a step stores for the metric ``config`` (a metric config, a mapping with ``kind`` or a bare kind)
+    on ``outputs`` of ``examples``: ``{kind: per-example values over "example"}`` and, for a metric
+    registered with ``aggregate=``, ``{f"{kind}_{name}": value}`` for each of its step-level aggregates
+    (0-d, without the ``example`` dimension). All are ``xarray.DataArray`` of floats, in that order.
+
+    A metric raising ``TypeError``/``ValueError`` or returning something other than one number per example,
+    or an aggregate that is not a mapping of identifiers to numbers, is a :class:`headlab.errors.ContractError`
+    naming the metric (as the ``generate`` action reports it)."""
+    import re
+
+    import numpy as np
+    import xarray as xr
+
+    from .errors import ContractError
+    from .plugin_manager import get_manager
+
+    config = component("metrics", config)
+    kind = config.kind
+    comp = get_manager().get("metrics", kind)
+    examples, outputs = list(examples), list(outputs)
+    try:
+        values = np.asarray(comp.impl(config, examples, outputs), dtype=float)
+    except (TypeError, ValueError) as e:
+        raise ContractError(f"the metric returned no numbers ({e})", category="metrics", kind=kind) from e
+    if values.shape != (len(examples),):
+        raise ContractError(f"the metric returned shape {values.shape}, not one number per example",
+                            category="metrics", kind=kind)
+    out: dict[str, Any] = {kind: xr.DataArray(values, dims="example")}
+    if comp.aggregate is None:
+        return out
+    result = comp.aggregate(config, examples, outputs, values)
+    if not isinstance(result, Mapping):
+        raise ContractError(f"the metric's aggregate returned {type(result).__name__}, not a mapping of names to "
+                            "numbers", category="metrics", kind=kind)
+    for name, value in result.items():
+        if not (isinstance(name, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name)):
+            raise ContractError(f"the metric's aggregate name {name!r} is not an identifier", category="metrics",
+                                kind=kind)
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ContractError(f"the metric's aggregate {name!r} is {value!r}, not a number", category="metrics",
+                                kind=kind) from None
+        out[f"{kind}_{name}"] = xr.DataArray(number)
+    return out
 
 
 def steering_plan(steer: Sequence[Any], ctx: StepContext, batch: Batch) -> tuple[Any, list[Callable[[], Any]]]:

@@ -274,3 +274,67 @@ def test_every_spec_example_in_the_docs_validates():
             load_spec("name: doc\n" + text)
             checked += 1
     assert checked >= 12
+
+
+# --- images ---------------------------------------------------------------------------------------
+
+def draw(path, colour=(255, 0, 0)):
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (4, 4), colour).save(path)
+    return path
+
+
+def test_image_field_relative_to_the_data_file_and_marker(tmp_path):
+    data = tmp_path / "data"
+    draw(data / "img" / "a.png")
+    draw(tmp_path / "abs.png")
+    rows = [{"q": "What is shown?", "img": "img/a.png", "a": "red"},
+            {"q": "And here?", "img": str(tmp_path / "abs.png"), "a": "red"}]
+    path = write_jsonl(data / "vqa.jsonl", rows)
+    exs = build_file_task(JsonlTask(path=path, prompt="USER: <image>\n{{ q }} ASSISTANT:", target="{{ a }}",
+                                    image="img"), CTX)
+    assert [e.prompt for e in exs] == ["USER: <image>\nWhat is shown? ASSISTANT:", "USER: <image>\nAnd here? ASSISTANT:"]
+    assert [e.images for e in exs] == [[data / "img" / "a.png"], [tmp_path / "abs.png"]]
+    assert build_file_task(JsonlTask(path=path, prompt="{{ q }}"), CTX)[0].images == []  # no image: option
+
+
+def test_image_without_marker_is_put_in_front_and_spans_shift(tmp_path):
+    draw(tmp_path / "pics" / "a.png")
+    path = write_csv(tmp_path / "t.csv", ["q", "file", "span"], [["say cat", "a.png", "[4, 7]"]])
+    task = CsvTask(path=path, prompt="{{ q }}", image="file", image_dir=str(tmp_path / "pics"),
+                   spans={"word": "span"}, span_tags={"em": "em"})
+    ex = build_file_task(task, CTX)[0]
+    assert ex.prompt == "<image>\nsay cat" and ex.images == [tmp_path / "pics" / "a.png"]
+    s, e = ex.spans["word"][0]
+    assert ex.prompt[s:e] == "cat"
+    tagged = build_file_task(task.model_copy(update={"prompt": "{{ q }} <em>now</em>"}), CTX)[0]
+    s, e = tagged.spans["em"][0]
+    assert tagged.prompt[s:e] == "now"
+
+
+def test_a_list_of_images_needs_one_marker_each(tmp_path):
+    draw(tmp_path / "a.png")
+    draw(tmp_path / "b.png")
+    path = write_jsonl(tmp_path / "two.jsonl", [{"imgs": ["a.png", "b.png"], "q": "same?"}])
+    ex = build_file_task(JsonlTask(path=path, prompt="<image> vs <image>: {{ q }}", image="imgs"), CTX)[0]
+    assert ex.images == [tmp_path / "a.png", tmp_path / "b.png"]
+    assert build_file_task(JsonlTask(path=path, prompt="{{ q }}", image="imgs"), CTX)[0].prompt == \
+        "<image>\n<image>\nsame?"
+    with pytest.raises(TaskDataError, match=r"two.jsonl row 1: the prompt has 1 <image> markers for 2 image"):
+        build_file_task(JsonlTask(path=path, prompt="<image> {{ q }}", image="imgs"), CTX)
+
+
+def test_image_errors_name_the_row_and_path(tmp_path):
+    path = write_jsonl(tmp_path / "v.jsonl", [{"q": "x", "img": "gone.png"}])
+    with pytest.raises(TaskDataError, match=r"jsonl task: v.jsonl row 1: image not found: '.*gone.png'; set "
+                       r"`image_dir:` to the folder holding the images"):
+        build_file_task(JsonlTask(path=path, prompt="{{ q }}", image="img"), CTX)
+    with pytest.raises(TaskDataError, match=r"image field 'picture' is missing"):
+        build_file_task(JsonlTask(path=path, prompt="{{ q }}", image="picture"), CTX)
+    url = write_jsonl(tmp_path / "u.jsonl", [{"q": "x", "img": "https://example.org/a.png"}])
+    with pytest.raises(TaskDataError, match=r"is a URL; images must be local files"):
+        build_file_task(JsonlTask(path=url, prompt="{{ q }}", image="img"), CTX)
+    with pytest.raises(ValidationError, match="`image_dir` needs `image`"):
+        JsonlTask(path=path, prompt="{{ q }}", image_dir="x")

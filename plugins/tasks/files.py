@@ -24,6 +24,15 @@ renders one record; it loads nothing). Mistakes are caught early and named:
 ``target`` and every choice are *continuations* of the prompt: ``target_delimiter`` (default
 ``" "``, as in lm-eval) is put in front of each, so ``prompt + target`` is the full text.
 
+Images: ``image: <field>`` names the field holding an example's image, a local file path (or a list
+of them, or a cell holding a JSON list); a relative path is relative to ``image_dir`` when given,
+else to the data file's directory (the working directory for ``hf_dataset``, whose image field may
+also hold decoded ``PIL`` images). The prompt marks where each image goes with ``<image>``
+(:data:`headlab.context.IMAGE_MARKER`), one marker per image; a prompt without any marker gets
+``"<image>\n"`` (one per image) in front, and span offsets from ``spans`` fields stay offsets into
+the template's own rendering (they are shifted past the added markers). A missing image file is an
+error naming the row and the path it looked at. URLs are refused: images are local files.
+
 This module also holds the helpers the benchmark loaders share (file reading, ``datasets`` loading,
 templates, inline span tags).
 """
@@ -56,13 +65,14 @@ from jinja2.visitor import NodeTransformer
 from pydantic import Field, field_validator, model_validator
 
 from headlab import ComponentConfig, Example, TaskContext, hookimpl
+from headlab.context import IMAGE_MARKER
 from headlab.context import strip_tags as core_strip_tags
 from headlab.spec import PositiveInt, Seed
 
 __all__ = [
     "TaskDataError", "TemplateLimitError", "Row", "Template", "lint_template", "strip_tags", "read_rows", "load_hf",
-    "resolve_path", "parse_list", "resolve_label", "select_rows", "DataSource", "JsonlTask", "CsvTask",
-    "build_file_task",
+    "resolve_path", "resolve_image", "parse_list", "resolve_label", "select_rows", "DataSource", "JsonlTask",
+    "CsvTask", "build_file_task",
 ]
 
 
@@ -464,6 +474,26 @@ def resolve_path(path: str | Path, task: str) -> Path:
     return p
 
 
+def resolve_image(value: Any, base: Path | None, row: Row, task: str, hint: str = "set `image_dir:`") -> Any:
+    """An image of a row: a ``PIL.Image.Image`` as it is, or a path (relative to ``base``, else the working
+    directory) to an existing local file; anything else is a clear error naming the row, the path it
+    looked at and ``hint`` (the fix)."""
+    if hasattr(value, "getbands") and hasattr(value, "size"):  # a decoded PIL image (datasets' Image feature)
+        return value
+    if not isinstance(value, (str, Path)) or not str(value).strip():
+        raise TaskDataError(f"{task} task: {row.where()}: image must be a local file path, got {str(value)[:60]!r}")
+    text = str(value).strip()
+    if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", text):
+        raise TaskDataError(f"{task} task: {row.where()}: image {text[:80]!r} is a URL; images must be local "
+                            "files (download them and give their paths)")
+    p = Path(text).expanduser()
+    if not p.is_absolute() and base is not None:
+        p = base / p
+    if not p.is_file():
+        raise TaskDataError(f"{task} task: {row.where()}: image not found: {str(p.resolve())!r}; {hint}")
+    return p
+
+
 def _read_text(p: Path, task: str) -> str:
     """A data file's text: UTF-8 (a byte-order mark is dropped); bad bytes name the file and line."""
     data = p.read_bytes()
@@ -679,6 +709,10 @@ class _FileTask(DataSource):
                                       "<tag>...</tag> in the rendered prompt is removed and recorded as "
                                       "that span, e.g. {emphasis: em}")
     meta: list[str] = Field(default_factory=list, description="fields copied into each example's meta")
+    image: str | None = Field(None, description="field holding the example's image: a local file path (or a "
+                              "list of them); the prompt marks it with <image> (added in front when missing)")
+    image_dir: str | None = Field(None, description="folder that relative image paths are relative to "
+                                  "(default: the data file's folder)")
 
     @field_validator("prompt", "target")
     @classmethod
@@ -699,7 +733,15 @@ class _FileTask(DataSource):
     def _label_needs_choices(self) -> _FileTask:
         if self.label is not None and self.choices is None:
             raise ValueError("`label` needs `choices`")
+        if self.image_dir is not None and self.image is None:
+            raise ValueError("`image_dir` needs `image` (the field holding the image path)")
         return self
+
+    def image_base(self) -> Path | None:
+        """The folder relative image paths are relative to (None: the working directory)."""
+        if self.image_dir is not None:
+            return Path(self.image_dir).expanduser()
+        return Path(self.path).expanduser().parent if self.path is not None else None
 
 
 class JsonlTask(_FileTask):
@@ -753,6 +795,11 @@ def build_file_task(config: _FileTask, ctx: TaskContext) -> list[Example]:
             if field not in row.data:
                 raise TaskDataError(f"{kind} task: {row.where()}: span field '{field}' is missing")
             spans.setdefault(name, []).extend(parse_spans(row.data[field], name, prompt, row, kind))
+        images = _images(config, row, prompt)
+        if images and IMAGE_MARKER not in prompt:
+            shift = len(IMAGE_MARKER + "\n") * len(images)
+            prompt = f"{IMAGE_MARKER}\n" * len(images) + prompt
+            spans = {name: [(s + shift, e + shift) for s, e in pairs] for name, pairs in spans.items()}
         choices = _choices(config, templates, row)
         label = None
         if config.label is not None:
@@ -771,8 +818,30 @@ def build_file_task(config: _FileTask, ctx: TaskContext) -> list[Example]:
                 raise TaskDataError(f"{kind} task: {row.where()}: meta field '{field}' is missing")
             meta[field] = row.data[field]
         examples.append(Example(prompt=prompt, target=target, choices=choices, label=label, spans=spans,
-                                meta=meta))
+                                meta=meta, images=images))
     return examples
+
+
+def _images(config: _FileTask, row: Row, prompt: str) -> list[Any]:
+    """The row's images (empty without ``image:``), checked against the prompt's markers."""
+    if config.image is None:
+        return []
+    kind = config.kind
+    if config.image not in row.data:
+        raise TaskDataError(f"{kind} task: {row.where()}: image field '{config.image}' is missing "
+                            f"(fields: {', '.join(map(str, row.data))})")
+    value = row.data[config.image]
+    values = parse_list(value, f"image field '{config.image}'", row, kind) \
+        if isinstance(value, (list, tuple)) or (isinstance(value, str) and value.strip().startswith("[")) else [value]
+    if not values:
+        raise TaskDataError(f"{kind} task: {row.where()}: image field '{config.image}' holds no image")
+    markers = prompt.count(IMAGE_MARKER)
+    if markers and markers != len(values):
+        raise TaskDataError(f"{kind} task: {row.where()}: the prompt has {markers} {IMAGE_MARKER} markers for "
+                            f"{len(values)} image(s); write one marker per image (or none: one is put in front)")
+    hint = ("set `image_dir:` to the folder holding the images" if config.image_dir is None
+            else f"check `image_dir: {config.image_dir}`")
+    return [resolve_image(v, config.image_base(), row, kind, hint) for v in values]
 
 
 @hookimpl
