@@ -1,0 +1,174 @@
+"""Measure ``headlab-tiny-vlm`` on held-out ``shapes`` images; writes ``headlab-tiny-vlm/eval.json``.
+
+Usage (from the repository root)::
+
+    python plugins/models/tiny/evaluate_vlm.py                      # the shipped checkpoint
+    python plugins/models/tiny/evaluate_vlm.py --checkpoint DIR --out /tmp/eval.json
+
+Every question is asked twice: with its image and with a blank image (the task's white canvas, no
+shapes), so the gap is the model's visual dependence. Examples come from the ``shapes`` task itself
+(:func:`headlab.plugins.tasks.shapes.build_shapes`, seed 1000 + k: images the training never drew).
+
+- POPE (presence, ``per_image: 1``: one yes and one no question per image) for each negatives setting:
+  accuracy, precision, recall, F1 (yes positive), yes-ratio, with the ``pope`` metric's rule;
+- colour and count: the first word of the answer is an accepted answer;
+- captions ("Describe the image."): the ``chair`` metric (CHAIR_s, CHAIR_i, mentions per caption) and the
+  fraction of the image's objects the caption names (coverage);
+- heads: ``segment_divergence`` (VHD over the image tokens) per head, averaged over caption and presence
+  prompts, and how concentrated it is (the top heads' share of the total).
+
+Greedy decoding through :func:`headlab.generate` (headlab's own attention and KV-cache loop).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+DEFAULT = HERE / "headlab-tiny-vlm"
+
+
+def blank(examples: list[Any]) -> list[Any]:
+    """The same examples with each image replaced by a blank canvas of its size (the background colour)."""
+    from dataclasses import replace
+
+    from PIL import Image
+
+    from headlab.plugins.tasks.shapes import COLOURS
+
+    return [replace(ex, images=[Image.new("RGB", ex.images[0].size, COLOURS["white"])]) for ex in examples]
+
+
+def build(question: str, n: int, seed: int, **kw: Any) -> list[Any]:
+    from headlab import TaskContext
+    from headlab.plugins.tasks.shapes import Shapes, build_shapes
+
+    return build_shapes(Shapes(n=n, question=question, **kw), TaskContext(tokenizer=None, seed=seed, vocab_size=0))
+
+
+def first_word(text: str) -> str:
+    words = text.replace(".", " ").replace(",", " ").split()
+    return words[0].lower() if words else ""
+
+
+def evaluate(lm: Any, model: Any, n: int = 100, batch_size: int = 32) -> dict[str, Any]:
+    """The measurements on ``lm`` (``model``: how a spec names it, for the VHD run)."""
+    import headlab
+    from headlab.plugins.metrics.hallucination import (
+        Chair,
+        ObjectMatcher,
+        PopeMetric,
+        chair_aggregate,
+        default_synonyms,
+        pope_aggregate,
+    )
+
+    def gen(exs: list[Any], new: int) -> list[str]:
+        return headlab.generate(lm, exs, max_new_tokens=new, batch_size=batch_size).texts
+
+    out: dict[str, Any] = {"n_images": n}
+    pope: dict[str, Any] = {}
+    for k, setting in enumerate(("random", "popular", "adversarial")):
+        exs = build("presence", n, 1000 + k, negatives=setting)
+        pope[setting] = {}
+        for name, rows in (("image", exs), ("blank", blank(exs))):
+            texts = gen(rows, 3)
+            pope[setting][name] = {key: round(v, 4) for key, v in
+                                   pope_aggregate(PopeMetric(), rows, texts, np.zeros(len(rows))).items()}
+        pope[setting]["questions"] = len(exs)
+        print(f"POPE {setting}: {pope[setting]}", flush=True)
+    out["pope"] = pope
+    for k, question in enumerate(("colour", "count")):
+        exs = build(question, n, 1010 + k)
+        res: dict[str, Any] = {"questions": len(exs)}
+        for name, rows in (("image", exs), ("blank", blank(exs))):
+            texts = gen(rows, 3)
+            res[name] = round(float(np.mean([first_word(t) in ex.meta["answers"] for t, ex in zip(texts, rows,
+                                                                                                strict=True)])), 4)
+        out[question] = res
+        print(f"{question}: {res}", flush=True)
+    exs = build("caption", n, 1020)
+    matcher = ObjectMatcher(default_synonyms())
+    cap: dict[str, Any] = {"captions": len(exs)}
+    for name, rows in (("image", exs), ("blank", blank(exs))):
+        texts = gen(rows, 40)
+        agg = chair_aggregate(Chair(), rows, texts, np.zeros(len(rows)))
+        cover = [len(set(matcher.mentions(t)) & set(ex.meta["objects"])) / len(ex.meta["objects"])
+                 for t, ex in zip(texts, rows, strict=True)]
+        cap[name] = {"chair_s": round(agg["s"], 4), "chair_i": round(agg["i"], 4),
+                     "mentions": round(agg["mentions"], 4), "coverage": round(float(np.mean(cover)), 4),
+                     "examples": [{"objects": ex.meta["objects"], "caption": t} for ex, t in zip(rows[:5], texts[:5],
+                                                                                                 strict=True)]}
+    out["caption"] = cap
+    print(f"caption: { {k: {kk: vv for kk, vv in v.items() if kk != 'examples'} if isinstance(v, dict) else v for k, v in cap.items()} }",
+          flush=True)
+    out["heads"] = heads(model, n=min(64, n))
+    return out
+
+
+def heads(model: Any, n: int = 64) -> dict[str, Any]:
+    """VHD (segment_divergence over the image) per head on caption and presence prompts."""
+    import headlab
+
+    spec = {"name": "vhd", "model": model, "task": {"kind": "shapes", "n": n, "question": "caption", "seed": 1030},
+            "steps": [{"id": "caption", "detect": {"kind": "segment_divergence"}},
+                      {"id": "presence", "task": {"kind": "shapes", "n": n // 2, "question": "presence",
+                                                  "seed": 1031},
+                       "detect": {"kind": "segment_divergence"}}]}
+    with tempfile.TemporaryDirectory() as tmp:
+        run = headlab.run(spec, out=tmp)
+        res: dict[str, Any] = {}
+        for step in ("caption", "presence"):
+            score = run.results[step]["score"].values.astype(float)  # (layer, head)
+            flat = score.ravel()
+            order = np.argsort(-flat)
+            L, H = score.shape
+            total = flat.sum()
+            res[step] = {
+                "score": np.round(score, 4).tolist(),
+                "top": [[int(i // H), int(i % H), round(float(flat[i]), 4)] for i in order[:8]],
+                "top4_share": round(float(flat[order[:4]].sum() / total), 4),
+                "top8_share": round(float(flat[order[:8]].sum() / total), 4),
+                "uniform_share_4": round(4 / flat.size, 4),
+                "per_layer_max_over_median": [round(float(score[ly].max() / np.median(score[ly])), 3) for ly in range(L)],
+            }
+            print(f"VHD {step}: top {res[step]['top'][:6]} top4 share {res[step]['top4_share']}", flush=True)
+    return res
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", type=Path, default=None, help="a checkpoint directory (default: the shipped one)")
+    ap.add_argument("--out", type=Path, default=None, help="default: <checkpoint>/eval.json")
+    ap.add_argument("--n", type=int, default=100, help="images per question kind")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from headlab.model import from_pretrained, load_model
+    from headlab.spec import ModelSpec
+
+    t0 = time.time()
+    if args.checkpoint is None:
+        model: Any = "headlab-tiny-vlm"
+        lm = load_model(ModelSpec(id=model, device="cpu"))
+        out_path = args.out or DEFAULT / "eval.json"
+    else:
+        model = {"path": str(args.checkpoint)}
+        lm = from_pretrained(str(args.checkpoint), ModelSpec(device="cpu"), name=str(args.checkpoint))
+        out_path = args.out or args.checkpoint / "eval.json"
+    result = {"checkpoint": lm.name, "digest": lm.digest, **evaluate(lm, model, args.n),
+              "minutes": round((time.time() - t0) / 60, 1)}
+    out_path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out_path}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
