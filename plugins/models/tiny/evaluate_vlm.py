@@ -144,12 +144,57 @@ def heads(model: Any, n: int = 64) -> dict[str, Any]:
     return res
 
 
+def steering(model: Any, spec_path: Path) -> dict[str, Any]:
+    """Run ``specs/vhr_shapes.yaml`` on ``model`` and score each generate step with its metric's aggregates
+    (``chair``: CHAIR_s, CHAIR_i, mentions; ``pope``: accuracy, precision, recall, F1, yes-ratio), recomputed
+    from the stored outputs and the task's examples."""
+    import yaml
+
+    import headlab
+    from headlab import TaskContext
+    from headlab.plugins.tasks.shapes import Shapes, build_shapes
+    from headlab.scoring import metric_values
+
+    spec = yaml.safe_load(spec_path.read_text())
+    spec["model"] = model
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        run = headlab.run(spec, out=tmp)
+        seed = int(run.attrs.get("seed", 0))
+        out["digest"] = run.attrs.get("model_digest") or run.attrs.get("digest")
+        for step in spec["steps"]:
+            if "generate" not in step:
+                continue
+            task = dict(step.get("task") or spec["task"])
+            task.pop("kind")
+            examples = build_shapes(Shapes(**task), TaskContext(tokenizer=None, seed=seed, vocab_size=0))
+            ds = run.results[step["id"]]
+            texts = [str(t) for t in ds["output"].values]
+            assert [str(p) for p in ds["prompt"].values] == [ex.prompt for ex in examples]
+            res: dict[str, Any] = {}
+            for metric in step["generate"].get("metrics", []):
+                values = metric_values(metric, examples, texts)
+                res.update({k: round(float(v.values.mean()), 4) for k, v in values.items()})
+            if "vhr_selected" in ds:
+                res["vhr_heads_per_example"] = round(float(ds["vhr_selected"].sum(["layer", "head"]).mean()), 2)
+            res["examples"] = [[ex.meta.get("scene"), t] for ex, t in zip(examples[:3], texts[:3], strict=True)]
+            out[step["id"]] = res
+            print(step["id"], {k: v for k, v in res.items() if k != "examples"}, flush=True)
+        score = run.results["vhd"]["score"].values
+        flat = np.argsort(-score.ravel())
+        out["vhd_top16"] = [[int(i // score.shape[1]), int(i % score.shape[1])] for i in flat[:16]]
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", type=Path, default=None, help="a checkpoint directory (default: the shipped one)")
     ap.add_argument("--out", type=Path, default=None, help="default: <checkpoint>/eval.json")
     ap.add_argument("--n", type=int, default=100, help="images per question kind")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--spec", type=Path, default=HERE.parents[2] / "specs" / "vhr_shapes.yaml",
+                    help="the VHR demonstration spec (its figures go under vhr_shapes)")
+    ap.add_argument("--no-spec", action="store_true", help="skip the spec")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from headlab.model import from_pretrained, load_model
@@ -164,8 +209,10 @@ def main(argv: list[str] | None = None) -> None:
         model = {"path": str(args.checkpoint)}
         lm = from_pretrained(str(args.checkpoint), ModelSpec(device="cpu"), name=str(args.checkpoint))
         out_path = args.out or args.checkpoint / "eval.json"
-    result = {"checkpoint": lm.name, "digest": lm.digest, **evaluate(lm, model, args.n),
-              "minutes": round((time.time() - t0) / 60, 1)}
+    result = {"checkpoint": lm.name, "digest": lm.digest, **evaluate(lm, model, args.n)}
+    if not args.no_spec and args.spec.is_file():
+        result["vhr_shapes"] = steering(model, args.spec)
+    result["minutes"] = round((time.time() - t0) / 60, 1)
     out_path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out_path}", flush=True)
 

@@ -284,7 +284,7 @@ def main(argv=None) -> None:
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/headlab-tiny-vlm-train"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="1 is fastest on a shared machine")
-    ap.add_argument("--steps", type=int, default=1100)
+    ap.add_argument("--steps", type=int, default=1800)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=1.5e-3, help="peak learning rate of the language model")
     ap.add_argument("--vision-lr", type=float, default=3e-3, help="peak learning rate of the tower and projector")
