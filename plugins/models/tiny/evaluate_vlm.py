@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import tempfile
 import time
 from pathlib import Path
@@ -59,6 +60,77 @@ def first_word(text: str) -> str:
     return words[0].lower() if words else ""
 
 
+def absent_split(examples: list[Any], texts: list[str]) -> dict[str, float]:
+    """Accuracy on the ``no`` questions, split by whether the absent object's colour (or shape) is that of an
+    object in the image: how much of the answer rests on colour alone."""
+    from headlab.plugins.metrics.hallucination import pope_answer
+
+    groups: dict[str, list[bool]] = {}
+    for ex, text in zip(examples, texts, strict=True):
+        if ex.meta["label"] != "no":
+            continue
+        colour, shape = ex.meta["object"].split()
+        key = ("no_colour_in_image" if any(o.split()[0] == colour for o in ex.meta["objects"])
+               else "no_colour_not_in_image")
+        groups.setdefault(key, []).append(pope_answer(text) == "no")
+        key = "no_shape_in_image" if any(o.split()[1] == shape for o in ex.meta["objects"]) else "no_shape_not_in_image"
+        groups.setdefault(key, []).append(pope_answer(text) == "no")
+    out = {}
+    for key, values in sorted(groups.items()):
+        out[key] = round(float(np.mean(values)), 4)
+        out[f"{key}_n"] = len(values)
+    return out
+
+
+def colour_mentions(texts: list[str], examples: list[Any]) -> dict[str, float]:
+    """Colour-level hallucination of captions: of the mentions (colour + shape word), the fraction whose
+    colour is in no object of the image, and the same for the shape word."""
+    from headlab.plugins.tasks.shapes import COLOURS, SHAPES
+
+    n = bad_colour = bad_shape = 0
+    for text, ex in zip(texts, examples, strict=True):
+        words = text.lower().replace(",", " ").replace(".", " ").split()
+        colours = {o.split()[0] for o in ex.meta["objects"]}
+        shapes = {o.split()[1] for o in ex.meta["objects"]}
+        for a, b in zip(words, words[1:], strict=False):
+            if a in COLOURS and b in SHAPES:
+                n += 1
+                bad_colour += a not in colours
+                bad_shape += b not in shapes
+    return {"colour_hallucination_i": round(bad_colour / n, 4) if n else math.nan,
+            "shape_hallucination_i": round(bad_shape / n, 4) if n else math.nan}
+
+
+def sweep(lm: Any, alphas: tuple[float, ...] = (1.5, 2.0, 3.0), n: int = 100, seed: int = 100) -> dict[str, Any]:
+    """VHR at several alphas vs the same alpha on 16 random heads (every example), on the spec's captions and
+    adversarial presence questions (``vhr_shapes.yaml``'s examples)."""
+    import headlab
+    from headlab.plugins.metrics.hallucination import Chair, PopeMetric, chair_aggregate, pope_aggregate
+
+    geo = lm.geometry
+    rng = np.random.default_rng(0)
+    pick = rng.choice(geo.n_layers * geo.n_heads, size=16, replace=False)
+    random_heads = sorted([int(i // geo.n_heads), int(i % geo.n_heads)] for i in pick)
+    caps = build("caption", n, seed)
+    pope = build("presence", n, seed + 1, negatives="adversarial")
+    out: dict[str, Any] = {"random_heads": random_heads}
+    runs = [("greedy", 1.0, [])]
+    for alpha in alphas:
+        runs += [("vhr", alpha, [{"kind": "vhr", "alpha": alpha}]),
+                 ("random", alpha, [{"kind": "head_scale", "heads": random_heads, "factor": alpha}])]
+    for name, alpha, steer in runs:
+        texts = headlab.generate(lm, caps, steer=steer, max_new_tokens=40, batch_size=32).texts
+        c = chair_aggregate(Chair(), caps, texts, np.zeros(len(caps)))
+        answers = headlab.generate(lm, pope, steer=steer, max_new_tokens=3, batch_size=32).texts
+        p = pope_aggregate(PopeMetric(), pope, answers, np.zeros(len(pope)))
+        key = name if name == "greedy" else f"{name}_alpha_{alpha:g}"
+        out[key] = {"chair_s": round(c["s"], 4), "chair_i": round(c["i"], 4), "mentions": round(c["mentions"], 4),
+                    **colour_mentions(texts, caps), "pope_accuracy": round(p["accuracy"], 4),
+                    "pope_f1": round(p["f1"], 4), "pope_yes_ratio": round(p["yes_ratio"], 4)}
+        print(key, out[key], flush=True)
+    return out
+
+
 def evaluate(lm: Any, model: Any, n: int = 100, batch_size: int = 32) -> dict[str, Any]:
     """The measurements on ``lm`` (``model``: how a spec names it, for the VHD run)."""
     import headlab
@@ -83,6 +155,7 @@ def evaluate(lm: Any, model: Any, n: int = 100, batch_size: int = 32) -> dict[st
             texts = gen(rows, 3)
             pope[setting][name] = {key: round(v, 4) for key, v in
                                    pope_aggregate(PopeMetric(), rows, texts, np.zeros(len(rows))).items()}
+            pope[setting][name].update(absent_split(rows, texts))
         pope[setting]["questions"] = len(exs)
         print(f"POPE {setting}: {pope[setting]}", flush=True)
     out["pope"] = pope
@@ -103,8 +176,10 @@ def evaluate(lm: Any, model: Any, n: int = 100, batch_size: int = 32) -> dict[st
         agg = chair_aggregate(Chair(), rows, texts, np.zeros(len(rows)))
         cover = [len(set(matcher.mentions(t)) & set(ex.meta["objects"])) / len(ex.meta["objects"])
                  for t, ex in zip(texts, rows, strict=True)]
+        colours = colour_mentions(texts, rows)
         cap[name] = {"chair_s": round(agg["s"], 4), "chair_i": round(agg["i"], 4),
                      "mentions": round(agg["mentions"], 4), "coverage": round(float(np.mean(cover)), 4),
+                     **colours,
                      "examples": [{"objects": ex.meta["objects"], "caption": t} for ex, t in zip(rows[:5], texts[:5],
                                                                                                  strict=True)]}
     out["caption"] = cap
@@ -212,6 +287,7 @@ def main(argv: list[str] | None = None) -> None:
     result = {"checkpoint": lm.name, "digest": lm.digest, **evaluate(lm, model, args.n)}
     if not args.no_spec and args.spec.is_file():
         result["vhr_shapes"] = steering(model, args.spec)
+        result["vhr_sweep"] = sweep(lm)
     result["minutes"] = round((time.time() - t0) / 60, 1)
     out_path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out_path}", flush=True)
