@@ -645,7 +645,7 @@ def parse_yaml(text: str, source: str = "<spec>") -> tuple[dict[str, Any], Any]:
     except YAMLError as e:
         raise SpecError(f"invalid YAML: {str(e).splitlines()[0]}", source=source, line=1, col=1) from None
     except RecursionError:  # a parser path not covered by max_depth
-        raise SpecError(f"nested deeper than {MAX_DEPTH} levels", source=source) from None
+        raise SpecError(f"nested deeper than {MAX_DEPTH} levels", source=source, line=1, col=1) from None
     if tree is None:
         raise SpecError("the spec is empty", source=source, line=1, col=1)
     if not isinstance(tree, Mapping):
@@ -725,6 +725,8 @@ def first_error(exc: ValidationError, data: Any, tree: Any, source: str) -> Spec
         path.append(err["ctx"]["key"])
     elif err["type"] == "missing":
         msg = f"missing required key '{path[-1]}'" if path else msg
+    elif err["type"] in ("union_tag_invalid", "literal_error") and path and path[-1] != "kind":
+        pass
     elif err["type"] == "string_pattern_mismatch" and err.get("ctx", {}).get("pattern") in _PATTERN_HELP:
         msg = f"{err['input']!r} is not allowed: {_PATTERN_HELP[err['ctx']['pattern']]}"
     msg = msg.replace("Value error, ", "")
