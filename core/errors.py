@@ -12,6 +12,7 @@ Exit codes of the ``headlab`` command (docs/reliability.md):
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Iterable
 from typing import Any
@@ -29,7 +30,8 @@ class StepError(Exception):
     ``step`` is the step id, ``action`` its action, ``category``/``kind``/``plugin`` the component whose code
     raised (the task when building the examples failed, a decoder, a steering method, ... else the action),
     ``cell`` the sweep cell's name (``c0003``) and ``values`` its sweep values. The original exception is
-    ``__cause__`` (and :attr:`cause`).
+    ``__cause__`` (and :attr:`cause`). The error raised is also an instance of the cause's class (a
+    ``ValueError`` from a plugin stays a ``ValueError`` for ``except`` clauses); :meth:`wrap` builds it.
     """
 
     def __init__(self, cause: BaseException, *, step: str, action: str, category: str, kind: str, plugin: str,
@@ -37,13 +39,38 @@ class StepError(Exception):
         self.cause, self.step, self.action = cause, step, action
         self.category, self.kind, self.plugin = category, kind, plugin
         self.cell, self.values = cell, dict(values or {})
-        super().__init__(str(self))
+        Exception.__init__(self, str(self))
 
     def __str__(self) -> str:
         where = f"step '{self.step}'"
         if self.values:
             where += f" of cell {self.cell} (" + ", ".join(f"{k}={v!r}" for k, v in self.values.items()) + ")"
-        return f"{where} ({self.category} '{self.kind}', plugin {self.plugin}): {describe(self.cause)}"
+        return f"{where} ({self.category} '{self.kind}', plugin {self.plugin}): {describe(self.cause, full=True)}"
+
+    def __reduce__(self) -> Any:
+        return (_rebuild, (self.cause, self.step, self.action, self.category, self.kind, self.plugin, self.cell,
+                           self.values))
+
+    @classmethod
+    def wrap(cls, cause: BaseException, **fields: Any) -> StepError:
+        """A StepError for ``cause`` that is also an instance of ``type(cause)`` when that is possible."""
+        return _step_error_class(type(cause))(cause, **fields)
+
+
+def _rebuild(cause: BaseException, step: str, action: str, category: str, kind: str, plugin: str, cell: str,
+             values: dict[str, Any]) -> StepError:
+    return StepError.wrap(cause, step=step, action=action, category=category, kind=kind, plugin=plugin, cell=cell,
+                          values=values)
+
+
+@functools.cache
+def _step_error_class(cause: type[BaseException]) -> type[StepError]:
+    if not issubclass(cause, Exception) or issubclass(cause, StepError) or cause is Exception:
+        return StepError
+    try:
+        return type(f"StepError[{cause.__name__}]", (StepError, cause), {"__module__": __name__})
+    except TypeError:  # a base that cannot be combined (layout or metaclass conflict)
+        return StepError
 
 
 class ContractError(TypeError):
@@ -57,12 +84,19 @@ class ContractError(TypeError):
         super().__init__(message)
 
 
-def describe(exc: BaseException) -> str:
-    """``Type: first line of the message`` (SystemExit says that the plugin exited)."""
+def describe(exc: BaseException, full: bool = False) -> str:
+    """``Type: first line of the message`` (``full``: every line, joined into one); SystemExit says that the
+    plugin exited."""
     if isinstance(exc, SystemExit):
         return f"SystemExit: the plugin called sys.exit({exc.code!r})"
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    try:
+        text = str(exc)
+    except Exception:  # noqa: BLE001 - an exception whose __str__ fails still gets named
+        text = ""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    return f"{type(exc).__name__}: {' '.join(lines) if full else lines[0]}"
 
 
 def one_line(exc: BaseException) -> str:
@@ -150,7 +184,7 @@ def step_error(exc: BaseException, *, step: Any, config: Any, task: Any = None, 
         found = action
     label = CATEGORIES[found.category].label if found is not None else "action"
     values = cell.as_dict() if cell is not None else {}
-    err = StepError(exc, step=step.id, action=step.action, category=label,
+    err = StepError.wrap(exc, step=step.id, action=step.action, category=label,
                     kind=found.kind if found is not None else step.action,
                     plugin=found.plugin if found is not None else "?", cell=getattr(cell, "name", ""), values=values)
     return err

@@ -80,7 +80,7 @@ def boom_plugin():
 
 @pytest.mark.parametrize("what, cause, code", [
     ("runtime", "RuntimeError: kaboom", 1),
-    ("value", "ValueError: this input is wrong", 2),
+    ("value", "ValueError: this input is wrong second line", 2),
     ("none", "ContractError: the detector returned NoneType, not an xarray Dataset", 1),  # issue: returning None
     ("exit", "SystemExit: the plugin called sys.exit(3)", 1),  # a plugin exiting mid-run is no success
 ])
@@ -90,6 +90,7 @@ def test_a_plugin_exception_names_step_component_and_plugin(boom_plugin, tmp_pat
         headlab.run(text, out=tmp_path / "api")
     e = info.value
     assert (e.step, e.action, e.kind, e.plugin, e.category) == ("b", "detect", "boom", boom_plugin, "detector")
+    assert isinstance(e, type(e.__cause__)) or what == "exit"  # `except ValueError` still catches it
     assert str(e) == f"step 'b' (detector 'boom', plugin {boom_plugin}): {cause}"
     assert type(e.__cause__).__name__ == cause.split(":")[0]
     spec = tmp_path / "s.yaml"
