@@ -173,7 +173,7 @@ def test_empty_stop_strings_are_refused(steps, where):
     ("{kind: repeated_tokens, n: 0}", "task.n"),
     ("{kind: niah, context_lengths: [0]}", "task.context_lengths[0]"),
     ("{kind: niah, context_lengths: {lo: 0, hi: 10, n: 2}}", "task.context_lengths.lo"),
-    ("{kind: niah, depths: [0.5, 1.5]}", "task.depths"),
+    ("{kind: niah, depths: [0.5, 1.5]}", "task.depths[1]"),
     ("{kind: niah, distractors: -1}", "task.distractors"),
     ("{kind: kv_retrieval, num_pairs: [4, 0]}", "task.num_pairs[1]"),
     ("{kind: kv_retrieval, value_len: [0, 2]}", "task.value_len[0]"),

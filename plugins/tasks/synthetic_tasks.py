@@ -27,7 +27,7 @@ from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from headlab import ComponentConfig, Example, TaskContext, hookimpl
 from headlab.resources import TaskSize
-from headlab.spec import NonNegativeInt, PositiveInt, Seed, StrictModel
+from headlab.spec import NonNegativeInt, PositiveInt, Probability, Seed, StrictModel
 
 from . import synthetic as S
 from .files import TaskDataError, resolve_path, strip_tags
@@ -86,7 +86,7 @@ class Niah(ComponentConfig):
         default_factory=lambda: [128, 256, 512],
         description="haystack + needle length in tokens: a list, or {lo, hi, n} evenly spaced "
         "(reference: {lo: 128, hi: 2048, n: 20})")
-    depths: list[float] | PositiveInt = Field(
+    depths: list[Probability] | PositiveInt = Field(
         5, description="needle depths in [0, 1] (0 = start), or a count k for k evenly spaced depths "
         "0..1 (reference: 10)")
     needles: PositiveInt | list[Needle] = Field(
