@@ -72,11 +72,11 @@ def test_loads_by_name_with_a_processor(vlm):
     assert vlm.image_token_id == vlm.processor.tokenizer.convert_tokens_to_ids("<image>")
     geo = vlm.geometry
     assert (geo.n_layers, geo.n_heads, geo.n_kv_heads) == (4, 8, 4)
-    # an image becomes (64 / 8)^2 = 64 image tokens
+    # an image becomes (96 / 12)^2 = 64 image tokens
     ex = build_shapes(Shapes(n=1, question="caption"), TaskContext(tokenizer=None, seed=0, vocab_size=0))[0]
     enc = vlm.processor(text=[ex.prompt], images=ex.images, return_tensors="pt")
     assert int((enc["input_ids"] == vlm.image_token_id).sum()) == 64
-    assert tuple(enc["pixel_values"].shape) == (1, 3, 64, 64)
+    assert tuple(enc["pixel_values"].shape) == (1, 3, 96, 96)
 
 
 def test_transformers_auto_classes_load_it_offline(monkeypatch):

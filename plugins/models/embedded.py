@@ -30,5 +30,5 @@ def headlab_register_models(register):
     if (CHECKPOINT / "config.json").is_file():
         register("headlab-tiny", load, "embedded 4-layer Llama (1.09M parameters) with real retrieval and induction heads")
     if (VLM_CHECKPOINT / "config.json").is_file():
-        register("headlab-tiny-vlm", load_vlm, "embedded tiny LLaVA (1.43M parameters; 64x64 images, 64 image "
+        register("headlab-tiny-vlm", load_vlm, "embedded tiny LLaVA (1.59M parameters; 96x96 images, 64 image "
                  "tokens) on headlab-tiny, trained on the shapes task")
