@@ -141,9 +141,10 @@ def placeholder(processor: Any) -> str:
     ``<|vision_start|><|image_pad|><|vision_end|>``)."""
     token = getattr(processor, "image_token", IMAGE_MARKER)
     tok = getattr(processor, "tokenizer", None)
-    vocab = tok.get_vocab() if tok is not None else {}
-    if "<|vision_start|>" in vocab and token == "<|image_pad|>":
-        return f"<|vision_start|>{token}<|vision_end|>"
+    if token == "<|image_pad|>" and tok is not None:
+        start = tok.convert_tokens_to_ids("<|vision_start|>")
+        if start is not None and start != tok.unk_token_id:
+            return f"<|vision_start|>{token}<|vision_end|>"
     return token
 
 
