@@ -15,7 +15,10 @@ shapes), so the gap is the model's visual dependence. Examples come from the ``s
 - captions ("Describe the image."): the ``chair`` metric (CHAIR_s, CHAIR_i, mentions per caption) and the
   fraction of the image's objects the caption names (coverage);
 - heads: ``segment_divergence`` (VHD over the image tokens) per head, averaged over caption and presence
-  prompts, and how concentrated it is (the top heads' share of the total).
+  prompts, and how concentrated it is (the top heads' share of the total); each head's attention mass on the
+  image tokens;
+- ``vhr_selection``: VHR's alpha and layers chosen on validation captions; ``vhr_shapes``: the figures of
+  ``specs/vhr_shapes.yaml`` recomputed from its stored outputs (``--figure`` draws them).
 
 Greedy decoding through :func:`headlab.generate` (headlab's own attention and KV-cache loop).
 """
@@ -101,34 +104,47 @@ def colour_mentions(texts: list[str], examples: list[Any]) -> dict[str, float]:
             "shape_hallucination_i": round(bad_shape / n, 4) if n else math.nan}
 
 
-def sweep(lm: Any, alphas: tuple[float, ...] = (1.5, 2.0, 3.0), n: int = 100, seed: int = 100) -> dict[str, Any]:
-    """VHR at several alphas vs the same alpha on 16 random heads (every example), on the spec's captions and
-    adversarial presence questions (``vhr_shapes.yaml``'s examples)."""
+def sweep(lm: Any, alphas: tuple[float, ...] = (1.25, 1.5, 2.0),
+          layer_sets: tuple[Any, ...] = ("all", (0, 3), (0,), (3,), (0, 1)), n: int = 200,
+          seed: int = 200) -> dict[str, Any]:
+    """VHR's alpha and layers chosen on validation captions (seed ``seed``, images the spec never uses): every
+    (alpha, layers) of the grid against greedy; ``selected`` is the setting of lowest CHAIR_i, the one
+    ``vhr_shapes.yaml`` runs on its own (test) images."""
     import headlab
-    from headlab.plugins.metrics.hallucination import Chair, PopeMetric, chair_aggregate, pope_aggregate
+    from headlab.plugins.metrics.hallucination import Chair, chair_aggregate
 
-    geo = lm.geometry
-    rng = np.random.default_rng(0)
-    pick = rng.choice(geo.n_layers * geo.n_heads, size=16, replace=False)
-    random_heads = sorted([int(i // geo.n_heads), int(i % geo.n_heads)] for i in pick)
     caps = build("caption", n, seed)
-    pope = build("presence", n, seed + 1, negatives="adversarial")
-    out: dict[str, Any] = {"random_heads": random_heads}
-    runs = [("greedy", 1.0, [])]
-    for alpha in alphas:
-        runs += [("vhr", alpha, [{"kind": "vhr", "alpha": alpha}]),
-                 ("random", alpha, [{"kind": "head_scale", "heads": random_heads, "factor": alpha}])]
-    for name, alpha, steer in runs:
+
+    def score(steer: list[dict[str, Any]]) -> dict[str, float]:
         texts = headlab.generate(lm, caps, steer=steer, max_new_tokens=40, batch_size=32).texts
         c = chair_aggregate(Chair(), caps, texts, np.zeros(len(caps)))
-        answers = headlab.generate(lm, pope, steer=steer, max_new_tokens=3, batch_size=32).texts
-        p = pope_aggregate(PopeMetric(), pope, answers, np.zeros(len(pope)))
-        key = name if name == "greedy" else f"{name}_alpha_{alpha:g}"
-        out[key] = {"chair_s": round(c["s"], 4), "chair_i": round(c["i"], 4), "mentions": round(c["mentions"], 4),
-                    **colour_mentions(texts, caps), "pope_accuracy": round(p["accuracy"], 4),
-                    "pope_f1": round(p["f1"], 4), "pope_yes_ratio": round(p["yes_ratio"], 4)}
-        print(key, out[key], flush=True)
+        return {"chair_s": round(c["s"], 4), "chair_i": round(c["i"], 4), "mentions": round(c["mentions"], 4),
+                **coverage(texts, caps)}
+
+    out: dict[str, Any] = {"captions": n, "seed": seed, "greedy": score([])}
+    print("validation greedy", out["greedy"], flush=True)
+    grid = []
+    for alpha in alphas:
+        for layers in layer_sets:
+            steer = [{"kind": "vhr", "alpha": alpha, "layers": layers if layers == "all" else list(layers)}]
+            res = {"alpha": alpha, "layers": steer[0]["layers"], **score(steer)}
+            grid.append(res)
+            print("validation vhr", res, flush=True)
+    out["grid"] = grid
+    best = min(grid, key=lambda r: r["chair_i"])
+    out["selected"] = {"alpha": best["alpha"], "layers": best["layers"]}
     return out
+
+
+def coverage(texts: list[str], examples: list[Any]) -> dict[str, float]:
+    """The fraction of each image's objects its caption names (mean): a steering that lowers hallucination by
+    naming less shows here."""
+    from headlab.plugins.metrics.hallucination import ObjectMatcher, default_synonyms
+
+    matcher = ObjectMatcher(default_synonyms())
+    cover = [len(set(matcher.mentions(t)) & set(ex.meta["objects"])) / len(ex.meta["objects"])
+             for t, ex in zip(texts, examples, strict=True)]
+    return {"coverage": round(float(np.mean(cover)), 4)}
 
 
 def evaluate(lm: Any, model: Any, n: int = 100, batch_size: int = 32) -> dict[str, Any]:
@@ -136,10 +152,8 @@ def evaluate(lm: Any, model: Any, n: int = 100, batch_size: int = 32) -> dict[st
     import headlab
     from headlab.plugins.metrics.hallucination import (
         Chair,
-        ObjectMatcher,
         PopeMetric,
         chair_aggregate,
-        default_synonyms,
         pope_aggregate,
     )
 
@@ -169,16 +183,13 @@ def evaluate(lm: Any, model: Any, n: int = 100, batch_size: int = 32) -> dict[st
         out[question] = res
         print(f"{question}: {res}", flush=True)
     exs = build("caption", n, 1020)
-    matcher = ObjectMatcher(default_synonyms())
     cap: dict[str, Any] = {"captions": len(exs)}
     for name, rows in (("image", exs), ("blank", blank(exs))):
         texts = gen(rows, 40)
         agg = chair_aggregate(Chair(), rows, texts, np.zeros(len(rows)))
-        cover = [len(set(matcher.mentions(t)) & set(ex.meta["objects"])) / len(ex.meta["objects"])
-                 for t, ex in zip(texts, rows, strict=True)]
         colours = colour_mentions(texts, rows)
         cap[name] = {"chair_s": round(agg["s"], 4), "chair_i": round(agg["i"], 4),
-                     "mentions": round(agg["mentions"], 4), "coverage": round(float(np.mean(cover)), 4),
+                     "mentions": round(agg["mentions"], 4), **coverage(texts, rows),
                      **colours,
                      "examples": [{"objects": ex.meta["objects"], "caption": t} for ex, t in zip(rows[:5], texts[:5],
                                                                                                  strict=True)]}
@@ -219,6 +230,27 @@ def heads(model: Any, n: int = 64) -> dict[str, Any]:
     return res
 
 
+def image_attention(checkpoint: Path, n: int = 32, seed: int = 5) -> list[list[float]]:
+    """(layer, head): the attention mass on the image tokens at the positions that predict answer tokens, on
+    ``n`` rows in the training format with a caption each (``train_vlm.image_attention``): which heads read the
+    image at all."""
+    import importlib.util
+
+    from transformers import LlavaForConditionalGeneration
+
+    spec = importlib.util.spec_from_file_location("train_vlm", HERE / "train_vlm.py")
+    tv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tv)
+    tok = tv.build_tokenizer()
+    data = tv.Data(tok, tv.build_processor(tok), seed, caption_p=1.0)
+    ids, lab, att, pv, *_ = data.batch(n)
+    model = LlavaForConditionalGeneration.from_pretrained(checkpoint, attn_implementation="eager").eval()
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=att, pixel_values=pv, output_attentions=True)
+    mass = tv.image_attention(out.attentions, ids, lab, data.image_id)
+    return [[round(float(v), 3) for v in row] for row in mass]
+
+
 def steering(model: Any, spec_path: Path) -> dict[str, Any]:
     """Run ``specs/vhr_shapes.yaml`` on ``model`` and score each generate step with its metric's aggregates
     (``chair``: CHAIR_s, CHAIR_i, mentions; ``pope``: accuracy, precision, recall, F1, yes-ratio), recomputed
@@ -250,6 +282,8 @@ def steering(model: Any, spec_path: Path) -> dict[str, Any]:
             for metric in step["generate"].get("metrics", []):
                 values = metric_values(metric, examples, texts)
                 res.update({k: round(float(v.values.mean()), 4) for k, v in values.items()})
+                if metric == "chair":
+                    res.update(coverage(texts, examples))
             if "vhr_selected" in ds:
                 res["vhr_heads_per_example"] = round(float(ds["vhr_selected"].sum(["layer", "head"]).mean()), 2)
             res["examples"] = [[ex.meta.get("scene"), t] for ex, t in zip(examples[:3], texts[:3], strict=True)]
@@ -261,6 +295,30 @@ def steering(model: Any, spec_path: Path) -> dict[str, Any]:
     return out
 
 
+def figure(result: dict[str, Any], path: Path) -> None:
+    """Bar chart of CHAIR_s per caption step of ``vhr_shapes`` (docs/images/vhr_shapes.png)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = {k: v for k, v in result["vhr_shapes"].items() if isinstance(v, dict) and "chair_s" in v}
+    colour = {"greedy": "#777777", "vhr": "#1f77b4", "vhr_paper": "#9ecae1", "vhd_heads": "#6baed6"}
+    names = list(steps)
+    fig, ax = plt.subplots(figsize=(8, 3.2))
+    ax.bar(range(len(names)), [steps[n]["chair_s"] for n in names],
+           color=[colour.get(n, "#fdae6b" if n.startswith("layer_random") else "#e6550d") for n in names])
+    ax.axhline(steps["greedy"]["chair_s"], color="#777777", lw=0.8, ls="--")
+    ax.set_xticks(range(len(names)), names, rotation=40, ha="right", fontsize=8)
+    ax.set_ylabel("CHAIR_s (lower is better)")
+    ax.set_title("headlab-tiny-vlm, 300 held-out captions: greedy, VHR, VHD heads, random heads "
+                 "(all layers; layers 0+3)", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", type=Path, default=None, help="a checkpoint directory (default: the shipped one)")
@@ -270,7 +328,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--spec", type=Path, default=HERE.parents[2] / "specs" / "vhr_shapes.yaml",
                     help="the VHR demonstration spec (its figures go under vhr_shapes)")
     ap.add_argument("--no-spec", action="store_true", help="skip the spec")
+    ap.add_argument("--figure", type=Path, default=None,
+                    help="only draw the vhr_shapes chart (e.g. docs/images/vhr_shapes.png) from an existing eval.json")
     args = ap.parse_args(argv)
+    if args.figure is not None:
+        figure(json.loads((args.out or DEFAULT / "eval.json").read_text()), args.figure)
+        print(f"wrote {args.figure}", flush=True)
+        return
     torch.set_num_threads(args.threads)
     from headlab.model import from_pretrained, load_model
     from headlab.spec import ModelSpec
@@ -285,9 +349,11 @@ def main(argv: list[str] | None = None) -> None:
         lm = from_pretrained(str(args.checkpoint), ModelSpec(device="cpu"), name=str(args.checkpoint))
         out_path = args.out or args.checkpoint / "eval.json"
     result = {"checkpoint": lm.name, "digest": lm.digest, **evaluate(lm, model, args.n)}
+    result["heads"]["image_attention"] = image_attention(args.checkpoint or DEFAULT)
+    print("image attention mass per head", result["heads"]["image_attention"], flush=True)
     if not args.no_spec and args.spec.is_file():
+        result["vhr_selection"] = sweep(lm)
         result["vhr_shapes"] = steering(model, args.spec)
-        result["vhr_sweep"] = sweep(lm)
     result["minutes"] = round((time.time() - t0) / 60, 1)
     out_path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out_path}", flush=True)

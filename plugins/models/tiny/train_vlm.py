@@ -1,12 +1,16 @@
 """Train ``headlab-tiny-vlm``: a tiny LLaVA whose answers about ``shapes`` images depend on the image.
 
-CPU only, seeded, about 46 minutes on one thread: 1000 tower steps and 1400 steps of the whole model
-(33 minutes), then 450 presence-heavy steps from that checkpoint (13 minutes). The shipped checkpoint is
-(from the repository root)::
+CPU only, seeded, about 51 minutes: 1000 tower steps and 1400 steps of the whole model (33 minutes, one
+thread), 450 presence-heavy steps from that checkpoint (13 minutes), then 300 steps of captions with
+co-occurrence noise (5 minutes, two threads). The shipped checkpoint is (from the repository root)::
 
     python plugins/models/tiny/train_vlm.py --out /tmp/headlab-tiny-vlm-stage1
     python plugins/models/tiny/train_vlm.py --init /tmp/headlab-tiny-vlm-stage1 --vision-steps 0 --steps 450 \\
-        --presence 4 --hard 0.8 --lr 1e-3 --vision-lr 5e-4 --aux-weight 0 --warmup 20 --eval-every 150
+        --presence 4 --hard 0.8 --lr 1e-3 --vision-lr 5e-4 --aux-weight 0 --warmup 20 --eval-every 150 \\
+        --out /tmp/headlab-tiny-vlm-stage2
+    python plugins/models/tiny/train_vlm.py --init /tmp/headlab-tiny-vlm-stage2 --vision-steps 0 --steps 300 \\
+        --cooccur 0.5 --noisy 0.5 --caption 1.0 --aux-weight 0 --lr 1e-3 --vision-lr 5e-4 --warmup 20 \\
+        --eval-every 150 --threads 2
     python plugins/models/tiny/train_vlm.py --quick       # a 1-minute smoke run into /tmp
 
 What it does
@@ -34,8 +38,11 @@ What it does
    (:class:`PatchHead`, training only, not saved), cross-entropy on the patch labels. Stage 2 (``--steps``):
    the whole model, answer loss + ``--aux-weight`` x the readout loss. ``--init`` continues from a saved
    checkpoint (the readout starts afresh, so the second command sets ``--aux-weight 0``): the shipped model's
-   last 450 steps ask 4 yes and 4 no presence questions per image, 80% of the absent objects of a present
-   colour.
+   second stage asks 4 yes and 4 no presence questions per image, 80% of the absent objects of a present
+   colour. The third (``--cooccur``, ``--noisy``): objects come in fixed couples (:data:`PARTNER`), drawn
+   together with probability ``--cooccur``, and a caption names an object's undrawn partner right after it
+   with probability ``--noisy`` (the other answers stay true), the language prior real caption data gives
+   VLMs. ``--image-sparsity`` adds a penalty that concentrates image reading on few heads (tried, not kept).
 5. Held-out checks every ``--eval-every`` steps: per-object shape / colour accuracy of the readout (256 images
    of 2-4 objects, another seed stream), and POPE adversarial presence accuracy on 256 questions built by
    the ``shapes`` task itself, with the real image and with a blank (white) image.
@@ -157,11 +164,35 @@ def article(word: str) -> str:
     return "an" if word[0] in "aeiou" else "a"
 
 
-def scene(rng: random.Random, lo: int = 1, hi: int = 5, size: int = 224):
+def partners() -> dict[tuple[str, str], tuple[str, str]]:
+    """A fixed pairing of the 30 objects into 15 couples (seeded), for co-occurrence-biased training scenes."""
+    objs = [(c, s) for c in COLOURS for s in SHAPES]
+    random.Random(1234).shuffle(objs)
+    out = {}
+    for a, b in zip(objs[0::2], objs[1::2], strict=True):
+        out[a], out[b] = b, a
+    return out
+
+
+PARTNER = partners()
+
+
+def scene(rng: random.Random, lo: int = 1, hi: int = 5, size: int = 224, cooccur: float = 0.0):
     """Objects ``(colour, shape, (cx, cy, r))`` in distinct cells of the 3 x 3 grid, in reading order (the
-    shapes task's placement: radius 0.24-0.4 of a cell, a random offset inside the cell)."""
+    shapes task's placement: radius 0.24-0.4 of a cell, a random offset inside the cell). With ``cooccur`` > 0,
+    each object drawn brings its :data:`PARTNER` with that probability (room permitting), the way real
+    captioning data pairs objects (a fork with a knife)."""
     k = rng.randint(lo, hi)
-    pairs = rng.sample([(c, s) for c in COLOURS for s in SHAPES], k)
+    if cooccur > 0:
+        everything = [(c, s) for c in COLOURS for s in SHAPES]
+        pairs: list[tuple[str, str]] = []
+        while len(pairs) < k:
+            o = rng.choice([x for x in everything if x not in pairs])
+            pairs.append(o)
+            if len(pairs) < k and PARTNER[o] not in pairs and rng.random() < cooccur:
+                pairs.append(PARTNER[o])
+    else:
+        pairs = rng.sample([(c, s) for c in COLOURS for s in SHAPES], k)
     cells = sorted(rng.sample(range(9), k))
     rng.shuffle(pairs)
     cell = size / 3
@@ -195,7 +226,7 @@ def negative(rng: random.Random, present: list[str], hard: float = 0.6) -> str:
 
 
 def questions(rng: random.Random, objs, caption_p: float = 0.7, n_presence: int = 2,
-              hard: float = 0.6) -> list[tuple[str, str, str]]:
+              hard: float = 0.6, noisy: float = 0.0) -> list[tuple[str, str, str]]:
     """(kind, question, answer) about a scene: presence (as many yes as no, hard negatives), a colour, a
     count, maybe a caption."""
     from collections import Counter
@@ -216,7 +247,16 @@ def questions(rng: random.Random, objs, caption_p: float = 0.7, n_presence: int 
     s = rng.choice(sorted(counts))
     out.append(("count", f"How many {SH.plural(s)} are there?", SH.NUMBER_WORDS[counts[s]]))
     if rng.random() < caption_p:
-        out.append(("caption", "Describe the image.", caption(objs)))
+        named = list(objs)
+        if noisy > 0:  # caption noise tied to co-occurrence: an undrawn partner named after its object
+            drawn = {(c, sh) for c, sh, _ in objs}
+            named = []
+            for o in objs:
+                named.append(o)
+                partner = PARTNER[(o[0], o[1])]
+                if partner not in drawn and rng.random() < noisy:
+                    named.append((*partner, None))
+        out.append(("caption", "Describe the image.", caption(named)))
     rng.shuffle(out)
     return out
 
@@ -245,12 +285,13 @@ class Data:
     """Rows: one image, then several question/answer episodes; loss labels on answers only; per-patch labels."""
 
     def __init__(self, tokenizer, processor, seed: int, lo: int = 1, hi: int = 5, n_presence: int = 2,
-                 hard: float = 0.6):
+                 hard: float = 0.6, cooccur: float = 0.0, caption_p: float = 0.7, noisy: float = 0.0):
         self.tok = tokenizer
         self.proc = processor
         self.rng = random.Random(seed)
         self.lo, self.hi = lo, hi
         self.n_presence, self.hard = n_presence, hard
+        self.cooccur, self.caption_p, self.noisy = cooccur, caption_p, noisy
         self.image_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
 
     def enc(self, text: str) -> list[int]:
@@ -258,7 +299,7 @@ class Data:
 
     def images(self, B: int):
         """``B`` scenes: pixel values and per-patch shape / colour labels."""
-        objs = [scene(self.rng, self.lo, self.hi) for _ in range(B)]
+        objs = [scene(self.rng, self.lo, self.hi, cooccur=self.cooccur) for _ in range(B)]
         pv = self.proc.image_processor(images=[SH.draw_scene(o, 224, "white") for o in objs],
                                        return_tensors="pt")["pixel_values"]
         labs = [patch_labels(o) for o in objs]
@@ -269,7 +310,8 @@ class Data:
         ids = [BOS] + [self.image_id] * N_IMAGE_TOKENS
         lab = [-100] * len(ids)
         kind_at = []
-        for k, (kind, q, a) in enumerate(questions(rng, objs, n_presence=self.n_presence, hard=self.hard)):
+        for k, (kind, q, a) in enumerate(questions(rng, objs, caption_p=self.caption_p, n_presence=self.n_presence,
+                                                       hard=self.hard, noisy=self.noisy)):
             p = self.enc(("\n" if k == 0 else "") + f"Question: {q}\nAnswer:")
             t = self.enc(" " + a) + [EOS]
             ids += p
@@ -307,6 +349,19 @@ class PatchHead(torch.nn.Module):
 
     def forward(self, h):
         return self.shape(h), self.colour(h)
+
+
+def image_attention(attentions, ids, lab, image_id: int) -> torch.Tensor:
+    """(layer, head): the attention mass on image tokens from the positions that predict answer tokens,
+    averaged over those positions (the quantity the sparsity penalty concentrates on a few heads)."""
+    queries = torch.zeros_like(lab, dtype=torch.bool)
+    queries[:, :-1] = lab[:, 1:] != -100
+    keys = (ids == image_id).to(attentions[0].dtype)
+    rows = []
+    for a in attentions:  # (batch, head, query, key)
+        on_image = torch.einsum("bhqk,bk->bhq", a, keys)
+        rows.append((on_image * queries[:, None]).sum((0, 2)) / queries.sum())
+    return torch.stack(rows)
 
 
 def tower_features(model, pv):
@@ -412,6 +467,13 @@ def main(argv=None) -> None:
     ap.add_argument("--eval-every", type=int, default=200)
     ap.add_argument("--presence", type=int, default=2, help="yes questions per image (and as many no)")
     ap.add_argument("--hard", type=float, default=0.6, help="share of absent objects with a present colour")
+    ap.add_argument("--cooccur", type=float, default=0.0,
+                    help="probability that an object drawn brings its fixed partner (co-occurrence bias)")
+    ap.add_argument("--noisy", type=float, default=0.0,
+                    help="probability that a caption names an object's undrawn partner right after it")
+    ap.add_argument("--image-sparsity", type=float, default=0.0,
+                    help="weight of sum over heads of sqrt(attention mass on the image): few heads read the image")
+    ap.add_argument("--caption", type=float, default=0.7, help="probability of a caption question per image")
     ap.add_argument("--init", type=Path, default=None, help="start from this saved checkpoint (a later stage)")
     ap.add_argument("--quick", action="store_true", help="a smoke run of a few minutes into /tmp")
     args = ap.parse_args(argv)
@@ -432,7 +494,8 @@ def main(argv=None) -> None:
     else:
         from transformers import LlavaForConditionalGeneration
 
-        model = LlavaForConditionalGeneration.from_pretrained(args.init, attn_implementation="sdpa")
+        model = LlavaForConditionalGeneration.from_pretrained(
+            args.init, attn_implementation="eager" if args.image_sparsity > 0 else "sdpa")
         log_init = json.loads((args.init / "training.json").read_text())
     head = PatchHead(VISION["hidden_size"])
     n_params = sum(p.numel() for p in model.parameters())
@@ -484,7 +547,8 @@ def main(argv=None) -> None:
     opt = torch.optim.AdamW([{"params": vision, "peak": args.vision_lr}, {"params": text, "peak": args.lr}],
                             lr=args.lr, betas=(0.9, 0.95), weight_decay=0.05)
     data = Data(tok, processor, args.seed * 1000 + 2 + (10 if args.init else 0), n_presence=args.presence,
-                hard=args.hard)
+                hard=args.hard, cooccur=args.cooccur, caption_p=args.caption,
+                noisy=args.noisy)
     held = heldout()
     model.train()
     agg: dict[str, list[float]] = {}
@@ -492,12 +556,17 @@ def main(argv=None) -> None:
         for g in opt.param_groups:
             g["lr"] = g["peak"] * schedule(step - 1, args.steps)
         ids, lab, att, pv, kind, sl, cl = data.batch(args.batch)
-        logits = model(input_ids=ids, attention_mask=att, pixel_values=pv).logits[:, :-1]
+        out = model(input_ids=ids, attention_mask=att, pixel_values=pv, output_attentions=args.image_sparsity > 0)
+        logits = out.logits[:, :-1]
         tgt = lab[:, 1:]
         lm_loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1),
                                                     ignore_index=-100)
         a_loss, _, _ = aux_loss(head, grabbed["h"][:, 1:], sl, cl)
         loss = lm_loss + args.aux_weight * a_loss
+        if args.image_sparsity > 0:
+            mass = image_attention(out.attentions, ids, lab, data.image_id)
+            loss = loss + args.image_sparsity * mass.clamp_min(1e-6).sqrt().sum()
+            agg.setdefault("image_heads", []).append(float((mass > 0.1).sum()))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -536,7 +605,9 @@ def main(argv=None) -> None:
         "batch": args.batch, "lr": args.lr, "vision_lr": args.vision_lr, "aux_weight": args.aux_weight,
         "warmup": args.warmup, "threads": args.threads, "minutes": round(minutes, 1), "params": n_params,
         "image_size": IMAGE_SIZE, "patch_size": PATCH, "vision": VISION, "new_words": NEW_WORDS,
-        "presence": args.presence, "hard": args.hard, "torch": torch.__version__, "log": log,
+        "presence": args.presence, "hard": args.hard, "cooccur": args.cooccur, "caption": args.caption,
+        "noisy": args.noisy, "image_sparsity": args.image_sparsity,
+        "torch": torch.__version__, "log": log,
         "command": "python plugins/models/tiny/train_vlm.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
     if args.init is not None:
