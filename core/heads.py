@@ -118,6 +118,23 @@ def to_pasta_json(heads: Iterable[Head]) -> dict[str, list[int]]:
     return out
 
 
+def draw_like(chosen: list[Head], all_heads: list[Head], rng: np.random.Generator, *, match_layers: bool = False,
+              offset: int | None = None) -> list[Head]:
+    """As many heads as ``chosen``, drawn at random from ``all_heads`` (per layer as in ``chosen`` with
+    ``match_layers``); ``offset`` re-seeds the draw from ``rng`` so that controls with different offsets differ."""
+    if offset is not None:
+        rng = np.random.default_rng([int(rng.integers(2**32)), offset % 2**32])
+    if not match_layers:
+        idx = rng.choice(len(all_heads), size=len(chosen), replace=False)
+        return sorted(all_heads[i] for i in idx)
+    out: list[Head] = []
+    for layer in sorted({ly for ly, _ in chosen}):
+        pool = [h for h in all_heads if h[0] == layer]
+        need = sum(1 for ly, _ in chosen if ly == layer)
+        out += [pool[i] for i in rng.choice(len(pool), size=need, replace=False)]
+    return sorted(out)
+
+
 def select_heads(selection: Any, results: Mapping[str, xr.Dataset], geometry: Geometry | None = None,
                  *, rng: np.random.Generator | None = None) -> list[Head]:
     """Resolve a spec head selection (``HeadsFrom``, ``HeadsFile``, list of pairs, PASTA mapping)."""
@@ -138,10 +155,8 @@ def select_heads(selection: Any, results: Mapping[str, xr.Dataset], geometry: Ge
         else:
             chosen = [h for h, s in order if s >= selection.threshold]
         if selection.random:
-            rng = rng or np.random.default_rng(0)
-            all_heads = [h for h, _ in order]
-            idx = rng.choice(len(all_heads), size=len(chosen), replace=False)
-            chosen = sorted(all_heads[i] for i in idx)
+            chosen = draw_like(chosen, [h for h, _ in order], rng or np.random.default_rng(0),
+                               match_layers=selection.match_layers, offset=selection.seed)
         return _check(chosen, geometry)
     if isinstance(selection, Mapping):
         return _check(from_pasta_json(selection, geometry), geometry)

@@ -165,11 +165,16 @@ class HeadsFrom(StrictModel):
     top: PositiveInt | None = Field(None, description="take the k highest-scoring heads (at most the model's heads)")
     threshold: FiniteFloat | None = Field(None, description="take heads whose score is >= threshold")
     random: bool = Field(False, description="draw the same number of heads at random instead (control)")
+    match_layers: bool = Field(False, description="random: as many heads per layer as the selection has")
+    seed: int | None = Field(None, description="random: offset added to the run seed, so that several controls "
+                             "in one cell draw different heads")
 
     @model_validator(mode="after")
     def _one_rule(self) -> HeadsFrom:
         if self.top is None and self.threshold is None:
             raise ValueError("give `top` or `threshold`")
+        if (self.match_layers or self.seed is not None) and not self.random:
+            raise ValueError("`match_layers` and `seed` shape a random draw: add `random: true`")
         return self
 
 

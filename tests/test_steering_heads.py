@@ -98,3 +98,36 @@ def test_mask_from_a_detect_step_with_random_control():
     HS.steer_mask(HS.HeadMask(heads=HeadsFrom.model_validate({"from": "det", "top": 2, "random": True})),
                   ctx, None, rnd)
     assert len(rnd.edits[0].heads) == 2
+
+
+def test_random_control_matched_per_layer_and_reseeded():
+    """heads: {from, top, random: true, match_layers, seed}: the draw keeps the selection's count per layer,
+    and a seed offset gives another draw, reproducibly; without them the draw is the cell rng's first."""
+    import numpy as np
+    import xarray as xr
+
+    from headlab.heads import select_heads
+    from headlab.spec import HeadsFrom
+
+    score = xr.DataArray(np.arange(32.0).reshape(4, 8), dims=("layer", "head"))
+    score[0, 0] = 100.0  # top 3 heads: (0, 0), (3, 7), (3, 6)
+    results = {"det": xr.Dataset({"score": score})}
+    all_heads = [(ly, h) for ly in range(4) for h in range(8)]
+
+    def pick(**kw):
+        sel = HeadsFrom.model_validate({"from": "det", "top": 3, **kw})
+        return select_heads(sel, results, rng=np.random.default_rng(7))
+
+    assert sorted(pick()) == [(0, 0), (3, 6), (3, 7)]
+    plain = pick(random=True)
+    idx = np.random.default_rng(7).choice(32, size=3, replace=False)
+    ranked = sorted(all_heads, key=lambda x: -float(score[x]))  # the pool in the order of the score
+    assert plain == sorted(ranked[i] for i in idx)
+    draws = [pick(random=True, match_layers=True, seed=k) for k in range(6)]
+    for d in draws:
+        assert sorted(ly for ly, _ in d) == [0, 3, 3] and len(set(d)) == 3
+    assert len({tuple(d) for d in draws}) > 1
+    assert pick(random=True, match_layers=True, seed=2) == draws[2]
+    assert len({tuple(pick(random=True, seed=k)) for k in range(4)}) > 1
+    with pytest.raises(ValueError, match="random: true"):
+        HeadsFrom.model_validate({"from": "det", "top": 3, "match_layers": True})
