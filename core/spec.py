@@ -166,7 +166,7 @@ class HeadsFrom(StrictModel):
     threshold: FiniteFloat | None = Field(None, description="take heads whose score is >= threshold")
     random: bool = Field(False, description="draw the same number of heads at random instead (control)")
     match_layers: bool = Field(False, description="random: as many heads per layer as the selection has")
-    seed: int | None = Field(None, description="random: offset added to the run seed, so that several controls "
+    seed: Seed | None = Field(None, description="random: offset added to the run seed, so that several controls "
                              "in one cell draw different heads")
 
     @model_validator(mode="after")
