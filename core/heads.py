@@ -118,20 +118,27 @@ def to_pasta_json(heads: Iterable[Head]) -> dict[str, list[int]]:
     return out
 
 
-def draw_like(chosen: list[Head], all_heads: list[Head], rng: np.random.Generator, *, match_layers: bool = False,
-              offset: int | None = None) -> list[Head]:
-    """As many heads as ``chosen``, drawn at random from ``all_heads`` (per layer as in ``chosen`` with
-    ``match_layers``); ``offset`` re-seeds the draw from ``rng`` so that controls with different offsets differ."""
+def draw_like(chosen: list[Head], pool: list[Head], rng: np.random.Generator, *, match_layers: bool = False,
+              exclude: bool = False, offset: int | None = None) -> list[Head]:
+    """As many heads as ``chosen``, drawn without replacement from ``pool`` (per layer as in ``chosen`` with
+    ``match_layers``; never one of ``chosen`` with ``exclude``); ``offset`` re-seeds the draw from ``rng`` so
+    that controls with different offsets differ. Raises ``ValueError`` when the pool is too small."""
     if offset is not None:
         rng = np.random.default_rng([int(rng.integers(2**32)), offset % 2**32])
+    taken = set(chosen) if exclude else set()
     if not match_layers:
-        idx = rng.choice(len(all_heads), size=len(chosen), replace=False)
-        return sorted(all_heads[i] for i in idx)
+        free = [h for h in pool if h not in taken]
+        if len(free) < len(chosen):
+            raise ValueError(f"cannot draw {len(chosen)} random heads from {len(free)} heads outside the selection")
+        return sorted(free[i] for i in rng.choice(len(free), size=len(chosen), replace=False))
     out: list[Head] = []
     for layer in sorted({ly for ly, _ in chosen}):
-        pool = [h for h in all_heads if h[0] == layer]
         need = sum(1 for ly, _ in chosen if ly == layer)
-        out += [pool[i] for i in rng.choice(len(pool), size=need, replace=False)]
+        free = [h for h in pool if h[0] == layer and h not in taken]
+        if len(free) < need:
+            raise ValueError(f"match_layers: layer {layer} has {len(free)} heads outside the selection, "
+                             f"{need} needed")
+        out += [free[i] for i in rng.choice(len(free), size=need, replace=False)]
     return sorted(out)
 
 

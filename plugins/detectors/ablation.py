@@ -32,6 +32,7 @@ from pydantic import Field, model_validator
 
 from headlab import ComponentConfig, Example, HeadSelection, StepContext, hookimpl
 from headlab.generation import DecodeRequest, decode_loop, tokenize
+from headlab.heads import draw_like
 from headlab.model import Geometry, LoadedModel
 from headlab.resources import Estimate, EstimateContext
 from headlab.spec import NonEmptyStr, NonNegativeFloat, NonNegativeInt, PositiveInt, Seed
@@ -92,25 +93,10 @@ def metric_config(metric: str | dict[str, Any]) -> Any:
 
 def draw_random_heads(top: list[Head], geometry: Geometry, rng: np.random.Generator, *,
                       match_layers: bool = False, exclude: bool = True) -> list[Head]:
-    """``len(top)`` heads drawn without replacement (per layer as in ``top`` with ``match_layers``)."""
-    taken = set(top) if exclude else set()
-    all_heads = [(layer, h) for layer in range(geometry.n_layers) for h in range(geometry.n_heads)]
-    if not match_layers:
-        pool = [x for x in all_heads if x not in taken]
-        if len(pool) < len(top):
-            raise ValueError(f"cannot draw {len(top)} random heads from {len(pool)} heads outside the top k")
-        idx = rng.choice(len(pool), size=len(top), replace=False)
-        return sorted(pool[i] for i in idx)
-    out: list[Head] = []
-    for layer in sorted({ly for ly, _ in top}):
-        need = sum(1 for ly, _ in top if ly == layer)
-        pool = [x for x in all_heads if x[0] == layer and x not in taken]
-        if len(pool) < need:
-            raise ValueError(f"match_layers: layer {layer} has {len(pool)} heads outside the top k, "
-                             f"{need} needed")
-        idx = rng.choice(len(pool), size=need, replace=False)
-        out.extend(pool[i] for i in idx)
-    return sorted(out)
+    """``len(top)`` heads of the model drawn without replacement (per layer as in ``top`` with
+    ``match_layers``; outside ``top`` with ``exclude``)."""
+    every = [(layer, h) for layer in range(geometry.n_layers) for h in range(geometry.n_heads)]
+    return draw_like(top, every, rng, match_layers=match_layers, exclude=exclude)
 
 
 def ablate(lm: LoadedModel, examples: list[Example], conditions: list[list[Head]], *, mode: str = "query",
