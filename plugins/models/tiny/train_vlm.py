@@ -78,6 +78,7 @@ IMAGE_SIZE, PATCH = 96, 12
 N_IMAGE_TOKENS = (IMAGE_SIZE // PATCH) ** 2
 COLOURS = ["red", "green", "blue", "yellow", "purple", "orange"]  # the shapes task's default colours
 SHAPES = list(SH.SHAPES)
+OBJECTS = [(c, s) for c in COLOURS for s in SHAPES]  # every (colour, shape) the scenes draw from
 KINDS = ["presence", "colour", "count", "caption"]
 VISION = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
               image_size=IMAGE_SIZE, patch_size=PATCH, projection_dim=128)
@@ -166,7 +167,7 @@ def article(word: str) -> str:
 
 def partners() -> dict[tuple[str, str], tuple[str, str]]:
     """A fixed pairing of the 30 objects into 15 couples (seeded), for co-occurrence-biased training scenes."""
-    objs = [(c, s) for c in COLOURS for s in SHAPES]
+    objs = list(OBJECTS)
     random.Random(1234).shuffle(objs)
     out = {}
     for a, b in zip(objs[0::2], objs[1::2], strict=True):
@@ -184,15 +185,14 @@ def scene(rng: random.Random, lo: int = 1, hi: int = 5, size: int = 224, cooccur
     captioning data pairs objects (a fork with a knife)."""
     k = rng.randint(lo, hi)
     if cooccur > 0:
-        everything = [(c, s) for c in COLOURS for s in SHAPES]
         pairs: list[tuple[str, str]] = []
         while len(pairs) < k:
-            o = rng.choice([x for x in everything if x not in pairs])
+            o = rng.choice([x for x in OBJECTS if x not in pairs])
             pairs.append(o)
             if len(pairs) < k and PARTNER[o] not in pairs and rng.random() < cooccur:
                 pairs.append(PARTNER[o])
     else:
-        pairs = rng.sample([(c, s) for c in COLOURS for s in SHAPES], k)
+        pairs = rng.sample(OBJECTS, k)
     cells = sorted(rng.sample(range(9), k))
     rng.shuffle(pairs)
     cell = size / 3
