@@ -25,8 +25,10 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shutil
 import sys
 from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,7 @@ import xarray as xr
 from .context import Example, StepContext, strip_tags
 from .model import LoadedModel
 from .scoring import as_model, component, generate, logprobs
+from .task_code import check_tasks, sandboxed_templates
 
 EXTRA = "lm-eval is not installed; install the eval extra: pip install 'headlab[eval]'"
 
@@ -540,9 +543,9 @@ def local_task(task: str, data: str | Path | Mapping[str, str | Path], directory
         files = {str(k): str(Path(v).resolve()) for k, v in data.items()}
     else:
         files = {split: str(Path(data).resolve()) for split in (splits or {"validation": None})}
-    for py in source.parent.glob("*.py"):
+    for py in source.parent.glob("*.py"):  # byte for byte: copies of lm-eval's own code are trusted as such
         if not (directory / py.name).exists():
-            (directory / py.name).write_text(py.read_text(encoding="utf-8"), encoding="utf-8")
+            shutil.copyfile(py, directory / py.name)
     for line in text.splitlines():
         if line.startswith("include:"):
             included = line.split(":", 1)[1].strip().strip("'\"")
@@ -578,7 +581,7 @@ def evaluate(model: Any, tasks: Sequence[str | Mapping[str, Any]], *, decode: An
              include_path: str | Path | Sequence[str | Path] | None = None, include_defaults: bool = True,
              batch_size: int = 8, max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, gen_kwargs: Mapping[str, Any] | None = None,
              seed: int = 0, results: Mapping[str, Any] | None = None, ctx: StepContext | None = None,
-             bootstrap_iters: int = 1000, raw: bool = False) -> Any:
+             bootstrap_iters: int = 1000, raw: bool = False, trust_task_code: bool = False) -> Any:
     """Run lm-eval ``tasks`` on ``model`` under a decoding strategy and steering methods.
 
     ``model``, ``decode``, ``steer``, ``results`` and ``seed`` as :func:`headlab.logprobs`; ``tasks`` are lm-eval
@@ -586,23 +589,36 @@ def evaluate(model: Any, tasks: Sequence[str | Mapping[str, Any]], *, decode: An
     lm-eval's ``simple_evaluate``; ``include_path`` adds task YAMLs (``include_defaults: false`` skips indexing
     lm-eval's own ~10k task files, faster when every task is local).
 
+    Task definitions that are not lm-eval's own (inline mappings, ``include_path`` YAMLs, task files) are
+    checked by :func:`headlab.task_code.check_tasks` and their templates rendered in headlab's sandbox, unless
+    ``trust_task_code`` (docs/evaluation.md, "Task code"); a refused definition raises
+    :class:`headlab.task_code.TaskCodeError`.
+
     Returns :func:`results_dataset` of lm-eval's results (per-task metrics over ``task``, per-sample
     records over ``example``), or lm-eval's own results dict with ``raw=True``.
     """
     require_lm_eval()
     from lm_eval import simple_evaluate
 
+    sources = check_tasks(list(tasks), include_path, trust=trust_task_code)
     lm = HeadlabLM(model if model is not None else (ctx.model if ctx is not None else None), decode=decode,
                    steer=list(steer) or None, batch_size=batch_size, max_gen_toks=max_gen_toks, seed=seed,
                    results=results, ctx=ctx)
-    out = simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
-                          task_manager=task_manager(include_path, include_defaults), log_samples=True,
-                          gen_kwargs=dict(gen_kwargs) if gen_kwargs else None, bootstrap_iters=bootstrap_iters,
-                          random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-                          fewshot_random_seed=seed)
+    sandboxed = sources.untrusted and not trust_task_code
+    with sandboxed_templates() if sandboxed else nullcontext():
+        out = simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
+                              task_manager=task_manager(include_path, include_defaults), log_samples=True,
+                              gen_kwargs=dict(gen_kwargs) if gen_kwargs else None, bootstrap_iters=bootstrap_iters,
+                              random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                              fewshot_random_seed=seed)
     if out is None:  # pragma: no cover - other ranks of a distributed run
         raise RuntimeError("lm-eval returned no results")
-    return out if raw else results_dataset(out)
+    if raw:
+        return out
+    ds = results_dataset(out)
+    ds.attrs["task_code"] = "trusted" if trust_task_code else "sandboxed" if sandboxed else "lm-eval registry"
+    ds.attrs["task_files"] = sources.files
+    return ds
 
 
 def main(argv: Sequence[str] | None = None) -> None:

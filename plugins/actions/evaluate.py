@@ -9,6 +9,7 @@
     decode: {kind: decore, heads: {from: retrieval, top: 8}}
     steer: [{kind: pasta, heads: {from: retrieval, top: 4}, missing: skip}]
     include_path: my_tasks/          # task YAMLs beside lm-eval's own
+    trust_task_code: false           # the default: task definitions from the spec run no Python code
 ```
 
 The step runs lm-eval's ``simple_evaluate`` with :class:`headlab.harness.HeadlabLM` over the run's model;
@@ -16,6 +17,11 @@ The step runs lm-eval's ``simple_evaluate`` with :class:`headlab.harness.Headlab
 per-task metrics over ``task`` and the per-sample records over ``example``
 (:func:`headlab.harness.results_dataset`). Needs the ``eval`` extra (``pip install 'headlab[eval]'``);
 without it a spec with an ``evaluate`` step fails validation with that one line.
+
+Task definitions the spec brings (inline mappings, ``include_path`` YAMLs, task files) are checked when the
+spec is validated and rendered in headlab's sandbox (:mod:`headlab.task_code`): no ``!function`` helper
+(except copies of lm-eval's own), no metric outside lm-eval's registry, no unsafe template, unless
+``trust_task_code: true``.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from pydantic import Field, model_validator
 
 from headlab import StepContext, hookimpl
 from headlab.spec import FiniteFloat, NonNegativeInt, PositiveInt, SpecTypes, StrictModel
+from headlab.task_code import check_tasks
 
 from .common import decoding_config
 
@@ -52,11 +59,20 @@ def evaluate_config(types: SpecTypes) -> type[StrictModel]:
         gen_kwargs: dict[str, Any] | None = Field(None, description="generation arguments for every task "
                                                   "(lm-eval's --gen_kwargs)")
         bootstrap_iters: NonNegativeInt = Field(1000, description="bootstrap iterations for stderr of non-mean metrics")
+        trust_task_code: bool = Field(False, description="let task definitions from this spec (inline mappings, "
+                                      "include_path YAMLs, task files) run Python code (!function helpers, "
+                                      "HF evaluate metrics) and render their templates outside headlab's sandbox; "
+                                      "off: such code is refused when the spec is validated")
 
         @model_validator(mode="after")
         def _lm_eval_installed(self) -> Any:
             if importlib.util.find_spec("lm_eval") is None:
                 raise ValueError(EXTRA)
+            return self
+
+        @model_validator(mode="after")
+        def _task_code(self) -> Any:
+            check_tasks(self.tasks, self.include_path, trust=self.trust_task_code)
             return self
 
     return Evaluate
@@ -70,7 +86,7 @@ def evaluate(config: Any, ctx: StepContext) -> xr.Dataset:
                    num_fewshot=config.num_fewshot, include_path=config.include_path,
                    include_defaults=config.include_defaults, batch_size=config.batch_size,
                    max_gen_toks=config.max_gen_toks, gen_kwargs=config.gen_kwargs, seed=ctx.seed, ctx=ctx,
-                   bootstrap_iters=config.bootstrap_iters)
+                   bootstrap_iters=config.bootstrap_iters, trust_task_code=config.trust_task_code)
     ds.attrs.update(decode=config.decode.kind, steer=[c.kind for c in config.steer],
                     tasks=[t if isinstance(t, str) else str(t.get("task", t)) for t in config.tasks],
                     example_source="lm-eval")
