@@ -15,7 +15,10 @@ from importlib.metadata import PackageNotFoundError, version
 from .context import Example, StepContext, TaskContext
 from .dims import DIMENSIONS
 from .errors import StepError
+from .forward import forward, positions_from_mask
+from .generation import Batch, tokenize
 from .hookspecs import hookimpl
+from .instrument import Plan, Probes, Recording
 from .plugin_manager import PluginError, register_plugin, unregister_plugin
 from .results import Run, list_runs, open_run
 from .runner import run
@@ -28,8 +31,8 @@ except PackageNotFoundError:  # running from a source tree without installation
     __version__ = "0+unknown"
 
 __all__ = [
-    "DIMENSIONS", "ComponentConfig", "Example", "HeadSelection", "PluginError", "Run", "SpecError", "StepContext",
-    "StepError", "TaskContext", "__version__", "generate", "hookimpl", "json_schema", "list_runs", "load_spec",
-    "logprobs", "open_run",
-    "register_plugin", "run", "unregister_plugin",
+    "DIMENSIONS", "Batch", "ComponentConfig", "Example", "HeadSelection", "Plan", "PluginError", "Probes",
+    "Recording", "Run", "SpecError", "StepContext", "StepError", "TaskContext", "__version__", "forward",
+    "generate", "hookimpl", "json_schema", "list_runs", "load_spec", "logprobs", "open_run",
+    "positions_from_mask", "register_plugin", "run", "tokenize", "unregister_plugin",
 ]

@@ -135,9 +135,9 @@ def image_token_attention(lm: LoadedModel, batch: Batch, *, row: int = 0, query:
     One forward of the batch (with its ``model_inputs``) under ``Probes(pairs=...)``; layers not in
     ``layers`` (default all) are not recorded and are absent from the layer axis.
     """
-    import torch
 
-    from .instrument import Plan, Probes, instrument
+    from .forward import forward
+    from .instrument import Plan, Probes
 
     spans = [tuple(s) for s in batch.image_spans[row]] if batch.image_spans else []
     grids = [tuple(g) for g in batch.image_grids[row]] if batch.image_grids else []
@@ -149,8 +149,7 @@ def image_token_attention(lm: LoadedModel, batch: Batch, *, row: int = 0, query:
     keys = [k for a, b in spans for k in range(a, b)]
     per_row = [[(q, k) for k in keys] if r == row else [] for r in range(batch.size)]
     probes = Probes(pairs=per_row, layers=None if layers is None else [int(x) for x in layers])
-    with torch.no_grad(), instrument(lm.model, Plan(probes=probes)) as rec:
-        lm.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **forward_kwargs(batch))
+    _, rec = forward(lm, batch, Plan(probes=probes), logits_to_keep=1)
     mass = rec.pair_mass[row].float().cpu().numpy()[..., : len(keys)]  # (layer, head, pair)
     out, at = [], 0
     for (a, b), grid in zip(spans, grids, strict=True):

@@ -259,7 +259,8 @@ def test_detector_memory_is_linear_in_length():
 
     cfg = dict(TINY_LLAMA, max_position_embeddings=4096, vocab_size=4096)
     lm = load_model(ModelSpec(config=cfg))
-    assert patterns._forward_kwargs(lm.model) == {"use_cache": False, "logits_to_keep": 1}
+    out, _ = headlab.forward(lm, torch.tensor([[5, 6, 7]]), logits_to_keep=1)  # what the detector runs
+    assert out.logits.shape[1] == 1 and out.past_key_values is None
     g = torch.Generator().manual_seed(0)
     peaks = []
     for half in (400, 800):

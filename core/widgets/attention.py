@@ -31,7 +31,9 @@ import xarray as xr
 
 from ..context import Example
 from ..dims import head_array
+from ..forward import forward
 from ..image_attention import forward_kwargs, image_attention_svg, model_view
+from ..instrument import Plan, Probes
 from ..model import LoadedModel
 from ..report import NAN_COLOR, color
 from .js import PRELUDE
@@ -269,27 +271,21 @@ class AttentionView(w.VBox):
 
     # ---- computation through the probes
     def _compute_pattern(self) -> np.ndarray:
-        from ..instrument import Plan, Probes, instrument
-
         if self._pattern is None:
-            with torch.no_grad(), instrument(self.lm.model, Plan(probes=Probes(pattern=True))) as rec:
-                self.lm.model(input_ids=self.input_ids, attention_mask=self.batch.attention_mask, **self.model_inputs)
+            _, rec = forward(self.lm, self.batch, Plan(probes=Probes(pattern=True)), logits_to_keep=1)
             self._pattern = rec.pattern[0].float().cpu().numpy()  # (layer, head, query, key)
         return self._pattern
 
     def _query_row(self, q: int) -> np.ndarray:
         """With model inputs beyond the ids (images): one forward of the whole input recording the pairs
         ``(q, 0..q)`` (memory linear in the length): ``(layer, head, q + 1)``."""
-        from ..instrument import Plan, Probes, instrument
-
         pairs = [(q, k) for k in range(q + 1)]
-        with torch.no_grad(), instrument(self.lm.model, Plan(probes=Probes(pairs=pairs))) as rec:
-            self.lm.model(input_ids=self.input_ids, attention_mask=self.batch.attention_mask, **self.model_inputs)
+        _, rec = forward(self.lm, self.batch, Plan(probes=Probes(pairs=pairs)), logits_to_keep=1)
         return rec.pair_mass[0, :, :, : q + 1].float().cpu().numpy()
 
     def _single_query(self, q: int, probes: Any) -> Any:
         """Prefill tokens ``[0, q)`` with plain attention, then run token ``q`` under ``probes``."""
-        from ..instrument import Plan, instrument
+        from ..instrument import instrument
 
         model = self.lm.model
         ids = self.input_ids
@@ -311,7 +307,6 @@ class AttentionView(w.VBox):
 
     def rows(self, query: int | None = None) -> np.ndarray:
         """Attention of every (layer, head) from ``query`` over keys ``0..query``: ``(layer, head, query+1)``."""
-        from ..instrument import Probes
 
         q = self.query if query is None else int(query)
         if self.mode == "pattern":
@@ -335,7 +330,6 @@ class AttentionView(w.VBox):
 
         Recorded with ``Probes(spans=...)`` on the query token (spans after the query get 0).
         """
-        from ..instrument import Probes
 
         if not self.token_spans:
             raise ValueError("this view has no spans; pass spans={'name': [(start, end)]} in characters")

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from pydantic import Field
 
-from headlab import ComponentConfig
-from headlab.generation import Batch, ScoreRequest, instrumented
+from headlab import ComponentConfig, forward
+from headlab.generation import Batch, ScoreRequest
 from headlab.spec import PositiveFloat, PositiveInt, Probability
 
 
@@ -148,19 +148,17 @@ def score_forward(request: ScoreRequest, plan: Any = REQUEST_PLAN,
     ``None``: no plan), keeping the logits of the last ``C + 1`` positions (``C``: the longest
     continuation). Rows made of copies of the batch get its images (processor inputs)."""
     batch = request.batch
-    ids, mask = rows if rows is not None else (batch.input_ids, batch.attention_mask)
+    plan = request.plan if plan is REQUEST_PLAN else plan
+    keep = request.width + 1
+    if rows is None:
+        return forward(request.lm, batch, plan, logits_to_keep=keep, **kwargs)[0]
+    ids, mask = rows
     copies = ids.shape[0] // batch.size
     if batch.has_images and ids.shape[1] == batch.length and torch.equal(ids, batch.input_ids.repeat(copies, 1)):
-        pos = batch.positions(copies)
-        kwargs = {**batch.forward_inputs(copies), **kwargs}
-    elif batch.has_images:
+        return forward(request.lm, batch, plan, copies=copies, logits_to_keep=keep, **kwargs)[0]
+    if batch.has_images:
         raise ValueError("scoring rows other than copies of the batch cannot carry its images")
-    else:
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    plan = request.plan if plan is REQUEST_PLAN else plan
-    with torch.no_grad(), instrumented(request.lm, plan):
-        return request.lm.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False,
-                                logits_to_keep=request.width + 1, **kwargs)
+    return forward(request.lm, ids, plan, attention_mask=mask, logits_to_keep=keep, **kwargs)[0]
 
 
 def predicting(logits: torch.Tensor, request: ScoreRequest) -> torch.Tensor:

@@ -28,7 +28,7 @@ from typing import Annotated, Any, Literal
 import torch
 from pydantic import BeforeValidator, Field
 
-from headlab import Example, hookimpl
+from headlab import Example, forward, hookimpl
 from headlab.generation import (
     Decoded,
     DecodeRequest,
@@ -134,11 +134,8 @@ def score_contrastive(config: Contrastive, request: ScoreRequest) -> Scored:
     """Sum of the contrast over the continuation tokens (expert under the step's plan)."""
     amateur = amateur_model(config.amateur, request.seed, request.lm.device)
     expert = predicting(score_forward(request).logits, request)
-    ids, mask = request.batch.input_ids, request.batch.attention_mask
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        am = amateur.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False,
-                           logits_to_keep=request.width + 1).logits
+    am = forward(amateur, request.batch.input_ids, attention_mask=request.batch.attention_mask,
+                 logits_to_keep=request.width + 1)[0].logits
     scores = contrastive_scores(config, expert, predicting(am, request), config.score_plausibility,
                                 config.relative_top_value)
     return sum_continuation(scores, request)

@@ -24,7 +24,6 @@ bool or 0/1 float (n, n) matrix.
 from __future__ import annotations
 
 import importlib
-import inspect
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -34,7 +33,7 @@ import xarray as xr
 from pydantic import Field, field_serializer
 from pydantic.json_schema import SkipJsonSchema
 
-from headlab import ComponentConfig, StepContext, hookimpl
+from headlab import ComponentConfig, Plan, Probes, StepContext, forward, hookimpl
 from headlab.dims import head_array
 from headlab.generation import tokenize
 from headlab.resources import Estimate, EstimateContext
@@ -275,21 +274,8 @@ def pair_scores(pair_mass: torch.Tensor, pairs: torch.Tensor, bos_mass: torch.Te
 
 
 # --------------------------------------------------------------------------- the detector
-def _forward_kwargs(model: Any) -> dict[str, Any]:
-    """Forward arguments that skip what a detector does not read: the KV cache and all logits but the last
-    (when the model's forward takes ``logits_to_keep``)."""
-    kw: dict[str, Any] = {"use_cache": False}
-    try:
-        if "logits_to_keep" in inspect.signature(model.forward).parameters:
-            kw["logits_to_keep"] = 1
-    except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
-        pass
-    return kw
-
-
 def detect(config: _Pattern, ctx: StepContext) -> xr.Dataset:
     """Score every head of the model against the pattern, per example and averaged."""
-    from headlab.instrument import Plan, Probes, instrument
 
     pattern = config.pattern if isinstance(config, CustomPattern) else config.kind
     geo = ctx.model.geometry
@@ -299,7 +285,6 @@ def detect(config: _Pattern, ctx: StepContext) -> xr.Dataset:
         n = len(ex.input_ids) if ex.input_ids is not None else len(ctx.model.tokenizer(ex.prompt)["input_ids"])
         by_len.setdefault(n, []).append(i)
     groups = [idx[j: j + config.batch_size] for idx in by_len.values() for j in range(0, len(idx), config.batch_size)]
-    fwd = _forward_kwargs(ctx.model.model)
     use_pairs = config.probe == "pairs"
     ex_cur = config.exclude_current_token
     for idx in ctx.progress(groups, f"{pattern_name(pattern)} heads"):
@@ -313,8 +298,7 @@ def detect(config: _Pattern, ctx: StepContext) -> xr.Dataset:
             probes = Probes(pairs=probe_pairs, spans=[(0, 1), (0, n)])
         else:
             probes = Probes(pattern=True)
-        with torch.no_grad(), instrument(ctx.model.model, Plan(probes=probes)) as rec:
-            ctx.model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, **fwd)
+        _, rec = forward(ctx.model, batch, Plan(probes=probes), logits_to_keep=1)
         if use_pairs:
             pm = rec.pair_mass.cpu()  # (example, layer, head, pair)
             sm = rec.span_mass.cpu()  # (example, layer, head, query, 2)

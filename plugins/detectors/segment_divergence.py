@@ -22,7 +22,6 @@ and hides the tokens.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -31,7 +30,7 @@ import torch
 import xarray as xr
 from pydantic import Field
 
-from headlab import ComponentConfig, StepContext, hookimpl
+from headlab import ComponentConfig, Plan, Probes, StepContext, forward, hookimpl, positions_from_mask
 from headlab.dims import head_array
 from headlab.generation import tokenize
 from headlab.image_attention import attention_preview
@@ -63,16 +62,11 @@ class SegmentDivergence(ComponentConfig):
 def last_z(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
            position_ids: torch.Tensor | None = None, **forward_kwargs: Any) -> torch.Tensor:
     """Head outputs ``z`` at the last position of one forward: (batch, layer, head, head_dim), float32."""
-    from headlab.instrument import Plan, Probes, instrument
-
-    if position_ids is None:
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    kw = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **forward_kwargs)
-    kw.setdefault("use_cache", False)  # only z is read: no KV cache, no (batch, length, vocab) logits
-    if "logits_to_keep" in inspect.signature(model.forward).parameters:
-        kw.setdefault("logits_to_keep", 1)
-    with torch.no_grad(), instrument(model, Plan(probes=Probes(z_positions="last"))) as rec:
-        model(**kw)
+    if position_ids is not None:
+        forward_kwargs = {**forward_kwargs, "position_ids": position_ids}
+    # only z is read: no KV cache, no (batch, length, vocab) logits
+    _, rec = forward(model, input_ids, Plan(probes=Probes(z_positions="last")), attention_mask=attention_mask,
+                     logits_to_keep=1, **forward_kwargs)
     return rec.z[:, :, :, -1].float()
 
 
@@ -117,7 +111,7 @@ def segment_divergence(model: Any, input_ids: torch.Tensor, attention_mask: torc
         ids, mask = remove_spans(input_ids, attention_mask, spans, pad_id)
         z_without = last_z(model, ids, mask, **(forward_kwargs_without or {}))
     elif method == "mask":
-        pos = (attention_mask.cumsum(-1) - 1).clamp(min=0) if position_ids is None else position_ids
+        pos = positions_from_mask(attention_mask) if position_ids is None else position_ids
         mask = attention_mask.clone()
         for r, row in enumerate(spans):
             for s, e in row:

@@ -34,7 +34,7 @@ import torch
 import xarray as xr
 from pydantic import Field, field_validator
 
-from headlab import ComponentConfig, Example, StepContext, hookimpl
+from headlab import ComponentConfig, Example, Plan, StepContext, forward, hookimpl
 from headlab.dims import head_array
 from headlab.generation import Batch, DecodeRequest, decode_loop, tokenize
 from headlab.heads import to_pasta_json
@@ -124,7 +124,6 @@ def _scoring_rows(ctx: StepContext, examples: list[Example], span: str) -> list[
 def _target_logprob(ctx: StepContext, rows: list[dict[str, Any]], heads: list[tuple[int, int] | None],
                     config: PastaProfile) -> np.ndarray:
     """log p(target | prompt) per row; row i steered on ``heads[i]`` (None: unsteered)."""
-    from headlab.instrument import Plan, instrument
 
     lm = ctx.model
     n = max(len(r["ids"]) for r in rows)
@@ -144,9 +143,7 @@ def _target_logprob(ctx: StepContext, rows: list[dict[str, Any]], heads: list[tu
     for h, (rs, secs, regs) in by_head.items():
         apply_pasta(plan, [h], secs, regs, config.alpha, config.scale_position, rows=rs)
     ids, mask = ids.to(lm.device), mask.to(lm.device)
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad(), instrument(lm.model, plan):
-        logits = lm.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+    logits = forward(lm, ids, plan, attention_mask=mask)[0].logits
     logp = torch.log_softmax(logits.float(), dim=-1)
     out = np.zeros(len(rows))
     for i, r in enumerate(rows):
@@ -160,7 +157,6 @@ def _target_logprob(ctx: StepContext, rows: list[dict[str, Any]], heads: list[tu
 # --------------------------------------------------------------------------- generation metrics
 def _generated_metric(ctx: StepContext, examples: list[Example], heads: list[tuple[int, int] | None],
                       config: PastaProfile) -> np.ndarray:
-    from headlab.instrument import Plan
     from headlab.plugin_manager import get_manager
 
     comp = get_manager().get("metrics", config.metric)

@@ -20,6 +20,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
+import headlab
 from headlab import ComponentConfig, HeadSelection
 from headlab.generation import (
     Decoded,
@@ -30,7 +31,7 @@ from headlab.generation import (
     decode_loop,
     sum_continuation,
 )
-from headlab.instrument import Plan, instrument
+from headlab.instrument import Plan
 
 
 class HeadContrast(ComponentConfig):
@@ -71,9 +72,6 @@ def decode(config: HeadContrast, request: DecodeRequest) -> Decoded:
 def score(config: HeadContrast, request: ScoreRequest) -> Scored:
     """Each row's choice tokens scored by the contrast, summed."""
     R, C = request.batch.size, request.width
-    ids = request.batch.input_ids.repeat(2, 1)
-    mask = request.batch.attention_mask.repeat(2, 1)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad(), instrument(request.lm.model, two_copy_plan(config, request)):
-        logits = request.lm.model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    out, _ = headlab.forward(request.lm, request.batch, two_copy_plan(config, request), copies=2)
+    logits = out.logits
     return sum_continuation(contrast(config.beta, logits[:R, -C - 1:-1], logits[R:, -C - 1:-1]), request)
