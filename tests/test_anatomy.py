@@ -294,3 +294,27 @@ def test_a_missing_module_is_named():
                                            r"'self_attn' module"):
         lm.attention_module(1)
     assert lm.attention_module(0).layer_idx == 0
+
+
+def test_the_docs_example_computes_ov_norms_and_the_logit_lens():
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).parent.parent / "docs" / "plugins.md").read_text()
+    section = doc.split("## Model anatomy", 1)[1].split("\n## ", 1)[0]
+    namespace: dict = {}
+    exec(re.search(r"```python\n(.*?)```", section, flags=re.S).group(1), namespace)  # noqa: S102
+    lm = load_model(ModelSpec(config={**TINY_LLAMA, "initializer_range": 0.25}, device="cpu"))
+    H, K, D = lm.geometry.n_heads, lm.geometry.n_kv_heads, lm.geometry.head_dim
+    with torch.no_grad():
+        norms = namespace["ov_norms"](lm)
+        for layer, block in enumerate(lm.model.model.layers):  # by hand, as the weights are stored
+            wv, wo = block.self_attn.v_proj.weight, block.self_attn.o_proj.weight
+            for h in range(H):
+                kv = h // (H // K)
+                ov = wv[kv * D:(kv + 1) * D].T @ wo[:, h * D:(h + 1) * D].T
+                assert norms[layer, h].item() == pytest.approx(torch.linalg.matrix_norm(ov).item(), rel=1e-5)
+        ids = ids_for(lm)
+        out = lm.model(input_ids=ids, output_hidden_states=True)
+        torch.testing.assert_close(namespace["logit_lens"](lm, out.hidden_states[-2]),
+                                   lm.model.lm_head(lm.model.model.norm(out.hidden_states[-2])), **TOL)
