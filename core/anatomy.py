@@ -16,14 +16,18 @@ Head weights follow TransformerLens' names and orientation (``x @ W``, row vecto
 
 ``x @ W_Q[h] + b_Q[h]`` is head ``h``'s slice of the query projection of the normed input ``x`` and
 ``sum_h z[h] @ W_O[h] + b_O`` is the output projection of the head outputs ``z``. What the weights do not
-include, and a forward must add: rotary position embeddings (applied to queries and keys after the
-projection), the query/key norms of olmo2 (RMS norms over the whole projection of all heads, before RoPE:
-:func:`query_key_norms`; the per-head q/k norms of qwen3- or gemma3-style models are not supported here either), the
-attention scale (:attr:`HeadWeights.scale`, e.g. gemma2's
-``query_pre_attn_scalar ** -0.5`` or gpt2's inverse-layer scaling), the attention logit soft-capping of gemma2
-(:attr:`HeadWeights.softcap`), sliding-window masks, and the residual-stream norms around the attention (gemma2's
-``post_attention_layernorm``, olmo2's post-norms). The weights are detached views of the model's parameters:
-no copy, no autograd; editing them in place edits the model.
+include, and a forward must add:
+
+- rotary position embeddings (applied to queries and keys after the projection);
+- the query/key norms of olmo2: RMS norms over the whole projection of all heads, before RoPE
+  (:func:`query_key_norms`); per-head q/k norms (qwen3 / gemma3 style) belong to unsupported architectures;
+- the attention scale (:attr:`HeadWeights.scale`: gemma2's ``query_pre_attn_scalar ** -0.5``, gpt2's
+  inverse-layer scaling) and gemma2's attention logit soft-capping (:attr:`HeadWeights.softcap`);
+- sliding-window masks, and the residual-stream norms around the attention (gemma2's
+  ``post_attention_layernorm``, olmo2's post-norms).
+
+The weights are detached views of the model's parameters: no copy, no autograd; writing into them edits the
+model.
 """
 
 from __future__ import annotations
