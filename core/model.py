@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from . import anatomy
 from .spec import ModelSpec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -86,6 +87,58 @@ class LoadedModel:
             elif isinstance(src, list):
                 ids.update(int(i) for i in src)
         return sorted(ids)
+
+    # Model anatomy (headlab.anatomy): the parts of the language model, the same for every architecture.
+    @property
+    def decoder_layers(self) -> list[torch.nn.Module]:
+        """The decoder layer modules of the language model, in order."""
+        return anatomy.decoder_layers(self.model)
+
+    def attention_module(self, layer: int) -> torch.nn.Module:
+        """The self-attention module of decoder layer ``layer``."""
+        return anatomy.attention_module(self.model, layer)
+
+    def input_norm(self, layer: int) -> torch.nn.Module | None:
+        """The norm feeding the attention of layer ``layer`` (None where the attention reads the residual)."""
+        return anatomy.input_norm(self.model, layer)
+
+    def query_key_norms(self, layer: int) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+        """``(q_norm, k_norm)`` of layer ``layer`` where the architecture has them (olmo2), else None."""
+        return anatomy.query_key_norms(self.model, layer)
+
+    def head_weights(self, layer: int) -> anatomy.HeadWeights:
+        """The per-head attention weights of layer ``layer`` (TransformerLens' names and shapes)."""
+        return anatomy.head_weights(self.model, layer)
+
+    @property
+    def embedding(self) -> torch.Tensor:
+        """The input token embedding matrix ``W_E`` (vocab, d_model)."""
+        return anatomy.embedding(self.model)
+
+    @property
+    def position_embedding(self) -> torch.Tensor | None:
+        """The learned position embedding ``W_pos`` (positions, d_model) of gpt2; None with rotary embeddings."""
+        return anatomy.position_embedding(self.model)
+
+    @property
+    def unembedding(self) -> torch.Tensor:
+        """The unembedding ``W_U`` (d_model, vocab)."""
+        return anatomy.unembedding(self.model)
+
+    @property
+    def unembedding_bias(self) -> torch.Tensor | None:
+        """The unembedding bias ``b_U`` (vocab,), or None."""
+        return anatomy.unembedding_bias(self.model)
+
+    @property
+    def final_norm(self) -> torch.nn.Module:
+        """The norm applied to the last hidden state before the unembedding."""
+        return anatomy.final_norm(self.model)
+
+    def unembed(self, hidden: torch.Tensor, *, norm: bool = True) -> torch.Tensor:
+        """Logits of hidden states (..., d_model) as the model's head computes them (final norm unless
+        ``norm=False``, ``W_U``, ``b_U``, soft-capping)."""
+        return anatomy.unembed(self.model, hidden, norm=norm)
 
     def provenance(self) -> dict[str, Any]:
         """Model facts recorded in every run's attributes."""
