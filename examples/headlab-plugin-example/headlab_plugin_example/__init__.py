@@ -29,22 +29,13 @@ class WordCount(ComponentConfig):
     kind: Literal["word_count"] = "word_count"
 
 
-def _o_proj(layer: torch.nn.Module) -> torch.Tensor:
-    attn = getattr(layer, "self_attn", None) or getattr(layer, "attn", None)
-    proj = getattr(attn, "o_proj", None) or getattr(attn, "c_proj", None)
-    weight = proj.weight
-    return weight if hasattr(attn, "o_proj") else weight.T  # GPT-2's Conv1D stores (in, out)
-
-
 def output_norm(config: OutputNorm, ctx: StepContext) -> xr.Dataset:
-    """Score each head by the norm of its output-projection columns."""
-    geo = ctx.model.geometry
-    layers = ctx.model.model.model.layers if hasattr(ctx.model.model, "model") else ctx.model.model.transformer.h
+    """Score each head by the matrix norm of its output weights ``W_O[head]`` (d_head x d_model)."""
+    lm, geo = ctx.model, ctx.model.geometry
     scores = np.zeros((geo.n_layers, geo.n_heads))
-    for li, layer in enumerate(layers):
-        w = _o_proj(layer).detach().float()
-        for h in range(geo.n_heads):
-            scores[li, h] = torch.linalg.matrix_norm(w[:, h * geo.head_dim:(h + 1) * geo.head_dim], ord=config.ord)
+    for layer in range(geo.n_layers):
+        W_O = lm.head_weights(layer).W_O.float()  # noqa: N806 - TransformerLens' name
+        scores[layer] = torch.linalg.matrix_norm(W_O, ord=config.ord).numpy()
     return xr.Dataset({"score": head_array(scores)}, attrs={"method": "output_norm"})
 
 
