@@ -17,7 +17,15 @@ import math
 import torch
 from torch import Tensor
 
-from .contract import AttentionStats, HeadEdits, ProbeRequest, flat_pairs, span_bias, span_indicator, visibility
+from .contract import (
+    AttentionStats,
+    HeadEdits,
+    ProbeRequest,
+    flat_pairs,
+    span_bias,
+    span_indicator,
+    visibility,
+)
 
 __all__ = ["torch_attention"]
 
