@@ -4,6 +4,10 @@ See ``docs/kernels.md`` for the full contract. The kernels know nothing of plugi
 they take q, k, v, a :class:`HeadEdits` and a :class:`ProbeRequest` made of plain tensors, and return the
 per-head output ``z = A @ V`` together with the requested statistics of the (edited) attention ``A``.
 :func:`choose_backend` is the one place that decides which path computes a call.
+
+This module is the dispatcher (:func:`attention`, :func:`choose_backend`, the SDPA path); the contract types
+and the helpers both paths share live in :mod:`.contract` (re-exported here), the paths in
+:mod:`.torch_attention` and :mod:`.triton_attention`, which import only the contract.
 """
 
 from __future__ import annotations

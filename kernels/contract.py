@@ -151,7 +151,7 @@ class AttentionStats:
     - ``offset_mass``: (B, H, Nq, O) float32, ``A[i, pos(i) - delta_o]`` with ``pos(i) = Nk - Nq + i`` the
       query's own key coordinate and ``delta_o = probe_offsets[b, o]``; 0 where that key is outside
       ``0..Nk-1`` or not visible, and for unused offset slots (``delta_o = -1``).
-    - ``pattern``: (B, H, Nq, Nk) float32, the full attention, only when ``return_pattern``.
+    - ``pattern``: (B, H, Nq, Nk) float32, the full attention, only when :attr:`ProbeRequest.pattern`.
     - ``pair_mass``: (B, H, P) float32, ``A[pairs[b, p, 0], pairs[b, p, 1]]``; 0 for a pair outside
       ``0..Nq-1`` x ``0..Nk-1`` (an unused slot) or whose key is not visible to its query.
     - ``backend``: the path that ran (``"sdpa"``, ``"torch"`` or ``"triton"``) and ``reason``: why

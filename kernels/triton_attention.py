@@ -1,16 +1,17 @@
 """FlashAttention-2-style Triton kernel with head edits and streaming probes.
 
-Laid out like Triton's fused-attention tutorial: :func:`_attn_fwd` is one program per (``BLOCK_M`` queries,
+Laid out like Triton's fused-attention tutorial: :func:`_attn_fwd` is one program per (``BLK.M`` queries,
 batch row, query head); it loads its query tile and per-head edits, then :func:`_attn_fwd_inner` walks the
 visible key tiles with an online softmax, and an epilogue writes the results. In the same pass the kernel
 applies the edits (query scale, score zeroing, additive key-span biases, softcap, causal / window / padding /
-general masks; :func:`_scores`) and accumulates the probes:
+general masks; :func:`_scores`, with the device functions :func:`_softcap` and :func:`_visible` that the pair
+kernel :func:`_pair_fwd` shares) and accumulates the probes:
 
 - argmax: running maximum score and its key index (strictly greater wins, so the first key on ties);
 - entropy: ``F = sum_j p_j (s_j - m)`` rescaled when the running max ``m`` moves, ``H = log l - F / l``;
-- span masses: ``sum_j p_j [j in span]`` as a (BLOCK_M, BLOCK_P) accumulator, rescaled like the output;
+- span masses: ``sum_j p_j [j in span]`` as a (BLK.M, BLK.P) accumulator, rescaled like the output;
 - offset masses: ``p_j`` at the key ``j = q_pos - delta`` for each probe offset ``delta``, a
-  (BLOCK_M, BLOCK_O) accumulator rescaled like the span masses (an offset touches at most two key tiles of
+  (BLK.M, BLK.O) accumulator rescaled like the span masses (an offset touches at most two key tiles of
   a query block; the others are skipped).
 
 The full pattern, when asked, is written by a second sweep over the key tiles (:func:`_write_pattern`) once
@@ -25,7 +26,13 @@ in-bounds mask), not block pointers: ``tl.make_block_ptr`` raises ``NotImplement
 descriptors need 16-byte-aligned strides (asserted by the interpreter too), which these inputs do not
 guarantee (int8 masks with ``Nk``-byte rows, stride-0 broadcast masks, ``P``-column probe buffers, head
 dims whose rows are not a multiple of 16 bytes), and their device-side form needs a global allocator on
-Hopper. Strides travel as ``(batch, head, position, dim)`` tuples (triton >= 3.3).
+Hopper.
+
+Arguments travel bundled in named tuples (triton >= 3.3 takes tuples as arguments, named ones too):
+:class:`Strides`, :class:`Edits`, :class:`Masks`, :class:`Probes`, :class:`Dims`, :class:`Pairs`, and the
+``tl.constexpr`` ones :class:`ScoreFlags`, :class:`OutputFlags` and :class:`Blocks`, whose fields compile
+code in or out. The host side is :func:`triton_attention`: :func:`_launch_plan` (tiles, key splits),
+:func:`_inputs`, :func:`_buffers`, :func:`_launch_forward`, :func:`_stats` and :func:`_pair_masses`.
 
 Runs on CUDA, and on CPU under ``TRITON_INTERPRET=1`` (set before triton is imported).
 """
