@@ -41,8 +41,10 @@ def case(B, H, Hkv, Nq, Nk, D, dtype, device, pad=0, seed=0):
     os_[0, 0] = 0
     spans = torch.tensor([[0, Nk // 3], [Nk // 2, Nk - 1]], device=device).expand(B, 2, 2).contiguous()
     bias = torch.full((B, H, 2), math.log(0.05), device=device)
-    edits = dict(q_scale=qs, score_zero=sz, out_scale=os_, key_spans=spans, key_bias=bias)
-    probes = dict(probe_argmax=True, probe_entropy=True, probe_spans=spans)
+    from headlab.kernels import HeadEdits, ProbeRequest
+
+    edits = HeadEdits(q_scale=qs, score_zero=sz, out_scale=os_, key_spans=spans, key_bias=bias)
+    probes = ProbeRequest(argmax=True, entropy=True, spans=spans)
     return q, k, v, kpm, edits, probes
 
 
@@ -59,7 +61,7 @@ def correctness(device: str) -> bool:
         for B, H, Hkv, Nq, Nk, D in shapes:
             for extra in (dict(), dict(softcap=20.0, window=97)):
                 q, k, v, kpm, edits, probes = case(B, H, Hkv, Nq, Nk, D, dtype, device, pad=7)
-                kw = dict(scale=D**-0.5, key_padding_mask=kpm, **edits, **probes, **extra)
+                kw = dict(scale=D**-0.5, key_padding_mask=kpm, edits=edits, probes=probes, **extra)
                 ref_o, ref = attention(q.float(), k.float(), v.float(), backend="torch", **kw)
                 out, st = attention(q, k, v, backend="triton" if device == "cuda" else "torch", **kw)
                 diffs = {
@@ -87,26 +89,25 @@ def bench(fn, reps=5):
 
 
 def kernel_timings(lengths):
-    from headlab.kernels import attention
+    from headlab.kernels import HeadEdits, ProbeRequest, attention
 
     B, H, Hkv, D = 1, 32, 8, 128
     print(f"\nkernel timings, B={B} H={H} Hkv={Hkv} D={D} bf16 (ratios vs SDPA)")
     for n in lengths:
         q, k, v, _, edits, probes = case(B, H, Hkv, n, n, D, torch.bfloat16, "cuda")
         sc = D**-0.5
+        argmax_span = ProbeRequest(argmax=True, spans=probes.spans)
+        pasta = HeadEdits(key_spans=edits.key_spans, key_bias=edits.key_bias)
         t_sdpa = bench(lambda: attention(q, k, v, scale=sc, backend="sdpa"))  # noqa: B023
         t_plain = bench(lambda: attention(q, k, v, scale=sc, backend="triton"))  # noqa: B023
-        t_probe = bench(lambda: attention(q, k, v, scale=sc, backend="triton", probe_argmax=True,  # noqa: B023
-                                          probe_spans=probes["probe_spans"]))  # noqa: B023
-        t_pasta = bench(lambda: attention(q, k, v, scale=sc, backend="triton", key_spans=edits["key_spans"],  # noqa: B023
-                                          key_bias=edits["key_bias"]))  # noqa: B023
+        t_probe = bench(lambda: attention(q, k, v, scale=sc, backend="triton", probes=argmax_span))  # noqa: B023
+        t_pasta = bench(lambda: attention(q, k, v, scale=sc, backend="triton", edits=pasta))  # noqa: B023
         torch.cuda.reset_peak_memory_stats()
-        attention(q, k, v, scale=sc, backend="triton", probe_argmax=True, probe_spans=probes["probe_spans"])
+        attention(q, k, v, scale=sc, backend="triton", probes=argmax_span)
         mem = torch.cuda.max_memory_allocated() / 2**20
         qd = q[:, :, -1:].contiguous()
         t_dsdpa = bench(lambda: attention(qd, k, v, scale=sc, backend="sdpa"))  # noqa: B023
-        t_dec = bench(lambda: attention(qd, k, v, scale=sc, backend="triton", probe_argmax=True,  # noqa: B023
-                                        probe_spans=probes["probe_spans"]))  # noqa: B023
+        t_dec = bench(lambda: attention(qd, k, v, scale=sc, backend="triton", probes=argmax_span))  # noqa: B023
         print(f"  {n:6d}: sdpa {t_sdpa * 1e3:8.2f} ms | triton plain {t_plain / t_sdpa:5.2f}x | "
               f"argmax+span {t_probe / t_sdpa:5.2f}x (peak {mem:.0f} MiB) | PASTA {t_pasta / t_sdpa:5.2f}x | "
               f"decode sdpa {t_dsdpa * 1e3:.3f} ms, triton+probes {t_dec / t_dsdpa:5.2f}x")

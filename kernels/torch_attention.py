@@ -17,19 +17,23 @@ import math
 import torch
 from torch import Tensor
 
-from .attention import AttentionStats, HeadEdits, ProbeRequest, flat_pairs, visibility
+from .contract import (
+    AttentionStats,
+    HeadEdits,
+    ProbeRequest,
+    flat_pairs,
+    span_bias,
+    span_indicator,
+    visibility,
+)
+
+__all__ = ["torch_attention"]
 
 # float32 elements of one score block (16 MiB, about what a last-level cache holds): a block is a group of
 # kv heads (with their query heads) times ``block_q`` queries times the keys; the group shrinks first (down
 # to one kv head), then the query block. A block edited in place while it is still in cache costs about half
 # of one streamed through memory on every pass (measured: 8K tokens, 8 heads, 1 thread: 3.3 s -> 2.3 s).
 _MAX_BLOCK_ELEMS = 1 << 22
-
-
-def _inspan(spans: Tensor, k0: int, k1: int) -> Tensor:
-    """(B, S, k1-k0) float: 1 where key j in [k0, k1) lies in span [start, end)."""
-    j = torch.arange(k0, k1, device=spans.device)
-    return ((j >= spans[..., :1]) & (j < spans[..., 1:])).float()
 
 
 def torch_attention(
@@ -60,10 +64,8 @@ def torch_attention(
     bq = max(1, min(block_q, _MAX_BLOCK_ELEMS // max(1, B * G * hk_step * Nk)))
 
     # per-key additive bias from the key spans: (B, H, Nk), linear memory
-    kbias = None
-    if edits.key_spans is not None:
-        kbias = torch.einsum("bhs,bsn->bhn", edits.key_bias.to(f32), _inspan(edits.key_spans, 0, Nk))
-    pin = _inspan(probes.spans, 0, Nk) if probes.spans is not None else None  # (B, P, Nk)
+    kbias = None if edits.key_spans is None else span_bias(edits.key_spans, edits.key_bias, Nk)
+    pin = span_indicator(probes.spans, 0, Nk) if probes.spans is not None else None  # (B, P, Nk)
     qmul = torch.full((B, H), scale, dtype=f32, device=dev)
     if edits.q_scale is not None:
         qmul = qmul * edits.q_scale

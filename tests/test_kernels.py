@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from headlab.kernels import attention
+from headlab.kernels import HeadEdits, ProbeRequest, attention
 
 from fixtures.kernels import (
     ALL_PROBES,
@@ -21,7 +21,10 @@ from fixtures.kernels import (
     make_case,
     pasta_reweighted,
     reference,
+    requests,
 )
+
+PATTERN = ProbeRequest(pattern=True)
 
 SHAPES = [
     # (B, H, Hkv, Nq, Nk, D)
@@ -41,7 +44,8 @@ def test_torch_path_matches_reference(shape, edits):
     B, H, Hkv, Nq, Nk, D = shape
     q, k, v, kpm, kw = make_case(B, H, Hkv, Nq, Nk, D, edits=edits, pad=(0, 3) if B > 1 else (2,))
     scale = D**-0.5
-    out, st = attention(q, k, v, scale=scale, key_padding_mask=kpm, backend="torch", block_q=4, **ALL_PROBES, **kw)
+    out, st = attention(q, k, v, scale=scale, key_padding_mask=kpm, backend="torch", block_q=4,
+                        **requests(kw, **ALL_PROBES))
     assert st.backend == "torch"
     ref = reference(q, k, v, scale=scale, key_padding_mask=kpm, **kw)
     check(out, st, ref, atol=1e-5)
@@ -59,7 +63,8 @@ def test_torch_path_blocks_of_head_groups(monkeypatch, budget):
     q, k, v, kpm, kw = make_case(2, 4, 2, 10, 10, 8, pad=(0, 2))
     am = torch.rand(2, 4, 10, 10, generator=torch.Generator().manual_seed(5)) > 0.2
     for extra in (dict(window=4), dict(attn_mask=am, causal=False), dict(softcap=2.0)):
-        out, st = attention(q, k, v, scale=0.5, key_padding_mask=kpm, backend="torch", **ALL_PROBES, **kw, **extra)
+        out, st = attention(q, k, v, scale=0.5, key_padding_mask=kpm, backend="torch", **requests(kw, **ALL_PROBES),
+                            **extra)
         ref = reference(q, k, v, scale=0.5, key_padding_mask=kpm, **kw, **extra)
         check(out, st, ref, atol=1e-5)
 
@@ -70,14 +75,15 @@ def test_torch_softcap_window_noncausal(softcap, window, causal):
     q, k, v, kpm, kw = make_case(2, 4, 2, 10, 10, 8, pad=(0, 2))
     q = q * 3  # large scores so the softcap bites
     out, st = attention(q, k, v, scale=0.5, causal=causal, key_padding_mask=kpm, softcap=softcap, window=window,
-                        backend="torch", block_q=3, **ALL_PROBES, **kw)
+                        backend="torch", block_q=3, **requests(kw, **ALL_PROBES))
     ref = reference(q, k, v, scale=0.5, causal=causal, key_padding_mask=kpm, softcap=softcap, window=window, **kw)
     check(out, st, ref, atol=1e-5)
 
 
 def test_torch_window_decode_with_past():
     q, k, v, kpm, kw = make_case(2, 4, 2, 2, 14, 8, pad=(0, 5))
-    out, st = attention(q, k, v, scale=0.3, key_padding_mask=kpm, window=5, backend="torch", **ALL_PROBES, **kw)
+    out, st = attention(q, k, v, scale=0.3, key_padding_mask=kpm, window=5, backend="torch",
+                        **requests(kw, **ALL_PROBES))
     ref = reference(q, k, v, scale=0.3, key_padding_mask=kpm, window=5, **kw)
     check(out, st, ref, atol=1e-5)
 
@@ -87,7 +93,7 @@ def test_general_attn_mask():
     am = torch.rand(2, 1, 8, 8, generator=torch.Generator().manual_seed(1)) > 0.3
     am[:, :, :, 0] = True
     for backend in ("torch", "sdpa"):
-        extra = ALL_PROBES | kw if backend == "torch" else {}
+        extra = requests(kw, **ALL_PROBES) if backend == "torch" else {}
         out, st = attention(q, k, v, scale=0.3, causal=False, key_padding_mask=kpm, attn_mask=am, backend=backend,
                             **extra)
         ref = reference(q, k, v, scale=0.3, causal=False, key_padding_mask=kpm, attn_mask=am,
@@ -101,7 +107,7 @@ def test_general_attn_mask():
 @pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 2e-2), (torch.float16, 4e-3)])
 def test_torch_half_precision(dtype, atol):
     q, k, v, kpm, kw = make_case(2, 4, 2, 9, 9, 16, dtype=dtype)
-    out, st = attention(q, k, v, scale=0.25, key_padding_mask=kpm, backend="torch", **ALL_PROBES, **kw)
+    out, st = attention(q, k, v, scale=0.25, key_padding_mask=kpm, backend="torch", **requests(kw, **ALL_PROBES))
     assert out.dtype == dtype and st.entropy.dtype == torch.float32
     ref = reference(q, k, v, scale=0.25, key_padding_mask=kpm, **kw)
     check(out, st, ref, atol=atol)
@@ -130,7 +136,7 @@ def test_sdpa_path_takes_scales_and_key_bias(shape, shared):
         kb = kw["key_bias"].view(B, Hkv, H // Hkv, -1)[:, :, :1]
         kw["key_bias"] = kb.expand(B, Hkv, H // Hkv, kb.shape[-1]).reshape(B, H, -1).clone()
     for window in (None, 3):
-        out, st = attention(q, k, v, scale=0.4, key_padding_mask=kpm, window=window, **kw)
+        out, st = attention(q, k, v, scale=0.4, key_padding_mask=kpm, window=window, **requests(kw))
         assert st.backend == "sdpa"
         ref = reference(q, k, v, scale=0.4, key_padding_mask=kpm, window=window, **kw)
         torch.testing.assert_close(out.double(), ref["z"], atol=1e-5, rtol=0)
@@ -143,16 +149,17 @@ def test_sdpa_key_bias_path_is_linear_memory_and_infinite_bias_uses_torch():
     seen: list[int] = []
 
     with AllocationSpy(seen):
-        _, st = attention(q, k, v, scale=0.3, key_spans=spans, key_bias=torch.full((1, 2, 2), math.log(0.01)))
+        _, st = attention(q, k, v, scale=0.3,
+                          edits=HeadEdits(key_spans=spans, key_bias=torch.full((1, 2, 2), math.log(0.01))))
     assert st.backend == "sdpa"
     assert max(seen) < B * H * N * N // 4
-    _, st = attention(q, k, v, scale=0.3, key_spans=spans, key_bias=torch.full((1, 2, 2), -math.inf))
+    _, st = attention(q, k, v, scale=0.3, edits=HeadEdits(key_spans=spans, key_bias=torch.full((1, 2, 2), -math.inf)))
     assert st.backend == "torch"
 
 
 def test_padding_queries_are_zero_and_finite():
     q, k, v, kpm, kw = make_case(2, 4, 2, 9, 9, 8, pad=(0, 4))
-    out, st = attention(q, k, v, scale=0.3, key_padding_mask=kpm, backend="torch", **ALL_PROBES, **kw)
+    out, st = attention(q, k, v, scale=0.3, key_padding_mask=kpm, backend="torch", **requests(kw, **ALL_PROBES))
     assert torch.isfinite(out).all()
     assert (out[1, :, :4] == 0).all()
     assert (st.argmax[1, :, :4] == -1).all() and (st.entropy[1, :, :4] == 0).all()
@@ -160,27 +167,28 @@ def test_padding_queries_are_zero_and_finite():
 
 
 def test_edit_semantics():
-    """The edits do what METHODS.md says, read off the output directly."""
+    """The edits do what attention()'s docstring says, read off the output directly."""
     q, k, v, kpm, _ = make_case(1, 2, 1, 6, 6, 8, pad=None, edits=False, spans=False)
     # query masking -> uniform over the causal prefix -> z = running mean of V
-    out, st = attention(q, k, v, scale=0.3, q_scale=torch.tensor([[0.0, 1.0]]), probe_entropy=True)
+    out, st = attention(q, k, v, scale=0.3, edits=HeadEdits(q_scale=torch.tensor([[0.0, 1.0]])),
+                        probes=ProbeRequest(entropy=True))
     mean_v = v[0, 0].cumsum(0) / torch.arange(1, 7)[:, None]
     torch.testing.assert_close(out[0, 0], mean_v, atol=1e-6, rtol=0)
     torch.testing.assert_close(st.entropy[0, 0], torch.log(torch.arange(1, 7).float()), atol=1e-6, rtol=0)
     # score zeroing is the same thing (no bias): uniform attention
-    out2, _ = attention(q, k, v, scale=0.3, score_zero=torch.tensor([[True, False]]), backend="torch")
+    out2, _ = attention(q, k, v, scale=0.3, edits=HeadEdits(score_zero=torch.tensor([[True, False]])), backend="torch")
     torch.testing.assert_close(out2[0, 0], mean_v, atol=1e-6, rtol=0)
     # output scale
     base, _ = attention(q, k, v, scale=0.3, backend="torch")
-    out3, _ = attention(q, k, v, scale=0.3, out_scale=torch.tensor([[0.0, 2.5]]), backend="torch")
+    out3, _ = attention(q, k, v, scale=0.3, edits=HeadEdits(out_scale=torch.tensor([[0.0, 2.5]])), backend="torch")
     assert (out3[0, 0] == 0).all()
     torch.testing.assert_close(out3[0, 1], 2.5 * base[0, 1], atol=1e-6, rtol=0)
     # PASTA: log(alpha) on the complement of the emphasised span == post-softmax reweighting
     alpha = 0.01
     spans = torch.tensor([[[0, 2], [4, 6]]])  # complement of [2, 4)
     bias = torch.full((1, 2, 2), math.log(alpha))
-    _, st_b = attention(q, k, v, scale=0.3, key_spans=spans, key_bias=bias, return_pattern=True)
-    _, st_0 = attention(q, k, v, scale=0.3, return_pattern=True, backend="torch")
+    _, st_b = attention(q, k, v, scale=0.3, edits=HeadEdits(key_spans=spans, key_bias=bias), probes=PATTERN)
+    _, st_0 = attention(q, k, v, scale=0.3, probes=PATTERN, backend="torch")
     torch.testing.assert_close(st_b.pattern, pasta_reweighted(st_0.pattern, alpha, (2, 4)), atol=1e-6, rtol=0)
 
 
@@ -191,8 +199,8 @@ def test_memory_is_blocked():
     seen: list[int] = []
 
     with AllocationSpy(seen):
-        attention(q, k, v, scale=0.3, probe_argmax=True, probe_entropy=True,
-                  probe_spans=torch.tensor([[[0, 10]]]), backend="torch", block_q=32)
+        attention(q, k, v, scale=0.3, probes=ProbeRequest(argmax=True, entropy=True, spans=torch.tensor([[[0, 10]]])),
+                  backend="torch", block_q=32)
     assert max(seen) <= B * H * 32 * N
     assert max(seen) < B * H * N * N // 4
 
@@ -203,11 +211,11 @@ def test_validation_errors():
         attention(q, k, v, scale=1.0)
     q = torch.randn(1, 4, 4, 8)
     with pytest.raises(ValueError, match="sdpa"):
-        attention(q, k, v, scale=1.0, probe_argmax=True, backend="sdpa")
+        attention(q, k, v, scale=1.0, probes=ProbeRequest(argmax=True), backend="sdpa")
     with pytest.raises(ValueError, match="sdpa"):
-        attention(q, k, v, scale=1.0, score_zero=torch.ones(1, 4, dtype=torch.bool), backend="sdpa")
+        attention(q, k, v, scale=1.0, edits=HeadEdits(score_zero=torch.ones(1, 4, dtype=torch.bool)), backend="sdpa")
     with pytest.raises(ValueError, match="key_spans"):
-        attention(q, k, v, scale=1.0, key_spans=torch.zeros(1, 1, 2, dtype=torch.long))
+        attention(q, k, v, scale=1.0, edits=HeadEdits(key_spans=torch.zeros(1, 1, 2, dtype=torch.long)))
     with pytest.raises(ValueError, match="queries"):
         attention(torch.randn(1, 4, 5, 8), k, v, scale=1.0)
 
@@ -219,8 +227,8 @@ def test_offset_mass_of_uniform_attention(Nq, Nk, window):
     i (key position Nk - Nq + i) is 1 / (number of visible keys) when that key is visible, else 0."""
     q, k, v, _, _ = make_case(1, 2, 1, Nq, Nk, 8, pad=None, edits=False, spans=False)
     deltas = torch.tensor([[0, 1, 2, 5, -1, Nk]])
-    _, st = attention(q, k, v, scale=0.3, q_scale=torch.tensor([[0.0, 1.0]]), probe_offsets=deltas, window=window,
-                      backend="torch", block_q=2)
+    _, st = attention(q, k, v, scale=0.3, edits=HeadEdits(q_scale=torch.tensor([[0.0, 1.0]])),
+                      probes=ProbeRequest(offsets=deltas), window=window, backend="torch", block_q=2)
     assert st.offset_mass.shape == (1, 2, Nq, 6) and st.offset_mass.dtype == torch.float32
     for i in range(Nq):
         pos = Nk - Nq + i
@@ -233,23 +241,23 @@ def test_offset_mass_of_uniform_attention(Nq, Nk, window):
 def test_offset_probe_backend_shapes_and_validation():
     q, k, v, _, _ = make_case(2, 4, 2, 5, 5, 8, pad=None, edits=False, spans=False)
     offs = torch.tensor([[1], [0]])
-    _, st = attention(q, k, v, scale=0.3, probe_offsets=offs)  # a probe: auto must not pick sdpa
+    _, st = attention(q, k, v, scale=0.3, probes=ProbeRequest(offsets=offs))  # a probe: auto must not pick sdpa
     assert st.backend == "torch" and st.offset_mass.shape == (2, 4, 5, 1)
-    _, st_pat = attention(q, k, v, scale=0.3, return_pattern=True, backend="torch")
+    _, st_pat = attention(q, k, v, scale=0.3, probes=PATTERN, backend="torch")
     torch.testing.assert_close(st.offset_mass[0, :, 1:, 0], st_pat.pattern[0].diagonal(-1, -2, -1), atol=1e-6,
                                rtol=0)
     torch.testing.assert_close(st.offset_mass[1, :, :, 0], st_pat.pattern[1].diagonal(0, -2, -1), atol=1e-6, rtol=0)
     assert (st.offset_mass[0, :, 0] == 0).all()  # query 0 has no previous token
-    _, st0 = attention(q, k, v, scale=0.3, probe_offsets=torch.zeros(2, 0, dtype=torch.long))
+    _, st0 = attention(q, k, v, scale=0.3, probes=ProbeRequest(offsets=torch.zeros(2, 0, dtype=torch.long)))
     assert st0.offset_mass.shape == (2, 4, 5, 0)
     with pytest.raises(ValueError, match="sdpa"):
-        attention(q, k, v, scale=0.3, probe_offsets=offs, backend="sdpa")
+        attention(q, k, v, scale=0.3, probes=ProbeRequest(offsets=offs), backend="sdpa")
     with pytest.raises(ValueError, match=r"\(B, O\)"):
-        attention(q, k, v, scale=0.3, probe_offsets=torch.tensor([1, 2]))
+        attention(q, k, v, scale=0.3, probes=ProbeRequest(offsets=torch.tensor([1, 2])))
     with pytest.raises(ValueError, match=">= 0"):
-        attention(q, k, v, scale=0.3, probe_offsets=torch.tensor([[1], [-2]]))
+        attention(q, k, v, scale=0.3, probes=ProbeRequest(offsets=torch.tensor([[1], [-2]])))
     with pytest.raises(ValueError, match="integers"):
-        attention(q, k, v, scale=0.3, probe_offsets=torch.tensor([[1.0], [0.0]]))
+        attention(q, k, v, scale=0.3, probes=ProbeRequest(offsets=torch.tensor([[1.0], [0.0]])))
 
 
 def test_offset_probe_memory_is_blocked():
@@ -260,7 +268,7 @@ def test_offset_probe_memory_is_blocked():
 
     offs = torch.arange(64)[None]
     with AllocationSpy(seen):
-        _, st = attention(q, k, v, scale=0.3, probe_offsets=offs, backend="torch", block_q=32)
+        _, st = attention(q, k, v, scale=0.3, probes=ProbeRequest(offsets=offs), backend="torch", block_q=32)
     assert max(seen) <= max(B * H * 32 * N, B * H * N * 64)  # one score block, or the (B, H, N, O) output
     assert max(seen) < B * H * N * N // 4
     assert st.offset_mass.shape == (B, H, N, 64)
@@ -278,9 +286,9 @@ def test_torch_path_memory_is_linear_in_length():
         i = torch.arange(N)
         pairs = torch.stack([torch.cat([i, i[1:]]), torch.cat([i, i[1:] // 2])], -1)[None]  # diagonal + far keys
         with PeakMemorySpy() as spy:
-            _, st = attention(q, k, v, scale=0.3, probe_argmax=True, probe_entropy=True,
-                              probe_spans=torch.tensor([[[0, 1], [0, N]]]), probe_offsets=torch.tensor([[0, 1, 7]]),
-                              probe_pairs=pairs, backend="torch", block_q=64)
+            probes = ProbeRequest(argmax=True, entropy=True, spans=torch.tensor([[[0, 1], [0, N]]]),
+                                  offsets=torch.tensor([[0, 1, 7]]), pairs=pairs)
+            _, st = attention(q, k, v, scale=0.3, probes=probes, backend="torch", block_q=64)
         assert st.pair_mass.shape == (B, H, 2 * N - 1)
         peaks.append(spy.peak)
     assert peaks[1] <= 2.2 * peaks[0], peaks

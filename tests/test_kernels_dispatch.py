@@ -98,18 +98,20 @@ def test_attention_reports_the_choice_and_takes_dataclasses():
                       key_bias=torch.full((B, H, 1), -2.0))
     out_dc, st = attention(q, k, v, edits=edits, probes=ProbeRequest(argmax=True, pattern=True), scale=0.3)
     assert (st.backend, st.reason) == ("torch", "probes; not on CUDA")
-    out_kw, st_kw = attention(q, k, v, q_scale=edits.q_scale, key_spans=SPANS, key_bias=edits.key_bias,
-                              probe_argmax=True, return_pattern=True, scale=0.3)
-    assert torch.equal(out_dc, out_kw) and torch.equal(st.pattern, st_kw.pattern)
-    assert torch.equal(st.argmax, st_kw.argmax)
+    # None stands for no edits / no probes
+    out_none, st_none = attention(q, k, v, probes=ARGMAX, scale=0.3)
+    out_empty, st_empty = attention(q, k, v, edits=HeadEdits(), probes=ARGMAX, scale=0.3)
+    assert torch.equal(out_none, out_empty) and torch.equal(st_none.argmax, st_empty.argmax)
+    assert not torch.equal(out_none, out_dc)  # the edits change the output
     _, st = attention(q, k, v, edits=edits, scale=0.3)
     assert (st.backend, st.reason) == ("sdpa", "finite key biases")
     _, st = attention(q, k, v, edits=edits, scale=0.3, backend="torch")
     assert (st.backend, st.reason) == ("torch", "requested")
-    with pytest.raises(ValueError, match="not both"):
-        attention(q, k, v, edits=edits, out_scale=ONES, scale=0.3)
-    with pytest.raises(ValueError, match="not both"):
-        attention(q, k, v, probes=ARGMAX, probe_entropy=True, scale=0.3)
+    # the edits and probes come as HeadEdits / ProbeRequest only
+    with pytest.raises(TypeError, match="out_scale"):
+        attention(q, k, v, out_scale=ONES, scale=0.3)
+    with pytest.raises(TypeError, match="probe_entropy"):
+        attention(q, k, v, probe_entropy=True, scale=0.3)
 
 
 def test_head_edits_helpers():

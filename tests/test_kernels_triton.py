@@ -27,17 +27,32 @@ from headlab.kernels import attention  # noqa: E402
 if "headlab.kernels.triton_attention" in sys.modules and not ON_CUDA:
     importlib.reload(sys.modules["headlab.kernels.triton_attention"])
 from headlab.kernels import triton_attention as ta  # noqa: E402
+from headlab.kernels.contract import requests as checked  # noqa: E402
 
-from fixtures.kernels import ALL_PROBES, check, make_case, pasta_reweighted, reference  # noqa: E402
+from fixtures.kernels import ALL_PROBES, check, make_case, pasta_reweighted, reference, requests  # noqa: E402
 
 pytestmark = pytest.mark.triton
 DEV = "cuda" if ON_CUDA else "cpu"
 
 
-def run(q, k, v, kpm, kw, **extra):
+def on_dev(kw: dict) -> dict:
+    """The tensors of a keyword dict on the test device."""
+    return {n: x.to(DEV) if isinstance(x, torch.Tensor) else x for n, x in kw.items()}
+
+
+def direct(q, kw: dict, **probes) -> tuple:
+    """The checked (edits, probes) that triton_attention() takes, on the test device, from make_case's keywords
+    ``kw`` and probe flags."""
+    r = requests(on_dev(kw), **probes)
+    return checked(r["edits"], r["probes"], q.shape[0], q.shape[1], DEV)
+
+
+def run(q, k, v, kpm, kw, *, probes=None, **extra):
+    """attention() on the Triton path with the edits and probes of ``kw`` (make_case's keywords) and the probe
+    flags ``probes`` (:data:`ALL_PROBES`' keys)."""
     to = lambda x: x.to(DEV) if isinstance(x, torch.Tensor) else x  # noqa: E731
     out, st = attention(to(q), to(k), to(v), key_padding_mask=to(kpm), backend="triton",
-                        **{n: to(x) for n, x in kw.items()}, **extra)
+                        **requests(on_dev(kw), **(probes or {})), **extra)
     assert st.backend == "triton"
     for name in ("argmax", "argmax_prob", "entropy", "span_mass", "offset_mass", "pattern", "pair_mass"):
         if getattr(st, name) is not None:
@@ -53,7 +68,7 @@ def run(q, k, v, kpm, kw, **extra):
 def test_triton_matches_reference(shape):
     B, H, Hkv, Nq, Nk, D = shape
     q, k, v, kpm, kw = make_case(B, H, Hkv, Nq, Nk, D, pad=(0, 5) if B > 1 else (2,))
-    out, st = run(q, k, v, kpm, kw, scale=D**-0.5, **ALL_PROBES)
+    out, st = run(q, k, v, kpm, kw, scale=D**-0.5, probes=ALL_PROBES)
     ref = reference(q, k, v, scale=D**-0.5, key_padding_mask=kpm, **kw)
     check(out, st, ref, atol=1e-5)
 
@@ -61,7 +76,7 @@ def test_triton_matches_reference(shape):
 def test_triton_softcap_window_gqa4():
     q, k, v, kpm, kw = make_case(2, 8, 2, 19, 19, 16, pad=(0, 3))
     q = q * 3
-    out, st = run(q, k, v, kpm, kw, scale=0.5, softcap=4.0, window=6, **ALL_PROBES)
+    out, st = run(q, k, v, kpm, kw, scale=0.5, softcap=4.0, window=6, probes=ALL_PROBES)
     ref = reference(q, k, v, scale=0.5, key_padding_mask=kpm, softcap=4.0, window=6, **kw)
     check(out, st, ref, atol=1e-5)
 
@@ -71,9 +86,8 @@ def test_triton_split_decode_and_general_mask():
     q, k, v, kpm, kw = make_case(2, 4, 2, 1, 70, 16, pad=(0, 9))
     dev = lambda x: x.to(DEV)  # noqa: E731
     out, st = ta.triton_attention(
-        dev(q), dev(k), dev(v), scale=0.25, causal=True, key_padding_mask=dev(kpm), attn_mask=None,
-        probe_argmax=True, probe_entropy=True, return_pattern=False, softcap=None, window=None,
-        num_splits=3, **{n: dev(x) for n, x in kw.items()},
+        dev(q), dev(k), dev(v), *direct(q, kw, argmax=True, entropy=True), scale=0.25, causal=True,
+        key_padding_mask=dev(kpm), attn_mask=None, softcap=None, window=None, num_splits=3,
     )
     st.argmax, st.argmax_prob, st.entropy, st.span_mass, st.offset_mass, st.pair_mass = (
         st.argmax.cpu(), st.argmax_prob.cpu(), st.entropy.cpu(), st.span_mass.cpu(), st.offset_mass.cpu(),
@@ -83,7 +97,7 @@ def test_triton_split_decode_and_general_mask():
     # general mask (not causal), no padding
     q, k, v, _, kw = make_case(2, 4, 2, 16, 16, 16, pad=None)
     am = torch.rand(2, 1, 16, 16, generator=torch.Generator().manual_seed(3)) > 0.4
-    out, st = run(q, k, v, None, kw, scale=0.25, causal=False, attn_mask=am, **ALL_PROBES)
+    out, st = run(q, k, v, None, kw, scale=0.25, causal=False, attn_mask=am, probes=ALL_PROBES)
     ref = reference(q, k, v, scale=0.25, causal=False, attn_mask=am, **kw)
     check(out, st, ref, atol=1e-5)
 
@@ -91,7 +105,7 @@ def test_triton_split_decode_and_general_mask():
 @pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
 def test_triton_half(dtype, atol):
     q, k, v, kpm, kw = make_case(2, 4, 2, 17, 17, 16, dtype=dtype, pad=(0, 4))
-    out, st = run(q, k, v, kpm, kw, scale=0.25, **ALL_PROBES)
+    out, st = run(q, k, v, kpm, kw, scale=0.25, probes=ALL_PROBES)
     assert out.dtype == dtype
     ref = reference(q, k, v, scale=0.25, key_padding_mask=kpm, **kw)
     check(out, st, ref, atol=atol, argmax=False)
@@ -102,7 +116,7 @@ def test_triton_pasta_equals_reweighting():
     alpha = 0.05
     spans = torch.tensor([[[0, 5], [9, 16]]])
     _, st_b = run(q, k, v, None, dict(key_spans=spans, key_bias=torch.full((1, 2, 2), math.log(alpha))),
-                  scale=0.3, return_pattern=True)
+                  scale=0.3, probes=dict(pattern=True))
     ref = reference(q, k, v, scale=0.3)["pattern"].float()
     torch.testing.assert_close(st_b.pattern, pasta_reweighted(ref, alpha, (5, 9)), atol=1e-5, rtol=0)
 
@@ -118,9 +132,8 @@ def test_triton_offsets_across_key_tiles_and_splits():
     dev = lambda x: x.to(DEV) if isinstance(x, torch.Tensor) else x  # noqa: E731
     ref = reference(q, k, v, scale=0.3, key_padding_mask=kpm, **kw)
     out, st = ta.triton_attention(
-        dev(q), dev(k), dev(v), scale=0.3, causal=True, key_padding_mask=dev(kpm), attn_mask=None,
-        probe_argmax=False, probe_entropy=False, return_pattern=False, softcap=None, window=None,
-        block_m=16, block_n=16, **{n: dev(x) for n, x in kw.items()},
+        dev(q), dev(k), dev(v), *direct(q, kw), scale=0.3, causal=True, key_padding_mask=dev(kpm),
+        attn_mask=None, softcap=None, window=None, block_m=16, block_n=16,
     )
     assert ref["offset_mass"].abs().sum() > 10  # the probe reads real mass
     torch.testing.assert_close(st.offset_mass.cpu().double(), ref["offset_mass"], atol=1e-5, rtol=0)
@@ -131,9 +144,8 @@ def test_triton_offsets_across_key_tiles_and_splits():
     ref = reference(q, k, v, scale=0.3, key_padding_mask=kpm, **kw)
     for splits in (1, 4):
         out, st = ta.triton_attention(
-            dev(q), dev(k), dev(v), scale=0.3, causal=True, key_padding_mask=dev(kpm), attn_mask=None,
-            probe_argmax=False, probe_entropy=False, return_pattern=False, softcap=None, window=None,
-            block_n=16, num_splits=splits, **{n: dev(x) for n, x in kw.items()},
+            dev(q), dev(k), dev(v), *direct(q, kw), scale=0.3, causal=True, key_padding_mask=dev(kpm),
+            attn_mask=None, softcap=None, window=None, block_n=16, num_splits=splits,
         )
         torch.testing.assert_close(st.offset_mass.cpu().double(), ref["offset_mass"], atol=1e-5, rtol=0)
         torch.testing.assert_close(out.cpu().double(), ref["z"], atol=1e-5, rtol=0)
@@ -163,8 +175,8 @@ def test_triton_pairs_across_key_tiles_and_splits():
     for extra in ({}, dict(softcap=3.0, window=20)):
         ref = reference(q, k, v, scale=0.3, key_padding_mask=kpm, **kw, **extra)
         out, st = ta.triton_attention(
-            dev(q), dev(k), dev(v), scale=0.3, causal=True, key_padding_mask=dev(kpm), attn_mask=None,
-            block_m=16, block_n=16, **{"softcap": None, "window": None, **extra}, **{n: dev(x) for n, x in kw.items()},
+            dev(q), dev(k), dev(v), *direct(q, kw), scale=0.3, causal=True, key_padding_mask=dev(kpm),
+            attn_mask=None, block_m=16, block_n=16, **{"softcap": None, "window": None, **extra},
         )
         assert ref["pair_mass"].abs().sum() > 5  # the probe reads real mass
         torch.testing.assert_close(st.pair_mass.cpu().double(), ref["pair_mass"], atol=1e-5, rtol=0)
@@ -176,8 +188,8 @@ def test_triton_pairs_across_key_tiles_and_splits():
     ref = reference(q, k, v, scale=0.3, key_padding_mask=kpm, **kw)
     for splits in (1, 4):
         out, st = ta.triton_attention(
-            dev(q), dev(k), dev(v), scale=0.3, causal=True, key_padding_mask=dev(kpm), attn_mask=None,
-            softcap=None, window=None, block_n=16, num_splits=splits, **{n: dev(x) for n, x in kw.items()},
+            dev(q), dev(k), dev(v), *direct(q, kw), scale=0.3, causal=True, key_padding_mask=dev(kpm),
+            attn_mask=None, softcap=None, window=None, block_n=16, num_splits=splits,
         )
         torch.testing.assert_close(st.pair_mass.cpu().double(), ref["pair_mass"], atol=1e-5, rtol=0)
         torch.testing.assert_close(out.cpu().double(), ref["z"], atol=1e-5, rtol=0)

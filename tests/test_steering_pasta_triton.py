@@ -26,7 +26,7 @@ def compare() -> dict:
 
     from headlab import instrument as ins
     from headlab.generation import tokenize
-    from headlab.kernels import attention
+    from headlab.kernels import HeadEdits, attention
 
     from fixtures.steering import (
         bias_matrix,
@@ -72,8 +72,8 @@ def compare() -> dict:
     real = batch.attention_mask.bool()
     out["logit_diff"] = float((logits["triton"][real] - logits["torch"][real]).abs().max())
     q = torch.randn(1, 2, 5, 16, device=dev)
-    _, st = attention(q, q[:, :1], q[:, :1], key_spans=torch.tensor([[[0, 2]]], device=dev),
-                      key_bias=torch.full((1, 2, 1), -4.0, device=dev), backend="triton")
+    edits = HeadEdits(key_spans=torch.tensor([[[0, 2]]], device=dev), key_bias=torch.full((1, 2, 1), -4.0, device=dev))
+    _, st = attention(q, q[:, :1], q[:, :1], edits=edits, backend="triton")
     out["backend"] = st.backend
     return out
 
