@@ -28,7 +28,7 @@ def lm() -> LoadedModel:
 def test_repetition_penalty_matches_transformers_and_ignores_padding():
     from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-    from headlab.plugins.decoding.common import repetition_penalty
+    from headlab.decoding import repetition_penalty
 
     g = torch.Generator().manual_seed(0)
     scores = torch.randn(3, 20, generator=g)
@@ -47,7 +47,7 @@ def test_repetition_penalty_matches_transformers_and_ignores_padding():
 def test_seen_tokens_equal_penalty_over_the_growing_sequence():
     from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-    from headlab.plugins.decoding.common import SeenTokens
+    from headlab.decoding import SeenTokens
 
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(1, 30, (2, 6), generator=g)

@@ -29,6 +29,7 @@ import torch
 from pydantic import BeforeValidator, Field
 
 from headlab import Example, forward, hookimpl
+from headlab.decoding import Selection, generator_for, pad_id_of, pick, predicting, score_forward, stack_left
 from headlab.generation import (
     Decoded,
     DecodeRequest,
@@ -42,16 +43,6 @@ from headlab.generation import (
 )
 from headlab.model import LoadedModel, load_model
 from headlab.spec import FiniteFloat, ModelSpec, NonNegativeFloat, PositiveFloat, Probability
-
-from .common import (
-    Selection,
-    generator_for,
-    pad_id_of,
-    pick,
-    predicting,
-    score_forward,
-    stack_left,
-)
 
 
 def _coerce_model(value: Any) -> Any:

@@ -39,6 +39,7 @@ import torch
 from pydantic import Field
 
 from headlab import hookimpl
+from headlab.decoding import Selection, generator_for, pick, predicting, score_forward
 from headlab.generation import (
     Decoded,
     DecodeRequest,
@@ -51,7 +52,7 @@ from headlab.generation import (
 from headlab.instrument import Plan, shared_trunk
 from headlab.spec import HeadSelection, NonNegativeFloat, PositiveFloat, Seed
 
-from .common import Selection, entropy_alpha, generator_for, pick, predicting, score_forward
+from .common import entropy_alpha
 
 
 class DeCoRe(Selection):

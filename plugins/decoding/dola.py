@@ -34,6 +34,7 @@ import torch
 from pydantic import Field
 
 from headlab import hookimpl
+from headlab.decoding import SeenTokens, Selection, generator_for, pick, predicting, score_forward
 from headlab.generation import (
     Decoded,
     DecodeRequest,
@@ -45,17 +46,7 @@ from headlab.generation import (
 )
 from headlab.spec import FiniteFloat, NonNegativeInt, PositiveFloat, Probability
 
-from .common import (
-    SeenTokens,
-    Selection,
-    final_norm,
-    generator_for,
-    output_head,
-    pick,
-    predicting,
-    score_forward,
-    tied_embeddings,
-)
+from .common import final_norm, output_head, tied_embeddings
 
 
 class DoLa(Selection):

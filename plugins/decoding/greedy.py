@@ -12,6 +12,7 @@ import torch
 from pydantic import Field
 
 from headlab import ComponentConfig, hookimpl
+from headlab.decoding import filter_logits, predicting, score_forward
 from headlab.generation import Decoded, DecodeRequest, Scored, ScoreRequest, decode_loop, sum_continuation
 from headlab.spec import PositiveFloat, PositiveInt, Probability
 
@@ -36,20 +37,6 @@ def greedy(config: Greedy, request: DecodeRequest) -> Decoded:
     return decode_loop(request, lambda out, _: out.logits[:, -1].argmax(-1))
 
 
-def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
-    """Mask logits outside the top-k and outside the smallest set with cumulative probability >= top_p."""
-    logits = logits.clone()
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = logits.topk(top_k, dim=-1).values[..., -1:]
-        logits[logits < kth] = -torch.inf
-    if top_p is not None and top_p < 1:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) >= top_p
-        logits.scatter_(-1, order, sorted_logits.masked_fill(drop, -torch.inf))
-    return logits
-
-
 def sample(config: Sample, request: DecodeRequest) -> Decoded:
     """Seeded sampling through the shared KV-cache loop."""
     gen = torch.Generator(device=request.lm.device).manual_seed(request.seed)
@@ -63,7 +50,6 @@ def sample(config: Sample, request: DecodeRequest) -> Decoded:
 
 def score_loglik(config: Greedy, request: ScoreRequest) -> Scored:
     """Sum of ``log p(token)`` over each row's continuation (one forward, steering plan applied)."""
-    from .common import predicting, score_forward
 
     logits = predicting(score_forward(request).logits, request)
     return sum_continuation(logits.float().log_softmax(-1), request)
@@ -71,7 +57,6 @@ def score_loglik(config: Greedy, request: ScoreRequest) -> Scored:
 
 def score_sample(config: Sample, request: ScoreRequest) -> Scored:
     """Sum of ``log softmax(logits / temperature)`` over each row's continuation (no top-k/top-p cut)."""
-    from .common import predicting, score_forward
 
     logits = predicting(score_forward(request).logits, request)
     return sum_continuation((logits.float() / config.temperature).log_softmax(-1), request)
