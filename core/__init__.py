@@ -16,7 +16,7 @@ from .context import Example, StepContext, TaskContext
 from .dims import DIMENSIONS
 from .errors import StepError
 from .hookspecs import hookimpl
-from .plugin_manager import PluginError, register_plugin, unregister_plugin
+from .plugin_manager import PluginError, component, register_plugin, unregister_plugin
 from .results import Run, list_runs, open_run
 from .runner import run
 from .scoring import generate, logprobs
@@ -29,7 +29,7 @@ except PackageNotFoundError:  # running from a source tree without installation
 
 __all__ = [
     "DIMENSIONS", "ComponentConfig", "Example", "HeadSelection", "PluginError", "Run", "SpecError", "StepContext",
-    "StepError", "TaskContext", "__version__", "generate", "hookimpl", "json_schema", "list_runs", "load_spec",
+    "StepError", "TaskContext", "__version__", "component", "generate", "hookimpl", "json_schema", "list_runs", "load_spec",
     "logprobs", "open_run",
     "register_plugin", "run", "unregister_plugin",
 ]

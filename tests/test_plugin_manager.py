@@ -350,7 +350,7 @@ def test_a_third_party_action_runs_from_a_spec(registered, tmp_path):
     assert "patch" in headlab.json_schema()["$defs"]["Step"]["properties"]
     with pytest.raises(headlab.SpecError, match="unknown key 'scal'"):
         headlab.load_spec(text.replace("scale:", "scal:"))
-    with pytest.raises(headlab.SpecError, match="exactly one action: detect, generate, score, evaluate or patch"):
+    with pytest.raises(headlab.SpecError, match="exactly one action: detect, evaluate, generate, score or patch"):
         headlab.load_spec(text.replace("detect: {kind: induction}\n", "detect: {kind: induction}\n    patch: {}\n"))
     loaded = headlab.load_spec(text)
     assert loaded.spec.steps[1].patch.decode.kind == "greedy"  # the default decoder, named by no core code
