@@ -13,6 +13,7 @@ from .fields import ID_PATTERN, NAME_PATTERN
 
 __all__ = ["SpecError", "first_error", "format_path"]
 
+
 _PATTERN_HELP = {
     NAME_PATTERN: "a name may hold only letters, digits, '.', '_' and '-', starting with a letter or digit "
                   "(it names the run directory)",
@@ -33,7 +34,6 @@ class SpecError(Exception):
         if self.line is not None:
             where += f":{self.line}:{self.col or 1}"
         return f"{where}: {self.path + ': ' if self.path else ''}{self.message}"
-
 
 
 def _position(tree: Any, path: list[Any]) -> tuple[int | None, int | None]:

@@ -18,6 +18,7 @@ __all__ = [
     "StrictModel",
 ]
 
+
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 """A spec ``name``: it names the run directory, so a safe file name (no '/', not '.' or '..')."""
 NAME_MAX = 100

@@ -15,6 +15,7 @@ from .fields import FiniteFloat, NonEmptyStr, NonNegativeInt, PositiveInt, Seed
 
 __all__ = ["HeadSelection", "HeadsFile", "HeadsFrom"]
 
+
 class HeadsFrom(StrictModel):
     """Heads taken from an earlier step's ``score``: the ``top`` highest, or all above ``threshold``."""
 

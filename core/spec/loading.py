@@ -19,6 +19,7 @@ from .sweep import Cell, Cells, _check_sweep, set_path
 
 __all__ = ["LoadedSpec", "load_spec", "validate_data"]
 
+
 @dataclass
 class LoadedSpec:
     """A validated spec: the pydantic object, the raw data it came from, and its text."""
@@ -81,7 +82,6 @@ def validate_data(data: dict[str, Any], *, text: str = "", source: str = "<spec>
     loaded = LoadedSpec(spec=spec, data=data, text=text, source=source, tree=tree, registry=registry)
     _check_sweep(spec, data, tree, source, registry)
     return loaded
-
 
 
 def load_spec(source: str | Path | Mapping[str, Any], *, registry: Registry | None = None) -> LoadedSpec:

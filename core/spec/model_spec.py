@@ -18,6 +18,7 @@ from .fields import NonEmptyStr
 
 __all__ = ["DEVICE_PATTERN", "ModelSpec", "default_model"]
 
+
 #: the devices a spec may name: torch's device strings with an index of 0..127 (torch wraps larger ones)
 DEVICE_PATTERN = r"^(auto|cpu|(cuda|mps|xpu)(:([0-9]|[1-9][0-9]|1[01][0-9]|12[0-7]))?)$"
 
@@ -70,7 +71,6 @@ class ModelSpec(StrictModel):
         if self.config is not None:
             return f"random-{self.config.get('model_type', 'model')}"
         return str(self.path or self.id)
-
 
 
 def default_model(registry: Registry | None = None) -> str | None:

@@ -16,6 +16,7 @@ from .errors import SpecError, _position, format_path
 
 __all__ = ["MAX_DEPTH", "MAX_NODES", "MAX_SPEC_CHARS", "MAX_YAML_INT", "SAFE_TAGS", "parse_yaml"]
 
+
 # Limits on what a spec may be: YAML is parsed within them, so a hostile file fails fast with one line.
 MAX_SPEC_CHARS = 65_536
 """Longest spec text (characters); data belongs in a task's data file, not in the spec. (The YAML parser

@@ -18,14 +18,17 @@ from .model_spec import ModelSpec, default_model
 
 __all__ = ["SpecTypes", "build_spec_model", "json_schema"]
 
+
 def _coerce_model(default: str | None) -> Callable[[Any], Any]:
     """The spec's ``model`` as a :class:`ModelSpec`'s data: a bare string is the ``id``; a model without
     ``id``, ``path`` or ``config`` is ``default``, the registry's default model."""
     def coerce(value: Any) -> Any:
         if isinstance(value, str):
             return {"id": value}
-        if default is not None and isinstance(value, Mapping) and all(
-                value.get(k) is None for k in ("id", "path", "config")):
+        if isinstance(value, Mapping) and all(value.get(k) is None for k in ("id", "path", "config")):
+            if default is None:
+                raise PydanticCustomError("no_default_model",
+                                          "no model is registered as the default: give id, path or config")
             return {**value, "id": default}
         return value
     return coerce
@@ -197,7 +200,6 @@ def build_spec_model(registry: Registry | None = None) -> type[BaseModel]:
 
     Spec.__name__ = "Spec"
     return Spec
-
 
 
 def json_schema(registry: Registry | None = None) -> dict[str, Any]:

@@ -22,10 +22,12 @@ from .spec_model import build_spec_model
 
 __all__ = ["MAX_CELLS", "MAX_SWEEP_VALUES", "UNSWEEPABLE", "Cell", "Cells", "set_path"]
 
+
 MAX_CELLS = 1_000_000
 """Most cells a sweep may have (the product of the numbers of values of its keys)."""
 MAX_SWEEP_VALUES = 10_000
 """Most values one sweep key may have (each is validated)."""
+
 
 def set_path(data: dict[str, Any], dotted: str, value: Any, *, registry: Registry | None = None) -> dict[str, Any]:
     """Return a copy of raw spec data with ``dotted`` set to ``value``.
@@ -151,8 +153,6 @@ class Cells(Sequence[Cell]):
     def __iter__(self) -> Iterator[Cell]:
         for i, combo in enumerate(itertools.product(*self.values)):
             yield Cell(i, tuple(zip(self.keys, combo, strict=True)))
-
-
 
 
 UNSWEEPABLE = {"name": "it names the run, not a cell", "output": "it is where runs are stored, not a cell",
