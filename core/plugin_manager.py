@@ -166,7 +166,10 @@ class Registry:
 
 
 class Manager:
-    """Registers plugins on ``self.pm`` and holds the components their hooks register."""
+    """Registers plugins on ``self.pm`` and holds the components their hooks register.
+
+    The built-ins always register; ``entry_points=False`` leaves out the plugins of other distributions.
+    """
 
     def __init__(self, *, entry_points: bool = True) -> None:
         self.pm = pluggy.PluginManager("headlab")
