@@ -19,7 +19,7 @@ from .forward import forward, positions_from_mask
 from .generation import Batch, tokenize
 from .hookspecs import hookimpl
 from .instrument import Plan, Probes, Recording
-from .plugin_manager import PluginError, register_plugin, unregister_plugin
+from .plugin_manager import PluginError, component, register_plugin, unregister_plugin
 from .results import Run, list_runs, open_run
 from .runner import run
 from .scoring import generate, logprobs
@@ -32,7 +32,7 @@ except PackageNotFoundError:  # running from a source tree without installation
 
 __all__ = [
     "DIMENSIONS", "Batch", "ComponentConfig", "Example", "HeadSelection", "Plan", "PluginError", "Probes",
-    "Recording", "Run", "SpecError", "StepContext", "StepError", "TaskContext", "__version__", "forward",
-    "generate", "hookimpl", "json_schema", "list_runs", "load_spec", "logprobs", "open_run",
+    "Recording", "Run", "SpecError", "StepContext", "StepError", "TaskContext", "__version__", "component",
+    "forward", "generate", "hookimpl", "json_schema", "list_runs", "load_spec", "logprobs", "open_run",
     "positions_from_mask", "register_plugin", "run", "tokenize", "unregister_plugin",
 ]

@@ -146,8 +146,7 @@ def headlab_register_actions(register: Register) -> None:
 
         from pydantic import Field
         import xarray as xr
-        from headlab import hookimpl
-        from headlab.plugin_manager import get_manager
+        from headlab import component, hookimpl
         from headlab.spec import StrictModel
 
         def patch_config(types):
@@ -158,7 +157,7 @@ def headlab_register_actions(register: Register) -> None:
             return Patch
 
         def patch(config, ctx) -> xr.Dataset:
-            decoder = get_manager().get("decoders", config.decode.kind)
+            decoder = component("decoders", config.decode.kind)
             ...
 
         @hookimpl
@@ -174,8 +173,11 @@ def headlab_register_models(register: Register) -> None:
     """Register named models: ``register(name, load, description="")``.
 
     ``load(spec: headlab.spec.ModelSpec) -> headlab.model.LoadedModel``. A spec whose ``model`` is
-    ``name`` is loaded by ``load`` instead of the Hugging Face loader; the embedded default model
-    is registered this way.
+    ``name`` is loaded by ``load`` instead of the Hugging Face loader.
+
+    ``register(name, load, description, default=True)`` makes it the default model: the one a spec
+    without ``model`` (or a :class:`headlab.spec.ModelSpec` without ``id``, ``path`` or ``config``)
+    loads. At most one plugin registers the default; the built-in one is the embedded ``headlab-tiny``.
     """
 
 

@@ -1,18 +1,21 @@
 """The plugin manager: pluggy's own machinery, one table of component categories, in-process plugins.
 
-Every plugin is a pluggy plugin registered on one ``pluggy.PluginManager`` (``get_manager().pm``):
-the built-in modules of ``headlab.plugins`` first, then the entry points of group ``headlab``
-(``pm.load_setuptools_entrypoints``), then whatever a notebook registers with :func:`register_plugin`
-(or ``pm.register``). Components are collected by calling each plugin's ``headlab_register_*`` hook
-implementations (``pm.hook.<hook>.get_hookimpls()``, one plugin at a time so every component is
-attributed to its plugin) with a ``register`` callable, and collected again whenever the set of
-registered plugins changes: a kind registered from a notebook cell is seen at once by the spec models,
-the JSON Schema, ``headlab plugins`` and the widgets, and is gone after :func:`unregister_plugin`.
+Every plugin is a pluggy plugin registered on one ``pluggy.PluginManager`` (``get_manager().pm``), and
+every installed one is found the same way, through the entry points of group ``headlab``: headlab's
+own distribution declares its built-in modules of ``headlab.plugins`` there (registered first, in the
+order of their names), other distributions their plugins (``pm.load_setuptools_entrypoints``); then
+comes whatever a notebook registers with :func:`register_plugin` (or ``pm.register``). Components are
+collected by calling each plugin's ``headlab_register_*`` hook implementations
+(``pm.hook.<hook>.get_hookimpls()``, one plugin at a time so every component is attributed to its
+plugin) with a ``register`` callable, and collected again whenever the set of registered plugins
+changes: a kind registered from a notebook cell is seen at once by the spec models, the JSON Schema,
+``headlab plugins`` and the widgets, and is gone after :func:`unregister_plugin`.
 
 ``HEADLAB_PLUGINS`` controls autoloading of third-party plugins: unset loads all of them, an empty
 string or ``none`` loads none, a comma-separated list loads only those entry-point names. Built-ins
-always load. A plugin that fails to import (even with ``SystemExit``), or whose hooks register
-something invalid, is reported by name with its error (``headlab plugins``) and skipped.
+(the entry points of headlab's own distribution) always load. A plugin that fails to import (even
+with ``SystemExit``), or whose hooks register something invalid, is reported by name with its error
+(``headlab plugins``) and skipped.
 
 :data:`CATEGORIES` is the one table of component categories; the spec models, this manager, the JSON
 Schema and ``headlab plugins`` all read it.
@@ -34,41 +37,10 @@ from typing import Any, Literal
 import pluggy
 
 from . import hookspecs
-from .spec import ComponentConfig
+from .config import ComponentConfig
 
-BUILTIN_PLUGINS = (
-    "headlab.plugins.tasks.repeated_tokens",
-    "headlab.plugins.tasks.synthetic_tasks",
-    "headlab.plugins.tasks.files",
-    "headlab.plugins.tasks.benchmarks",
-    "headlab.plugins.tasks.shapes",
-    "headlab.plugins.tasks.pope",
-    "headlab.plugins.detectors.patterns",
-    "headlab.plugins.detectors.retrieval",
-    "headlab.plugins.detectors.ablation",
-    "headlab.plugins.detectors.segment_divergence",
-    "headlab.plugins.detectors.lookback",
-    "headlab.plugins.steering.pasta",
-    "headlab.plugins.steering.pasta_profile",
-    "headlab.plugins.steering.vhr",
-    "headlab.plugins.steering.heads",
-    "headlab.plugins.decoding.greedy",
-    "headlab.plugins.decoding.dola",
-    "headlab.plugins.decoding.decore",
-    "headlab.plugins.decoding.contrastive",
-    "headlab.plugins.metrics.text",
-    "headlab.plugins.metrics.rouge",
-    "headlab.plugins.metrics.answers",
-    "headlab.plugins.metrics.multiple_choice",
-    "headlab.plugins.metrics.hallucination",
-    "headlab.plugins.actions.detect",
-    "headlab.plugins.actions.generate",
-    "headlab.plugins.actions.score",
-    "headlab.plugins.actions.evaluate",
-    "headlab.plugins.models.embedded",
-    "headlab.plugins.executors.local",
-    "headlab.plugins.executors.ray",
-)
+GROUP = "headlab"
+"""The entry-point group of headlab plugins: headlab's own distribution declares its built-ins there too."""
 
 BUILT_IN = "built-in"
 IN_PROCESS = "in-process"
@@ -194,7 +166,10 @@ class Registry:
 
 
 class Manager:
-    """Registers plugins on ``self.pm`` and holds the components their hooks register."""
+    """Registers plugins on ``self.pm`` and holds the components their hooks register.
+
+    The built-ins always register; ``entry_points=False`` leaves out the plugins of other distributions.
+    """
 
     def __init__(self, *, entry_points: bool = True) -> None:
         self.pm = pluggy.PluginManager("headlab")
@@ -204,20 +179,31 @@ class Manager:
         self._snapshot: tuple[tuple[str, Any], ...] | None = None
         self._registry = Registry()
         self._infos: dict[str, PluginInfo] = {}
-        version = _version("headlab")
-        for modname in BUILTIN_PLUGINS:
-            self.pm.register(importlib.import_module(modname), name=modname)
-            self._sources[modname] = (BUILT_IN, version)
+        self._load_builtins()
         self._refresh()
         if entry_points:
             self._load_entry_points()
 
     # --- loading ---------------------------------------------------------------------------------
 
+    def _load_builtins(self) -> None:
+        """Register the plugins of headlab's own distribution, in the order of their names; one that fails
+        to import is an error (headlab is broken), not a plugin to skip."""
+        dist = _headlab_distribution()
+        builtins = sorted(dist.entry_points.select(group=GROUP), key=lambda ep: ep.name)
+        if not builtins:
+            raise PluginError(f"headlab {dist.version} declares no plugins in its entry-point group '{GROUP}': its "
+                              "installed metadata is out of date; reinstall headlab (pip install -e . in a checkout)")
+        for ep in builtins:
+            self.pm.register(ep.load(), name=ep.name)
+            self._sources[ep.name] = (BUILT_IN, dist.version)
+
     def _load_entry_points(self) -> None:
         allow = os.environ.get("HEADLAB_PLUGINS")
         names = None if allow is None else {n.strip() for n in allow.split(",") if n.strip()} - {"none"}
-        for ep in md.entry_points(group="headlab"):
+        for ep in md.entry_points(group=GROUP):
+            if ep.dist is not None and _is_headlab(ep.dist):
+                continue  # the built-ins, loaded already whatever HEADLAB_PLUGINS says
             if names is not None and ep.name not in names:
                 continue
             if self.pm.has_plugin(ep.name) or self.pm.is_blocked(ep.name):
@@ -225,7 +211,7 @@ class Manager:
             dist = ep.dist.name if ep.dist else "?"
             version = ep.dist.version if ep.dist else "?"
             try:
-                self.pm.load_setuptools_entrypoints("headlab", name=ep.name)
+                self.pm.load_setuptools_entrypoints(GROUP, name=ep.name)
             except (Exception, SystemExit) as e:  # a broken plugin must not break headlab
                 self._failed[ep.name] = PluginInfo(ep.name, f"distribution {dist}", version,
                                                    error=f"{type(e).__name__}: {e}")
@@ -354,6 +340,13 @@ class Manager:
                                   f"by {other.plugin}")
             staged.append(comp)
 
+        def check_default(kind: str) -> None:
+            other = registry.default(category.name) or next(
+                (c for c in staged if c.category == category.name and c.default), None)
+            if other is not None:
+                raise PluginError(f"{info.name}: default {category.label} '{kind}': '{other.kind}' of "
+                                  f"{other.plugin} is already the default")
+
         def register_config(config: type[ComponentConfig], impl: Callable[..., Any], *,
                             default: bool = False, score: Callable[..., Any] | None = None,
                             aggregate: Callable[..., Any] | None = None) -> None:
@@ -369,11 +362,7 @@ class Manager:
             if not callable(impl):
                 raise PluginError(f"{info.name}: the implementation of {category.label} '{kind}' is not callable")
             if default:
-                other = registry.default(category.name) or next(
-                    (c for c in staged if c.category == category.name and c.default), None)
-                if other is not None:
-                    raise PluginError(f"{info.name}: default {category.label} '{kind}': '{other.kind}' of "
-                                      f"{other.plugin} is already the default")
+                check_default(kind)
             if score is not None and (category.name != "decoders" or not callable(score)):
                 raise PluginError(f"{info.name}: {category.label} '{kind}': only decoders take a callable score=")
             if aggregate is not None and (category.name != "metrics" or not callable(aggregate)):
@@ -393,10 +382,13 @@ class Manager:
             doc = (description or getattr(run, "__doc__", None) or "").strip().splitlines()
             add(Component(category.name, name, config, run, info.name, doc[0] if doc else ""))
 
-        def register_model(name: str, load: Callable[..., Any], description: str = "") -> None:
+        def register_model(name: str, load: Callable[..., Any], description: str = "", *,
+                           default: bool = False) -> None:
             if not callable(load):
                 raise PluginError(f"{info.name}: model '{name}' needs a callable load(spec)")
-            add(Component(category.name, name, None, load, info.name, description))
+            if default:
+                check_default(name)
+            add(Component(category.name, name, None, load, info.name, description, bool(default)))
 
         return {"config": register_config, "action": register_action, "model": register_model}[category.style]
 
@@ -423,6 +415,13 @@ def get_manager(*, reload: bool = False) -> Manager:
                     except PluginError as e:
                         warnings.warn(f"headlab plugin {e}", stacklevel=2)
     return _manager
+
+
+def component(category: str, kind: str) -> Component:
+    """The component registered for ``kind`` in ``category`` (see :data:`CATEGORIES`): its ``impl``, its
+    ``config`` model, and a decoder's ``score`` or a metric's ``aggregate``. Raises :class:`PluginError`
+    naming the category and kind when no plugin provides it."""
+    return get_manager().get(category, kind)
 
 
 def register_plugin(plugin: Any, name: str | None = None, *, replace: bool = False) -> str:
@@ -486,8 +485,14 @@ def register_worker_plugins(plugins: list[tuple[str, Any]]) -> None:
         mgr.register(plugin, name, replace=True)
 
 
-def _version(dist: str) -> str:
+def _is_headlab(dist: md.Distribution) -> bool:
+    return re.sub(r"[-_.]+", "-", dist.name or "").lower() == "headlab"
+
+
+def _headlab_distribution() -> md.Distribution:
+    """The installed distribution of headlab (its metadata declares the built-in plugins)."""
     try:
-        return md.version(dist)
+        return md.distribution("headlab")
     except md.PackageNotFoundError:
-        return "0+unknown"
+        raise PluginError("headlab is not installed (no distribution metadata), so its built-in plugins cannot be "
+                          "found: install it (pip install -e . in a checkout)") from None

@@ -57,7 +57,7 @@ def wheel(tmp_path_factory) -> Path:
 
 def test_wheel_contents_and_import(wheel, tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
-    for expected in ("headlab/__init__.py", "headlab/spec.py", "headlab/plugins/detectors/patterns.py",
+    for expected in ("headlab/__init__.py", "headlab/spec/__init__.py", "headlab/plugins/detectors/patterns.py",
                      "headlab/kernels/__init__.py", "headlab/templates/new_plugin/pyproject.toml.tmpl",
                      *(f"headlab/templates/new_plugin/{kind}/{name}.tmpl" for kind in KINDS
                        for name in ("plugin.py", "test_plugin.py", "README.md"))):

@@ -179,7 +179,7 @@ def test_step_ids_and_the_run_name_cannot_be_swept(sweep, message):
 
 
 def test_sweep_validation_is_linear_and_cells_are_lazy(monkeypatch):
-    from headlab import spec as spec_module
+    from headlab.spec import sweep as spec_module
 
     seen = []
     set_path = spec_module.set_path

@@ -4,9 +4,8 @@ from typing import Any
 
 import xarray as xr
 
-from headlab import StepContext, hookimpl
+from headlab import StepContext, component, hookimpl
 from headlab.errors import ContractError
-from headlab.plugin_manager import get_manager
 from headlab.spec import SpecTypes
 
 
@@ -17,7 +16,7 @@ def detect_config(types: SpecTypes) -> Any:
 
 def detect(config: Any, ctx: StepContext) -> xr.Dataset:
     """Run the detector ``config.kind``; its dataset gets the attribute ``method`` (the kind) if unset."""
-    ds = get_manager().get("detectors", config.kind).impl(config, ctx)
+    ds = component("detectors", config.kind).impl(config, ctx)
     if not isinstance(ds, xr.Dataset):
         raise ContractError(f"the detector returned {type(ds).__name__}, not an xarray Dataset",
                             category="detectors", kind=config.kind)

@@ -10,11 +10,10 @@ import numpy as np
 import xarray as xr
 from pydantic import BeforeValidator, Field
 
-from headlab import StepContext, hookimpl
+from headlab import StepContext, component, hookimpl
 from headlab.errors import ContractError
 from headlab.generation import Decoded, DecodeRequest, tokenize
 from headlab.image_attention import attention_preview
-from headlab.plugin_manager import get_manager
 from headlab.resources import Estimate, EstimateContext
 from headlab.runner import decode_info
 from headlab.scoring import metric_values
@@ -43,8 +42,7 @@ def generate_config(types: SpecTypes) -> type[StrictModel]:
 
 def generate(action: Any, ctx: StepContext) -> xr.Dataset:
     """The ``generate`` action: steer, decode in batches, score with metrics."""
-    mgr = get_manager()
-    decoder = mgr.get("decoders", action.decode.kind)
+    decoder = component("decoders", action.decode.kind)
     outputs: list[str] = []
     tokens: list[list[int]] = []
     infos: list[tuple[dict[str, Any], list[int]]] = []

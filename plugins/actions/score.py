@@ -11,10 +11,9 @@ import numpy as np
 import xarray as xr
 from pydantic import BeforeValidator, Field
 
-from headlab import StepContext, hookimpl
+from headlab import StepContext, component, hookimpl
 from headlab.errors import ContractError
 from headlab.generation import Scored, ScoreRequest, continuation_batch
-from headlab.plugin_manager import get_manager
 from headlab.resources import Estimate, EstimateContext
 from headlab.spec import SpecTypes, StrictModel
 
@@ -44,8 +43,7 @@ def score_config(types: SpecTypes) -> type[StrictModel]:
 
 def score(action: Any, ctx: StepContext) -> xr.Dataset:
     """The ``score`` action: every (example, choice) row scored under the decoder's ``score``."""
-    mgr = get_manager()
-    decoder = mgr.get("decoders", action.decode.kind)
+    decoder = component("decoders", action.decode.kind)
     scorer = decoder.score
     if scorer is None:
         raise ValueError(f"decoder '{action.decode.kind}' does not support scoring (it was registered without "
@@ -70,7 +68,7 @@ def score(action: Any, ctx: StepContext) -> xr.Dataset:
                                 category="decoders", kind=action.decode.kind)
         for (i, j), value, n in zip(chunk, scored.logprobs, n_tokens, strict=True):
             logprobs[i, j], n_tok[i, j] = value, n
-    metrics = {cfg.kind: np.asarray(mgr.get("choice_metrics", cfg.kind).impl(cfg, ctx.examples, logprobs),
+    metrics = {cfg.kind: np.asarray(component("choice_metrics", cfg.kind).impl(cfg, ctx.examples, logprobs),
                                     dtype=float) for cfg in action.metrics}
     predicted = np.array([int(np.argmax(logprobs[i, : len(ex.choices or [])])) for i, ex in enumerate(ctx.examples)],
                          dtype=np.int64)

@@ -30,7 +30,7 @@ import numpy as np
 import xarray as xr
 from pydantic import Field, model_validator
 
-from headlab import ComponentConfig, Example, HeadSelection, StepContext, hookimpl
+from headlab import ComponentConfig, Example, HeadSelection, PluginError, StepContext, component, hookimpl
 from headlab.generation import DecodeRequest, decode_loop, tokenize
 from headlab.heads import draw_like
 from headlab.model import Geometry, LoadedModel
@@ -81,11 +81,9 @@ class Ablation(ComponentConfig):
 
 def metric_config(metric: str | dict[str, Any]) -> Any:
     """The validated config model of a metric given as a kind or ``{kind, ...options}``."""
-    from headlab.plugin_manager import PluginError, get_manager
-
     data = {"kind": metric} if isinstance(metric, str) else dict(metric)
     try:
-        comp = get_manager().get("metrics", str(data.get("kind")))
+        comp = component("metrics", str(data.get("kind")))
     except PluginError as e:
         raise ValueError(f"metric: {e}") from None
     return comp.config.model_validate(data)
@@ -142,8 +140,6 @@ def ablate(lm: LoadedModel, examples: list[Example], conditions: list[list[Head]
 
 def detect(config: Ablation, ctx: StepContext) -> xr.Dataset:
     """The ``ablation`` step (see the module docstring)."""
-    from headlab.plugin_manager import get_manager
-
     geo = ctx.model.geometry
     ranked_heads = ctx.heads(config.heads)
     if not ranked_heads:
@@ -160,7 +156,7 @@ def detect(config: Ablation, ctx: StepContext) -> xr.Dataset:
                      length_slack=config.length_slack,
                      progress=ctx.progress)
     mcfg = metric_config(config.metric)
-    compute = get_manager().get("metrics", mcfg.kind).impl
+    compute = component("metrics", mcfg.kind).impl
     values = [np.asarray(compute(mcfg, ctx.examples, out), dtype=float) for out in outputs]
     n_ex, n_k, n_d = len(ctx.examples), len(ks), config.draws
     top_v = np.stack(values[1: 1 + n_k]) if n_k else np.zeros((0, n_ex))

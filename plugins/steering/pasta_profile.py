@@ -34,7 +34,7 @@ import torch
 import xarray as xr
 from pydantic import Field, field_validator
 
-from headlab import ComponentConfig, Example, Plan, StepContext, forward, hookimpl
+from headlab import ComponentConfig, Example, Plan, PluginError, StepContext, component, forward, hookimpl
 from headlab.dims import head_array
 from headlab.generation import Batch, DecodeRequest, decode_loop, tokenize
 from headlab.heads import to_pasta_json
@@ -76,12 +76,13 @@ class PastaProfile(ComponentConfig):
 
 
 def _task_config(task: dict[str, Any], i: int) -> Any:
-    from headlab.plugin_manager import get_manager
-
     kind = task.get("kind") if isinstance(task, dict) else None
     if kind is None:
         raise ValueError(f"tasks[{i}]: missing `kind`")
-    comp = get_manager().components["tasks"].get(kind)
+    try:
+        comp = component("tasks", kind)
+    except PluginError:
+        comp = None
     if comp is None or comp.config is None:
         raise ValueError(f"tasks[{i}]: unknown task kind '{kind}'")
     return comp.config.model_validate(task)
@@ -157,9 +158,7 @@ def _target_logprob(ctx: StepContext, rows: list[dict[str, Any]], heads: list[tu
 # --------------------------------------------------------------------------- generation metrics
 def _generated_metric(ctx: StepContext, examples: list[Example], heads: list[tuple[int, int] | None],
                       config: PastaProfile) -> np.ndarray:
-    from headlab.plugin_manager import get_manager
-
-    comp = get_manager().get("metrics", config.metric)
+    comp = component("metrics", config.metric)
     batch: Batch = tokenize(ctx.model, examples)
     sections = batch.spans(config.span)
     plan = Plan()
@@ -185,9 +184,7 @@ def profile(config: PastaProfile, ctx: StepContext) -> xr.Dataset:
     if not cands:
         raise ValueError("pasta_profile: no candidate heads")
     if config.metric != "target_logprob":
-        from headlab.plugin_manager import get_manager
-
-        get_manager().get("metrics", config.metric)  # a clear error for an unknown metric, before any work
+        component("metrics", config.metric)  # a clear error for an unknown metric, before any work
     sets = _task_sets(config, ctx)
     T, C = len(sets), len(cands)
     steered = np.full((T, L, H), np.nan)

@@ -1,0 +1,90 @@
+"""Head selections: how a spec names heads (``{from: step, top: k}``, pairs, layers, a file), and the
+check that every ``heads: {from: id}`` names an earlier step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Annotated, Any, Union
+
+from pydantic import Discriminator, Field, Tag, model_validator
+
+from ..config import StrictModel, suggest
+from .errors import SpecError, _position, format_path
+from .fields import FiniteFloat, NonEmptyStr, NonNegativeInt, PositiveInt, Seed
+
+__all__ = ["HeadSelection", "HeadsFile", "HeadsFrom"]
+
+
+class HeadsFrom(StrictModel):
+    """Heads taken from an earlier step's ``score``: the ``top`` highest, or all above ``threshold``."""
+
+    from_: str = Field(alias="from", description="id of an earlier step whose result has a `score`")
+    top: PositiveInt | None = Field(None, description="take the k highest-scoring heads (at most the model's heads)")
+    threshold: FiniteFloat | None = Field(None, description="take heads whose score is >= threshold")
+    random: bool = Field(False, description="draw the same number of heads at random instead (control)")
+    match_layers: bool = Field(False, description="random: as many heads per layer as the selection has")
+    seed: Seed | None = Field(None, description="random: offset added to the run seed, so that several controls "
+                             "in one cell draw different heads")
+
+    @model_validator(mode="after")
+    def _one_rule(self) -> HeadsFrom:
+        if self.top is None and self.threshold is None:
+            raise ValueError("give `top` or `threshold`")
+        if (self.match_layers or self.seed is not None) and not self.random:
+            raise ValueError("`match_layers` and `seed` shape a random draw: add `random: true`")
+        return self
+
+
+class HeadsFile(StrictModel):
+    """Heads from a JSON file: retrieval-head format ``{"<layer>-<head>": [scores]}`` (ranked by mean,
+    with ``top``) or PASTA format ``{"<layer>": [heads]}`` / ``[layers]``."""
+
+    file: NonEmptyStr
+    top: PositiveInt | None = Field(None, description="take the k best heads of the file (at most the model's heads)")
+
+
+def _heads_form(value: Any) -> str:
+    """Which form of head selection ``value`` is, so an error names the form's own key (``top``), not another's."""
+    if isinstance(value, HeadsFrom) or (isinstance(value, Mapping) and ("from" in value or "from_" in value)):
+        return "heads[from]"
+    if isinstance(value, HeadsFile) or (isinstance(value, Mapping) and "file" in value):
+        return "heads[file]"
+    return "heads[layers]" if isinstance(value, Mapping) else "heads[pairs]"
+
+
+HeadSelection = Annotated[
+    Union[  # noqa: UP007
+        Annotated[HeadsFrom, Tag("heads[from]")], Annotated[HeadsFile, Tag("heads[file]")],
+        Annotated[list[tuple[NonNegativeInt, NonNegativeInt]], Tag("heads[pairs]")],
+        Annotated[dict[str, list[NonNegativeInt]], Tag("heads[layers]")]],
+    Discriminator(_heads_form)]
+"""How a spec names heads: ``{from: step, top: k}``, ``[[layer, head], ...]``, ``{"<layer>": [heads]}``
+or ``{file: heads.json}``."""
+
+
+def _check_references(spec: Any, tree: Any, source: str) -> None:
+    """Every ``heads: {from: id}`` names an earlier step that produces scores."""
+    earlier: dict[str, str] = {}
+    for i, step in enumerate(spec.steps):
+        for path, ref in _find_refs(step.model_dump(by_alias=True), ["steps", i]):
+            if ref not in earlier:
+                line, col = _position(tree, path) if tree is not None else (None, None)
+                hint = suggest(ref, earlier)
+                where = "a later step" if ref in {s.id for s in spec.steps} else "no step"
+                raise SpecError(f"'{ref}' is {where}; heads can only come from an earlier step{hint}",
+                                source=source, line=line, col=col, path=format_path(path))
+        earlier[step.id] = step.action
+
+
+def _find_refs(node: Any, path: list[Any]) -> Iterable[tuple[list[Any], str]]:
+    if isinstance(node, Mapping):
+        if isinstance(node.get("from"), str):
+            yield [*path, "from"], node["from"]
+        for k, v in node.items():
+            if v is not None:
+                yield from _find_refs(v, [*path, k])
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _find_refs(v, [*path, i])
+
