@@ -160,7 +160,8 @@ def test_padding_queries_are_zero_and_finite():
 
 
 def test_edit_semantics():
-    """The edits do what METHODS.md says, read off the output directly."""
+    """The edits do what docs/methods.md#head-masking-and-scaling and docs/methods.md#pasta say, read off the
+    output directly."""
     q, k, v, kpm, _ = make_case(1, 2, 1, 6, 6, 8, pad=None, edits=False, spans=False)
     # query masking -> uniform over the causal prefix -> z = running mean of V
     out, st = attention(q, k, v, scale=0.3, q_scale=torch.tensor([[0.0, 1.0]]), probe_entropy=True)

@@ -17,7 +17,7 @@ Measures and prints (and writes ``eval.json`` next to the checkpoint):
   ``induction`` = mean attention of second-copy queries on the token after the previous occurrence
   (the classic score), and ``induction_tl`` = TransformerLens ``head_detector`` "mul" score
   ``sum(A * D) / sum(A)`` over the whole sequence (at most about 0.5 for a sequence repeated twice);
-- retrieval score per head (METHODS.md, Wu et al. 2024): at each greedy decode step, the top-1 key of
+- retrieval score per head (docs/methods.md#retrieval-score; Wu et al. 2024): at each greedy decode step, the top-1 key of
   each head's attention row lands in the needle span and the attended prompt token equals the generated
   token -> +1/(needle length in tokens); mean over instances where the needle was retrieved.
 """
@@ -242,7 +242,7 @@ def eval_emphasis(model, tok, n=60, pasta=True):
     return out
 
 
-# A minimal PASTA for this evaluation only (METHODS.md: add log(alpha) to the pre-softmax scores of the
+# A minimal PASTA for this evaluation only (docs/methods.md#pasta: add log(alpha) to the pre-softmax scores of the
 # non-emphasised prompt keys, on the steered heads). headlab's steering plugin is the real implementation.
 _PASTA: dict = {}
 
