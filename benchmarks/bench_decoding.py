@@ -27,20 +27,32 @@ import statistics
 import time
 
 
+def _tiny_train():
+    """tools/tiny/train.py (headlab-tiny's architecture and tokenizer), imported from its file."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "tiny" / "train.py"
+    spec = importlib.util.spec_from_file_location("headlab_tiny_train", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def load(which: str, device: str = "cpu"):
     import torch
 
     from headlab.model import load_model
     from headlab.plugin_manager import get_manager
-    from headlab.plugins.models.tiny.train import MODEL_CONFIG, build_tokenizer
     from headlab.spec import ModelSpec
 
     if which == "tiny":
         if "headlab-tiny" not in get_manager().components["models"]:
             raise SystemExit("headlab-tiny is not available (no checkpoint); use --model random")
         return load_model(ModelSpec(id="headlab-tiny", device=device))
-    tok, vocab = build_tokenizer()
-    cfg = {"model_type": "llama", **MODEL_CONFIG, "vocab_size": len(vocab)}
+    train = _tiny_train()
+    tok, vocab = train.build_tokenizer()
+    cfg = {"model_type": "llama", **train.MODEL_CONFIG, "vocab_size": len(vocab)}
     if which == "big":
         cfg.update(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
                    num_key_value_heads=8)

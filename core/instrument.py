@@ -367,7 +367,7 @@ class Plan:
 
     def mask_heads(self, heads: HeadSpec, rows: Sequence[int] | None = None,
                    mode: Literal["query", "score", "output"] = "query", *, owner: Any = None) -> Plan:
-        """Mask heads (METHODS.md "Head masking and scaling"): ``query`` zeroes the query (uniform attention
+        """Mask heads (docs/methods.md#head-masking-and-scaling): ``query`` zeroes the query (uniform attention
         over the causal prefix, output = mean of V; a :class:`QueryScale` of 0), ``score`` zeroes the
         pre-softmax scores (:class:`ScoreZero`), ``output`` zeroes the head output (ablation; an
         :class:`OutputScale` of 0)."""

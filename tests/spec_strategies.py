@@ -6,7 +6,7 @@ one action, unique step ids, ``heads: {from: ...}`` names an earlier detect step
 ``mutated_specs()`` breaks them: deleted, renamed and unknown keys, values of the wrong type or out
 of range, hostile values (huge, deep, NaN, paths), bad sweeps, and YAML-level damage (tags, aliases,
 duplicate keys, truncation, stray characters). Used by tests/test_spec_properties.py (a bounded
-number of examples) and benchmarks/fuzz_specs.py (tens of thousands).
+number of examples) and tools/reliability/fuzz_specs.py (tens of thousands).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Contrastive decoding and CAD against reference loops written here: batch size 1, full recomputation
 per step on eager-attention copies (expert and amateur; with and without the context), and the
-formulas of METHODS.md "Contrastive decoding family" computed here."""
+formulas of docs/methods.md#contrastive-decoding and docs/methods.md#context-aware-decoding computed here."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The ablation check (METHODS.md "Causal check by ablation", "Head masking and scaling") against an
+"""The ablation check (docs/methods.md#causal-check-by-ablation and docs/methods.md#head-masking-and-scaling) against an
 independent computation: eager models whose masked heads are removed by weight surgery (query masking:
 the head's rows of q_proj zeroed, so its scores are 0 and it attends uniformly; output masking: the head's
 columns of o_proj zeroed), decoded one example at a time."""

@@ -1,4 +1,4 @@
-"""lookback (METHODS.md "Lookback ratio") against the reference computation written out here: batch-1
+"""lookback (docs/methods.md#lookback-ratio) against the reference computation written out here: batch-1
 greedy decoding with eager attention and ``output_attentions``, the last attention row of each step,
 ``mean(A[:C]) / (mean(A[:C]) + mean(A[C:]))``; and the classifier helpers against explicit loops and a
 direct scikit-learn fit."""

@@ -1,4 +1,4 @@
-"""Pattern detectors (METHODS.md "Pattern detectors") against an independent eager computation.
+"""Pattern detectors (docs/methods.md#pattern-detectors) against an independent eager computation.
 
 Both scoring paths are checked: pair probes (the default at every length: the attention at the detection
 pattern's ones) and the full pattern (``probe: pattern``).

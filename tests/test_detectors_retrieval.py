@@ -1,4 +1,4 @@
-"""The retrieval detector (METHODS.md "Retrieval score") against the reference method written out here:
+"""The retrieval detector (docs/methods.md#retrieval-score) against the reference method written out here:
 batch-1 greedy decoding with eager attention and ``output_attentions``, top-1 key of the decode query,
 needle span + copy-paste condition, 1/(needle length) per hit, mean over retrieved instances."""
 

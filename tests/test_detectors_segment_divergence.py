@@ -1,4 +1,4 @@
-"""segment_divergence (METHODS.md "VHD") against an independent computation: eager models, one example at a
+"""segment_divergence (docs/methods.md#vhd) against an independent computation: eager models, one example at a
 time, head outputs read by a forward pre-hook on each layer's ``o_proj`` (its input is the heads' ``z``)."""
 
 from __future__ import annotations

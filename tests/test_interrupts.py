@@ -1,6 +1,6 @@
 """Interrupted runs (issue 15): Ctrl-C (SIGINT) or SIGTERM during ``headlab run`` exits 130 and leaves a run that
 ``--resume`` completes to exactly the uninterrupted results; kill -9 at random (seeded) points of a sweep run,
-store creation included, never leaves anything resume cannot finish (benchmarks/kill_resume.py runs >= 20)."""
+store creation included, never leaves anything resume cannot finish (tools/reliability/kill_resume.py runs >= 20)."""
 
 from __future__ import annotations
 
@@ -125,14 +125,14 @@ def test_a_signal_during_run_exits_130_and_resume_equals_an_uninterrupted_run(tm
 
 
 def kill_resume():
-    spec = importlib.util.spec_from_file_location("kill_resume", ROOT / "benchmarks" / "kill_resume.py")
+    spec = importlib.util.spec_from_file_location("kill_resume", ROOT / "tools" / "reliability" / "kill_resume.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 def test_kill_9_at_random_points_then_resume_equals_the_uninterrupted_run(tmp_path):
-    """Three seeded points of benchmarks/kill_resume.py's sweep (the first while the store is being created);
+    """Three seeded points of tools/reliability/kill_resume.py's sweep (the first while the store is being created);
     the script itself runs >= 20."""
     kr = kill_resume()
     spec, writes, reference = kr.reference(tmp_path)

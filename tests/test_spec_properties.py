@@ -5,7 +5,7 @@
 - A broken spec (data- or YAML-level mutations) is accepted or refused with a located ``SpecError``;
   never any other exception, and never slower than a few seconds.
 
-A bounded number of examples runs here; benchmarks/fuzz_specs.py runs tens of thousands.
+A bounded number of examples runs here; tools/reliability/fuzz_specs.py runs tens of thousands.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The naive VHR (tests/fixtures/vision.py) runs on an eager model with forward hooks only: a pre-hook on each
 attention module, at the first forward, recomputes that layer's queries, keys and values from the hidden
 states it receives (q/k/v projections, RoPE), computes the last position's head outputs with and without the
-segment in float64, applies METHODS.md's outlier filter (mean + sample std per layer, both VHD and TA) and
+segment in float64, applies the outlier filter of docs/methods.md#vhr (mean + sample std per layer, both VHD and TA) and
 the above-median selection with numpy, and stores the per-row scales; a pre-hook on ``o_proj`` multiplies
 the selected heads' slices by alpha on every call (prefill and decode). Checked on text spans (tiny Llama,
 emphasis spans) and on a tiny LLaVA (CLIP vision tower + Llama) with image tokens.

@@ -2,7 +2,7 @@
 
 Checked against independent computations: the processor's own token ids and image tokens, transformers'
 own forward and ``generate`` on each example alone (the processor's inputs, the model's own positions,
-Qwen2-VL's multimodal rotary positions included), and the naive float64 VHR of METHODS.md written with hooks
+Qwen2-VL's multimodal rotary positions included), and the naive float64 VHR of docs/methods.md#vhr written with hooks
 in tests/fixtures/vision.py.
 """
 
@@ -211,7 +211,7 @@ def test_scores_of_continuations_after_images_equal_transformers(vlm):
 
 def naive_decore(lm, ex, heads, alpha, n_new):
     """DeCoRe by recomputing the whole sequence at every step (no KV cache), the masked model made by zeroing
-    the heads' slices of the ``o_proj`` input (METHODS.md: ``mask: output``)."""
+    the heads' slices of the ``o_proj`` input (docs/methods.md#head-masking-and-scaling: ``mask: output``)."""
     H = lm.geometry.n_heads
     D = lm.geometry.head_dim
     layers = F.text_layers(lm.model)

@@ -29,7 +29,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
                  "--disable-dev-shm-usage"]
 
 if not Path(CHROMIUM).is_file():
-    pytest.skip(f"{CHROMIUM} is missing and could not be installed (`apt-get install chromium`; .ci/setup does it)",
+    pytest.skip(f"{CHROMIUM} is missing and could not be installed (`apt-get install chromium`; .ci/setup-test does it)",
                 allow_module_level=True)
 playwright_sync = pytest.importorskip("playwright.sync_api", reason="needs the notebook extras (playwright)")
 pytest.importorskip("jupyterlab", reason="needs the notebook extras (jupyterlab)")

@@ -10,7 +10,7 @@ import torch
 
 
 def entropy_alpha(logits: torch.Tensor, *, scale: bool = False, cap: float | None = None) -> torch.Tensor:
-    """DeCoRe's entropy alpha (METHODS.md "DeCoRe"): ``H(softmax(logits))`` in nats, as the reference
+    """DeCoRe's entropy alpha (docs/methods.md#decore): ``H(softmax(logits))`` in nats, as the reference
     computes it (``-sum p log(p + 1e-12)``), optionally divided by ``log |V|`` and capped at ``cap``."""
     p = logits.float().softmax(-1)
     h = -(p * torch.log(p + 1e-12)).sum(-1)

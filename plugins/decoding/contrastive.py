@@ -1,5 +1,6 @@
-"""``contrastive`` (expert vs amateur model) and ``cad`` (context-aware decoding), METHODS.md
-"Contrastive decoding family".
+"""``contrastive`` (expert vs amateur model) and ``cad`` (context-aware decoding).
+
+Definitions: docs/methods.md#contrastive-decoding and docs/methods.md#context-aware-decoding.
 
 - ``contrastive`` (Li et al. 2023): ``log p_expert(x) - log p_amateur(x)`` on the tokens passing the
   plausibility constraint ``p_expert(x) >= alpha * max p_expert`` (alpha 0.1), -inf elsewhere. The

@@ -1,7 +1,7 @@
-"""``decore``: Decoding by Contrasting Retrieval Heads (METHODS.md "DeCoRe"; Gema et al. 2024).
+"""``decore``: Decoding by Contrasting Retrieval Heads (docs/methods.md#decore; Gema et al. 2024).
 
 Per step ``next = (1 + alpha) * log_softmax(base) - alpha * log_softmax(masked)``, where ``masked`` is
-the same model with the retrieval heads masked (query zeroed, METHODS.md "Head masking and scaling").
+the same model with the retrieval heads masked (query zeroed, docs/methods.md#head-masking-and-scaling).
 The reference runs batch size 1 with two full forwards per token on forked modelling files; here the
 base rows and the masked rows run in **one** batched forward: a batch of ``B`` prompts becomes ``2B``
 rows, rows ``B..2B-1`` carry the mask as per-row edits of the instrumentation plan

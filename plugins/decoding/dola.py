@@ -1,4 +1,4 @@
-"""``dola``: Decoding by Contrasting Layers (METHODS.md "DoLa"; Chuang et al. 2023).
+"""``dola``: Decoding by Contrasting Layers (docs/methods.md#dola; Chuang et al. 2023).
 
 Native and batched, on any model with an output embedding, through the shared KV-cache loop: each
 forward returns the hidden states (``output_hidden_states``), the early-exit ("premature") logits of
@@ -50,7 +50,7 @@ from .common import final_norm, output_head, tied_embeddings
 
 
 class DoLa(Selection):
-    """DoLa: contrast the final layer with the most divergent early layer (METHODS.md "DoLa")."""
+    """DoLa: contrast the final layer with the most divergent early layer (docs/methods.md#dola)."""
 
     kind: Literal["dola"] = "dola"
     layers: Literal["low", "high"] | Annotated[list[NonNegativeInt], Field(min_length=1)] = Field(

@@ -1,7 +1,7 @@
 """The causal check: mask the top-k detected heads vs k random heads and measure a task metric.
 
-METHODS.md, "Causal check by ablation (used by the retrieval-head paper and its follow-ups)", with the
-masks of "Head masking and scaling". The heads come from any head selection, in rank order
+Definition: docs/methods.md#causal-check-by-ablation, with the masks of
+docs/methods.md#head-masking-and-scaling. The heads come from any head selection, in rank order
 (``{from: retrieval, threshold: 0.1}``, ``{from: retrieval, top: 16}``, ``{file: heads.json}``, an
 explicit list); for every ``k`` the first ``k`` of them are masked, and for every random draw ``k``
 heads drawn at random are masked instead (drawn from the heads outside those top ``k``; with
@@ -191,7 +191,7 @@ def detect(config: Ablation, ctx: StepContext) -> xr.Dataset:
     ds.attrs.update(method="ablation", metric=mcfg.kind, mode=config.mode, mask_prompt=config.mask_prompt,
                     metrics=["base", "top", "random"],
                     match_layers=config.match_layers, model=ctx.model.name,
-                    reference="METHODS.md#causal-check-by-ablation")
+                    reference="docs/methods.md#causal-check-by-ablation")
     return ds
 
 

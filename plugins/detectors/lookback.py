@@ -1,6 +1,6 @@
 """Lookback Lens: per-head lookback ratios during generation, and the logistic classifier over them.
 
-METHODS.md, "Lookback ratio (Lookback Lens, Chuang et al. 2024)". For each generated token and head::
+Definition: docs/methods.md#lookback-ratio. For each generated token and head::
 
     LR = mean attention on context tokens / (mean attention on context tokens + mean attention on new tokens)
 
@@ -133,7 +133,7 @@ def detect(config: Lookback, ctx: StepContext) -> xr.Dataset:
                      "n_tokens": ("example", n_tokens), "output": ("example", np.array(texts, dtype=object))})
     ds.attrs.update(method="lookback", model=ctx.model.name, context=config.context or "",
                     prompt_tail=config.prompt_tail,
-                    reference="METHODS.md#lookback-ratio-lookback-lens-chuang-et-al-2024")
+                    reference="docs/methods.md#lookback-ratio")
     return ds
 
 

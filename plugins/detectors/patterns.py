@@ -1,6 +1,6 @@
 """Pattern detectors: previous-token, duplicate-token and induction heads, and any custom detection pattern.
 
-METHODS.md, "Pattern detectors (TransformerLens `head_detector` definitions)". A detection pattern
+Definition: docs/methods.md#pattern-detectors. A detection pattern
 ``D`` (queries x keys, 0/1) is compared with each head's attention ``A``: ``mul`` scores
 ``sum(A * D) / sum(A)``, ``abs`` scores ``1 - sum|A - D| / n``. ``exclude_bos`` zeroes ``A[:, 0]``,
 ``exclude_current_token`` zeroes the diagonal. Scores are averaged over the task's sequences.
@@ -316,7 +316,7 @@ def detect(config: _Pattern, ctx: StepContext) -> xr.Dataset:
     per_example = head_array(scores, "example")
     ds = xr.Dataset({"score": per_example.mean("example"), "example_score": per_example})
     ds.attrs.update(method=config.kind, pattern=pattern_name(pattern), error_measure=config.error_measure,
-                    model=ctx.model.name, reference="METHODS.md#pattern-detectors",
+                    model=ctx.model.name, reference="docs/methods.md#pattern-detectors",
                     probe=config.probe if groups else "none")
     return ds
 

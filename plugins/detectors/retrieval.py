@@ -1,9 +1,8 @@
 """Retrieval heads: Wu et al.'s retrieval score, batched, through the streaming argmax probe.
 
-METHODS.md, "Retrieval score (Wu et al. 2024, 'Retrieval Head Mechanistically Explains Long-Context
-Factuality')". For every example with a needle span ``[s, e)`` (token positions of the needle in the
-prompt) the model decodes greedily. At decode step ``t`` with generated token ``w_t`` every head
-``(l, h)`` takes its top-1 key ``i* = argmax A[l,h][t]`` of the single decode query; when
+Definition: docs/methods.md#retrieval-score. For every example with a needle span ``[s, e)`` (token
+positions of the needle in the prompt) the model decodes greedily. At decode step ``t`` with generated
+token ``w_t`` every head ``(l, h)`` takes its top-1 key ``i* = argmax A[l,h][t]`` of the single decode query; when
 ``s <= i* < e`` and ``prompt_ids[i*] == w_t`` (the head copy-pastes the token it attends to) the head's
 score for this instance grows by ``1 / (e - s)``. An instance counts only if the model retrieved the
 needle (ROUGE-1 recall of the output > 0.5); the score of a head is the mean over counted instances,
@@ -295,7 +294,7 @@ def detect(config: Retrieval, ctx: StepContext) -> xr.Dataset:
     ds["retrieval_head"] = ds["score"] >= config.threshold
     ds.attrs.update(method="retrieval", model=ctx.model.name, threshold=config.threshold,
                     n_retrieval_heads=int(ds["retrieval_head"].sum()),
-                    reference="METHODS.md#retrieval-score-wu-et-al-2024")
+                    reference="docs/methods.md#retrieval-score")
     if config.export is not None:
         write_retrieval_json(ds, config.export)
     return ds

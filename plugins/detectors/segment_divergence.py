@@ -1,6 +1,6 @@
 """Segment divergence: how much each head's output depends on a marked span of the input (VHD, generalised).
 
-METHODS.md, "Vision/segment-aware head divergence (VHD, He et al. 2025, used by VHR)":
+Definition: docs/methods.md#vhd:
 ``VHD[l,h] = || z[l,h](x with segment) - z[l,h](x without segment) ||_2`` at the current generation
 position (the last input position), where ``z[l,h]`` is the head's output ``A·V`` before ``o_proj``. In
 a vision-language model the segment is the image tokens (``span: image``, the default for examples with
@@ -148,7 +148,7 @@ def detect(config: SegmentDivergence, ctx: StepContext) -> xr.Dataset:
     ds = xr.Dataset({"score": per.mean("example"), "example_score": per,
                      "norm_without": head_array(norm, "example")})
     ds.attrs.update(method="segment_divergence", span=name, removal=config.method, model=ctx.model.name,
-                    reference="METHODS.md#visionsegment-aware-head-divergence-vhd-he-et-al-2025-used-by-vhr")
+                    reference="docs/methods.md#vhd")
     if images:  # the first example's image with every head's attention on it, for the report
         ds = ds.merge(attention_preview(ctx.model, ctx.examples[0]))
     return ds

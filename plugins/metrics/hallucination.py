@@ -1,5 +1,6 @@
-"""Object-hallucination metrics of vision-language models: ``pope`` and ``chair`` (METHODS.md,
-"Vision-language hallucination metrics").
+"""Object-hallucination metrics of vision-language models: ``pope`` and ``chair``.
+
+Definitions: docs/methods.md#pope and docs/methods.md#chair.
 
 ``pope`` (Li et al. 2023) scores yes/no answers to "Is there a <object> in the image?". The answer is
 read with POPE's reference rule: keep the text before the first ``.``, remove commas, split into words

@@ -1,7 +1,7 @@
 """ROUGE metrics: ``needle_recall`` (ROUGE-1 recall, the retrieval-head success test) and ``rouge_l``.
 
 The scores are exactly those of Google's ``rouge-score`` package (``rouge_scorer.RougeScorer``),
-which the reference code of the retrieval-head paper (METHODS.md, "Retrieval score") and the XSum
+which the reference code of the retrieval-head paper (docs/methods.md#retrieval-score) and the XSum
 evaluations use; the tests compare against it. Tokenisation as in ``rouge_score.tokenize``: lower
 case, every run of characters other than ``a-z0-9`` is a separator (so non-ASCII letters split
 words), and with ``stemmer: true`` tokens longer than 3 characters are reduced by NLTK's Porter

@@ -1,6 +1,6 @@
 """``head_mask`` and ``head_scale``: switch heads off or turn them up or down.
 
-METHODS.md, "Steering / Head masking and scaling".
+Definition: docs/methods.md#head-masking-and-scaling.
 
 ``head_mask`` modes:
 

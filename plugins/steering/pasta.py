@@ -1,6 +1,6 @@
 """``pasta``: post-hoc attention steering (Zhang et al. 2023, "Tell Your Model Where to Attend").
 
-METHODS.md, "Steering / PASTA". On the steered heads, attention to non-emphasised tokens is multiplied by
+Definition: docs/methods.md#pasta. On the steered heads, attention to non-emphasised tokens is multiplied by
 ``alpha`` and every row renormalised, which is exactly adding ``log(alpha)`` to the pre-softmax scores of
 the non-emphasised key columns for every query row. headlab hands that bias to the instrumentation as key
 spans (:meth:`headlab.instrument.Plan.bias_keys`), so it runs on the fast attention path (Triton on CUDA,

@@ -1,6 +1,6 @@
 """``pasta_profile``: PASTA's head selection by steering one head at a time (a detector).
 
-METHODS.md, "Steering / PASTA", head selection (described in the paper, absent from the reference code):
+Definition: docs/methods.md#pasta-head-selection (described in the paper, absent from the reference code):
 for each of m tasks, steer one head at a time with PASTA on a small set of examples, rank the heads by the
 task metric, and take the intersection of the top-k heads of every task.
 
@@ -233,7 +233,7 @@ def profile(config: PastaProfile, ctx: StepContext) -> xr.Dataset:
     }).assign_coords(task=[name for name, _ in sets])
     attrs: dict[str, Any] = dict(method="pasta_profile", metric=config.metric, alpha=config.alpha,
                                  scale_position=config.scale_position, candidates=C, model=ctx.model.name,
-                                 reference="METHODS.md#pasta")
+                                 reference="docs/methods.md#pasta")
     if config.top_k is not None:
         selected = max_rank < config.top_k
         ds["selected"] = head_array(selected)

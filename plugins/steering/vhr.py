@@ -1,6 +1,6 @@
 """``vhr``: Vision-aware Head Reinforcement (He et al. 2025).
 
-METHODS.md, "Steering / VHR" (and "Detectors / VHD"). At the first generation step (the prefill forward
+Definition: docs/methods.md#vhr (and docs/methods.md#vhd). At the first generation step (the prefill forward
 that produces the first token), layer by layer inside that one forward, for each layer ``l`` in range:
 
 1. ``VHD[l, h] = || z[l, h](with the segment) - z[l, h](without the segment) ||_2`` at the current

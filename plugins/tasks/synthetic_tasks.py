@@ -1,6 +1,6 @@
 """Task kinds over the seeded synthetic generators of :mod:`headlab.plugins.tasks.synthetic`.
 
-- ``niah``: needle in a haystack (Wu et al. 2024; METHODS.md "Retrieval score"). The grid is
+- ``niah``: needle in a haystack (Wu et al. 2024; docs/methods.md#retrieval-score). The grid is
   ``context_lengths x depths x needles``; the reference grid is ``context_lengths: {lo: 128, hi:
   2048, n: 20}, depths: 10, needles: 3``; the defaults here are a small grid the embedded model
   handles on a laptop CPU. ``spans["needle"]`` is the needle sentence, ``spans["answer"]`` the answer
@@ -8,7 +8,7 @@
 - ``kv_retrieval``: ``key : value`` pairs, then one key; ``spans["answer"]`` is the queried value.
 - ``counterfact``: a context contradicting a memorised fact, then the question (context vs memory);
   ``meta`` has ``context_answer`` and ``memory_answer`` for the ``context_memory`` metric.
-- ``emphasis``: PASTA's setting (METHODS.md "PASTA"): two conflicting statements; the first is
+- ``emphasis``: PASTA's setting (docs/methods.md#pasta): two conflicting statements; the first is
   emphasised. The generator's ``<em>...</em>`` markers are removed from the prompt and recorded as
   ``spans["emphasis"]`` (``emphasis: span``), or kept as visible text (``markers``), or replaced by a
   sentence saying the first statement is right (``instruction``).

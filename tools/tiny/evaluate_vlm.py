@@ -2,8 +2,8 @@
 
 Usage (from the repository root)::
 
-    python plugins/models/tiny/evaluate_vlm.py                      # the shipped checkpoint
-    python plugins/models/tiny/evaluate_vlm.py --checkpoint DIR --out /tmp/eval.json
+    python tools/tiny/evaluate_vlm.py                      # the shipped checkpoint
+    python tools/tiny/evaluate_vlm.py --checkpoint DIR --out /tmp/eval.json
 
 Every question is asked twice: with its image and with a blank image (the task's white canvas, no
 shapes), so the gap is the model's visual dependence. Examples come from the ``shapes`` task itself
@@ -37,7 +37,8 @@ import numpy as np
 import torch
 
 HERE = Path(__file__).resolve().parent
-DEFAULT = HERE / "headlab-tiny-vlm"
+CHECKPOINTS = HERE.parents[1] / "plugins" / "models" / "tiny"  # where the embedded checkpoints ship
+DEFAULT = CHECKPOINTS / "headlab-tiny-vlm"
 
 
 def blank(examples: list[Any]) -> list[Any]:
@@ -325,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=None, help="default: <checkpoint>/eval.json")
     ap.add_argument("--n", type=int, default=100, help="images per question kind")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--spec", type=Path, default=HERE.parents[2] / "specs" / "vhr_shapes.yaml",
+    ap.add_argument("--spec", type=Path, default=HERE.parents[1] / "specs" / "vhr_shapes.yaml",
                     help="the VHR demonstration spec (its figures go under vhr_shapes)")
     ap.add_argument("--no-spec", action="store_true", help="skip the spec")
     ap.add_argument("--figure", type=Path, default=None,

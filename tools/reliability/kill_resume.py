@@ -1,6 +1,6 @@
 """kill -9 a sweep run at random points and check that every resume equals the uninterrupted run.
 
-    python benchmarks/kill_resume.py [--kills 24] [--seed 0] [--work DIR] [--keep]
+    python tools/reliability/kill_resume.py [--kills 24] [--seed 0] [--work DIR] [--keep]
 
 A "point" is a write of the run store: every file zarr writes (``zarr.storage._local._put``: the
 temporary store's metadata while the run is being created, each cell's arrays, chunks and attributes, the
@@ -17,7 +17,7 @@ created, no run exists (``headlab.list_runs`` lists none, ``--resume`` on the le
 directory is a clear error) and running the spec again must give the same results. Prints one line per
 kill and the counts; exits 1 if any resume differed or any kill did not kill.
 
-``tests/test_kill_resume.py`` imports this module and runs a few kills in the default suite.
+``tests/test_interrupts.py`` imports this module and runs a few kills in the default suite.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Each is given to ``headlab.load_spec``; the outcome is one of
 - an escape: any other exception (a bug),
 - a hang: more than ``--timeout`` seconds (the load is interrupted at that point).
 
-    OMP_NUM_THREADS=1 python benchmarks/fuzz_specs.py --n 20000 --seed 0 --out fuzz.json
+    OMP_NUM_THREADS=1 python tools/reliability/fuzz_specs.py --n 20000 --seed 0 --out fuzz.json
 
 Not part of the test suite (tests/test_spec_properties.py runs the same strategies on a few hundred).
 """
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
 

@@ -2,7 +2,7 @@
 
 Standalone (transformers + torch only, no headlab engine). Usage::
 
-    python plugins/models/tiny/evaluate.py [--model DIR] [--quick] [--out DIR/eval.json]
+    python tools/tiny/evaluate.py [--model DIR] [--quick] [--out DIR/eval.json]
 
 Measures and prints (and writes ``eval.json`` next to the checkpoint):
 
@@ -17,7 +17,7 @@ Measures and prints (and writes ``eval.json`` next to the checkpoint):
   ``induction`` = mean attention of second-copy queries on the token after the previous occurrence
   (the classic score), and ``induction_tl`` = TransformerLens ``head_detector`` "mul" score
   ``sum(A * D) / sum(A)`` over the whole sequence (at most about 0.5 for a sequence repeated twice);
-- retrieval score per head (METHODS.md, Wu et al. 2024): at each greedy decode step, the top-1 key of
+- retrieval score per head (docs/methods.md#retrieval-score; Wu et al. 2024): at each greedy decode step, the top-1 key of
   each head's attention row lands in the needle span and the attended prompt token equals the generated
   token -> +1/(needle length in tokens); mean over instances where the needle was retrieved.
 """
@@ -35,7 +35,8 @@ import torch
 from headlab.plugins.tasks import synthetic as S
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_MODEL = HERE / "headlab-tiny"
+CHECKPOINTS = HERE.parents[1] / "plugins" / "models" / "tiny"  # where the embedded checkpoints ship
+DEFAULT_MODEL = CHECKPOINTS / "headlab-tiny"
 
 
 
@@ -241,7 +242,7 @@ def eval_emphasis(model, tok, n=60, pasta=True):
     return out
 
 
-# A minimal PASTA for this evaluation only (METHODS.md: add log(alpha) to the pre-softmax scores of the
+# A minimal PASTA for this evaluation only (docs/methods.md#pasta: add log(alpha) to the pre-softmax scores of the
 # non-emphasised prompt keys, on the steered heads). headlab's steering plugin is the real implementation.
 _PASTA: dict = {}
 
@@ -417,6 +418,15 @@ def to_markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _shown(path: Path) -> str:
+    """``path`` as recorded in eval.json: relative to the repository when inside it, else as given."""
+    root = HERE.parents[1]
+    try:
+        return path.resolve().relative_to(root).as_posix()
+    except ValueError:
+        return str(path)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL)
@@ -437,7 +447,7 @@ def main(argv=None) -> None:
         kv_sizes = [4, 8, 16, 32, 64, 96]
         copy_lens = [10, 50, 200, 1000, 1500]
         ind_lens = [10, 50, 200, 500, 1000]
-    res: dict = {"model": str(args.model), "trained_max_length": 2048}
+    res: dict = {"model": _shown(args.model), "trained_max_length": 2048}
 
     def show(name, obj):
         print(f"== {name} ({time.time() - t0:.0f}s)\n{json.dumps(obj, indent=1)[:3000]}", flush=True)

@@ -2,8 +2,8 @@
 
 CPU only, seeded, about 50 minutes on 2 cores. Usage (from the repository root)::
 
-    python -m headlab.plugins.models.tiny.train              # or: python plugins/models/tiny/train.py
-    python plugins/models/tiny/train.py --quick              # a 2-minute smoke run into /tmp
+    python tools/tiny/train.py              # writes plugins/models/tiny/headlab-tiny
+    python tools/tiny/train.py --quick      # a 2-minute smoke run into /tmp
 
 What it does
 ------------
@@ -48,7 +48,8 @@ import torch
 from headlab.plugins.tasks import synthetic as S
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_OUT = HERE / "headlab-tiny"
+CHECKPOINTS = HERE.parents[1] / "plugins" / "models" / "tiny"  # where the embedded checkpoints ship
+DEFAULT_OUT = CHECKPOINTS / "headlab-tiny"
 
 
 
@@ -442,7 +443,7 @@ def main(argv=None) -> None:
         "seed": args.seed, "stages": stages, "steps": step, "lr": args.lr, "weights": WEIGHTS,
         "threads": args.threads, "minutes_this_run": round(minutes, 1), "params": n_params,
         "torch": torch.__version__, "log": log,
-        "command": "python plugins/models/tiny/train.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python tools/tiny/train.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
     save_final(model, tok, args.out, meta)
     print(f"saved {args.out} after {minutes:.1f} min", flush=True)

@@ -4,14 +4,14 @@ CPU only, seeded, about 51 minutes: 1000 tower steps and 1400 steps of the whole
 thread), 450 presence-heavy steps from that checkpoint (13 minutes), then 300 steps of captions with
 co-occurrence noise (5 minutes, two threads). The shipped checkpoint is (from the repository root)::
 
-    python plugins/models/tiny/train_vlm.py --out /tmp/headlab-tiny-vlm-stage1
-    python plugins/models/tiny/train_vlm.py --init /tmp/headlab-tiny-vlm-stage1 --vision-steps 0 --steps 450 \\
+    python tools/tiny/train_vlm.py --out /tmp/headlab-tiny-vlm-stage1
+    python tools/tiny/train_vlm.py --init /tmp/headlab-tiny-vlm-stage1 --vision-steps 0 --steps 450 \\
         --presence 4 --hard 0.8 --lr 1e-3 --vision-lr 5e-4 --aux-weight 0 --warmup 20 --eval-every 150 \\
         --out /tmp/headlab-tiny-vlm-stage2
-    python plugins/models/tiny/train_vlm.py --init /tmp/headlab-tiny-vlm-stage2 --vision-steps 0 --steps 300 \\
+    python tools/tiny/train_vlm.py --init /tmp/headlab-tiny-vlm-stage2 --vision-steps 0 --steps 300 \\
         --cooccur 0.5 --noisy 0.5 --caption 1.0 --aux-weight 0 --lr 1e-3 --vision-lr 5e-4 --warmup 20 \\
         --eval-every 150 --threads 2
-    python plugins/models/tiny/train_vlm.py --quick       # a 1-minute smoke run into /tmp
+    python tools/tiny/train_vlm.py --quick       # a 1-minute smoke run into /tmp
 
 What it does
 ------------
@@ -66,8 +66,9 @@ import torch
 from headlab.plugins.tasks import shapes as SH
 
 HERE = Path(__file__).resolve().parent
-SOURCE = HERE / "headlab-tiny"
-DEFAULT_OUT = HERE / "headlab-tiny-vlm"
+CHECKPOINTS = HERE.parents[1] / "plugins" / "models" / "tiny"  # where the embedded checkpoints ship
+SOURCE = CHECKPOINTS / "headlab-tiny"
+DEFAULT_OUT = CHECKPOINTS / "headlab-tiny-vlm"
 
 NEW_WORDS = ["Is", "image", "yes", "no", "colour", "How", "are", "Describe", "circle", "triangle", "cross",
              "circles", "squares", "triangles", "stars", "crosses", "zero", "four", "five", "six", "seven",
@@ -608,7 +609,7 @@ def main(argv=None) -> None:
         "presence": args.presence, "hard": args.hard, "cooccur": args.cooccur, "caption": args.caption,
         "noisy": args.noisy, "image_sparsity": args.image_sparsity,
         "torch": torch.__version__, "log": log,
-        "command": "python plugins/models/tiny/train_vlm.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python tools/tiny/train_vlm.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
     if args.init is not None:
         meta = {**meta, "init": str(args.init), "previous": log_init}
