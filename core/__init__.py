@@ -10,8 +10,6 @@ measure the effect, from a YAML spec, the command line or a notebook.
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
-
 from .context import Example, StepContext, TaskContext
 from .dims import DIMENSIONS
 from .errors import StepError
@@ -24,11 +22,7 @@ from .results import Run, list_runs, open_run
 from .runner import run
 from .scoring import generate, logprobs
 from .spec import ComponentConfig, HeadSelection, SpecError, json_schema, load_spec
-
-try:
-    __version__ = version("headlab")
-except PackageNotFoundError:  # running from a source tree without installation
-    __version__ = "0+unknown"
+from .version import __version__
 
 __all__ = [
     "DIMENSIONS", "Batch", "ComponentConfig", "Example", "HeadSelection", "Plan", "PluginError", "Probes",

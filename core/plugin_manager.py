@@ -27,6 +27,7 @@ import difflib
 import importlib
 import importlib.metadata as md
 import os
+import pkgutil
 import re
 import types
 import warnings
@@ -38,8 +39,11 @@ import pluggy
 
 from . import hookspecs
 from .config import ComponentConfig
+from .version import __version__
 
 GROUP = "headlab"
+BUILTIN_PACKAGE = f"{GROUP}.plugins"
+"""The package whose modules are headlab's own plugins, registered through the same hooks as third parties."""
 """The entry-point group of headlab plugins: headlab's own distribution declares its built-ins there too."""
 
 BUILT_IN = "built-in"
@@ -187,16 +191,12 @@ class Manager:
     # --- loading ---------------------------------------------------------------------------------
 
     def _load_builtins(self) -> None:
-        """Register the plugins of headlab's own distribution, in the order of their names; one that fails
-        to import is an error (headlab is broken), not a plugin to skip."""
-        dist = _headlab_distribution()
-        builtins = sorted(dist.entry_points.select(group=GROUP), key=lambda ep: ep.name)
-        if not builtins:
-            raise PluginError(f"headlab {dist.version} declares no plugins in its entry-point group '{GROUP}': its "
-                              "installed metadata is out of date; reinstall headlab (pip install -e . in a checkout)")
-        for ep in builtins:
-            self.pm.register(ep.load(), name=ep.name)
-            self._sources[ep.name] = (BUILT_IN, dist.version)
+        """Register headlab's own plugins: every module of the built-in plugins package that implements a
+        hook, in the order of their names. One that fails to import is an error (headlab is broken), not a
+        plugin to skip."""
+        for module in _builtin_plugins():
+            self.pm.register(module, name=module.__name__)
+            self._sources[module.__name__] = (BUILT_IN, __version__)
 
     def _load_entry_points(self) -> None:
         allow = os.environ.get("HEADLAB_PLUGINS")
@@ -489,10 +489,14 @@ def _is_headlab(dist: md.Distribution) -> bool:
     return re.sub(r"[-_.]+", "-", dist.name or "").lower() == "headlab"
 
 
-def _headlab_distribution() -> md.Distribution:
-    """The installed distribution of headlab (its metadata declares the built-in plugins)."""
-    try:
-        return md.distribution("headlab")
-    except md.PackageNotFoundError:
-        raise PluginError("headlab is not installed (no distribution metadata), so its built-in plugins cannot be "
-                          "found: install it (pip install -e . in a checkout)") from None
+def _builtin_plugins() -> list[types.ModuleType]:
+    """The modules of the built-in plugins package (``BUILTIN_PACKAGE``) that implement a hook, by name."""
+    package = importlib.import_module(BUILTIN_PACKAGE)
+    found = []
+    for info in sorted(pkgutil.walk_packages(package.__path__, f"{package.__name__}."), key=lambda i: i.name):
+        if info.ispkg:
+            continue
+        module = importlib.import_module(info.name)
+        if any(name.startswith("headlab_") and hasattr(obj, f"{GROUP}_impl") for name, obj in vars(module).items()):
+            found.append(module)
+    return found

@@ -271,7 +271,7 @@ def provenance(lm: LoadedModel | None) -> dict[str, Any]:
     """Versions, host and model facts for a run's attributes."""
     import transformers
 
-    from . import __version__
+    from .version import __version__
 
     out = {"headlab_version": __version__, "torch_version": torch.__version__,
            "transformers_version": transformers.__version__, "python_version": platform.python_version(),

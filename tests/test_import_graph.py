@@ -24,7 +24,6 @@ ROOT = Path(__file__).resolve().parent.parent
 KNOWN_CYCLES: list[frozenset[str]] = [
     frozenset({"headlab.anatomy", "headlab.context", "headlab.heads", "headlab.model", "headlab.vision"}),
     frozenset({"headlab.image_attention", "headlab.report"}),
-    frozenset({"headlab", "headlab.runner"}),
 ]
 
 
