@@ -157,7 +157,8 @@ def test_sampling_selection_is_seeded(lm):
         samples[seed] = decore(cfg, req).tokens
         assert decore(cfg, req).tokens == samples[seed], seed
     assert len({tuple(map(tuple, t)) for t in samples.values()}) == 3, samples
-    greedy = decore(DeCoRe(heads=[[1, 0]]), request_for(lm, random_prompts(2, seed=3), max_new=8, seed=5)).tokens
+    greedy_req = request_for(lm, random_prompts(2, seed=3), max_new=8, seed=5)
+    greedy = decore(DeCoRe(heads=[[1, 0]]), greedy_req).tokens
     assert greedy not in samples.values()
 
 

@@ -59,8 +59,9 @@ def test_schema_valid_specs_are_accepted(spec):
 
 
 def surely_invalid(level: str, value) -> str:
-    """Why no loader may accept this case, or "" when it may be valid: YAML text that a YAML parser cannot
-    read, a spec that is not a mapping, or a top-level key that the schema does not know or needs and misses."""
+    """Why no loader may accept this case, or "" when it may be valid: YAML text that a YAML parser
+    cannot read, a spec that is not a mapping, or a top-level key that the schema does not know or needs
+    and misses."""
     from ruamel.yaml import YAML
 
     if level == "yaml":
