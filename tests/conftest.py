@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random models built from configs (nothing is downloaded)."""
+"""Pytest fixtures shared by every test module, and the environment the suite runs in (offline, Triton
+interpreted on CPU). Helpers that test modules import live in tests/fixtures/ (``fixtures.specs``, ...)."""
 
 from __future__ import annotations
 
@@ -13,36 +14,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if os.environ.get("HEADLAB_TRITON_CUDA") != "1":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 97, "max_position_embeddings": 256}
-
 
 @pytest.fixture
 def tiny_llama() -> dict:
     """A config mapping for a 2-layer, 4-head (2 kv heads) Llama with random weights."""
+    # imported here, not on top: fixtures.specs imports headlab, which must load after the environment is set
+    from fixtures.specs import TINY_LLAMA
+
     return dict(TINY_LLAMA)
-
-
-def spec_text(steps: str, *, sweep: str = "", task: str = "{kind: repeated_tokens, n: 4, length: 8}",
-              model: dict | None = None, out: str = "") -> str:
-    """A spec YAML string on the tiny random Llama."""
-    import json
-
-    text = (f"name: test\nmodel: {{config: {json.dumps(model or TINY_LLAMA)}}}\ntask: {task}\n"
-            f"steps:\n{steps}")
-    if sweep:
-        text += f"sweep:\n{sweep}"
-    if out:
-        text += f"output: {out}\n"
-    return text
-
-
-def spec_error(text: str) -> str:
-    """The message of the ``SpecError`` that loading the spec ``text`` raises (asserted to be one line)."""
-    import headlab
-    from headlab.spec import SpecError
-
-    with pytest.raises(SpecError) as info:
-        headlab.load_spec(text)
-    assert "\n" not in str(info.value)
-    return str(info.value)

@@ -26,7 +26,7 @@ from headlab.spec import (
     StrictModel,
 )
 
-from conftest import spec_error, spec_text
+from fixtures.specs import spec_error, spec_text
 
 STEPS = "  - id: ind\n    detect: {kind: induction}\n"
 

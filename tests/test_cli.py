@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import spec_text
+from fixtures.specs import spec_text
 
 ROOT = Path(__file__).parent.parent
 STEPS = "  - id: ind\n    detect: {kind: induction}\n"

@@ -140,7 +140,7 @@ def test_draw_random_heads_constraints():
 
 
 def test_ablation_spec_errors(tmp_path):
-    from conftest import spec_text
+    from fixtures.specs import spec_text
 
     with pytest.raises(headlab.SpecError, match="metric"):
         headlab.load_spec(spec_text("  - id: a\n    detect: {kind: ablation, heads: [[0, 1]], metric: nope}\n"))

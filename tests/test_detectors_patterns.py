@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import headlab
 
-from conftest import TINY_LLAMA, spec_text
+from fixtures.specs import TINY_LLAMA, spec_text
 
 PATHS = ["pairs", "pattern"]  # the detector's `probe` option
 

@@ -21,7 +21,7 @@ from headlab.cli import main
 from headlab.model import ModelLoadError
 from headlab.spec import SpecError
 
-from conftest import TINY_LLAMA, spec_error, spec_text
+from fixtures.specs import TINY_LLAMA, spec_error, spec_text
 
 ROOT = Path(__file__).parent.parent
 STEPS = "  - id: ind\n    detect: {kind: induction}\n"

@@ -21,7 +21,7 @@ import xarray as xr
 import headlab
 import headlab.context
 
-from conftest import spec_text
+from fixtures.specs import spec_text
 
 ray = pytest.importorskip("ray")
 

@@ -21,7 +21,7 @@ from headlab.plugin_manager import CATEGORIES, PluginError, get_manager
 from headlab.results import RunWriter
 from headlab.runner import CellError, CellResult, Job, ModelCache, execute_cell
 
-from conftest import spec_text
+from fixtures.specs import spec_text
 
 ROOT = Path(__file__).parent.parent
 STEPS = "  - id: prev\n    detect: {kind: previous_token}\n  - id: ind\n    detect: {kind: induction}\n"

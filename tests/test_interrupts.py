@@ -19,7 +19,7 @@ import xarray as xr
 import headlab
 from headlab.cli import main
 
-from conftest import spec_text
+from fixtures.specs import spec_text
 
 ROOT = Path(__file__).parent.parent
 

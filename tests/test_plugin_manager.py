@@ -25,7 +25,7 @@ from headlab.generation import DecodeRequest, tokenize
 from headlab.plugin_manager import CATEGORIES, get_manager
 from headlab.spec import StrictModel
 
-from conftest import TINY_LLAMA, spec_text
+from fixtures.specs import TINY_LLAMA, spec_text
 
 ROOT = Path(__file__).parent.parent
 EXAMPLE = ROOT / "examples" / "headlab-plugin-example"
@@ -123,7 +123,7 @@ def test_example_plugin_installs_lists_and_runs(example_plugin_installed, tmp_pa
     (run_dir,) = (tmp_path / "runs").iterdir()
     run = headlab.open_run(run_dir)
     score = run.results["norms"]["score"].values
-    from conftest import TINY_LLAMA
+    from fixtures.specs import TINY_LLAMA
 
     lm = from_config(ModelSpec(config=TINY_LLAMA), seed=0)  # same seed as the run -> same weights
     w = lm.model.model.layers[1].self_attn.o_proj.weight.detach()

@@ -21,7 +21,7 @@ import headlab
 from headlab.results import RunDamaged, RunNotFound
 from headlab.spec import MAX_DEPTH, SpecError
 
-from conftest import spec_error, spec_text
+from fixtures.specs import spec_error, spec_text
 from fixtures.timing import within
 
 ROOT = Path(__file__).parent.parent
@@ -107,7 +107,7 @@ KILL_DURING_CREATION = """
 import os, signal, sys
 import zarr
 sys.path.insert(0, {tests!r})
-from conftest import spec_text
+from fixtures.specs import spec_text
 import headlab
 
 create_group = zarr.Group.create_group

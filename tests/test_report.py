@@ -17,7 +17,7 @@ import headlab
 from headlab.heads import ranked
 from headlab.report import color, heatmap_svg, line_plot_svg, render_report, write_report
 
-from conftest import spec_text
+from fixtures.specs import spec_text
 
 STEPS = ("  - id: ind\n    detect: {kind: induction}\n"
          "  - id: prev\n    detect: {kind: previous_token}\n"

@@ -15,7 +15,7 @@ from headlab import resources
 from headlab.cli import main
 from headlab.resources import ENV, ResourceLimitError
 
-from conftest import TINY_LLAMA, spec_text
+from fixtures.specs import TINY_LLAMA, spec_text
 from fixtures.timing import within
 
 STEPS = "  - id: ind\n    detect: {kind: induction}\n"

@@ -10,7 +10,7 @@ import xarray as xr
 
 import headlab
 
-from conftest import spec_text
+from fixtures.specs import spec_text
 
 STEPS = """  - id: prev
     detect: {kind: previous_token}
@@ -122,7 +122,7 @@ def test_generate_stores_the_strategy_diagnostics(tmp_path):
     from headlab.model import load_model
     from headlab.spec import ModelSpec
 
-    from conftest import TINY_LLAMA
+    from fixtures.specs import TINY_LLAMA
 
     steps = """  - id: decore
     generate:

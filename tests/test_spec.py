@@ -7,7 +7,7 @@ import pytest
 import headlab
 from headlab.spec import SpecError, format_path, set_path
 
-from conftest import spec_text
+from fixtures.specs import spec_text
 
 STEPS = """  - id: ind
     detect:

@@ -3,7 +3,8 @@
 - A spec valid for the JSON Schema is accepted, or refused only by a rule the schema cannot express
   (listed below), and it loads the same from data and from YAML text.
 - A broken spec (data- or YAML-level mutations) is accepted or refused with a located ``SpecError``;
-  never any other exception, and never slower than a few seconds.
+  never any other exception, and never slower than a few seconds. It is refused whenever it is surely
+  invalid: not YAML, not a mapping, or with a top-level key the schema does not know or needs and misses.
 
 A bounded number of examples runs here; tools/reliability/fuzz_specs.py runs tens of thousands.
 """
@@ -57,8 +58,31 @@ def test_schema_valid_specs_are_accepted(spec):
     assert outcome(S.to_yaml(spec)) == result  # the same from YAML text
 
 
+def surely_invalid(level: str, value) -> str:
+    """Why no loader may accept this case, or "" when it may be valid: YAML text that a YAML parser
+    cannot read, a spec that is not a mapping, or a top-level key that the schema does not know or needs
+    and misses."""
+    from ruamel.yaml import YAML
+
+    if level == "yaml":
+        try:
+            value = YAML(typ="safe", pure=True).load(value)
+        except Exception as e:  # every parser error, RecursionError included
+            return f"not YAML ({type(e).__name__})"
+    if not isinstance(value, dict):
+        return f"not a mapping ({type(value).__name__})"
+    schema = S.spec_schema()
+    unknown = sorted(map(repr, set(value) - set(schema["properties"])))
+    missing = sorted(set(schema["required"]) - set(value))
+    if unknown or missing:
+        return f"unknown top-level keys {unknown}, missing {missing}"
+    return ""
+
+
 @settings(SETTINGS, max_examples=90)
 @given(S.mutated_specs())
 def test_broken_specs_are_located_spec_errors_and_nothing_else(case):
-    _, value = case
-    outcome(value)
+    level, value = case
+    result = outcome(value)
+    reason = surely_invalid(level, value)
+    assert not (reason and result == "ok"), f"accepted, but {reason}"

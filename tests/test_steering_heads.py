@@ -82,7 +82,10 @@ def test_value_scaling_is_the_kv_group():
 
 
 def test_mask_from_a_detect_step_with_random_control():
-    """heads: {from: step, top: k} and its random control resolve through ctx.heads."""
+    """heads: {from: step, top: k} and its random control resolve through ctx.heads; the control is the
+    draw of the step's seed (k heads of the ranked pool, without replacement), not the top k."""
+    import dataclasses
+
     import numpy as np
     import xarray as xr
 
@@ -94,10 +97,17 @@ def test_mask_from_a_detect_step_with_random_control():
     plan = ins.Plan()
     HS.steer_mask(HS.HeadMask(heads=HeadsFrom.model_validate({"from": "det", "top": 2})), ctx, None, plan)
     assert plan.edits[0].heads == [(1, 3), (1, 2)]
-    rnd = ins.Plan()
-    HS.steer_mask(HS.HeadMask(heads=HeadsFrom.model_validate({"from": "det", "top": 2, "random": True})),
-                  ctx, None, rnd)
-    assert len(rnd.edits[0].heads) == 2
+    pool = [(1, 3), (1, 2), (1, 1), (1, 0), (0, 3), (0, 2), (0, 1), (0, 0)]  # by score, highest first
+    random_mask = HS.HeadMask(heads=HeadsFrom.model_validate({"from": "det", "top": 2, "random": True}))
+    draws = []
+    for seed in range(4):
+        rnd = ins.Plan()
+        HS.steer_mask(random_mask, dataclasses.replace(ctx, seed=seed), None, rnd)
+        idx = np.random.default_rng(seed).choice(len(pool), size=2, replace=False)
+        assert rnd.edits[0].heads == sorted(pool[i] for i in idx), seed
+        draws.append(tuple(rnd.edits[0].heads))
+    assert draws[0] == ((0, 0), (0, 2))  # step_ctx's seed 0: two heads the top-2 selection does not hold
+    assert len(set(draws)) == 4
 
 
 def test_random_control_matched_per_layer_and_reseeded():

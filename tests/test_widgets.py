@@ -11,7 +11,7 @@ import pytest
 import torch
 import xarray as xr
 
-from conftest import spec_text
+from fixtures.specs import spec_text
 
 pytest.importorskip("anywidget")
 pytest.importorskip("ipywidgets")
@@ -223,7 +223,7 @@ def test_attention_view_token_ids_without_tokenizer():
     from headlab.model import load_model
     from headlab.spec import ModelSpec
 
-    from conftest import TINY_LLAMA
+    from fixtures.specs import TINY_LLAMA
 
     lm = load_model(ModelSpec(config=dict(TINY_LLAMA), device="cpu"))
     ids = [5, 6, 7, 8, 5, 6, 7, 8]

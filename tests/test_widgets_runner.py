@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import spec_text
+from fixtures.specs import spec_text
 
 pytest.importorskip("ipywidgets")
 
