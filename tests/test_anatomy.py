@@ -17,7 +17,7 @@ from headlab.anatomy import AnatomyError, HeadWeights
 from headlab.model import LoadedModel, load_model
 from headlab.spec import ModelSpec
 
-from conftest import TINY_LLAMA
+from fixtures.specs import TINY_LLAMA
 from fixtures.vision import LLAVA, QWEN2_VL
 
 _TEXT = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
