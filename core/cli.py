@@ -231,7 +231,7 @@ def runs(directory: Annotated[Path, typer.Argument(help="store directory")] = Pa
 
 def _print_summary(result: Any) -> None:
     for step, info in result.summary().items():
-        if info["kind"] == "detect":
+        if "top" in info:  # a (layer, head) score; a detect step without one (ablation) shows its metrics
             table = _table("rank", "layer", "head", "score", title=f"{step}: top heads ({info['method']})")
             for i, t in enumerate(info["top"], 1):
                 table.add_row(str(i), str(t["layer"]), str(t["head"]), f"{t['score']:.4f}")

@@ -494,9 +494,20 @@ class Run:
             yield cell, (ds.sel(cell) if cell else ds)
 
     def _cell_rows(self, ds: xr.Dataset, metrics: list[str]) -> list[dict[str, Any]]:
-        """``[{"cell": {sweep key: value}, "metrics": {name: mean over the cell's examples}}]``."""
-        return [{"cell": cell, "metrics": {m: float(np.nanmean(sub[m].values)) for m in metrics}}
-                for cell, sub in self._sweep_cells(ds)]
+        """``[{"cell": {sweep key: value}, "metrics": {name: mean over the cell's examples}}]``; a step whose
+        attrs name ``summary_dims`` (the ablation's ``k``) has one row per value of those too."""
+        import itertools
+
+        rows = []
+        for cell, sub in self._sweep_cells(ds):
+            dims = [d for d in sub.attrs.get("summary_dims", ds.attrs.get("summary_dims", [])) if d in sub.dims]
+            grids = [[v.item() if hasattr(v, "item") else v for v in sub[d].values] for d in dims]
+            for combo in itertools.product(*grids):
+                at = dict(zip(dims, combo, strict=True))
+                values = {m: sub[m].sel({d: v for d, v in at.items() if d in sub[m].dims}) for m in metrics}
+                rows.append({"cell": {**cell, **at},
+                             "metrics": {m: float(np.nanmean(v.values)) for m, v in values.items()}})
+        return rows
 
     def _task_rows(self, ds: xr.Dataset, metrics: list[str]) -> list[dict[str, Any]]:
         """``[{"cell": {sweep key: value}, "task": name, "metrics": {name: value}}]`` for per-task metrics."""
@@ -514,7 +525,7 @@ class Run:
 
         rows = []
         for step, info in self.summary().items():
-            if info["kind"] == "detect":
+            if "top" in info:
                 top = ", ".join(f"L{t['layer']}H{t['head']} {t['score']:.3f}" for t in info["top"][:5])
                 rows.append(f"<tr><td>{escape(step)}</td><td>detect {escape(info['method'])}</td><td>{top}</td></tr>")
             else:

@@ -189,7 +189,7 @@ def detect(config: Ablation, ctx: StepContext) -> xr.Dataset:
         coords=coords,
     )
     ds.attrs.update(method="ablation", metric=mcfg.kind, mode=config.mode, mask_prompt=config.mask_prompt,
-                    metrics=["base", "top", "random"],
+                    metrics=["base", "top", "random"], summary_dims=["k"],
                     match_layers=config.match_layers, model=ctx.model.name,
                     reference="docs/methods.md#causal-check-by-ablation")
     return ds

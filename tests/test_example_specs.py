@@ -1,0 +1,153 @@
+"""Every example spec in specs/ runs through the command line as the README shows it, ``headlab show`` and
+``headlab report`` read each run, and the figures the README quotes are what the run stores.
+
+The commands run in a scratch directory holding ``specs`` (a link to the repository's), so they are typed
+exactly as in the README (``headlab run specs/quickstart.yaml``) and their ``./headlab-runs`` stays out of
+the checkout. The longer specs are marked slow.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import headlab
+from headlab.heads import ranked
+
+ROOT = Path(__file__).parent.parent
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+HEADLAB = Path(sys.executable).parent / "headlab"  # the console script the README's commands call
+FAST = ["quickstart", "retrieval_heads", "pasta_emphasis", "decoding_counterfact"]
+SLOW = ["vhr_shapes"]
+
+
+def test_every_example_spec_is_covered():
+    assert sorted(FAST + SLOW) == sorted(p.stem for p in (ROOT / "specs").glob("*.yaml"))
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("readme")
+    (d / "specs").symlink_to(ROOT / "specs")
+    return d
+
+
+def typed(command: str, cwd: Path) -> subprocess.CompletedProcess:
+    """A README command line, as a user types it (``headlab`` is the installed console script)."""
+    args = command.split()
+    assert args[0] in ("headlab", ".venv/bin/headlab"), command
+    res = subprocess.run([str(HEADLAB), *args[1:]], capture_output=True, text=True, cwd=cwd, timeout=1200)
+    assert res.returncode == 0, f"{command}: exit {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    assert "Traceback" not in res.stderr and "error:" not in res.stderr, res.stderr
+    return res
+
+
+def run_spec(name: str, workdir: Path) -> headlab.Run:
+    """``headlab run specs/NAME.yaml``, then ``headlab show`` and ``headlab report`` of the run it stored."""
+    runs = workdir / "headlab-runs"
+    before = set(runs.iterdir()) if runs.exists() else set()
+    res = typed(f"headlab run specs/{name}.yaml", workdir)
+    (path,) = set(runs.iterdir()) - before
+    assert path.name in res.stdout
+    shown = typed(f"headlab show {path}", workdir)
+    assert "complete" in shown.stdout
+    typed(f"headlab report {path} -o {workdir / (name + '.html')}", workdir)
+    assert (workdir / f"{name}.html").stat().st_size > 1000
+    run = headlab.open_run(path)
+    assert run.status == "complete" and run.cells_done == run.cells_total
+    return run
+
+
+def readme_number(pattern: str) -> float:
+    m = re.search(pattern, README)
+    assert m, f"the README no longer says {pattern!r}"
+    return float(m.group(1))
+
+
+# --------------------------------------------------------------------------- fast: the default test run
+def test_quickstart_as_typed(workdir):
+    assert ".venv/bin/headlab run specs/quickstart.yaml" in README
+    run = run_spec("quickstart", workdir)
+    table = README[README.index("previous_token (mul)"):]
+    rows = [line.split() for line in table.splitlines()[2:6]]
+    prev = run.results["previous"]["score"].mean("task.length")
+    ind = run.results["induction"]["score"].mean("task.length")
+    for row in rows:  # "layer head score  layer head score", rounded as the README prints them
+        (pl, ph, ps, il, ih, isc) = row
+        assert round(float(prev.sel(layer=int(pl), head=int(ph))), 2) == float(ps)
+        assert round(float(ind.sel(layer=int(il), head=int(ih))), 2) == float(isc)
+    assert [h for h, _ in ranked(prev)[:4]] == [(int(r[0]), int(r[1])) for r in rows]  # the top four, in order
+
+
+def test_quickstart_from_python_as_typed(workdir):
+    block = README[README.index("The same from Python:"):]
+    code = block[block.index("```python") + len("```python"):block.index("```", block.index("```python") + 9)]
+    code += "\nassert score.dims == ('task.length', 'layer', 'head'), score.dims\nprint(run.status)\n"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=workdir, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip().endswith("complete")
+
+
+def test_retrieval_heads_causal_check_as_typed(workdir):
+    run = run_spec("retrieval_heads", workdir)
+    score = run.results["retrieval"]["score"]
+    n_ret = int((score >= 0.1).sum())
+    assert f"{n_ret} of {score.size} heads are retrieval heads" in README
+    abl = run.results["ablation"]
+    top, rnd = abl["top"], abl["random"].mean("draw")
+    assert round(float(top.sel(k=4)), 2) == readme_number(r"masking the 4 top retrieval heads takes needle recall "
+                                                          r"from 1.00 to ([0-9.]+)")
+    assert round(float(top.sel(k=n_ret)), 2) == readme_number(r"\(all 7: ([0-9.]+)\)")
+    assert round(float(rnd.sel(k=4)), 2) == readme_number(r"4 random heads keep ([0-9.]+)")
+    assert float(abl["base"]) == 1.0
+    shown = typed(f"headlab show {run.path}", workdir).stdout
+    assert re.search(r"│ 4 +│ 1\.0000 │ 0\.0889 │ 1\.0000 │", shown), shown  # one row per k, not a mean over k
+
+
+def readme_row(spec: str) -> str:
+    line = next((line for line in README.splitlines() if line.startswith(f"| `specs/{spec}.yaml`")), None)
+    assert line, f"the README's table of example specs has no row for {spec}"
+    return line
+
+
+def test_pasta_emphasis_as_typed(workdir):
+    run = run_spec("pasta_emphasis", workdir)
+    row = readme_row("pasta_emphasis")
+    plain, pasta, control = (float(x) for x in re.search(r"\(([0-9.]+) -> ([0-9.]+)\); 4 random heads do not "
+                                                          r"\(([0-9.]+)\)", row).groups())
+    answer = {step: round(float(run.results[step]["any_answer"].mean()), 2)
+              for step in ("markers", "pasta", "pasta_random")}
+    assert answer == {"markers": plain, "pasta": pasta, "pasta_random": control}
+
+
+def test_decoding_counterfact_as_typed(workdir):
+    """The README quotes the fraction of examples answered with the context's capital (``context_memory`` is
+    1 for it, 0 for the memorised one, NaN for neither)."""
+    run = run_spec("decoding_counterfact", workdir)
+    row = readme_row("decoding_counterfact")
+    quoted = {step: float(re.search(rf"{label} \(([0-9.]+)\)", row).group(1)) for step, label in
+              [("decore", "DeCoRe"), ("cad", "CAD"), ("greedy", "greedy"), ("decore_random", "does not")]}
+    context = {step: round(float((run.results[step]["context_memory"] == 1).mean()), 2) for step in quoted}
+    assert context == quoted
+
+
+# --------------------------------------------------------------------------- slow
+@pytest.mark.slow
+def test_vhr_shapes_as_typed(workdir):
+    run = run_spec("vhr_shapes", workdir)
+    row = readme_row("vhr_shapes")
+    greedy, vhr = (float(x) for x in re.search(r"CHAIR_s ([0-9.]+) -> ([0-9.]+)", row).groups())
+    chair = {step: float(ds["chair_s"].mean()) for step, ds in run.results.items() if "chair_s" in ds}
+    assert (round(chair["greedy"], 2), round(chair["vhr"], 2)) == (greedy, vhr)
+    random_mean = np.mean([chair[f"random_heads_{k}"] for k in range(5)])
+    layer_mean = np.mean([chair[f"layer_random_{k}"] for k in range(5)])
+    assert round(random_mean, 2) == float(re.search(r"8 random heads do not \(([0-9.]+) on average\)", row).group(1))
+    assert round(layer_mean, 2) == float(re.search(r"VHR's own layers do \(([0-9.]+)\)", row).group(1))
+    pope = re.search(r"POPE accuracy \(([0-9.]+) -> ([0-9.]+)\)", row).groups()
+    acc = tuple(round(float(run.results[s]["pope"].mean()), 2) for s in ("pope_greedy", "pope_vhr"))  # accuracy
+    assert acc == tuple(float(x) for x in pope)
