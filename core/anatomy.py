@@ -40,6 +40,8 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from .geometry import geometry_of
+
 __all__ = [
     "SUPPORTED_MODEL_TYPES", "AnatomyError", "HeadWeights", "attention_module", "decoder_layers", "embedding",
     "final_norm", "head_weights", "input_norm", "position_embedding", "query_key_norms", "text_model",
@@ -314,8 +316,6 @@ def _qkv_blocks(attn: torch.nn.Module, layout: _Layout, sizes: list[int],
 
 def head_weights(model: Any, layer: int) -> HeadWeights:
     """The per-head attention weights of decoder layer ``layer`` (see the module docstring)."""
-    from .model import geometry_of
-
     layout = _layout(model)
     attn = attention_module(model, layer)
     geo = geometry_of(model)

@@ -1,4 +1,7 @@
-"""What plugins receive: examples, the task context and the step context."""
+"""What plugins receive: examples, the task context and the step context.
+
+:class:`Example` and :data:`IMAGE_MARKER` are defined in :mod:`headlab.example` (a leaf) and re-exported here.
+"""
 
 from __future__ import annotations
 
@@ -10,34 +13,13 @@ from typing import Any, TypeVar
 import numpy as np
 import xarray as xr
 
+from .example import IMAGE_MARKER, Example
 from .heads import Head, select_heads
 from .model import LoadedModel
 
+__all__ = ["IMAGE_MARKER", "Example", "Reporter", "StepContext", "TaskContext", "strip_tags"]
+
 T = TypeVar("T")
-
-#: where an example's image goes in its prompt (one marker per image, in order)
-IMAGE_MARKER = "<image>"
-
-
-@dataclass
-class Example:
-    """One input of a task.
-
-    ``spans`` are character offsets ``[start, end)`` into ``prompt`` by name (``needle``,
-    ``emphasis``, ...). ``input_ids`` is set by tasks defined on token ids (then ``prompt`` is their
-    decoding). ``meta`` holds scalars (depth, context length, ...) stored as coordinates.
-    ``images`` are the example's images (``PIL.Image.Image`` or local file paths), each placed in ``prompt``
-    at a ``<image>`` marker (:data:`IMAGE_MARKER`), in order.
-    """
-
-    prompt: str
-    target: str | None = None
-    choices: list[str] | None = None
-    label: int | None = None
-    spans: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
-    input_ids: list[int] | None = None
-    meta: dict[str, Any] = field(default_factory=dict)
-    images: list[Any] = field(default_factory=list)
 
 
 def strip_tags(text: str, tags: Mapping[str, str]) -> tuple[str, dict[str, list[tuple[int, int]]]]:

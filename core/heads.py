@@ -18,7 +18,10 @@ import numpy as np
 import xarray as xr
 
 if TYPE_CHECKING:
-    from .model import Geometry
+    from .geometry import Geometry
+
+__all__ = ["Head", "HeadSelectionError", "check_top", "draw_like", "from_pasta_json", "from_retrieval_json", "ranked",
+           "read_heads_file", "select_heads", "to_pasta_json", "to_retrieval_json"]
 
 Head = tuple[int, int]
 

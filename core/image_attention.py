@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import xarray as xr
 
-from .report import color, colour_bar_svg
+from .svg import color, colour_bar_svg
 
 if TYPE_CHECKING:
-    from .context import Example
+    from .example import Example
     from .generation import Batch
     from .model import LoadedModel
 
@@ -218,7 +218,7 @@ def preview_of(ds: xr.Dataset) -> tuple[np.ndarray, xr.DataArray] | None:
 def image_attention_svg(image: Any, values: Any, *, title: str = "", width: int = 280,
                         vmin: float = 0.0, vmax: float | None = None, opacity: float = 0.6) -> str:
     """``image`` with one value per patch (``values``: ``(rows, cols)``) drawn as semi-transparent cells
-    on the viridis scale of :func:`headlab.report.color`, and a colour bar, as inline SVG. Each cell
+    on the viridis scale of :func:`headlab.svg.color`, and a colour bar, as inline SVG. Each cell
     carries ``data-row``, ``data-col``, ``data-value`` and a ``<title>`` with its value."""
     arr = image_array(image)
     vals = np.asarray(values, dtype=float)

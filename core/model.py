@@ -2,7 +2,9 @@
 
 Any Hugging Face decoder-only model id or local checkpoint loads through transformers; a registered
 name (the embedded default model) loads through its plugin; a ``config`` mapping builds a model with
-random weights (tests, benchmarks). Geometry is always read from the loaded model's config.
+random weights (tests, benchmarks). Geometry is always read from the loaded model's config
+(:func:`geometry_of`). :class:`Geometry`, :func:`geometry_of` and :class:`ModelLoadError` live in the leaf
+:mod:`headlab.geometry` and are re-exported here.
 """
 
 from __future__ import annotations
@@ -15,27 +17,15 @@ from typing import Any
 import torch
 
 from . import anatomy
+from .geometry import Geometry, ModelLoadError, geometry_of
 from .spec import ModelSpec
+from .vision import image_token_id, processor_for_config, vision_tokens_for_config
+
+__all__ = ["DTYPES", "Geometry", "LoadedModel", "ModelLoadError", "from_config", "from_pretrained", "geometry_of",
+           "is_vision_checkpoint", "load_model", "load_model_by_name_tokenizer", "resolve_device", "state_digest",
+           "weights_digest"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ModelLoadError(Exception):
-    """The model could not be loaded; the message says why and what to do."""
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """Head geometry of a decoder: layers, query heads, key/value heads, head dimension."""
-
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-
-    @property
-    def n_total_heads(self) -> int:
-        return self.n_layers * self.n_heads
 
 
 @dataclass
@@ -62,8 +52,6 @@ class LoadedModel:
         """The token id that stands for an image patch in the input (None for a text model)."""
         if self.processor is None:
             return None
-        from .vision import image_token_id
-
         return image_token_id(self.processor, self.model.config)
 
     @property
@@ -146,21 +134,6 @@ class LoadedModel:
                 "device": self.device, "dtype": self.dtype, "n_layers": self.geometry.n_layers,
                 "n_heads": self.geometry.n_heads, "n_kv_heads": self.geometry.n_kv_heads,
                 "head_dim": self.geometry.head_dim}
-
-
-def geometry_of(model: Any) -> Geometry:
-    """Read the head geometry from a transformers model's (text) config."""
-    config = model.config
-    if hasattr(config, "get_text_config"):
-        config = config.get_text_config()
-    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
-    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
-    if not layers or not heads:
-        raise ModelLoadError(f"cannot read layers/heads from {type(config).__name__}; is this a decoder model?")
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    return Geometry(int(layers), int(heads), int(kv), int(head_dim))
 
 
 def resolve_device(device: str) -> str:
@@ -287,8 +260,6 @@ def from_config(spec: ModelSpec, seed: int = 0) -> LoadedModel:
     if tokenizer_ref:
         tokenizer = load_model_by_name_tokenizer(str(tokenizer_ref)) or AutoTokenizer.from_pretrained(tokenizer_ref)
     if vision:
-        from .vision import vision_tokens_for_config
-
         if tokenizer is None:
             raise ModelLoadError("model.config: a vision-language model needs a `tokenizer` (e.g. headlab-tiny)")
         tokens = vision_tokens_for_config(model_type)
@@ -323,8 +294,6 @@ def from_config(spec: ModelSpec, seed: int = 0) -> LoadedModel:
     model.to(device).eval()
     processor = None
     if vision:
-        from .vision import processor_for_config
-
         try:
             processor = processor_for_config(model_type, config, tokenizer, processor_options)
         except (ValueError, TypeError) as e:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .context import IMAGE_MARKER, Example
+from .example import IMAGE_MARKER, Example
 
 __all__ = ["EncodedImages", "Qwen2VLImageTokens", "encode", "image_grid", "image_token_id", "load_image",
            "placeholder", "processor_for_config", "tile_inputs", "token_runs", "vision_tokens_for_config"]

@@ -35,8 +35,10 @@ from ..forward import forward
 from ..image_attention import forward_kwargs, image_attention_svg, model_view
 from ..instrument import Plan, Probes
 from ..model import LoadedModel
-from ..report import NAN_COLOR, color
+from ..svg import NAN_COLOR, color
 from .js import PRELUDE
+
+__all__ = ["AttentionView", "TokenView"]
 
 _ESM = PRELUDE + """
 export default {

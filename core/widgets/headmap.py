@@ -20,7 +20,9 @@ import xarray as xr
 
 from ..dims import head_array
 from ..heads import Head, ranked, to_pasta_json
-from ..report import NAN_COLOR, PALETTE
+from ..svg import NAN_COLOR, PALETTE, heatmap_svg
+
+__all__ = ["HeadMap", "as_head_scores", "spec_fragment"]
 
 _ESM = """
 const PALETTE = %PALETTE%;
@@ -341,6 +343,4 @@ class HeadMap(anywidget.AnyWidget):
                 f"selected: {self.spec_fragment.removeprefix('heads: ')})")
 
     def _repr_html_(self) -> str:  # static fallback (nbconvert, GitHub); JupyterLab shows the widget
-        from ..report import heatmap_svg
-
         return heatmap_svg(self.scores, title=self.title, highlight=self.heads)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from ..report import PALETTE
+from ..svg import PALETTE
+
+__all__ = ["PRELUDE"]
 
 #: the viridis palette, a colour for a value in ``[0, hi]``, the top of a value range and an element maker
 PRELUDE = """
