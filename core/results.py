@@ -168,6 +168,17 @@ def is_url(location: str | Path) -> bool:
     return "://" in str(location)
 
 
+def _padding(dtype: np.dtype) -> Any:
+    """What pads a variable of ``dtype`` where cells of a sweep differ in size (None: xarray's NaN)."""
+    if np.issubdtype(dtype, np.integer):
+        return -1
+    if np.issubdtype(dtype, np.bool_):
+        return False
+    if dtype.kind in "OUT":  # str, bytes, object (strings), numpy's StringDType
+        return ""
+    return None
+
+
 def coord_value(value: Any) -> Any:
     """A sweep value as a coordinate label (lists and mappings become their JSON text)."""
     if isinstance(value, (list, dict, tuple)):
@@ -444,9 +455,11 @@ class Run:
         if not keys:
             return parts[0]
         # dims without coordinates (`step`: cells swept over max_new_tokens generate different numbers of
-        # tokens) are aligned by position; integer arrays are padded with -1 (as within a cell), others NaN
+        # tokens) are aligned by position; cells of different sizes (a sweep over `task.n`) are padded: integer
+        # arrays with -1 (as within a cell), booleans with False, strings with "", others with NaN
         parts = [p.assign_coords({d: np.arange(n) for d, n in p.sizes.items() if d not in p.coords}) for p in parts]
-        fill = {name: -1 for p in parts for name, v in p.data_vars.items() if np.issubdtype(v.dtype, np.integer)}
+        fill = {name: pad for p in parts for name, v in p.variables.items()
+                if name not in p.dims and (pad := _padding(v.dtype)) is not None}
         ds = xr.concat(parts, dim="cell", join="outer", combine_attrs="override", coords="different",
                        compat="equals", data_vars="all", **({"fill_value": fill} if fill else {}))
         ds = ds.assign_coords({k: ("cell", [coord_value(v.get(k)) for v in labels]) for k in keys})

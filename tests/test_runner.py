@@ -60,6 +60,25 @@ def test_sweep_becomes_dimensions(tmp_path):
                                one.results["ind"]["score"].values)
 
 
+def test_cells_of_different_sizes_combine_with_typed_padding(tmp_path):
+    """A sweep over the number of examples: every step's cells combine (strings padded with "", integers with
+    -1, floats with NaN), and show/report read the run."""
+    steps = "  - id: gen\n    generate: {max_new_tokens: 2, metrics: [exact_match]}\n" + STEPS
+    run = headlab.run(spec_text(steps, sweep="  task.n: [2, 3]\n"), out=tmp_path)
+    gen = run.results["gen"]
+    assert gen.sizes["example"] == 3 and gen["output"].dims == ("task.n", "example")
+    assert list(gen["output"].sel({"task.n": 2}).values[2:]) == [""]  # the missing third example
+    assert all(isinstance(o, str) and o for o in gen["output"].sel({"task.n": 3}).values)
+    assert (gen["input_ids"].sel({"task.n": 2}).values[2] == -1).all()
+    assert np.isnan(gen["exact_match"].sel({"task.n": 2}).values[2])
+    assert run.results["ind"]["example_score"].sizes["example"] == 3
+    rows = run.summary()["gen"]["cells"]
+    assert [r["cell"] for r in rows] == [{"task.n": 2}, {"task.n": 3}]
+    from headlab.report import render_report
+
+    assert "gen" in render_report(run)
+
+
 def test_interrupt_then_resume_equals_uninterrupted(tmp_path):
     text = spec_text(STEPS, sweep="  task.length: [3, 4, 5, 6]\n")
     full = headlab.run(text, out=tmp_path / "full")
