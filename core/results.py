@@ -32,6 +32,8 @@ import numpy as np
 import xarray as xr
 import zarr
 
+from .version import __version__
+
 FORMAT = "headlab-run/1"
 CREATING = ".creating"
 """Suffix of the temporary directory a run store is built in before it is renamed into place."""
@@ -44,6 +46,10 @@ class RunNotFound(Exception):
 
 class RunDamaged(RunNotFound):
     """A run store exists but is incomplete or corrupt; the message names what is missing or changed."""
+
+
+class RunFormatTooNew(RunDamaged):
+    """A run store written by a newer headlab, in a format this version cannot read."""
 
 
 def _array_files(array_dir: Path) -> dict[str, int]:
@@ -311,16 +317,23 @@ class Run:
             self._root = zarr.open_group(self.location, mode="r")
         except (FileNotFoundError, zarr.errors.GroupNotFoundError, ValueError, KeyError):
             raise RunNotFound(f"no headlab run at '{path}'") from None
-        if self._root.attrs.get("format") != FORMAT:
+        fmt = self._root.attrs.get("format")
+        if fmt != FORMAT:
+            family, _, number = str(fmt).partition("/")
+            if family == FORMAT.split("/")[0] and number.isdigit() and int(number) > int(FORMAT.split("/")[1]):
+                raise RunFormatTooNew(f"'{path}' is a headlab run of format {fmt}, newer than this headlab "
+                                      f"({__version__}) reads ({FORMAT}): upgrade headlab to read it")
             raise RunNotFound(f"'{path}' is a zarr store but not a headlab run")
         if not is_url(self.location) and _read_meta(self.path / "cells" / "zarr.json") is None:
             raise RunDamaged(f"'{path}' is a damaged run store: its `cells` group is missing")
 
     @classmethod
-    def _unreadable(cls, path: Path, reason: str) -> Run:
-        """A placeholder for a store that cannot be opened, so a listing can show it as damaged."""
+    def _unreadable(cls, path: Path, reason: str, status: str | None = None) -> Run:
+        """A placeholder for a store that cannot be opened, so a listing can show it as damaged (or with
+        ``status``: a run of a newer format)."""
         run = cls.__new__(cls)
         run.path, run._root, run._results, run._problems = Path(path), None, None, [reason]
+        run._status = status
         return run
 
     def __repr__(self) -> str:
@@ -359,6 +372,8 @@ class Run:
 
     def check(self) -> Run:
         """Raise :class:`RunDamaged` naming what is missing or changed; return the run when intact."""
+        if getattr(self, "_status", None):
+            return str(self._status)
         if self.problems:
             more = f" (and {len(self.problems) - 3} more)" if len(self.problems) > 3 else ""
             raise RunDamaged(f"'{self.path}' is damaged: {'; '.join(self.problems[:3])}{more}; run it again, "
@@ -372,6 +387,8 @@ class Run:
     @property
     def status(self) -> str:
         """``running``, ``interrupted``, ``complete``, or ``damaged: <what>`` when :attr:`problems` finds any."""
+        if getattr(self, "_status", None):
+            return str(self._status)
         if self.problems:
             more = f" (+{len(self.problems) - 1} more)" if len(self.problems) > 1 else ""
             return f"damaged: {self.problems[0]}{more}"
@@ -573,6 +590,9 @@ def list_runs(directory: str | Path) -> list[Run]:
         try:
             run = Run(sub)
             run.problems  # noqa: B018 - verify now, so a listing shows damage
+        except RunFormatTooNew as e:
+            run = Run._unreadable(sub, str(e), status=f"newer format ({str(e).split('format ', 1)[1].split(',')[0]}): "
+                                                        "upgrade headlab")
         except RunDamaged as e:
             run = Run._unreadable(sub, str(e).split(": ", 1)[-1])
         except RunNotFound:

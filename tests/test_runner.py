@@ -132,6 +132,31 @@ def test_list_runs(tmp_path):
     assert "headlab run" in runs[0]._repr_html_()
 
 
+def test_one_malformed_or_newer_run_hides_no_other(tmp_path):
+    import shutil
+    import subprocess
+    import sys
+
+    good = headlab.run(spec_text(STEPS), out=tmp_path).path
+    for name, change in [("bad", {"cells_total": "many", "sweep": [1, 2], "created": {"x": 1}}),
+                         ("newer", {"format": "headlab-run/2"})]:
+        shutil.copytree(good, tmp_path / name)
+        meta = json.loads((tmp_path / name / "zarr.json").read_text())
+        meta["attributes"].update(change)
+        (tmp_path / name / "zarr.json").write_text(json.dumps(meta))
+    runs = {r.path.name: r for r in headlab.list_runs(tmp_path)}
+    assert runs[good.name].status == "complete"
+    assert runs["bad"].status.startswith("damaged: ")
+    assert runs["newer"].status == "newer format (headlab-run/2): upgrade headlab"
+    with pytest.raises(headlab.results.RunFormatTooNew, match="format headlab-run/2, newer than this headlab"):
+        headlab.open_run(tmp_path / "newer")
+    cli = [sys.executable, "-m", "headlab.cli"]
+    listing = subprocess.run([*cli, "runs", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert listing.returncode == 0 and good.name in listing.stdout and "newer format" in listing.stdout
+    shown = subprocess.run([*cli, "show", str(tmp_path / "newer")], capture_output=True, text=True, timeout=300)
+    assert shown.returncode == 2 and "upgrade headlab to read it" in shown.stderr and "Traceback" not in shown.stderr
+
+
 def test_generate_stores_the_strategy_diagnostics(tmp_path):
     """DeCoRe's masked heads (here drawn at random) and per-step alpha, DoLa's chosen layers: stored with the
     outputs over named dimensions; alpha at step 0 equals the entropy of the model's next-token
