@@ -684,6 +684,9 @@ def test_edits_and_edits_on():
     assert plan.edits_on(1, 2) == [kb, la]
     assert plan.edits_on(1, 3) == [la, lb]
     assert [e.kind for e in plan.edits] == ["q_scale", "out_scale", "key_bias", "out_scale", "out_scale"]
+    for dense in ("q_scale", "score_zero", "out_scale", "key_spans", "key_bias"):  # typed edits only
+        with pytest.raises(TypeError, match=dense):
+            ins.Plan(**{dense: torch.ones(2, 4)})
     assert ins.per_row_spans([(1, 2)], 2) == [[(1, 2)], [(1, 2)]]
     assert ins.per_row_spans([[(1, 2)], []], 2) == [[(1, 2)], []]
     with pytest.raises(ValueError, match="expected 3"):
