@@ -86,8 +86,11 @@ def test_tiled_plan_mirror_and_copy0(lm):
     first = logits(plan.tile(2, B, mirror=False), *two)
     torch.testing.assert_close(first[:B], edited, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(first[B:], plain, atol=1e-5, rtol=1e-5)
-    # dense per-row tensors and callbacks follow the same rule
-    dense = Plan(out_scale=torch.rand(B, 4, 4, generator=torch.Generator().manual_seed(3)))
+    # per-row output scales on every head and callbacks follow the same rule
+    scales = torch.rand(B, 4, 4, generator=torch.Generator().manual_seed(3))
+    dense = Plan()
+    for row, layer, head in torch.ones_like(scales).nonzero().tolist():
+        dense.scale_heads([(layer, head)], float(scales[row, layer, head]), rows=[row])
     dense.on_layer(lambda layer, z, ctx: torch.full((z.shape[0], z.shape[1]), 0.7) if layer == 2 else None)
     ref = logits(dense, batch.input_ids, batch.attention_mask, pos)
     out = logits(dense.tile(2, B, mirror=True), *two)

@@ -212,10 +212,10 @@ def test_pair_path_never_reads_the_pattern(tmp_path, monkeypatch):
     """The pair path asks the kernel for pair and span masses only, never the (n x n) pattern, at any length
     (a random sequence with many chance repeats included); it equals the pattern path on every measure /
     exclusion combination; attrs["probe"] names the path."""
-    import headlab.instrument as ins
+    import headlab.instrument.attention as ins_attention
 
     calls = []
-    real_kernel = ins.kernel_attention
+    real_kernel = ins_attention.kernel_attention
 
     def spy(*args, **kwargs):
         probes = kwargs.get("probes")  # a headlab.kernels.ProbeRequest
@@ -223,7 +223,7 @@ def test_pair_path_never_reads_the_pattern(tmp_path, monkeypatch):
                       None if probes is None else probes.offsets))
         return real_kernel(*args, **kwargs)
 
-    monkeypatch.setattr(ins, "kernel_attention", spy)
+    monkeypatch.setattr(ins_attention, "kernel_attention", spy)
     combos = [(m, b, c) for m in ("mul", "abs") for b in (False, True) for c in (False, True)]
 
     def steps(probe):

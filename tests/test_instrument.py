@@ -269,10 +269,12 @@ def test_on_layer_callback_sets_scale_for_later_calls():
               return_dict_in_generate=True)
     with ins.instrument(m, ins.Plan().on_layer(pick)), torch.no_grad():
         out_cb = m.generate(input_ids=ids, attention_mask=am, **kw)
-    dense = torch.ones(2, 2, 4)
+    static = ins.Plan()
     for layer, c in store.items():
-        dense[:, layer] = torch.where(c, 2.0, 1.0)
-    with ins.instrument(m, ins.Plan(out_scale=dense)), torch.no_grad():
+        for row, head in c.nonzero().tolist():
+            static.scale_heads([(layer, head)], 2.0, rows=[row])
+    assert 0 < len(static.edits) < 2 * 2 * 4
+    with ins.instrument(m, static), torch.no_grad():
         out_st = m.generate(input_ids=ids, attention_mask=am, **kw)
     for a, b in zip(out_cb.logits, out_st.logits, strict=True):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=0)
@@ -595,29 +597,37 @@ def _row_scale(layer, z, ctx):
     return 1.0 + 0.5 * torch.tanh(z[:, :, -1, 0].float())
 
 
-def _steered(B):
-    """A plan for ``B`` rows using every edit type, per-row and shared, plus dense tensors and probes."""
+def _scales(B):
+    """Random query scales (layer, head), shared by the rows, and output scales (row, layer, head)."""
     g = torch.Generator().manual_seed(5)
-    plan = ins.Plan(q_scale=0.5 + torch.rand(2, 4, generator=g), out_scale=0.5 + torch.rand(B, 2, 4, generator=g),
-                    probes=ins.Probes(spans=[[(0, 3)], [(4, 9)]], offsets=[[0, 1], [2]], argmax=True))
+    return 0.5 + torch.rand(2, 4, generator=g), 0.5 + torch.rand(B, 2, 4, generator=g)
+
+
+def _steered(B):
+    """A plan for ``B`` rows using every edit type, per-row and shared (a scale on every head), and probes."""
+    q2, osc = _scales(B)
+    plan = ins.Plan(probes=ins.Probes(spans=[[(0, 3)], [(4, 9)]], offsets=[[0, 1], [2]], argmax=True))
     plan.add(ins.QueryScale([(0, 1)], 0.0, [1], owner="a"), ins.ScoreZero([(1, 0)], [0]),
              ins.OutputScale([(1, None)], 1.5), ins.KeyBias([(0, 3)], [[(1, 4)], [(5, 8)]], -2.0),
              ins.KeyBias([(1, 2), (1, 3)], [(2, 6), (7, 9)], [-1.0, 0.5], [1]))
+    plan.add(*[ins.QueryScale([(ly, h)], float(q2[ly, h])) for ly in range(2) for h in range(4)],
+             *[ins.OutputScale([(ly, h)], float(osc[r, ly, h]), [r]) for r in range(B) for ly in range(2)
+               for h in range(4)])
     return plan.on_layer(_row_scale)
 
 
 def _by_hand(B, mirror):
     """:func:`_steered` written directly for two copies of ``B`` rows, row by row."""
-    g = torch.Generator().manual_seed(5)
-    q2, osc = 0.5 + torch.rand(2, 4, generator=g), 0.5 + torch.rand(B, 2, 4, generator=g)
+    q2, osc = _scales(B)
     rows = (lambda rs: [r + c * B for c in range(2) for r in rs]) if mirror else (lambda rs: list(rs))
-    plan = ins.Plan(q_scale=q2 if mirror else torch.cat([q2[None].expand(B, 2, 4), torch.ones(B, 2, 4)]),
-                    out_scale=torch.cat([osc, osc if mirror else torch.ones_like(osc)]),
-                    probes=ins.Probes(spans=[[(0, 3)], [(4, 9)]] * 2, offsets=[[0, 1], [2]] * 2, argmax=True))
+    plan = ins.Plan(probes=ins.Probes(spans=[[(0, 3)], [(4, 9)]] * 2, offsets=[[0, 1], [2]] * 2, argmax=True))
     spans = [[(1, 4)], [(5, 8)]] * (2 if mirror else 1)
     plan.add(ins.QueryScale([(0, 1)], 0.0, rows([1])), ins.ScoreZero([(1, 0)], rows([0])),
              ins.OutputScale([(1, None)], 1.5, rows(range(B))), ins.KeyBias([(0, 3)], spans, -2.0, rows(range(B))),
              ins.KeyBias([(1, 2), (1, 3)], [(2, 6), (7, 9)], [-1.0, 0.5], rows([1])))
+    plan.add(*[ins.QueryScale([(ly, h)], float(q2[ly, h]), rows(range(B))) for ly in range(2) for h in range(4)],
+             *[ins.OutputScale([(ly, h)], float(osc[r, ly, h]), rows([r])) for r in range(B) for ly in range(2)
+               for h in range(4)])
 
     def scale(layer, z, ctx):
         s = _row_scale(layer, z, ctx)
@@ -638,8 +648,10 @@ def test_tile_equals_the_plan_written_row_by_row(mirror):
     two = (ids.repeat(2, 1), am.repeat(2, 1))
     plan = _steered(B)
     tiled = plan.tile(2, B, mirror=mirror)
-    assert [type(e) for e in tiled.edits] == [type(e) for e in plan.edits] and len(plan.edits) == 6
+    assert [type(e) for e in tiled.edits] == [type(e) for e in plan.edits] and len(plan.edits) == 6 + 8 + 8 * B
     assert tiled.edits[0].owner == "a" and tiled.edits[0].rows == ([1, 3] if mirror else [1])
+    assert tiled.edits[5].rows == (None if mirror else [0, 1])  # a scale shared by the rows
+    assert tiled.edits[13].rows == ([0, 2] if mirror else [0])  # a scale of row 0
     with ins.instrument(m, tiled) as rec:
         out = logits(m, *two)
     with ins.instrument(m, _by_hand(B, mirror)) as ref_rec:
@@ -672,6 +684,9 @@ def test_edits_and_edits_on():
     assert plan.edits_on(1, 2) == [kb, la]
     assert plan.edits_on(1, 3) == [la, lb]
     assert [e.kind for e in plan.edits] == ["q_scale", "out_scale", "key_bias", "out_scale", "out_scale"]
+    for dense in ("q_scale", "score_zero", "out_scale", "key_spans", "key_bias"):  # typed edits only
+        with pytest.raises(TypeError, match=dense):
+            ins.Plan(**{dense: torch.ones(2, 4)})
     assert ins.per_row_spans([(1, 2)], 2) == [[(1, 2)], [(1, 2)]]
     assert ins.per_row_spans([[(1, 2)], []], 2) == [[(1, 2)], []]
     with pytest.raises(ValueError, match="expected 3"):

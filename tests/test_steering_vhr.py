@@ -85,7 +85,10 @@ def test_heads_stay_fixed_after_the_first_step():
     for layer, sel in st.selected.items():
         dense[:, layer] = torch.where(sel, 3.0, 1.0)
     assert 0 < int(dense.ne(1).sum()) < dense.numel()
-    with ins.instrument(mh, ins.Plan(out_scale=dense)):
+    fixed = ins.Plan()
+    for row, layer, head in dense.ne(1).nonzero().tolist():
+        fixed.scale_heads([(layer, head)], float(dense[row, layer, head]), rows=[row])
+    with ins.instrument(mh, fixed):
         static, lg2 = generate(mh, batch.input_ids, batch.attention_mask, 4)
     assert torch.equal(ours, static)
     torch.testing.assert_close(lg, lg2, atol=1e-4, rtol=0)
