@@ -116,6 +116,13 @@ def run(
 
     if spec is None and resume is None:
         raise SpecError("give a spec file, or --resume RUN", source="command line")
+    if resume is not None:
+        ignored = [name for name, given in (("SPEC", spec is not None), ("--set", bool(set_)), ("--out", out is not None))
+                   if given]
+        if ignored:
+            raise SpecError(f"--resume finishes RUN with the spec and store it was started with, so it cannot honour "
+                            f"{', '.join(ignored)}: drop {'it' if len(ignored) == 1 else 'them'} (or run the spec "
+                            "without --resume for a new run)", source="command line")
     if memory_limit is not None:
         if memory_limit.strip().lower() not in ("none", "off"):
             try:

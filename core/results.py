@@ -161,12 +161,14 @@ def _encodable(ds: xr.Dataset) -> xr.Dataset:
 
 
 def store_location(path: str | Path) -> str:
-    """Where zarr opens a run store: a local path (a ``file://`` URL becomes its path) or an fsspec URL
-    (``s3://bucket/runs/x``, ``gs://...``, ``memory://...``) passed to zarr as is."""
+    """Where zarr opens a run store: a local path (``~`` expanded; a ``file://`` URL becomes its path) or an
+    fsspec URL (``s3://bucket/runs/x``, ``gs://...``, ``memory://...``) passed to zarr as is."""
     text = str(path)
     if text.startswith("file://"):
         return url2pathname(urlsplit(text).path)
-    return text
+    if is_url(text):
+        return text
+    return os.path.expanduser(text)
 
 
 def is_url(location: str | Path) -> bool:

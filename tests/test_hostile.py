@@ -1,0 +1,55 @@
+"""Hostile input, round two (issue [robustness]): each case is one a hostile or careless user tried, and what
+headlab must do instead of what it did. Other classes live beside the code they exercise:
+a spec that runs code -> tests/test_task_code.py; stored runs that cannot be read -> tests/test_runner.py
+(``test_cells_of_different_sizes_*``, ``test_one_malformed_or_newer_run_*``); README examples ->
+tests/test_example_specs.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from fixtures.specs import spec_text
+
+STEPS = "  - id: ind\n    detect: {kind: induction}\n"
+
+
+def cli(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "headlab.cli", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=300, env={**os.environ, **(env or {})})
+
+
+def one_line(res: subprocess.CompletedProcess, code: int = 2) -> str:
+    assert res.returncode == code, res.stdout + res.stderr
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
+    return lines[0]
+
+
+# --------------------------------------------------------------------------- provenance that cannot lie
+def test_a_tilde_in_out_is_the_home_directory(tmp_path):
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir(), work.mkdir()
+    (work / "spec.yaml").write_text(spec_text(STEPS))
+    res = cli("run", "spec.yaml", "--out", "~/runs", cwd=work, env={"HOME": str(home)})
+    assert res.returncode == 0, res.stderr
+    assert not (work / "~").exists()  # nothing under ./~ ...
+    (run,) = (home / "runs").iterdir()  # ... the whole store in $HOME/runs, readable
+    assert "complete" in cli("show", str(run), cwd=work).stdout
+    assert run.name in cli("runs", "~/runs", cwd=work, env={"HOME": str(home)}).stdout
+
+
+def test_resume_refuses_the_flags_it_cannot_honour(tmp_path):
+    (tmp_path / "spec.yaml").write_text(spec_text(STEPS))
+    assert cli("run", "spec.yaml", "--out", "runs", cwd=tmp_path).returncode == 0
+    (run,) = (tmp_path / "runs").iterdir()
+    for extra, named in [(["spec.yaml"], "SPEC"), (["--set", "seed=3"], "--set"), (["--out", "other"], "--out"),
+                         (["spec.yaml", "--set", "seed=3", "--out", "o"], "SPEC, --set, --out")]:
+        line = one_line(cli("run", *extra, "--resume", str(run), cwd=tmp_path))
+        assert f"cannot honour {named}" in line and "without --resume" in line
+    assert not (tmp_path / "other").exists() and not (tmp_path / "o").exists()
+    res = cli("run", "--resume", str(run), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
