@@ -39,6 +39,7 @@ from pydantic_core import to_jsonable_python
 
 from . import resources
 from .context import Example, Reporter, StepContext, TaskContext
+from .dims import DIMENSIONS
 from .errors import StepError, step_error
 from .model import LoadedModel, ModelLoadError, load_model
 from .plugin_manager import get_manager, plugins_for_workers, register_worker_plugins
@@ -129,6 +130,11 @@ def examples_dataset(examples: list[Example], lm: LoadedModel) -> xr.Dataset:
         "input_ids": (("example", "token"), arr),
     })
     meta_keys = sorted({k for ex in examples for k in ex.meta})
+    for key in meta_keys:
+        if key in ds.variables or key in DIMENSIONS:
+            raise ValueError(f"the task gives its examples a field {key!r}, the name of headlab's own "
+                             f"{'dimension' if key in DIMENSIONS else 'variable'} {key!r} of every step's results; "
+                             "rename that field in the task's data")
     for key in meta_keys:
         values = [ex.meta.get(key) for ex in examples]
         if all(isinstance(v, (int, float, str, bool, np.generic)) for v in values):
@@ -221,7 +227,14 @@ def run_cell(loaded: LoadedSpec, cell: Cell, models: ModelCache, reporter: Repor
         except (Exception, SystemExit) as e:  # KeyboardInterrupt passes: the run is interrupted, not failed
             raise step_error(e, step=step, config=config, cell=cell) from e
         if "example_source" not in ds.attrs:  # the step's `example` are the task's examples: store their inputs
-            ex = examples_dataset(examples, lm)
+            try:
+                ex = examples_dataset(examples, lm)
+                clash = sorted(set(ex.coords) & set(ds.variables) - set(ex.dims) - set(ds.dims))
+                if clash:
+                    raise ValueError(f"the task gives its examples a field {clash[0]!r}, the name of a variable this "
+                                     "step stores; rename that field in the task's data")
+            except ValueError as e:
+                raise step_error(e, step=step, config=None, task=task, cell=cell) from e
             ds = ds.merge(ex, compat="override", join="left"
                           if "example" in ds.dims else "outer")
         ds.attrs.update(step=step.id, action=step.action, task=task.kind, config=json.dumps(_jsonable(config)),

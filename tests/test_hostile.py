@@ -23,8 +23,11 @@ def cli(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.
 
 
 def one_line(res: subprocess.CompletedProcess, code: int = 2) -> str:
+    """The one error line of a command that failed with ``code`` (progress bars aside)."""
     assert res.returncode == code, res.stdout + res.stderr
     lines = [line for line in res.stderr.splitlines() if line.strip()]
+    if any(line.startswith("error:") for line in lines):  # a run that stopped: its progress lines, then the error
+        lines = [line for line in lines if line.startswith("error:")]
     assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
     return lines[0]
 
@@ -53,3 +56,15 @@ def test_resume_refuses_the_flags_it_cannot_honour(tmp_path):
     assert not (tmp_path / "other").exists() and not (tmp_path / "o").exists()
     res = cli("run", "--resume", str(run), cwd=tmp_path)
     assert res.returncode == 0, res.stderr
+
+
+def test_task_fields_cannot_clobber_headlabs_own_variables(tmp_path):
+    data = tmp_path / "qa.jsonl"
+    data.write_text('{"q": "Q1", "prompt": "fake", "layer": 3}\n{"q": "Q2", "prompt": "fake", "layer": 4}\n')
+    for field, what in [("prompt", "variable 'prompt'"), ("layer", "dimension 'layer'")]:
+        meta = f"meta: [{field}]" if field else ""
+        text = (f"name: t\nmodel: headlab-tiny\ntask: {{kind: jsonl, path: {data}, prompt: '{{{{ q }}}}', {meta}}}\n"
+                "steps:\n  - id: gen\n    generate: {max_new_tokens: 1}\n")
+        (tmp_path / "spec.yaml").write_text(text)
+        line = one_line(cli("run", "spec.yaml", "--out", "runs", cwd=tmp_path))
+        assert f"a field {field!r}, the name of headlab's own {what}" in line and "gen" in line, line
