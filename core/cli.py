@@ -77,17 +77,26 @@ class RichReporter(Reporter):
 
 
 def _parse_set(items: list[str]) -> dict[str, Any]:
-    from ruamel.yaml import YAML
+    """``--set path=value`` overrides; each value is YAML read by the spec loader, with its limits (no tags,
+    bounded size, depth and alias expansion)."""
+    import textwrap
 
-    from .spec import SpecError
+    from .spec import SpecError, parse_yaml
 
     out: dict[str, Any] = {}
-    yaml = YAML(typ="safe", pure=True)
     for item in items:
         if "=" not in item:
             raise SpecError(f"--set {item!r}: write path=value, e.g. --set task.n=16", source="command line")
         key, raw = item.split("=", 1)
-        out[key.strip()] = yaml.load(raw) if raw.strip() else ""
+        if not raw.strip():
+            out[key.strip()] = ""
+            continue
+        try:
+            data, _ = parse_yaml("value:\n" + textwrap.indent(raw, "  "), source=f"--set {key.strip()}")
+        except SpecError as e:
+            raise SpecError(f"--set {key.strip()}={raw[:60]!r}{'...' if len(raw) > 60 else ''}: {e.message}",
+                            source="command line") from None
+        out[key.strip()] = data["value"]
     return out
 
 

@@ -68,3 +68,26 @@ def test_task_fields_cannot_clobber_headlabs_own_variables(tmp_path):
         (tmp_path / "spec.yaml").write_text(text)
         line = one_line(cli("run", "spec.yaml", "--out", "runs", cwd=tmp_path))
         assert f"a field {field!r}, the name of headlab's own {what}" in line and "gen" in line, line
+
+
+# --------------------------------------------------------------------------- nothing hangs
+def alias_bomb(levels: int = 9) -> str:
+    names = [chr(97 + i) for i in range(levels)]
+    parts = [f"{names[0]}: &{names[0]} [x, x, x, x, x, x, x, x, x, x]"]
+    parts += [f"{n}: &{n} [" + ", ".join([f"*{p}"] * 10) + "]" for p, n in zip(names, names[1:], strict=False)]
+    return "{" + ", ".join(parts) + "}"
+
+
+def test_set_values_go_through_the_spec_loader_and_name_set(tmp_path):
+    (tmp_path / "spec.yaml").write_text(spec_text(STEPS))
+    cases = [(alias_bomb(), "expands to more than"), ("!!python/object/apply:os.system [id]", "is not allowed"),
+             ("[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]"
+              "]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]", "nested deeper than"),
+             ("abc", "task.n: Input should be a valid integer")]
+    for value, message in cases:
+        res = cli("run", "spec.yaml", "--set", f"task.n={value}", "--out", "runs", cwd=tmp_path)
+        line = one_line(res)
+        assert line.startswith("error: command line: --set task.n=") and message in line, line
+    line = one_line(cli("run", "spec.yaml", "--set", "task.nn=3", "--out", "runs", cwd=tmp_path))
+    assert "--set task.nn=3: task.nn: unknown key 'nn' (did you mean 'n'?)" in line
+    assert not (tmp_path / "runs").exists()  # refused before the store exists

@@ -51,7 +51,14 @@ class LoadedSpec:
                 data = set_path(data, key, value, registry=self.registry)
             except KeyError as e:
                 raise SpecError(f"--set {e.args[0]}", source=self.source) from None
-        return validate_data(data, text=self.text, source=self.source, tree=None, registry=self.registry)
+        try:
+            return validate_data(data, text=self.text, source=self.source, tree=None, registry=self.registry)
+        except SpecError as e:
+            key = next((k for k in overrides if e.path == k or (e.path or "").startswith(f"{k}.")
+                        or (e.path or "").startswith(f"{k}[")), None)
+            if key is None:
+                raise
+            raise SpecError(f"--set {key}={overrides[key]!r}: {e.path}: {e.message}", source="command line") from None
 
     def with_execution(self, execution: Mapping[str, Any]) -> LoadedSpec:
         """A new loaded spec whose ``execution`` is updated by ``execution`` (the CLI's ``--executor``,
