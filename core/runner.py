@@ -38,11 +38,12 @@ from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
 
 from . import resources
-from .context import Example, Reporter, StepContext, TaskContext
+from .context import Example, Reporter, StepContext
 from .errors import StepError, step_error
 from .model import LoadedModel, ModelLoadError, load_model
 from .plugin_manager import get_manager, plugins_for_workers, register_worker_plugins
 from .results import Run, RunWriter, is_url, now, open_run, store_location
+from .scoring import task_examples as build_examples
 from .spec import Cell, LoadedSpec, load_spec
 
 PREFLIGHT_CELLS = 4096
@@ -97,16 +98,6 @@ class ModelCache:
 def _seed(seed: int) -> None:
     torch.manual_seed(seed)
     np.random.seed(seed % (2**32))
-
-
-def build_examples(task_cfg: Any, lm: LoadedModel, seed: int) -> list[Example]:
-    """Examples of a task config, through its plugin."""
-    comp = get_manager().get("tasks", task_cfg.kind)
-    vocab = int(getattr(lm.model.config.get_text_config(), "vocab_size", 0) or 0)
-    examples = comp.impl(task_cfg, TaskContext(tokenizer=lm.tokenizer, seed=seed, vocab_size=vocab))
-    if not examples:
-        raise ValueError(f"task '{task_cfg.kind}' produced no examples")
-    return examples
 
 
 def examples_dataset(examples: list[Example], lm: LoadedModel) -> xr.Dataset:

@@ -29,7 +29,7 @@ from typing import Annotated, Any, Literal
 import torch
 from pydantic import BeforeValidator, Field
 
-from headlab import Example, forward, hookimpl
+from headlab import Example, LoadedModel, forward, hookimpl, load_model
 from headlab.decoding import Selection, generator_for, pad_id_of, pick, predicting, score_forward, stack_left
 from headlab.generation import (
     Decoded,
@@ -42,7 +42,6 @@ from headlab.generation import (
     sum_continuation,
     tokenize,
 )
-from headlab.model import LoadedModel, load_model
 from headlab.spec import FiniteFloat, ModelSpec, NonNegativeFloat, PositiveFloat, Probability
 
 

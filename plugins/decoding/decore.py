@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from headlab import hookimpl
+from headlab import Plan, hookimpl, shared_trunk
 from headlab.decoding import Selection, generator_for, pick, predicting, score_forward
 from headlab.generation import (
     Decoded,
@@ -49,7 +49,6 @@ from headlab.generation import (
     decode_loop,
     sum_continuation,
 )
-from headlab.instrument import Plan, shared_trunk
 from headlab.spec import HeadSelection, NonNegativeFloat, PositiveFloat, Seed
 
 from .common import entropy_alpha

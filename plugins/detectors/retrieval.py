@@ -44,12 +44,25 @@ import torch
 import xarray as xr
 from pydantic import Field
 
-from headlab import ComponentConfig, Example, StepContext, hookimpl
-from headlab.generation import Batch, tokenize
-from headlab.heads import from_retrieval_json, to_retrieval_json
-from headlab.model import Geometry, LoadedModel
+from headlab import (
+    ComponentConfig,
+    Example,
+    Geometry,
+    LoadedModel,
+    Plan,
+    Probes,
+    StepContext,
+    from_retrieval_json,
+    hookimpl,
+    instrument,
+    span_tensor,
+    to_retrieval_json,
+)
+from headlab.dims import head_array
+from headlab.generation import Batch, DecodeRequest, DecodeState, decode_loop, prefill, tokenize
 from headlab.resources import Estimate, EstimateContext
 from headlab.spec import FiniteFloat, NonEmptyStr, NonNegativeFloat, PositiveInt, Probability
+from headlab.text import rouge1
 
 __all__ = [
     "ProbeDecode",
@@ -135,9 +148,6 @@ def probe_decode(lm: LoadedModel, batch: Batch, probes: Any, max_new_tokens: int
     import contextlib
     import dataclasses
 
-    from headlab.generation import DecodeRequest, DecodeState, decode_loop, prefill
-    from headlab.instrument import Plan, instrument, span_tensor
-
     if batch.length < 2:
         raise ValueError("probe_decode needs prompts of at least 2 tokens")
     model = lm.model
@@ -206,8 +216,6 @@ def retrieval_scores(lm: LoadedModel, examples: Sequence[Example], *, span: str 
     Examples are decoded up to ``batch_size`` at a time, grouped by prompt length (:func:`length_batches`;
     results come back in the examples' order). ``progress(iterable, description)`` wraps the batch loop when given.
     """
-    from headlab.instrument import Probes
-
     geo = lm.geometry
     for i, ex in enumerate(examples):
         if not ex.spans.get(span):
@@ -258,8 +266,6 @@ def _reference_text(ex: Example, which: str, span: str, i: int) -> str:
 
 
 def _dataset(per_example: np.ndarray, retrieved: np.ndarray, geo: Geometry) -> xr.Dataset:
-    from headlab.dims import head_array
-
     kept = per_example[retrieved]
     mean = kept.mean(0) if len(kept) else np.zeros(per_example.shape[1:])
     return xr.Dataset({"score": head_array(mean),
@@ -269,8 +275,6 @@ def _dataset(per_example: np.ndarray, retrieved: np.ndarray, geo: Geometry) -> x
 
 def detect(config: Retrieval, ctx: StepContext) -> xr.Dataset:
     """The ``retrieval`` detector (see the module docstring)."""
-    from headlab.plugins.metrics.rouge import rouge1
-
     geo = ctx.model.geometry
     if config.load is not None:
         ds = read_retrieval_json(config.load, geo)
@@ -325,8 +329,6 @@ def read_retrieval_json(path: str | Path, geometry: Geometry | None = None) -> x
     Heads missing from the file score 0. ``geometry`` (the model's) fixes the array shape and checks
     that every head of the file exists; without it the shape is the largest layer/head in the file.
     """
-    from headlab.dims import head_array
-
     data = json.loads(Path(path).read_text())
     if not isinstance(data, dict) or not all("-" in str(k) for k in data):
         raise ValueError(f"{path}: not a retrieval-head JSON file ({{\"<layer>-<head>\": [scores]}})")
