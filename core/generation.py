@@ -9,11 +9,14 @@ follow the attention mask, so padded rows decode exactly like unpadded ones. Mul
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
+import xarray as xr
 
 from .context import Example
 from .model import LoadedModel
@@ -193,7 +196,7 @@ class Decoded:
     """Generated token ids (without prompt) and their text, per row.
 
     ``info`` holds optional diagnostics of a strategy, which the ``generate`` action stores with the
-    outputs (:func:`headlab.runner.decode_info`):
+    outputs (:func:`decode_info`):
 
     - a list over decode steps of per-row values (``info["alpha"][t][r]``: DeCoRe's alpha, DoLa's
       ``premature_layer``) becomes an ``(example, step)`` array of the same name, empty (NaN, or -1 for
@@ -207,6 +210,53 @@ class Decoded:
     tokens: list[list[int]]
     texts: list[str]
     info: dict[str, Any] = field(default_factory=dict)
+
+
+def decode_info(parts: list[tuple[dict[str, Any], list[int]]], geometry: Any,
+                ) -> tuple[dict[str, xr.DataArray], dict[str, Any]]:
+    """The arrays and attributes a ``generate`` step stores from its batches' ``Decoded.info``.
+
+    It is the storage convention of the :attr:`Decoded.info` contract, so any action that decodes (the
+    built-in ``generate``, or a third party's) stores a strategy's diagnostics the same way.
+
+    ``parts``: per batch, ``(info, generated length per row)``. Per-step values (a list over steps of
+    per-row values) become ``(example, step)`` arrays, kept up to each row's last token (the step that
+    chose EOS included); ``heads`` becomes the boolean ``(layer, head)`` array ``decode_heads``; other
+    values equal in every batch become attributes ``decode_<key>``.
+    """
+    arrays: dict[str, xr.DataArray] = {}
+    attrs: dict[str, Any] = {}
+    if not parts:
+        return arrays, attrs
+    keys = [k for k in parts[0][0] if all(k in info for info, _ in parts)]
+    for key in keys:
+        values = [info[key] for info, _ in parts]
+        if key == "heads":
+            mask = np.zeros((geometry.n_layers, geometry.n_heads), dtype=bool)
+            for layer, head in {(int(a), int(b)) for v in values for a, b in v}:
+                mask[layer, head] = True
+            arrays["decode_heads"] = xr.DataArray(mask, dims=("layer", "head"), coords={
+                "layer": np.arange(geometry.n_layers), "head": np.arange(geometry.n_heads)})
+        elif all(_per_step(v, len(n)) for v, (_, n) in zip(values, parts, strict=True)):
+            rows = [[step[r] for step in v] for v, (_, n) in zip(values, parts, strict=True) for r in range(len(n))]
+            lengths = [k for _, n in parts for k in n]
+            width = max((len(r) for r in rows), default=0)
+            ints = all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for r in rows for x in r)
+            arr = np.full((len(rows), width), -1 if ints else np.nan, dtype=np.int64 if ints else float)
+            for i, (row, k) in enumerate(zip(rows, lengths, strict=True)):
+                keep = min(len(row), k + 1)
+                arr[i, :keep] = row[:keep]
+            arrays[key] = xr.DataArray(arr, dims=("example", "step"))
+        elif all(v == values[0] for v in values):
+            try:
+                attrs[f"decode_{key}"] = json.loads(json.dumps(values[0]))
+            except TypeError:
+                continue
+    return arrays, attrs
+
+
+def _per_step(value: Any, rows: int) -> bool:
+    return isinstance(value, list) and all(isinstance(step, list) and len(step) == rows for step in value)
 
 
 def instrumented(lm: LoadedModel, plan: Any) -> contextlib.AbstractContextManager[Any]:
