@@ -6,7 +6,7 @@ outputs zeroed)::
     s_t = (1 + beta) * log_softmax(logits_base) - beta * log_softmax(logits_ablated)
 
 Both versions of every prompt run in one batched forward per step: the step's steering plan is tiled
-over two copies of the batch (:meth:`headlab.instrument.Plan.tile`, every copy steered like its source
+over two copies of the batch (:meth:`headlab.Plan.tile`, every copy steered like its source
 row) and the heads are zeroed on copy 1 only; :func:`headlab.generation.decode_loop` keeps one KV cache
 for the ``2B`` rows. The scorer gives the same contrast, summed over a choice's tokens, to the ``score``
 action.
@@ -21,7 +21,7 @@ import torch
 from pydantic import Field
 
 import headlab
-from headlab import ComponentConfig, HeadSelection
+from headlab import ComponentConfig, HeadSelection, Plan
 from headlab.generation import (
     Decoded,
     DecodeRequest,
@@ -31,7 +31,6 @@ from headlab.generation import (
     decode_loop,
     sum_continuation,
 )
-from headlab.instrument import Plan
 
 
 class HeadContrast(ComponentConfig):
