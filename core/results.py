@@ -32,6 +32,8 @@ import numpy as np
 import xarray as xr
 import zarr
 
+__all__ = ["FORMAT", "Run", "RunDamaged", "RunNotFound", "RunWriter", "list_runs", "open_run"]
+
 FORMAT = "headlab-run/1"
 CREATING = ".creating"
 """Suffix of the temporary directory a run store is built in before it is renamed into place."""

@@ -46,6 +46,8 @@ from .results import Run, RunWriter, is_url, now, open_run, store_location
 from .scoring import task_examples as build_examples
 from .spec import Cell, LoadedSpec, load_spec
 
+__all__ = ["CellError", "CellFailure", "CellResult", "CellTask", "Job", "ModelCache", "execute_cell", "run"]
+
 PREFLIGHT_CELLS = 4096
 """Cells checked against the model and the resource budget before a run starts (each is checked again before
 it runs)."""

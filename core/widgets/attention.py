@@ -38,6 +38,8 @@ from ..model import LoadedModel
 from ..report import NAN_COLOR, color
 from .js import PRELUDE
 
+__all__ = ["AttentionView", "TokenView"]
+
 _ESM = PRELUDE + """
 export default {
   render({ model, el }) {

@@ -22,6 +22,8 @@ from ..dims import head_array
 from ..heads import Head, ranked, to_pasta_json
 from ..report import NAN_COLOR, PALETTE
 
+__all__ = ["HeadMap", "as_head_scores", "spec_fragment"]
+
 _ESM = """
 const PALETTE = %PALETTE%;
 const NAN = "%NAN%";

@@ -5,6 +5,8 @@ from __future__ import annotations
 from ..report import PALETTE
 
 #: the viridis palette, a colour for a value in ``[0, hi]``, the top of a value range and an element maker
+__all__ = ["PRELUDE"]
+
 PRELUDE = """
 const PALETTE = %PALETTE%;
 function colour(v, hi) {
