@@ -25,6 +25,7 @@ from ..spec import LoadedSpec, SpecError
 
 __all__ = ["SpecRunner", "WidgetReporter", "error_html"]
 
+
 class WidgetReporter(Reporter):
     """Progress of a run on two ipywidgets progress bars: ``cells`` and the current step.
 
