@@ -35,6 +35,8 @@ from headlab.generation import (
     Decoded,
     DecodeRequest,
     DecodeState,
+    ModelCall,
+    Rows,
     Scored,
     ScoreRequest,
     continuation_batch,
@@ -118,7 +120,7 @@ def contrastive(config: Contrastive, request: DecodeRequest) -> Decoded:
         scores = contrastive_scores(config, out.logits[:, -1], out.amateur_logits[:, -1])
         return pick(scores, config, gen)
 
-    return decode_loop(request, choose, forward=_pair_forward(request.lm.model, amateur.model))
+    return decode_loop(request, choose, call=ModelCall(forward=_pair_forward(request.lm.model, amateur.model)))
 
 
 def score_contrastive(config: Contrastive, request: ScoreRequest) -> Scored:
@@ -187,7 +189,7 @@ def cad(config: CAD, request: DecodeRequest) -> Decoded:
         scores = (1 + config.alpha) * logits[:B] - config.alpha * logits[B:]
         return pick(scores, config, gen)
 
-    return decode_loop(dataclasses.replace(request, plan=plan), choose, rows=rows)
+    return decode_loop(dataclasses.replace(request, plan=plan), choose, rows=Rows(*rows))
 
 
 def score_cad(config: CAD, request: ScoreRequest) -> Scored:

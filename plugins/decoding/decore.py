@@ -44,6 +44,8 @@ from headlab.generation import (
     Decoded,
     DecodeRequest,
     DecodeState,
+    PromptSplit,
+    Rows,
     Scored,
     ScoreRequest,
     decode_loop,
@@ -125,10 +127,11 @@ def decore(config: DeCoRe, request: DecodeRequest) -> Decoded:
 
     split = None
     if config.prefix == "reference":
-        split = add_mask
+        split = PromptSplit(then=add_mask)
     else:
         add_mask()
-    rows = (request.batch.input_ids.repeat(2, 1), request.batch.attention_mask.repeat(2, 1))
+    rows = Rows(request.batch.input_ids.repeat(2, 1), request.batch.attention_mask.repeat(2, 1),
+                shared_until=trunk_layer(config, heads, plan))
     gen = generator_for(request, config)
     alphas: list[list[float]] = []
 
@@ -138,8 +141,7 @@ def decore(config: DeCoRe, request: DecodeRequest) -> Decoded:
         alphas.append(a.tolist())
         return pick(scores, config, gen)
 
-    result = decode_loop(dataclasses.replace(request, plan=plan), choose, rows=rows, split_prompt=split,
-                         shared_until=trunk_layer(config, heads, plan))
+    result = decode_loop(dataclasses.replace(request, plan=plan), choose, rows=rows, split=split)
     result.info.update(alpha=alphas, heads=heads)
     return result
 

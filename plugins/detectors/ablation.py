@@ -43,7 +43,7 @@ from headlab import (
     draw_like,
     hookimpl,
 )
-from headlab.generation import DecodeRequest, decode_loop, tokenize
+from headlab.generation import DecodeRequest, PromptSplit, decode_loop, tokenize
 from headlab.resources import Estimate, EstimateContext
 from headlab.spec import NonEmptyStr, NonNegativeFloat, NonNegativeInt, PositiveInt, Seed
 
@@ -140,7 +140,7 @@ def ablate(lm: LoadedModel, examples: list[Example], conditions: list[list[Head]
             texts = decode_loop(request, greedy).texts
         else:
             request = DecodeRequest(lm, batch, max_new_tokens, list(stop or []), plan)
-            texts = decode_loop(request, greedy, split_prompt=add_masks).texts
+            texts = decode_loop(request, greedy, split=PromptSplit(then=add_masks)).texts
         for (i, c), text in zip(chunk, texts, strict=True):
             outputs[c][i] = text
     return outputs

@@ -59,7 +59,16 @@ from headlab import (
     to_retrieval_json,
 )
 from headlab.dims import head_array
-from headlab.generation import Batch, DecodeRequest, DecodeState, decode_loop, prefill, tokenize
+from headlab.generation import (
+    Batch,
+    DecodeRequest,
+    DecodeState,
+    ModelCall,
+    PromptSplit,
+    decode_loop,
+    prefill,
+    tokenize,
+)
 from headlab.resources import Estimate, EstimateContext
 from headlab.spec import FiniteFloat, NonEmptyStr, NonNegativeFloat, PositiveInt, Probability
 from headlab.text import rouge1
@@ -169,8 +178,8 @@ def probe_decode(lm: LoadedModel, batch: Batch, probes: Any, max_new_tokens: int
             store[name][rows.to(value.device), :, :, state.step] = value[:, :, :, -1]
 
     state = DecodeState(DecodeRequest(lm, batch, max_new_tokens, list(stop)), drop_finished=True)
-    decoded = decode_loop(state, lambda out, _: out.logits[:, -1].argmax(-1), prefill=prefill,
-                          around_forward=probed)
+    decoded = decode_loop(state, lambda out, _: out.logits[:, -1].argmax(-1), split=PromptSplit(cache=prefill),
+                          call=ModelCall(around=probed))
     steps = state.step
     rec = StepRecords({name: value[:, :, :, :steps] for name, value in store.items()})
     return ProbeDecode(state.generated, state.active, rec, decoded.texts, decoded.tokens)

@@ -7,7 +7,7 @@ outputs zeroed)::
 
 Both versions of every prompt run in one batched forward per step: the step's steering plan is tiled
 over two copies of the batch (:meth:`headlab.Plan.tile`, every copy steered like its source
-row) and the heads are zeroed on copy 1 only; :func:`headlab.generation.decode_loop` keeps one KV cache
+row) and the heads are zeroed on copy 1 only; :func:`headlab.generation.decode_loop` (its ``rows`` option) keeps one KV cache
 for the ``2B`` rows. The scorer gives the same contrast, summed over a choice's tokens, to the ``score``
 action.
 """
@@ -26,6 +26,7 @@ from headlab.generation import (
     Decoded,
     DecodeRequest,
     DecodeState,
+    Rows,
     Scored,
     ScoreRequest,
     decode_loop,
@@ -59,7 +60,7 @@ def two_copy_plan(config: HeadContrast, request: DecodeRequest | ScoreRequest) -
 def decode(config: HeadContrast, request: DecodeRequest) -> Decoded:
     """Generate greedily from the contrast, both copies in one forward per step."""
     B = request.batch.size
-    rows = (request.batch.input_ids.repeat(2, 1), request.batch.attention_mask.repeat(2, 1))
+    rows = Rows(request.batch.input_ids.repeat(2, 1), request.batch.attention_mask.repeat(2, 1))
 
     def choose(outputs, state: DecodeState) -> torch.Tensor:
         logits = outputs.logits[:, -1]
