@@ -14,7 +14,7 @@ from .context import IMAGE_MARKER, Example, StepContext, TaskContext, strip_tags
 from .dims import DIMENSIONS
 from .errors import ContractError, StepError
 from .forward import forward, positions_from_mask
-from .generation import Batch, tokenize
+from .generation import Batch, instrumented, tokenize
 from .heads import draw_like, from_pasta_json, from_retrieval_json, to_pasta_json, to_retrieval_json
 from .hookspecs import hookimpl
 from .image_attention import attention_preview
@@ -24,7 +24,6 @@ from .instrument import (
     Probes,
     Recording,
     SteeringConflictError,
-    instrument,
     shared_trunk,
     span_tensor,
 )
@@ -51,7 +50,7 @@ __all__ = [
     "Batch", "Geometry", "LoadedModel", "forward", "from_config", "from_pretrained", "load_model",
     "positions_from_mask", "token_runs", "tokenize",
     # steering plans and recordings
-    "KeyBias", "Plan", "Probes", "Recording", "SteeringConflictError", "instrument", "shared_trunk",
+    "KeyBias", "Plan", "Probes", "Recording", "SteeringConflictError", "instrumented", "shared_trunk",
     "span_tensor",
     # heads and result arrays
     "DIMENSIONS", "attention_preview", "draw_like", "from_pasta_json", "from_retrieval_json", "to_pasta_json",

@@ -21,6 +21,8 @@ import xarray as xr
 from .context import Example
 from .model import LoadedModel
 
+__all__ = ["Batch", "Choose", "DecodeRequest", "DecodeState", "Decoded", "ModelCall", "PromptSplit", "Rows", "ScoreRequest",
+           "Scored", "continuation_batch", "decode_info", "decode_loop", "instrumented", "prefill", "sum_continuation", "tokenize"]
 
 @dataclass
 class Batch:
@@ -259,13 +261,22 @@ def _per_step(value: Any, rows: int) -> bool:
     return isinstance(value, list) and all(isinstance(step, list) and len(step) == rows for step in value)
 
 
-def instrumented(lm: LoadedModel, plan: Any) -> contextlib.AbstractContextManager[Any]:
-    """The instrumentation context for ``plan`` (a no-op when there is no plan)."""
+def instrumented(lm: LoadedModel | torch.nn.Module, plan: Any) -> contextlib.AbstractContextManager[Any]:
+    """A context in which every forward of ``lm`` (a :class:`~headlab.model.LoadedModel` or the transformers
+    model it holds) runs under ``plan`` (a :class:`headlab.Plan`: its edits apply, its probes record); it
+    yields the :class:`headlab.Recording`. ``plan=None``: a no-op context that yields None.
+
+    For forwards :func:`headlab.forward` does not run (a step of a decoding loop, ``model.generate``)::
+
+        with instrumented(lm, Plan(probes=Probes(argmax=True))) as rec:
+            lm.model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask))
+        rec.to_xarray("argmax")
+    """
     if plan is None:
         return contextlib.nullcontext()
     from .instrument import instrument
 
-    return instrument(lm.model, plan)
+    return instrument(lm.model if isinstance(lm, LoadedModel) else lm, plan)
 
 
 class DecodeState:

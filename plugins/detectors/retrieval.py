@@ -54,7 +54,7 @@ from headlab import (
     StepContext,
     from_retrieval_json,
     hookimpl,
-    instrument,
+    instrumented,
     span_tensor,
     to_retrieval_json,
 )
@@ -159,7 +159,6 @@ def probe_decode(lm: LoadedModel, batch: Batch, probes: Any, max_new_tokens: int
 
     if batch.length < 2:
         raise ValueError("probe_decode needs prompts of at least 2 tokens")
-    model = lm.model
     B = batch.size
     spans = None if probes.spans is None else span_tensor(probes.spans, B, batch.input_ids.device)
     store: dict[str, torch.Tensor] = {}
@@ -168,7 +167,7 @@ def probe_decode(lm: LoadedModel, batch: Batch, probes: Any, max_new_tokens: int
     def probed(state: DecodeState):
         rows = state.rows
         step_probes = probes if spans is None else dataclasses.replace(probes, spans=spans[rows])
-        with instrument(model, Plan(probes=step_probes)) as rec:
+        with instrumented(lm, Plan(probes=step_probes)) as rec:
             yield
         for name, value in rec.as_dict().items():  # (rows, layer, head, 1, ...) -> step t of the rows
             if name not in store:
