@@ -36,9 +36,7 @@ from .spec import ComponentConfig, HeadSelection, SpecError, json_schema, load_s
 from .version import __version__
 from .vision import token_runs
 
-#: the names of the plugin surface (see docs/plugins.md, "The public namespace"); the other public
-#: modules for plugins are headlab.spec, headlab.generation, headlab.decoding, headlab.resources,
-#: headlab.dims, headlab.anatomy, headlab.text, headlab.scoring, headlab.sandbox and headlab.harness
+#: the plugin surface (docs/plugins.md, "The public namespace"; the other public modules are listed there)
 __all__ = [
     # running and reading runs
     "Run", "list_runs", "load_spec", "json_schema", "open_run", "run", "generate", "logprobs", "SpecError",

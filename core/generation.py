@@ -21,8 +21,10 @@ import xarray as xr
 from .context import Example
 from .model import LoadedModel
 
-__all__ = ["Batch", "Choose", "DecodeRequest", "DecodeState", "Decoded", "ModelCall", "PromptSplit", "Rows", "ScoreRequest",
-           "Scored", "continuation_batch", "decode_info", "decode_loop", "instrumented", "prefill", "sum_continuation", "tokenize"]
+__all__ = ["Batch", "Choose", "DecodeRequest", "DecodeState", "Decoded", "ModelCall", "PromptSplit", "Rows",
+           "ScoreRequest", "Scored", "continuation_batch", "decode_info", "decode_loop", "instrumented", "prefill",
+           "sum_continuation", "tokenize"]
+
 
 @dataclass
 class Batch:
