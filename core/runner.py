@@ -43,10 +43,11 @@ from .errors import StepError, step_error
 from .model import LoadedModel, ModelLoadError, load_model
 from .plugin_manager import get_manager, plugins_for_workers, register_worker_plugins
 from .results import Run, RunWriter, is_url, now, open_run, store_location
-from .scoring import task_examples as build_examples
+from .scoring import build_examples
 from .spec import Cell, LoadedSpec, load_spec
 
-__all__ = ["CellError", "CellFailure", "CellResult", "CellTask", "Job", "ModelCache", "execute_cell", "run"]
+__all__ = ["CellError", "CellFailure", "CellResult", "CellTask", "Job", "ModelCache", "build_examples", "execute_cell",
+           "run"]
 
 PREFLIGHT_CELLS = 4096
 """Cells checked against the model and the resource budget before a run starts (each is checked again before

@@ -26,7 +26,7 @@ from .context import Example, StepContext, TaskContext
 from .generation import Batch, Decoded, DecodeRequest, Scored, ScoreRequest, continuation_batch, tokenize
 from .model import LoadedModel
 
-__all__ = ["as_model", "component", "generate", "logprobs", "metric_values", "steering_plan", "task_examples"]
+__all__ = ["as_model", "build_examples", "component", "generate", "logprobs", "metric_values", "steering_plan"]
 
 Text = str | Example | Sequence[int]
 
@@ -78,7 +78,7 @@ def component(category: str, value: Any) -> Any:
         raise ValueError(f"{category} config {dict(value)!r}: {where + ': ' if where else ''}{err['msg']}") from None
 
 
-def task_examples(task: Any, lm: LoadedModel, seed: int) -> list[Example]:
+def build_examples(task: Any, lm: LoadedModel, seed: int) -> list[Example]:
     """The examples of a task config (``task.kind`` a registered task), built by its plugin for ``lm``'s
     tokenizer and vocabulary as a run builds a step's task; an empty task is a ``ValueError``."""
     from .plugin_manager import get_manager

@@ -48,7 +48,7 @@ from headlab import (
 from headlab.dims import head_array
 from headlab.generation import Batch, DecodeRequest, decode_loop, tokenize
 from headlab.resources import Estimate, EstimateContext
-from headlab.scoring import task_examples
+from headlab.scoring import build_examples
 from headlab.spec import HeadSelection, NonEmptyStr, NonNegativeInt, PositiveInt, Probability
 
 from .common import resolve_heads
@@ -102,7 +102,8 @@ def _task_sets(config: PastaProfile, ctx: StepContext) -> list[tuple[str, list[E
     if not config.tasks:
         sets = [("task", list(ctx.examples))]
     else:
-        sets = [(f"{i}-{t['kind']}", task_examples(_task_config(t, i), ctx.model, ctx.seed)) for i, t in enumerate(config.tasks)]
+        sets = [(f"{i}-{t['kind']}", build_examples(_task_config(t, i), ctx.model, ctx.seed))
+                for i, t in enumerate(config.tasks)]
     n = config.n_examples
     return [(name, exs[:n] if n else exs) for name, exs in sets]
 
