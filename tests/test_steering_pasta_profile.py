@@ -31,7 +31,7 @@ from fixtures.steering import (
 TASKS = [{"kind": "emphasis", "n": 3, "seed": 0}, {"kind": "emphasis", "n": 3, "seed": 9, "filler_sentences": [1, 2]}]
 
 
-def build_examples(t):
+def task_examples(t):
     tok = build_tokenizer()
     cfg = Emphasis.model_validate(t)
     return build_emphasis(cfg, TaskContext(tokenizer=tok, seed=0, vocab_size=len(tok)))
@@ -56,7 +56,7 @@ def test_profile_matches_unbatched_eager_and_intersections():
     ds = PP.profile(cfg, step_ctx(mh))
     assert list(ds["task"].values) == ["0-emphasis", "1-emphasis"]
     for t, task in enumerate(TASKS):
-        exs = build_examples(task)
+        exs = task_examples(task)
         base = np.mean([eager_logprob(me, ex, None, 0.01) for ex in exs])
         assert ds["baseline"].values[t] == pytest.approx(base, abs=2e-4)
         for layer in range(2):
@@ -82,7 +82,7 @@ def test_generation_metric_matches_hf_generate():
     metric is 1 without steering and changes when a head's steering changes the output."""
     mh, me = tiny("headlab"), tiny("eager")
     tok = build_tokenizer()
-    exs = build_examples({"kind": "emphasis", "n": 4, "seed": 2})
+    exs = task_examples({"kind": "emphasis", "n": 4, "seed": 2})
     for ex in exs:
         p = tok(ex.prompt)["input_ids"]
         with torch.no_grad():
