@@ -111,7 +111,7 @@ def main() -> None:
     import torch
 
     from headlab.context import TaskContext
-    from headlab.generation import DecodeRequest, decode_loop, tokenize
+    from headlab.generation import DecodeRequest, Rows, decode_loop, tokenize
     from headlab.plugins.decoding.contrastive import CAD, Contrastive, cad, contrastive
     from headlab.plugins.decoding.decore import DeCoRe, decore
     from headlab.plugins.decoding.dola import DoLa, dola
@@ -146,7 +146,7 @@ def main() -> None:
     }
 
     def greedy_rows(cfg, request):  # the floor of any 2-copy contrast: greedy over 2B forward rows
-        rows = (request.batch.input_ids.repeat(2, 1), request.batch.attention_mask.repeat(2, 1))
+        rows = Rows(request.batch.input_ids.repeat(2, 1), request.batch.attention_mask.repeat(2, 1))
         return decode_loop(request, lambda out, _: out.logits[: request.batch.size, -1].argmax(-1), rows=rows)
 
     strategies["greedy over 2B rows (floor)"] = (greedy_rows, None)

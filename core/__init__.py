@@ -10,23 +10,47 @@ measure the effect, from a YAML spec, the command line or a notebook.
 
 from __future__ import annotations
 
-from .context import Example, StepContext, TaskContext
+from .context import IMAGE_MARKER, Example, StepContext, TaskContext, strip_tags
 from .dims import DIMENSIONS
-from .errors import StepError
+from .errors import ContractError, StepError
 from .forward import forward, positions_from_mask
-from .generation import Batch, tokenize
+from .generation import Batch, instrumented, tokenize
+from .heads import draw_like, from_pasta_json, from_retrieval_json, to_pasta_json, to_retrieval_json
 from .hookspecs import hookimpl
-from .instrument import Plan, Probes, Recording
+from .image_attention import attention_preview
+from .instrument import (
+    KeyBias,
+    Plan,
+    Probes,
+    Recording,
+    SteeringConflictError,
+    shared_trunk,
+    span_tensor,
+)
+from .model import Geometry, LoadedModel, from_config, from_pretrained, load_model
 from .plugin_manager import PluginError, component, register_plugin, unregister_plugin
 from .results import Run, list_runs, open_run
 from .runner import run
 from .scoring import generate, logprobs
 from .spec import ComponentConfig, HeadSelection, SpecError, json_schema, load_spec
 from .version import __version__
+from .vision import token_runs
 
+#: the plugin surface (docs/plugins.md, "The public namespace"; the other public modules are listed there)
 __all__ = [
-    "DIMENSIONS", "Batch", "ComponentConfig", "Example", "HeadSelection", "Plan", "PluginError", "Probes",
-    "Recording", "Run", "SpecError", "StepContext", "StepError", "TaskContext", "__version__", "component",
-    "forward", "generate", "hookimpl", "json_schema", "list_runs", "load_spec", "logprobs", "open_run",
-    "positions_from_mask", "register_plugin", "run", "tokenize", "unregister_plugin",
+    # running and reading runs
+    "Run", "list_runs", "load_spec", "json_schema", "open_run", "run", "generate", "logprobs", "SpecError",
+    "StepError", "__version__",
+    # writing a plugin: registration and the objects a component receives
+    "ComponentConfig", "ContractError", "Example", "HeadSelection", "IMAGE_MARKER", "PluginError", "StepContext",
+    "TaskContext", "component", "hookimpl", "register_plugin", "strip_tags", "unregister_plugin",
+    # models, batches and forwards
+    "Batch", "Geometry", "LoadedModel", "forward", "from_config", "from_pretrained", "load_model",
+    "positions_from_mask", "token_runs", "tokenize",
+    # steering plans and recordings
+    "KeyBias", "Plan", "Probes", "Recording", "SteeringConflictError", "instrumented", "shared_trunk",
+    "span_tensor",
+    # heads and result arrays
+    "DIMENSIONS", "attention_preview", "draw_like", "from_pasta_json", "from_retrieval_json", "to_pasta_json",
+    "to_retrieval_json",
 ]

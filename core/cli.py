@@ -34,6 +34,8 @@ from rich.text import Text
 from .context import Reporter
 from .errors import INTERRUPTED, INVALID, exit_code, one_line
 
+__all__ = ["app", "main"]
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="headlab: find, steer and decode with the attention heads of language models.")
 # piped output (`headlab runs | cat`) is not cut to 80 columns: identifiers are printed whole

@@ -17,6 +17,9 @@ import types
 from collections.abc import Iterable
 from typing import Any
 
+__all__ = ["FAILED", "INTERRUPTED", "INVALID", "OK", "ContractError", "StepError", "describe", "exit_code",
+           "one_line"]
+
 OK, FAILED, INVALID, INTERRUPTED = 0, 1, 2, 130
 """The exit codes of the ``headlab`` command."""
 

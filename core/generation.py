@@ -9,14 +9,21 @@ follow the attention mask, so padded rows decode exactly like unpadded ones. Mul
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
+import xarray as xr
 
 from .context import Example
 from .model import LoadedModel
+
+__all__ = ["Batch", "Choose", "DecodeRequest", "DecodeState", "Decoded", "ModelCall", "PromptSplit", "Rows",
+           "ScoreRequest", "Scored", "continuation_batch", "decode_info", "decode_loop", "instrumented", "prefill",
+           "sum_continuation", "tokenize"]
 
 
 @dataclass
@@ -193,7 +200,7 @@ class Decoded:
     """Generated token ids (without prompt) and their text, per row.
 
     ``info`` holds optional diagnostics of a strategy, which the ``generate`` action stores with the
-    outputs (:func:`headlab.runner.decode_info`):
+    outputs (:func:`decode_info`):
 
     - a list over decode steps of per-row values (``info["alpha"][t][r]``: DeCoRe's alpha, DoLa's
       ``premature_layer``) becomes an ``(example, step)`` array of the same name, empty (NaN, or -1 for
@@ -209,13 +216,69 @@ class Decoded:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-def instrumented(lm: LoadedModel, plan: Any) -> contextlib.AbstractContextManager[Any]:
-    """The instrumentation context for ``plan`` (a no-op when there is no plan)."""
+def decode_info(parts: list[tuple[dict[str, Any], list[int]]], geometry: Any,
+                ) -> tuple[dict[str, xr.DataArray], dict[str, Any]]:
+    """The arrays and attributes a ``generate`` step stores from its batches' ``Decoded.info``.
+
+    It is the storage convention of the :attr:`Decoded.info` contract, so any action that decodes (the
+    built-in ``generate``, or a third party's) stores a strategy's diagnostics the same way.
+
+    ``parts``: per batch, ``(info, generated length per row)``. Per-step values (a list over steps of
+    per-row values) become ``(example, step)`` arrays, kept up to each row's last token (the step that
+    chose EOS included); ``heads`` becomes the boolean ``(layer, head)`` array ``decode_heads``; other
+    values equal in every batch become attributes ``decode_<key>``.
+    """
+    arrays: dict[str, xr.DataArray] = {}
+    attrs: dict[str, Any] = {}
+    if not parts:
+        return arrays, attrs
+    keys = [k for k in parts[0][0] if all(k in info for info, _ in parts)]
+    for key in keys:
+        values = [info[key] for info, _ in parts]
+        if key == "heads":
+            mask = np.zeros((geometry.n_layers, geometry.n_heads), dtype=bool)
+            for layer, head in {(int(a), int(b)) for v in values for a, b in v}:
+                mask[layer, head] = True
+            arrays["decode_heads"] = xr.DataArray(mask, dims=("layer", "head"), coords={
+                "layer": np.arange(geometry.n_layers), "head": np.arange(geometry.n_heads)})
+        elif all(_per_step(v, len(n)) for v, (_, n) in zip(values, parts, strict=True)):
+            rows = [[step[r] for step in v] for v, (_, n) in zip(values, parts, strict=True) for r in range(len(n))]
+            lengths = [k for _, n in parts for k in n]
+            width = max((len(r) for r in rows), default=0)
+            ints = all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for r in rows for x in r)
+            arr = np.full((len(rows), width), -1 if ints else np.nan, dtype=np.int64 if ints else float)
+            for i, (row, k) in enumerate(zip(rows, lengths, strict=True)):
+                keep = min(len(row), k + 1)
+                arr[i, :keep] = row[:keep]
+            arrays[key] = xr.DataArray(arr, dims=("example", "step"))
+        elif all(v == values[0] for v in values):
+            try:
+                attrs[f"decode_{key}"] = json.loads(json.dumps(values[0]))
+            except TypeError:
+                continue
+    return arrays, attrs
+
+
+def _per_step(value: Any, rows: int) -> bool:
+    return isinstance(value, list) and all(isinstance(step, list) and len(step) == rows for step in value)
+
+
+def instrumented(lm: LoadedModel | torch.nn.Module, plan: Any) -> contextlib.AbstractContextManager[Any]:
+    """A context in which every forward of ``lm`` (a :class:`~headlab.model.LoadedModel` or the transformers
+    model it holds) runs under ``plan`` (a :class:`headlab.Plan`: its edits apply, its probes record); it
+    yields the :class:`headlab.Recording`. ``plan=None``: a no-op context that yields None.
+
+    For forwards :func:`headlab.forward` does not run (a step of a decoding loop, ``model.generate``)::
+
+        with instrumented(lm, Plan(probes=Probes(argmax=True))) as rec:
+            lm.model(input_ids=ids, attention_mask=mask, position_ids=positions_from_mask(mask))
+        rec.to_xarray("argmax")
+    """
     if plan is None:
         return contextlib.nullcontext()
     from .instrument import instrument
 
-    return instrument(lm.model, plan)
+    return instrument(lm.model if isinstance(lm, LoadedModel) else lm, plan)
 
 
 class DecodeState:
@@ -371,17 +434,82 @@ Choose = Callable[[Any, DecodeState], torch.Tensor]
 outputs (``outputs.logits[:, -1]``: the next-token logits of every forward row)."""
 
 
-def decode_loop(request: DecodeRequest | DecodeState, choose: Choose, *,
-                rows: tuple[torch.Tensor, torch.Tensor] | None = None,
-                drop_finished: bool = False,
-                forward_kwargs: dict[str, Any] | None = None,
-                forward: Callable[..., Any] | None = None,
-                split_prompt: Callable[[], None] | None = None,
-                prefill: Callable[..., Any] | None = None,
-                shared_until: int | None = None,
-                on_step: Callable[[DecodeState], None] | None = None,
-                around_forward: Callable[[DecodeState], contextlib.AbstractContextManager[Any]] | None = None,
-                ) -> Decoded:
+@dataclass(frozen=True)
+class Rows:
+    """Which rows the model runs at each step of :func:`decode_loop`; the default is one row per prompt of
+    the request's batch, every row until the loop ends.
+
+    ``input_ids`` and ``attention_mask`` (both or neither): ``k * B`` left-padded forward rows for the ``B``
+    prompts, copy-major (row ``r + c * B`` continues prompt ``r``; the token chosen for prompt ``r`` is fed
+    to all its rows). ``outputs`` then have ``k * B`` rows and ``choose`` still returns ``B`` tokens: several
+    versions of each prompt decoded in one batch (a base and an edited copy, a prompt with and without its
+    context).
+
+    ``drop_finished``: a prompt that has finished leaves the batch and the KV cache after its last step;
+    ``outputs`` and ``choose``'s tokens are then over ``state.rows``. The outputs of the others are as
+    without it. Not with a plan (its edits are per row) nor ``shared_until``.
+
+    ``shared_until``: the rows are ``k`` identical copies of the batch whose plan edits differ only from
+    this layer on, so the layers below it run once on one copy (:func:`headlab.shared_trunk`); with a
+    :class:`PromptSplit` the prompt prefix is prefilled once and its cache repeated. Outputs are those of
+    the ``k * B`` rows, as without it.
+    """
+
+    input_ids: torch.Tensor | None = None
+    attention_mask: torch.Tensor | None = None
+    drop_finished: bool = False
+    shared_until: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.input_ids is None) != (self.attention_mask is None):
+            raise ValueError("Rows: give input_ids and attention_mask together, or neither")
+
+    @property
+    def given(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(input_ids, attention_mask)`` when the rows are given, None for the request's batch."""
+        if self.input_ids is None or self.attention_mask is None:
+            return None
+        return self.input_ids, self.attention_mask
+
+
+@dataclass(frozen=True)
+class ModelCall:
+    """How every step of :func:`decode_loop` calls the model; the default is the model itself with the
+    step's inputs.
+
+    ``kwargs``: extra model arguments for every forward (``{"output_hidden_states": True}`` to read the
+    hidden states of every layer). ``forward``: called instead of the model with the same keyword
+    arguments (``input_ids``, ``attention_mask``, ``position_ids``, ``cache``, ``use_cache`` and
+    ``kwargs``); it returns an object with ``.logits`` and ``.cache`` (e.g. two models stepping together,
+    each with its own cache). ``around(state)``: a context manager entered around the model call of every
+    step (the prefill of a :class:`PromptSplit` excluded), e.g. a :func:`headlab.instrument` context whose
+    probes follow ``state.rows``; ``state.step`` is the index of the token being produced.
+    """
+
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    forward: Callable[..., Any] | None = None
+    around: Callable[[DecodeState], contextlib.AbstractContextManager[Any]] | None = None
+
+
+@dataclass(frozen=True)
+class PromptSplit:
+    """Prefill the prompt without its last token first; the last prompt token is then the input of the
+    first step (which attends to the whole prompt). Prompts of one token are not split.
+
+    ``then()``: called between the prefill and the first step, e.g. to add edits to the plan that act from
+    the last prompt token on only. ``cache``: ``cache(model, input_ids, attention_mask, position_ids,
+    **image_inputs) -> cache`` computes the prefix's KV cache instead of a forward of the model (e.g.
+    :func:`prefill`, one unpadded row at a time on a CPU); it runs the bare model, so not with a plan or a
+    :attr:`ModelCall.forward`, nor with :attr:`Rows.shared_until`, and every prompt needs two tokens.
+    """
+
+    then: Callable[[], None] | None = None
+    cache: Callable[..., Any] | None = None
+
+
+def decode_loop(request: DecodeRequest | DecodeState, choose: Choose, *, rows: Rows | None = None,
+                call: ModelCall | None = None, split: PromptSplit | None = None,
+                on_step: Callable[[DecodeState], None] | None = None) -> Decoded:
     """headlab's KV-cache decoding loop: prefill, then one token per step chosen by ``choose(outputs, state)``.
 
     Every decoding strategy and every detector that decodes runs this loop. A step runs the model on the
@@ -401,74 +529,62 @@ def decode_loop(request: DecodeRequest | DecodeState, choose: Choose, *,
                 return logits.argmax(-1)
             return decode_loop(request, choose)
 
-    ``request`` may be a :class:`DecodeState` built beforehand, to read it after the loop (``generated``,
-    ``active``). Options:
+    ``request`` may be a :class:`DecodeState` built beforehand (its rows given to the state), to read it
+    after the loop (``generated``, ``active``). The options, each a small dataclass whose defaults are the
+    plain loop:
 
-    - ``rows``: ``(input_ids, attention_mask)`` of the forward rows when they are not the request's batch:
-      ``k * B`` left-padded rows for ``B`` prompts, copy-major (row ``r + c * B`` continues prompt ``r``; the
-      token chosen for prompt ``r`` is fed to all its rows). ``outputs`` then have ``k * B`` rows and
-      ``choose`` still returns ``B`` tokens (DeCoRe's base + masked copies, CAD's with + without context).
-    - ``drop_finished``: finished prompts leave the batch and the KV cache (outputs as without it);
-      ``outputs`` and ``choose``'s tokens are then over ``state.rows``. Not with a plan (its edits are
-      per row) nor ``shared_until``.
-    - ``forward_kwargs``: extra model arguments (``output_hidden_states`` for DoLa).
-    - ``forward``: called instead of the model with the same keyword arguments (``input_ids``,
-      ``attention_mask``, ``position_ids``, ``cache``, ``use_cache`` and ``forward_kwargs``); it returns an
-      object with ``.logits`` and ``.cache`` (an expert and an amateur model stepping together).
-    - ``split_prompt``: prefill the prompt without its last token, call ``split_prompt()`` (e.g. to add edits
-      to the plan), then run the last prompt token as the first step (DeCoRe's reference prefix).
-    - ``prefill``: ``prefill(model, input_ids, attention_mask, position_ids) -> cache`` computes the cache of
-      the prompt without its last token (implies the split; e.g. :func:`prefill`, one unpadded row at a
-      time on a CPU). Not with a plan, ``forward`` or ``shared_until``.
-    - ``shared_until``: with ``rows`` made of ``k`` identical copies of the batch whose plan edits differ only
-      from this layer on (DeCoRe), the layers below it run once on one copy
-      (:func:`~headlab.instrument.shared_trunk`); with ``split_prompt`` the prefix is prefilled once and its
-      cache repeated. Outputs are those of the ``k * B`` rows, as without it.
+    - ``rows`` (:class:`Rows`): other forward rows than one per prompt (copies of the batch), finished
+      prompts leaving the batch, layers shared by identical copies;
+    - ``call`` (:class:`ModelCall`): extra model arguments, a function run instead of the model, a context
+      around every step's forward;
+    - ``split`` (:class:`PromptSplit`): prefill the prompt without its last token first, with a callback
+      between the two parts or a function that computes the prefix cache;
     - ``on_step(state)``: called after every step, once its tokens are recorded (``state.generated[:, -1]``)
       and before finished prompts leave the batch.
-    - ``around_forward(state)``: returns a context manager entered around the model call of every step
-      (the prefill of a split prompt excluded), e.g. an :func:`~headlab.instrument.instrument` context whose
-      probes follow ``state.rows``; ``state.step`` is the index of the token being produced.
     """
+    call = call or ModelCall()
     if isinstance(request, DecodeState):
-        if rows is not None or drop_finished or shared_until is not None:
-            raise ValueError("decode_loop: rows, drop_finished and shared_until are options of a new state; "
-                             "give them to DecodeState (shared_until: pass the request)")
+        if rows is not None:
+            raise ValueError("decode_loop: rows are options of a new state; give them to DecodeState "
+                             "(shared_until: pass the request)")
         state: DecodeState | None = request
         request = request.request
     else:
         state = None
+    rows = rows or Rows()
     lm, batch = request.lm, request.batch
     model = lm.model
-    run = forward or model
-    kwargs = dict(forward_kwargs or {})
+    run = call.forward or model
+    kwargs = dict(call.kwargs)
+    prefill_cache = split.cache if split is not None else None
     trunk = None
     if state is None:
-        input_ids, mask = rows if rows is not None else (batch.input_ids, batch.attention_mask)
+        forward_rows = rows.given
+        input_ids, mask = forward_rows if forward_rows is not None else (batch.input_ids, batch.attention_mask)
         if input_ids.shape[0] % batch.size:
             raise ValueError(f"rows: {input_ids.shape[0]} forward rows is not a multiple of {batch.size} prompts")
         copies = input_ids.shape[0] // batch.size
-        trunk = shared_until if shared_until is not None and copies > 1 else None
+        trunk = rows.shared_until if rows.shared_until is not None and copies > 1 else None
         if trunk is not None:
-            if forward is not None or drop_finished or prefill is not None:
+            if call.forward is not None or rows.drop_finished or prefill_cache is not None:
                 raise ValueError("decode_loop: shared_until runs the model itself; it cannot take a forward "
                                  "function, a prefill function or drop_finished")
             B = batch.size
             if not (torch.equal(input_ids, input_ids[:B].repeat(copies, 1))
                     and torch.equal(mask, mask[:B].repeat(copies, 1))):
                 raise ValueError("decode_loop: shared_until needs rows that are identical copies of the batch")
-            rows = (input_ids[:B], mask[:B])  # the model runs copy 0; shared_trunk repeats it at `trunk`
-        state = DecodeState(request, rows, drop_finished=drop_finished)
+            forward_rows = (input_ids[:B], mask[:B])  # the model runs copy 0; shared_trunk repeats it at `trunk`
+        state = DecodeState(request, forward_rows, drop_finished=rows.drop_finished)
     else:
         copies = state.copies
     if state.drop_finished and request.plan is not None:
         raise ValueError("decode_loop: drop_finished cannot be used with a plan (its edits are per row)")
-    if prefill is not None:
-        if forward is not None or request.plan is not None:
+    if prefill_cache is not None:
+        if call.forward is not None or request.plan is not None:
             raise ValueError("decode_loop: a prefill function runs the bare model; not with forward or a plan")
         if state.input_ids.shape[1] < 2:
             raise ValueError("decode_loop: a prefill function needs prompts of at least 2 tokens")
-    split = prefill is not None or (split_prompt is not None and state.input_ids.shape[1] > 1)
+    splitting = prefill_cache is not None or (split is not None and state.input_ids.shape[1] > 1)
     # the processor inputs (images) go to the first forward over the prompt only
     first = batch.forward_inputs(1 if trunk is not None else copies) if batch.has_images and state.step == 0 \
         else {}
@@ -479,10 +595,10 @@ def decode_loop(request: DecodeRequest | DecodeState, choose: Choose, *,
         return contextlib.nullcontext() if layer is None else shared_trunk(model, layer, copies)
 
     with torch.no_grad(), instrumented(lm, request.plan):
-        if split:
+        if splitting:
             ids, mask, pos = state.split_prompt()
-            if prefill is not None:
-                state.cache = prefill(model, ids, mask, pos, **first)
+            if prefill_cache is not None:
+                state.cache = prefill_cache(model, ids, mask, pos, **first)
             else:
                 with trunk_at(None if trunk is None else lm.geometry.n_layers):
                     state.cache = run(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
@@ -492,11 +608,11 @@ def decode_loop(request: DecodeRequest | DecodeState, choose: Choose, *,
 
                     expand_cache(state.cache, trunk, copies)
             first = {}
-            if split_prompt is not None:
-                split_prompt()
+            if split is not None and split.then is not None:
+                split.then()
         with trunk_at(trunk):
             while state.step < request.max_new_tokens:
-                with around_forward(state) if around_forward is not None else contextlib.nullcontext():
+                with call.around(state) if call.around is not None else contextlib.nullcontext():
                     out = run(input_ids=state.input_ids, attention_mask=state.attention_mask,
                               position_ids=state.positions, cache=state.cache, use_cache=True, **kwargs, **first)
                 first = {}

@@ -40,6 +40,11 @@ from typing import Any
 
 import pluggy
 
+__all__ = ["Register", "headlab_register_actions", "headlab_register_choice_metrics",
+           "headlab_register_decoders", "headlab_register_detectors", "headlab_register_executors",
+           "headlab_register_metrics", "headlab_register_models", "headlab_register_steering",
+           "headlab_register_tasks", "hookimpl", "hookspec"]
+
 hookspec = pluggy.HookspecMarker("headlab")
 hookimpl = pluggy.HookimplMarker("headlab")
 

@@ -41,6 +41,9 @@ from . import hookspecs
 from .config import ComponentConfig
 from .version import __version__
 
+__all__ = ["CATEGORIES", "Category", "Component", "PluginError", "PluginInfo", "component", "get_manager",
+           "plugins_for_workers", "register_plugin", "register_worker_plugins", "unregister_plugin"]
+
 GROUP = "headlab"
 BUILTIN_PACKAGE = f"{GROUP}.plugins"
 """The package whose modules are headlab's own plugins, registered through the same hooks as third parties."""

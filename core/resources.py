@@ -34,6 +34,9 @@ from pydantic import BaseModel
 
 from .spec import parse_size
 
+__all__ = ["Budget", "Estimate", "EstimateContext", "ResourceLimitError", "TaskSize", "budget", "check",
+           "estimates", "format_bytes"]
+
 ENV = "HEADLAB_MEMORY_LIMIT"
 """Environment variable holding the memory budget (bytes or e.g. ``8GiB``; ``none`` disables the guard)."""
 DEFAULT_FRACTION = 0.8

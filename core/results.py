@@ -34,6 +34,8 @@ import zarr
 
 from .version import __version__
 
+__all__ = ["FORMAT", "Run", "RunDamaged", "RunFormatTooNew", "RunNotFound", "RunWriter", "list_runs", "open_run"]
+
 FORMAT = "headlab-run/1"
 CREATING = ".creating"
 """Suffix of the temporary directory a run store is built in before it is renamed into place."""

@@ -38,13 +38,17 @@ from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
 
 from . import resources
-from .context import Example, Reporter, StepContext, TaskContext
+from .context import Example, Reporter, StepContext
 from .dims import DIMENSIONS
 from .errors import StepError, step_error
 from .model import LoadedModel, ModelLoadError, load_model
 from .plugin_manager import get_manager, plugins_for_workers, register_worker_plugins
 from .results import Run, RunWriter, is_url, now, open_run, store_location
+from .scoring import build_examples
 from .spec import Cell, LoadedSpec, load_spec
+
+__all__ = ["CellError", "CellFailure", "CellResult", "CellTask", "Job", "ModelCache", "build_examples", "execute_cell",
+           "run"]
 
 PREFLIGHT_CELLS = 4096
 """Cells checked against the model and the resource budget before a run starts (each is checked again before
@@ -100,16 +104,6 @@ def _seed(seed: int) -> None:
     np.random.seed(seed % (2**32))
 
 
-def build_examples(task_cfg: Any, lm: LoadedModel, seed: int) -> list[Example]:
-    """Examples of a task config, through its plugin."""
-    comp = get_manager().get("tasks", task_cfg.kind)
-    vocab = int(getattr(lm.model.config.get_text_config(), "vocab_size", 0) or 0)
-    examples = comp.impl(task_cfg, TaskContext(tokenizer=lm.tokenizer, seed=seed, vocab_size=vocab))
-    if not examples:
-        raise ValueError(f"task '{task_cfg.kind}' produced no examples")
-    return examples
-
-
 def examples_dataset(examples: list[Example], lm: LoadedModel) -> xr.Dataset:
     """The inputs a step saw: prompts, targets, token ids (right-padded with -1), meta as coordinates."""
     ids = []
@@ -141,54 +135,6 @@ def examples_dataset(examples: list[Example], lm: LoadedModel) -> xr.Dataset:
             ds = ds.assign_coords({key: ("example", np.array(values, dtype=object if
                                                              isinstance(values[0], str) else None))})
     return ds.assign_coords(example=np.arange(len(examples)), token=np.arange(n))
-
-
-def decode_info(parts: list[tuple[dict[str, Any], list[int]]], geometry: Any,
-                ) -> tuple[dict[str, xr.DataArray], dict[str, Any]]:
-    """The arrays and attributes a ``generate`` step stores from its batches' ``Decoded.info``.
-
-    A public helper of core, not of one action: it is the storage convention of the ``Decoded.info``
-    contract (:class:`headlab.generation.Decoded`), so any action that decodes (the built-in ``generate``,
-    or a third party's) stores a strategy's diagnostics the same way.
-
-    ``parts``: per batch, ``(info, generated length per row)``. Per-step values (a list over steps of
-    per-row values) become ``(example, step)`` arrays, kept up to each row's last token (the step that
-    chose EOS included); ``heads`` becomes the boolean ``(layer, head)`` array ``decode_heads``; other
-    values equal in every batch become attributes ``decode_<key>``.
-    """
-    arrays: dict[str, xr.DataArray] = {}
-    attrs: dict[str, Any] = {}
-    if not parts:
-        return arrays, attrs
-    keys = [k for k in parts[0][0] if all(k in info for info, _ in parts)]
-    for key in keys:
-        values = [info[key] for info, _ in parts]
-        if key == "heads":
-            mask = np.zeros((geometry.n_layers, geometry.n_heads), dtype=bool)
-            for layer, head in {(int(a), int(b)) for v in values for a, b in v}:
-                mask[layer, head] = True
-            arrays["decode_heads"] = xr.DataArray(mask, dims=("layer", "head"), coords={
-                "layer": np.arange(geometry.n_layers), "head": np.arange(geometry.n_heads)})
-        elif all(_per_step(v, len(n)) for v, (_, n) in zip(values, parts, strict=True)):
-            rows = [[step[r] for step in v] for v, (_, n) in zip(values, parts, strict=True) for r in range(len(n))]
-            lengths = [k for _, n in parts for k in n]
-            width = max((len(r) for r in rows), default=0)
-            ints = all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for r in rows for x in r)
-            arr = np.full((len(rows), width), -1 if ints else np.nan, dtype=np.int64 if ints else float)
-            for i, (row, k) in enumerate(zip(rows, lengths, strict=True)):
-                keep = min(len(row), k + 1)
-                arr[i, :keep] = row[:keep]
-            arrays[key] = xr.DataArray(arr, dims=("example", "step"))
-        elif all(v == values[0] for v in values):
-            try:
-                attrs[f"decode_{key}"] = json.loads(json.dumps(values[0]))
-            except TypeError:
-                continue
-    return arrays, attrs
-
-
-def _per_step(value: Any, rows: int) -> bool:
-    return isinstance(value, list) and all(isinstance(step, list) and len(step) == rows for step in value)
 
 
 def run_cell(loaded: LoadedSpec, cell: Cell, models: ModelCache, reporter: Reporter | None = None,

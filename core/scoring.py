@@ -22,11 +22,11 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .context import Example, StepContext
+from .context import Example, StepContext, TaskContext
 from .generation import Batch, Decoded, DecodeRequest, Scored, ScoreRequest, continuation_batch, tokenize
 from .model import LoadedModel
 
-__all__ = ["as_model", "component", "generate", "logprobs", "metric_values", "steering_plan"]
+__all__ = ["as_model", "build_examples", "component", "generate", "logprobs", "metric_values", "steering_plan"]
 
 Text = str | Example | Sequence[int]
 
@@ -76,6 +76,19 @@ def component(category: str, value: Any) -> Any:
         err = e.errors()[0]
         where = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("function-", "tagged-union")))
         raise ValueError(f"{category} config {dict(value)!r}: {where + ': ' if where else ''}{err['msg']}") from None
+
+
+def build_examples(task: Any, lm: LoadedModel, seed: int) -> list[Example]:
+    """The examples of a task config (``task.kind`` a registered task), built by its plugin for ``lm``'s
+    tokenizer and vocabulary as a run builds a step's task; an empty task is a ``ValueError``."""
+    from .plugin_manager import get_manager
+
+    comp = get_manager().get("tasks", task.kind)
+    vocab = int(getattr(lm.model.config.get_text_config(), "vocab_size", 0) or 0)
+    examples = comp.impl(task, TaskContext(tokenizer=lm.tokenizer, seed=seed, vocab_size=vocab))
+    if not examples:
+        raise ValueError(f"task '{task.kind}' produced no examples")
+    return examples
 
 
 def metric_values(config: Any, examples: Sequence[Example], outputs: Sequence[str]) -> dict[str, Any]:

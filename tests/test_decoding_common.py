@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from headlab.context import Example
-from headlab.generation import decode_loop, tokenize
+from headlab.generation import PromptSplit, Rows, decode_loop, tokenize
 from headlab.instrument import Plan, instrument
 from headlab.model import LoadedModel
 
@@ -139,13 +139,13 @@ def test_decode_loop_copies_and_split_prompt_keep_greedy(lm):
         return out.logits[:B, -1].argmax(-1)
 
     plain = decode_loop(req, greedy)
-    rows = (req.batch.input_ids.repeat(3, 1), req.batch.attention_mask.repeat(3, 1))
+    rows = Rows(req.batch.input_ids.repeat(3, 1), req.batch.attention_mask.repeat(3, 1))
     calls = []
-    copies = decode_loop(req, greedy, rows=rows, split_prompt=lambda: calls.append(1))
+    copies = decode_loop(req, greedy, rows=rows, split=PromptSplit(then=lambda: calls.append(1)))
     assert copies.tokens == plain.tokens and calls == [1]
     assert len({tuple(t) for t in plain.tokens}) > 1  # the model is not degenerate
     with pytest.raises(ValueError, match="multiple"):
-        decode_loop(req, greedy, rows=(rows[0][:4], rows[1][:4]))
+        decode_loop(req, greedy, rows=Rows(rows.input_ids[:4], rows.attention_mask[:4]))
 
 
 def test_sampling_selection_is_seeded(lm):

@@ -108,3 +108,109 @@ def test_decoder_example(plugin, tmp_path):
 def test_metric_example(plugin, tmp_path):
     ds = run([{"id": "g", "generate": {"max_new_tokens": 4, "metrics": ["characters"]}}], tmp_path).results["g"]
     assert ds["characters"].values.tolist() == [float(len(o)) for o in ds["output"].values]
+
+
+# --------------------------------------------------------------------------- "Utilities for plugins"
+UTILITIES = ("forward", "instrumented", "decoding", "anatomy", "component", "heads", "text")
+PROMPTS = [("The key is 42. What is the key? It is", "42"), ("A cat sat on the mat. Where did the cat sit?", "mat")]
+
+
+def utilities() -> dict[str, str]:
+    """The ```python blocks of docs/plugins.md that start with ``# utility: <name>``."""
+    return dict(re.findall(r"```python\n# utility: (\w+)\n(.*?)```", DOC.read_text(), flags=re.S))
+
+
+@pytest.fixture(scope="module")
+def utility_run():
+    """Run every utility block with ``lm`` (headlab-tiny) and ``examples``; name -> the block's namespace."""
+    lm = load_model(ModelSpec(id="headlab-tiny", device="cpu"))
+    examples = [headlab.Example(prompt=p, target=t) for p, t in PROMPTS]
+    out = {}
+    for name, code in utilities().items():
+        module = types.ModuleType(f"docs_utility_{name}")
+        sys.modules[module.__name__] = module  # pydantic resolves a config's annotations there
+        module.__dict__.update(lm=lm, examples=examples)
+        exec(compile(code, f"docs/plugins.md (utility {name})", "exec"), module.__dict__)  # noqa: S102
+        out[name] = module.__dict__
+    yield lm, examples, out
+    for name in out:
+        sys.modules.pop(f"docs_utility_{name}")
+
+
+def test_every_utility_has_an_example():
+    assert tuple(utilities()) == UTILITIES
+
+
+def test_forward_and_instrumented_examples_agree_with_a_plain_forward(utility_run):
+    lm, examples, ns = utility_run
+    batch = headlab.tokenize(lm, examples)
+    with torch.no_grad():
+        logits = lm.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                          position_ids=headlab.positions_from_mask(batch.attention_mask)).logits
+    assert torch.equal(ns["forward"]["next_token"], logits[:, -1].argmax(-1))
+    top_key = ns["forward"]["top_key"]
+    assert top_key.dims == ("example", "layer", "head", "query")
+    assert top_key.shape[:3] == (len(examples), lm.geometry.n_layers, lm.geometry.n_heads)
+    np.testing.assert_array_equal(ns["instrumented"]["top_key_again"].values, top_key.values)
+    last = top_key.isel(query=-1).values                     # a key at or before the query: causal
+    assert (last >= 0).all() and (last <= batch.length - 1).all()
+
+
+def test_decoding_example_is_a_penalised_greedy_loop(utility_run):
+    """The example's decoder (batched, KV cache) == a loop without cache over each prompt alone that applies
+    the penalty by hand; penalty 1 is greedy decoding."""
+    lm, examples, ns = utility_run
+
+    def by_hand(example: headlab.Example, penalty: float, steps: int) -> list[int]:
+        ids = headlab.tokenize(lm, [example]).input_ids[0].tolist()
+        out: list[int] = []
+        for _ in range(steps):
+            with torch.no_grad():
+                logits = lm.model(input_ids=torch.tensor([ids + out])).logits[0, -1].float()
+            seen = torch.tensor(sorted(set(ids + out)))
+            logits[seen] = torch.where(logits[seen] > 0, logits[seen] / penalty, logits[seen] * penalty)
+            token = int(logits.argmax())
+            if token in lm.eos_ids:
+                break
+            out.append(token)
+        return out
+
+    assert ns["decoding"]["decoded"].tokens == [by_hand(ex, 1.3, 5) for ex in examples]
+    plain = ns["decoding"]["decode"](ns["decoding"]["PenalisedGreedy"](penalty=1.0),
+                                     headlab.generation.DecodeRequest(lm, headlab.tokenize(lm, examples), 5))
+    assert plain.tokens == [by_hand(ex, 1.0, 5) for ex in examples]
+    assert plain.tokens != ns["decoding"]["decoded"].tokens  # the penalty changes something here
+
+
+def test_anatomy_example_is_each_heads_ov_norm(utility_run):
+    lm, _, ns = utility_run
+    attn = lm.attention_module(0)
+    geo = lm.geometry
+    d = geo.head_dim
+    W_V = attn.v_proj.weight.T.reshape(-1, geo.n_kv_heads, d)             # (d_model, kv_head, d_head)
+    W_O = attn.o_proj.weight.T.reshape(geo.n_heads, d, -1)                 # (head, d_head, d_model)
+    group = geo.n_heads // geo.n_kv_heads
+    expected = torch.stack([torch.linalg.matrix_norm(W_V[:, h // group] @ W_O[h]) for h in range(geo.n_heads)])
+    torch.testing.assert_close(ns["anatomy"]["ov_norm"], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_component_example_is_rouge1_recall(utility_run):
+    from headlab.text import rouge1
+
+    _, examples, ns = utility_run
+    expected = [rouge1(ex.target, f"it is {ex.target}", stemmer=True)[1] for ex in examples]
+    assert list(ns["component"]["values"]) == expected == [1.0, 1.0]
+
+
+def test_heads_example(utility_run):
+    lm, _, ns = utility_run
+    top, controls, score = ns["heads"]["top"], ns["heads"]["controls"], ns["heads"]["score"]
+    assert score.dims == ("layer", "head") and len(controls) == len(top) == 2
+    assert not set(top) & set(controls)
+    assert float(score.sel(layer=top[0][0], head=top[0][1])) == float(score.max())
+    assert sorted((int(layer), h) for layer, heads in ns["heads"]["pasta"].items() for h in heads) == sorted(top)
+
+
+def test_text_example(utility_run):
+    _, _, ns = utility_run
+    assert ns["text"]["recall"] == 1.0 and ns["text"]["precision"] == pytest.approx(4 / 6)

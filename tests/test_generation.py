@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from headlab.context import Example
-from headlab.generation import DecodeRequest, DecodeState, decode_loop, tokenize
+from headlab.generation import DecodeRequest, DecodeState, ModelCall, PromptSplit, Rows, decode_loop, tokenize
 from headlab.model import LoadedModel, load_model
 from headlab.spec import ModelSpec
 
@@ -116,7 +116,7 @@ def test_dropping_finished_rows_keeps_outputs(lm, copies):
     results = []
     for drop in (False, True):
         state = DecodeState(DecodeRequest(lm, batch, 8, stop), rows, drop_finished=drop)
-        out = decode_loop(state, greedy, split_prompt=lambda: None,
+        out = decode_loop(state, greedy, split=PromptSplit(),
                           on_step=lambda s: seen.append(s.rows.tolist()))
         results.append((state, out))
     (a, da), (b, db) = results
@@ -130,7 +130,7 @@ def test_dropping_finished_rows_keeps_outputs(lm, copies):
 
 
 def test_hooks_see_every_step(lm):
-    """``around_forward`` wraps each step's model call (not the split prefill); ``on_step`` follows it once
+    """``ModelCall.around`` wraps each step's model call (not the split prefill); ``on_step`` follows it once
     the step's tokens are recorded; ``choose`` gets the state."""
     batch = tokenize(lm, [Example(prompt=p) for p in PROMPTS[:2]])
     events: list[tuple[str, int]] = []
@@ -145,9 +145,9 @@ def test_hooks_see_every_step(lm):
         assert state.outputs is out and state.cache is out.cache
         return out.logits[:, -1].argmax(-1)
 
-    for split in (None, lambda: events.append(("split", -1))):
+    for split in (None, PromptSplit(then=lambda: events.append(("split", -1)))):
         events.clear()
-        decode_loop(DecodeRequest(lm, batch, 3, []), choose, split_prompt=split, around_forward=around,
+        decode_loop(DecodeRequest(lm, batch, 3, []), choose, split=split, call=ModelCall(around=around),
                     on_step=lambda s: events.append(("step", s.step)))
         head = [("split", -1)] if split else []
         assert events == head + [e for t in range(3) for e in (("forward", t), ("choose", t), ("step", t + 1))]
@@ -158,12 +158,14 @@ def test_options_that_do_not_combine(lm):
 
     batch = tokenize(lm, [Example(prompt=p) for p in PROMPTS[:2]])
     with pytest.raises(ValueError, match="plan"):
-        decode_loop(DecodeRequest(lm, batch, 2, [], Plan().mask_heads([(0, 0)])), greedy, drop_finished=True)
+        decode_loop(DecodeRequest(lm, batch, 2, [], Plan().mask_heads([(0, 0)])), greedy, rows=Rows(drop_finished=True))
     with pytest.raises(ValueError, match="multiple"):
-        decode_loop(DecodeRequest(lm, batch, 2), greedy, rows=(batch.input_ids[:1], batch.attention_mask[:1]))
+        decode_loop(DecodeRequest(lm, batch, 2), greedy, rows=Rows(batch.input_ids[:1], batch.attention_mask[:1]))
     state = DecodeState(DecodeRequest(lm, batch, 2))
     with pytest.raises(ValueError, match="DecodeState"):
-        decode_loop(state, greedy, drop_finished=True)
+        decode_loop(state, greedy, rows=Rows(drop_finished=True))
+    with pytest.raises(ValueError, match="together"):
+        Rows(input_ids=batch.input_ids)
 
 
 def test_pad_and_eos_ids_of_the_loaded_model(lm):

@@ -198,8 +198,8 @@ def test_generate_stores_the_strategy_diagnostics(tmp_path):
 
 
 def test_decode_info_pads_rows_after_their_last_token():
+    from headlab.generation import decode_info
     from headlab.model import Geometry
-    from headlab.runner import decode_info
 
     geo = Geometry(n_layers=2, n_heads=3, n_kv_heads=3, head_dim=4)
     parts = [({"alpha": [[0.1, 0.2], [0.3, 0.4], [0.5, 0.6]], "layer": [[1, 1], [0, 1], [1, 0]],

@@ -23,6 +23,9 @@ import xarray as xr
 from ..heads import ranked
 from ..results import Run, list_runs, open_run
 
+__all__ = ["Compare", "RunBrowser", "diff_html", "generation_columns", "generation_table", "generations_html",
+           "metric_table", "side_by_side", "top_heads_table"]
+
 
 def _as_run(run: Run | str | Path) -> Run:
     return run if isinstance(run, Run) else open_run(run)

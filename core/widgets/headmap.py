@@ -24,6 +24,8 @@ from ..svg import NAN_COLOR, PALETTE, heatmap_svg
 
 __all__ = ["HeadMap", "as_head_scores", "spec_fragment"]
 
+__all__ = ["HeadMap", "as_head_scores", "spec_fragment"]
+
 _ESM = """
 const PALETTE = %PALETTE%;
 const NAN = "%NAN%";

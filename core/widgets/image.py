@@ -21,6 +21,8 @@ import traitlets
 from ..image_attention import image_array, png_data_uri, resize_image
 from .js import PRELUDE
 
+__all__ = ["ImagePatchView"]
+
 _ESM = PRELUDE + """
 function fmt(v) { return (v === null || v === undefined || !isFinite(v)) ? "n/a" : Number(v).toPrecision(4); }
 export default {

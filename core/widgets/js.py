@@ -7,6 +7,8 @@ from ..svg import PALETTE
 __all__ = ["PRELUDE"]
 
 #: the viridis palette, a colour for a value in ``[0, hi]``, the top of a value range and an element maker
+__all__ = ["PRELUDE"]
+
 PRELUDE = """
 const PALETTE = %PALETTE%;
 function colour(v, hi) {

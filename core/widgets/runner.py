@@ -23,6 +23,8 @@ from ..context import Reporter
 from ..results import Run, list_runs
 from ..spec import LoadedSpec, SpecError
 
+__all__ = ["SpecRunner", "WidgetReporter", "error_html"]
+
 
 class WidgetReporter(Reporter):
     """Progress of a run on two ipywidgets progress bars: ``cells`` and the current step.

@@ -5,9 +5,9 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from headlab import scoring
+from headlab import Plan
 from headlab.generation import Batch
-from headlab.instrument import Plan
+from headlab.scoring import steering_plan as core_steering_plan
 from headlab.spec import PositiveInt, SpecTypes, StrictModel
 
 
@@ -42,4 +42,4 @@ def decoding_config(types: SpecTypes) -> type[StrictModel]:
 def steering_plan(steer: list[Any], ctx: Any, batch: Batch) -> tuple[Plan | None, list[Callable[[], Any]]]:
     """The instrumentation plan of the steering methods ``steer`` for ``batch`` (None without any), and
     the reports they returned (called once the batch is generated): :func:`headlab.scoring.steering_plan`."""
-    return scoring.steering_plan(steer, ctx, batch)
+    return core_steering_plan(steer, ctx, batch)

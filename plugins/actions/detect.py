@@ -4,8 +4,7 @@ from typing import Any
 
 import xarray as xr
 
-from headlab import StepContext, component, hookimpl
-from headlab.errors import ContractError
+from headlab import ContractError, StepContext, component, hookimpl
 from headlab.spec import SpecTypes
 
 

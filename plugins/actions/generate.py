@@ -2,7 +2,7 @@
 
 Stored: ``output`` (the text, over ``example``), ``output_ids`` (the generated token ids over ``example,
 step``, -1 after a row's last token; special tokens kept, EOS not included), one variable per metric, the
-decoder's diagnostics (:func:`headlab.runner.decode_info`) and the steering methods' reports."""
+decoder's diagnostics (:func:`headlab.generation.decode_info`) and the steering methods' reports."""
 
 from typing import Annotated, Any
 
@@ -10,12 +10,9 @@ import numpy as np
 import xarray as xr
 from pydantic import BeforeValidator, Field
 
-from headlab import StepContext, component, hookimpl
-from headlab.errors import ContractError
-from headlab.generation import Decoded, DecodeRequest, tokenize
-from headlab.image_attention import attention_preview
+from headlab import ContractError, StepContext, attention_preview, component, hookimpl
+from headlab.generation import Decoded, DecodeRequest, decode_info, tokenize
 from headlab.resources import Estimate, EstimateContext
-from headlab.runner import decode_info
 from headlab.scoring import metric_values
 from headlab.spec import NonEmptyStr, PositiveInt, SpecTypes, StrictModel
 

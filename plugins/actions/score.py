@@ -11,8 +11,7 @@ import numpy as np
 import xarray as xr
 from pydantic import BeforeValidator, Field
 
-from headlab import StepContext, component, hookimpl
-from headlab.errors import ContractError
+from headlab import ContractError, StepContext, component, hookimpl
 from headlab.generation import Scored, ScoreRequest, continuation_batch
 from headlab.resources import Estimate, EstimateContext
 from headlab.spec import SpecTypes, StrictModel

@@ -29,12 +29,14 @@ from typing import Annotated, Any, Literal
 import torch
 from pydantic import BeforeValidator, Field
 
-from headlab import Example, forward, hookimpl
+from headlab import Example, LoadedModel, forward, hookimpl, load_model
 from headlab.decoding import Selection, generator_for, pad_id_of, pick, predicting, score_forward, stack_left
 from headlab.generation import (
     Decoded,
     DecodeRequest,
     DecodeState,
+    ModelCall,
+    Rows,
     Scored,
     ScoreRequest,
     continuation_batch,
@@ -42,7 +44,6 @@ from headlab.generation import (
     sum_continuation,
     tokenize,
 )
-from headlab.model import LoadedModel, load_model
 from headlab.spec import FiniteFloat, ModelSpec, NonNegativeFloat, PositiveFloat, Probability
 
 
@@ -119,7 +120,7 @@ def contrastive(config: Contrastive, request: DecodeRequest) -> Decoded:
         scores = contrastive_scores(config, out.logits[:, -1], out.amateur_logits[:, -1])
         return pick(scores, config, gen)
 
-    return decode_loop(request, choose, forward=_pair_forward(request.lm.model, amateur.model))
+    return decode_loop(request, choose, call=ModelCall(forward=_pair_forward(request.lm.model, amateur.model)))
 
 
 def score_contrastive(config: Contrastive, request: ScoreRequest) -> Scored:
@@ -188,7 +189,7 @@ def cad(config: CAD, request: DecodeRequest) -> Decoded:
         scores = (1 + config.alpha) * logits[:B] - config.alpha * logits[B:]
         return pick(scores, config, gen)
 
-    return decode_loop(dataclasses.replace(request, plan=plan), choose, rows=rows)
+    return decode_loop(dataclasses.replace(request, plan=plan), choose, rows=Rows(*rows))
 
 
 def score_cad(config: CAD, request: ScoreRequest) -> Scored:

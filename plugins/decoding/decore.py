@@ -38,18 +38,19 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from headlab import hookimpl
+from headlab import Plan, hookimpl, shared_trunk
 from headlab.decoding import Selection, generator_for, pick, predicting, score_forward
 from headlab.generation import (
     Decoded,
     DecodeRequest,
     DecodeState,
+    PromptSplit,
+    Rows,
     Scored,
     ScoreRequest,
     decode_loop,
     sum_continuation,
 )
-from headlab.instrument import Plan, shared_trunk
 from headlab.spec import HeadSelection, NonNegativeFloat, PositiveFloat, Seed
 
 from .common import entropy_alpha
@@ -126,10 +127,11 @@ def decore(config: DeCoRe, request: DecodeRequest) -> Decoded:
 
     split = None
     if config.prefix == "reference":
-        split = add_mask
+        split = PromptSplit(then=add_mask)
     else:
         add_mask()
-    rows = (request.batch.input_ids.repeat(2, 1), request.batch.attention_mask.repeat(2, 1))
+    rows = Rows(request.batch.input_ids.repeat(2, 1), request.batch.attention_mask.repeat(2, 1),
+                shared_until=trunk_layer(config, heads, plan))
     gen = generator_for(request, config)
     alphas: list[list[float]] = []
 
@@ -139,8 +141,7 @@ def decore(config: DeCoRe, request: DecodeRequest) -> Decoded:
         alphas.append(a.tolist())
         return pick(scores, config, gen)
 
-    result = decode_loop(dataclasses.replace(request, plan=plan), choose, rows=rows, split_prompt=split,
-                         shared_until=trunk_layer(config, heads, plan))
+    result = decode_loop(dataclasses.replace(request, plan=plan), choose, rows=rows, split=split)
     result.info.update(alpha=alphas, heads=heads)
     return result
 

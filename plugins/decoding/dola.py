@@ -39,6 +39,7 @@ from headlab.generation import (
     Decoded,
     DecodeRequest,
     DecodeState,
+    ModelCall,
     Scored,
     ScoreRequest,
     decode_loop,
@@ -188,7 +189,7 @@ def dola(config: DoLa, request: DecodeRequest) -> Decoded:
         scores = seen.penalise(scores, state.generated, config.repetition_penalty)
         return pick(scores, config, gen)
 
-    result = decode_loop(request, choose, forward_kwargs={"output_hidden_states": True})
+    result = decode_loop(request, choose, call=ModelCall(kwargs={"output_hidden_states": True}))
     result.info["premature_layer"] = chosen
     result.info["candidate_layers"] = contrast.layers
     return result

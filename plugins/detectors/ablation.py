@@ -30,10 +30,20 @@ import numpy as np
 import xarray as xr
 from pydantic import Field, model_validator
 
-from headlab import ComponentConfig, Example, HeadSelection, PluginError, StepContext, component, hookimpl
-from headlab.generation import DecodeRequest, decode_loop, tokenize
-from headlab.heads import draw_like
-from headlab.model import Geometry, LoadedModel
+from headlab import (
+    ComponentConfig,
+    Example,
+    Geometry,
+    HeadSelection,
+    LoadedModel,
+    Plan,
+    PluginError,
+    StepContext,
+    component,
+    draw_like,
+    hookimpl,
+)
+from headlab.generation import DecodeRequest, PromptSplit, decode_loop, tokenize
 from headlab.resources import Estimate, EstimateContext
 from headlab.spec import NonEmptyStr, NonNegativeFloat, NonNegativeInt, PositiveInt, Seed
 
@@ -107,8 +117,6 @@ def ablate(lm: LoadedModel, examples: list[Example], conditions: list[list[Head]
     prefills the prompt minus its last token unmasked and masks from the last prompt token on (DeCoRe's
     reference masked branch), so the masks act on the queries that produce the answer only.
     """
-    from headlab.instrument import Plan
-
     lengths = [len(ex.input_ids) if ex.input_ids is not None else len(lm.tokenizer(ex.prompt)["input_ids"])
                for ex in examples]
     per_batch = max(1, batch_size // len(conditions))  # examples per batch, all their conditions together
@@ -132,7 +140,7 @@ def ablate(lm: LoadedModel, examples: list[Example], conditions: list[list[Head]
             texts = decode_loop(request, greedy).texts
         else:
             request = DecodeRequest(lm, batch, max_new_tokens, list(stop or []), plan)
-            texts = decode_loop(request, greedy, split_prompt=add_masks).texts
+            texts = decode_loop(request, greedy, split=PromptSplit(then=add_masks)).texts
         for (i, c), text in zip(chunk, texts, strict=True):
             outputs[c][i] = text
     return outputs

@@ -35,10 +35,9 @@ import torch
 import xarray as xr
 from pydantic import Field
 
-from headlab import ComponentConfig, Example, StepContext, hookimpl
+from headlab import ComponentConfig, Example, LoadedModel, Probes, StepContext, hookimpl
 from headlab.dims import head_array
 from headlab.generation import tokenize
-from headlab.model import LoadedModel
 from headlab.resources import Estimate, EstimateContext
 from headlab.spec import NonEmptyStr, NonNegativeFloat, NonNegativeInt, PositiveInt
 
@@ -72,8 +71,6 @@ def lookback_ratios(lm: LoadedModel, examples: Sequence[Example], *, context: st
                     batch_size: int = 8, length_slack: float = 0.125,
                     progress: Any = None) -> tuple[np.ndarray, list[str]]:
     """Lookback ratios ``(example, step, layer, head)`` (NaN past each output) and the outputs."""
-    from headlab.instrument import Probes
-
     geo = lm.geometry
     per: list[np.ndarray] = [np.zeros((0, geo.n_layers, geo.n_heads))] * len(examples)
     texts = [""] * len(examples)

@@ -44,12 +44,34 @@ import torch
 import xarray as xr
 from pydantic import Field
 
-from headlab import ComponentConfig, Example, StepContext, hookimpl
-from headlab.generation import Batch, tokenize
-from headlab.heads import from_retrieval_json, to_retrieval_json
-from headlab.model import Geometry, LoadedModel
+from headlab import (
+    ComponentConfig,
+    Example,
+    Geometry,
+    LoadedModel,
+    Plan,
+    Probes,
+    StepContext,
+    from_retrieval_json,
+    hookimpl,
+    instrumented,
+    span_tensor,
+    to_retrieval_json,
+)
+from headlab.dims import head_array
+from headlab.generation import (
+    Batch,
+    DecodeRequest,
+    DecodeState,
+    ModelCall,
+    PromptSplit,
+    decode_loop,
+    prefill,
+    tokenize,
+)
 from headlab.resources import Estimate, EstimateContext
 from headlab.spec import FiniteFloat, NonEmptyStr, NonNegativeFloat, PositiveInt, Probability
+from headlab.text import rouge1
 
 __all__ = [
     "ProbeDecode",
@@ -135,12 +157,8 @@ def probe_decode(lm: LoadedModel, batch: Batch, probes: Any, max_new_tokens: int
     import contextlib
     import dataclasses
 
-    from headlab.generation import DecodeRequest, DecodeState, decode_loop, prefill
-    from headlab.instrument import Plan, instrument, span_tensor
-
     if batch.length < 2:
         raise ValueError("probe_decode needs prompts of at least 2 tokens")
-    model = lm.model
     B = batch.size
     spans = None if probes.spans is None else span_tensor(probes.spans, B, batch.input_ids.device)
     store: dict[str, torch.Tensor] = {}
@@ -149,7 +167,7 @@ def probe_decode(lm: LoadedModel, batch: Batch, probes: Any, max_new_tokens: int
     def probed(state: DecodeState):
         rows = state.rows
         step_probes = probes if spans is None else dataclasses.replace(probes, spans=spans[rows])
-        with instrument(model, Plan(probes=step_probes)) as rec:
+        with instrumented(lm, Plan(probes=step_probes)) as rec:
             yield
         for name, value in rec.as_dict().items():  # (rows, layer, head, 1, ...) -> step t of the rows
             if name not in store:
@@ -159,8 +177,8 @@ def probe_decode(lm: LoadedModel, batch: Batch, probes: Any, max_new_tokens: int
             store[name][rows.to(value.device), :, :, state.step] = value[:, :, :, -1]
 
     state = DecodeState(DecodeRequest(lm, batch, max_new_tokens, list(stop)), drop_finished=True)
-    decoded = decode_loop(state, lambda out, _: out.logits[:, -1].argmax(-1), prefill=prefill,
-                          around_forward=probed)
+    decoded = decode_loop(state, lambda out, _: out.logits[:, -1].argmax(-1), split=PromptSplit(cache=prefill),
+                          call=ModelCall(around=probed))
     steps = state.step
     rec = StepRecords({name: value[:, :, :, :steps] for name, value in store.items()})
     return ProbeDecode(state.generated, state.active, rec, decoded.texts, decoded.tokens)
@@ -206,8 +224,6 @@ def retrieval_scores(lm: LoadedModel, examples: Sequence[Example], *, span: str 
     Examples are decoded up to ``batch_size`` at a time, grouped by prompt length (:func:`length_batches`;
     results come back in the examples' order). ``progress(iterable, description)`` wraps the batch loop when given.
     """
-    from headlab.instrument import Probes
-
     geo = lm.geometry
     for i, ex in enumerate(examples):
         if not ex.spans.get(span):
@@ -258,8 +274,6 @@ def _reference_text(ex: Example, which: str, span: str, i: int) -> str:
 
 
 def _dataset(per_example: np.ndarray, retrieved: np.ndarray, geo: Geometry) -> xr.Dataset:
-    from headlab.dims import head_array
-
     kept = per_example[retrieved]
     mean = kept.mean(0) if len(kept) else np.zeros(per_example.shape[1:])
     return xr.Dataset({"score": head_array(mean),
@@ -269,8 +283,6 @@ def _dataset(per_example: np.ndarray, retrieved: np.ndarray, geo: Geometry) -> x
 
 def detect(config: Retrieval, ctx: StepContext) -> xr.Dataset:
     """The ``retrieval`` detector (see the module docstring)."""
-    from headlab.plugins.metrics.rouge import rouge1
-
     geo = ctx.model.geometry
     if config.load is not None:
         ds = read_retrieval_json(config.load, geo)
@@ -325,8 +337,6 @@ def read_retrieval_json(path: str | Path, geometry: Geometry | None = None) -> x
     Heads missing from the file score 0. ``geometry`` (the model's) fixes the array shape and checks
     that every head of the file exists; without it the shape is the largest layer/head in the file.
     """
-    from headlab.dims import head_array
-
     data = json.loads(Path(path).read_text())
     if not isinstance(data, dict) or not all("-" in str(k) for k in data):
         raise ValueError(f"{path}: not a retrieval-head JSON file ({{\"<layer>-<head>\": [scores]}})")

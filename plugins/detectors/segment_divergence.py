@@ -30,10 +30,18 @@ import torch
 import xarray as xr
 from pydantic import Field
 
-from headlab import ComponentConfig, Plan, Probes, StepContext, forward, hookimpl, positions_from_mask
+from headlab import (
+    ComponentConfig,
+    Plan,
+    Probes,
+    StepContext,
+    attention_preview,
+    forward,
+    hookimpl,
+    positions_from_mask,
+)
 from headlab.dims import head_array
 from headlab.generation import tokenize
-from headlab.image_attention import attention_preview
 from headlab.resources import Estimate, EstimateContext
 from headlab.spec import NonEmptyStr, PositiveInt
 

@@ -49,7 +49,7 @@ import numpy as np
 from pydantic import Field
 
 from headlab import ComponentConfig, Example, hookimpl
-from headlab.plugins.tasks.shapes import COLOURS, SHAPES, plural
+from headlab.text import COLOURS, SHAPES, plural
 
 __all__ = [
     "PopeMetric", "pope", "pope_aggregate", "pope_answer", "Chair", "chair", "chair_aggregate", "default_synonyms",

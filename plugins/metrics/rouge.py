@@ -1,24 +1,13 @@
 """ROUGE metrics: ``needle_recall`` (ROUGE-1 recall, the retrieval-head success test) and ``rouge_l``.
 
-The scores are exactly those of Google's ``rouge-score`` package (``rouge_scorer.RougeScorer``),
-which the reference code of the retrieval-head paper (docs/methods.md#retrieval-score) and the XSum
-evaluations use; the tests compare against it. Tokenisation as in ``rouge_score.tokenize``: lower
-case, every run of characters other than ``a-z0-9`` is a separator (so non-ASCII letters split
-words), and with ``stemmer: true`` tokens longer than 3 characters are reduced by NLTK's Porter
-stemmer (installed with ``rouge-score``).
-
-- ROUGE-1: ``overlap = sum_w min(count_ref(w), count_out(w))``; recall ``= overlap / |ref|``,
-  precision ``= overlap / |out|`` (0 when a side is empty), F1 their harmonic mean.
-- ROUGE-L: ``lcs = LCS(ref, out)`` on tokens; recall ``= lcs / |ref|``, precision ``= lcs / |out|``,
-  F1 their harmonic mean; all 0 when either side is empty.
+The scores are those of :mod:`headlab.text` (:func:`~headlab.text.rouge1`, :func:`~headlab.text.rouge_l`),
+exactly those of Google's ``rouge-score`` package (``rouge_scorer.RougeScorer``), which the reference code
+of the retrieval-head paper (docs/methods.md#retrieval-score) and the XSum evaluations use; the tests
+compare against it. See :mod:`headlab.text` for the tokenisation and the formulas.
 """
 
 from __future__ import annotations
 
-import functools
-import re
-from collections import Counter
-from collections.abc import Sequence
 from typing import Literal
 
 import numpy as np
@@ -26,66 +15,10 @@ from pydantic import Field
 
 from headlab import ComponentConfig, Example, hookimpl
 from headlab.spec import Probability
+from headlab.text import lcs_length, rouge1, rouge_l, rouge_tokens
 
-_NON_ALNUM = re.compile(r"[^a-z0-9]+")
-
-
-@functools.lru_cache(maxsize=1)
-def _stemmer():
-    try:
-        from nltk.stem import porter
-    except ImportError:
-        raise ImportError("stemmer: true needs NLTK's Porter stemmer, installed with rouge-score "
-                          "(pip install rouge-score); or set stemmer: false") from None
-    return porter.PorterStemmer()
-
-
-@functools.lru_cache(maxsize=65536)
-def _stem(token: str) -> str:
-    return _stemmer().stem(token)
-
-
-def rouge_tokens(text: str, stemmer: bool = False) -> list[str]:
-    """Tokens as ``rouge_score.tokenize.tokenize`` makes them."""
-    tokens = [t for t in _NON_ALNUM.sub(" ", text.lower()).split() if t]
-    if stemmer:
-        tokens = [_stem(t) if len(t) > 3 else t for t in tokens]
-    return tokens
-
-
-def _prf(hit: int, n_ref: int, n_out: int) -> tuple[float, float, float]:
-    precision = hit / n_out if n_out else 0.0
-    recall = hit / n_ref if n_ref else 0.0
-    f = 2 * precision * recall / (precision + recall) if precision + recall > 0 else 0.0
-    return precision, recall, f
-
-
-def rouge1(reference: str, output: str, stemmer: bool = False) -> tuple[float, float, float]:
-    """ROUGE-1 (precision, recall, F1) of ``output`` against ``reference``."""
-    ref, out = Counter(rouge_tokens(reference, stemmer)), Counter(rouge_tokens(output, stemmer))
-    hit = sum(min(c, out[w]) for w, c in ref.items())
-    return _prf(hit, sum(ref.values()), sum(out.values()))
-
-
-def lcs_length(a: Sequence[str], b: Sequence[str]) -> int:
-    """Length of the longest common subsequence of two token lists."""
-    if not a or not b:
-        return 0
-    prev = [0] * (len(b) + 1)
-    for x in a:
-        cur = [0]
-        for j, y in enumerate(b, 1):
-            cur.append(prev[j - 1] + 1 if x == y else max(prev[j], cur[j - 1]))
-        prev = cur
-    return prev[-1]
-
-
-def rouge_l(reference: str, output: str, stemmer: bool = False) -> tuple[float, float, float]:
-    """ROUGE-L (precision, recall, F1) of ``output`` against ``reference``."""
-    ref, out = rouge_tokens(reference, stemmer), rouge_tokens(output, stemmer)
-    if not ref or not out:
-        return 0.0, 0.0, 0.0
-    return _prf(lcs_length(ref, out), len(ref), len(out))
+__all__ = ["NeedleRecall", "RougeL", "lcs_length", "needle_recall", "rouge1", "rouge_l", "rouge_l_metric",
+           "rouge_tokens"]
 
 
 class NeedleRecall(ComponentConfig):

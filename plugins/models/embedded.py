@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from headlab import hookimpl
-from headlab.model import LoadedModel, from_pretrained
+from headlab import LoadedModel, from_pretrained, hookimpl
 from headlab.spec import ModelSpec
 
 CHECKPOINT = Path(__file__).parent / "tiny" / "headlab-tiny"

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from headlab.heads import from_pasta_json
-from headlab.instrument import Plan, SteeringConflictError
+from headlab import Plan, SteeringConflictError, from_pasta_json
 
 __all__ = ["SteeringConflictError", "claims", "resolve_heads"]
 

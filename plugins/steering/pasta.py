@@ -36,9 +36,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from headlab import ComponentConfig, StepContext, hookimpl
+from headlab import ComponentConfig, KeyBias, StepContext, hookimpl
 from headlab.generation import Batch
-from headlab.instrument import KeyBias
 from headlab.spec import HeadSelection, NonEmptyStr, NonNegativeInt, Probability
 
 from .common import resolve_heads

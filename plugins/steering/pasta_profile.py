@@ -34,11 +34,21 @@ import torch
 import xarray as xr
 from pydantic import Field, field_validator
 
-from headlab import ComponentConfig, Example, Plan, PluginError, StepContext, component, forward, hookimpl
+from headlab import (
+    ComponentConfig,
+    Example,
+    Plan,
+    PluginError,
+    StepContext,
+    component,
+    forward,
+    hookimpl,
+    to_pasta_json,
+)
 from headlab.dims import head_array
 from headlab.generation import Batch, DecodeRequest, decode_loop, tokenize
-from headlab.heads import to_pasta_json
 from headlab.resources import Estimate, EstimateContext
+from headlab.scoring import build_examples
 from headlab.spec import HeadSelection, NonEmptyStr, NonNegativeInt, PositiveInt, Probability
 
 from .common import resolve_heads
@@ -89,8 +99,6 @@ def _task_config(task: dict[str, Any], i: int) -> Any:
 
 
 def _task_sets(config: PastaProfile, ctx: StepContext) -> list[tuple[str, list[Example]]]:
-    from headlab.runner import build_examples
-
     if not config.tasks:
         sets = [("task", list(ctx.examples))]
     else:

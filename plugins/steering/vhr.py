@@ -35,11 +35,10 @@ import torch
 import xarray as xr
 from pydantic import Field
 
-from headlab import ComponentConfig, StepContext, hookimpl
+from headlab import ComponentConfig, StepContext, hookimpl, token_runs
 from headlab.dims import head_array
 from headlab.generation import Batch
 from headlab.spec import NonEmptyStr, NonNegativeInt, PositiveFloat
-from headlab.vision import token_runs
 
 Span = tuple[int, int]
 #: pre-softmax bias that removes a key (exp underflows to exactly 0; finite, so no 0 * inf)

@@ -55,9 +55,8 @@ from jinja2 import meta as jinja_meta
 from jinja2.exceptions import SecurityError
 from pydantic import Field, field_validator, model_validator
 
-from headlab import ComponentConfig, Example, TaskContext, hookimpl
-from headlab.context import IMAGE_MARKER
-from headlab.context import strip_tags as core_strip_tags
+from headlab import IMAGE_MARKER, ComponentConfig, Example, TaskContext, hookimpl
+from headlab import strip_tags as core_strip_tags
 from headlab.sandbox import ENV, TemplateLimitError, is_jinja, lint_template, single_brace_names
 from headlab.spec import PositiveInt, Seed
 
@@ -136,7 +135,7 @@ class Template:
 
 def strip_tags(text: str, tags: Mapping[str, str]) -> tuple[str, dict[str, list[tuple[int, int]]]]:
     """Remove ``<tag>...</tag>`` markers from ``text`` and return the plain text and the marked spans
-    (:func:`headlab.context.strip_tags`); a malformed marker is a :class:`TaskDataError`."""
+    (:func:`headlab.strip_tags`); a malformed marker is a :class:`TaskDataError`."""
     try:
         return core_strip_tags(text, tags)
     except ValueError as e:

@@ -31,8 +31,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from headlab import ComponentConfig, Example, TaskContext, hookimpl
-from headlab.context import IMAGE_MARKER
+from headlab import IMAGE_MARKER, ComponentConfig, Example, TaskContext, hookimpl
 from headlab.resources import TaskSize
 from headlab.spec import PositiveInt
 

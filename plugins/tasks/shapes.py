@@ -8,7 +8,7 @@ overlap), with seeded sizes and offsets. Everything is drawn from the run seed p
 same seed gives the same images and questions.
 
 ``question`` chooses the examples (the prompt template ``prompt`` gets ``{{ question }}``; its
-``<image>`` marker, :data:`headlab.context.IMAGE_MARKER`, is where the image goes, and a template
+``<image>`` marker, :data:`headlab.IMAGE_MARKER`, is where the image goes, and a template
 without one gets ``"<image>\\n"`` in front):
 
 - ``presence`` (POPE, Li et al. 2023): "Is there a red circle in the image?", target ``" yes"`` or
@@ -51,10 +51,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
-from headlab import ComponentConfig, Example, TaskContext, hookimpl
-from headlab.context import IMAGE_MARKER
+from headlab import IMAGE_MARKER, ComponentConfig, Example, TaskContext, hookimpl
 from headlab.resources import TaskSize
 from headlab.spec import PositiveInt, Seed
+from headlab.text import COLOURS, SHAPES, plural
 
 from .files import Row, Template
 
@@ -62,16 +62,6 @@ __all__ = [
     "SHAPES", "COLOURS", "NUMBER_WORDS", "IMAGE_TOKENS", "Shapes", "build_shapes", "draw_scene", "object_name",
     "plural", "with_marker", "popular_ranking", "adversarial_ranking",
 ]
-
-SHAPES = ("circle", "square", "triangle", "star", "cross")
-"""The shapes the task can draw."""
-
-COLOURS: dict[str, tuple[int, int, int]] = {
-    "red": (220, 30, 30), "green": (30, 160, 50), "blue": (30, 70, 220), "yellow": (240, 210, 20),
-    "purple": (140, 50, 170), "orange": (245, 130, 20), "brown": (120, 70, 30), "black": (0, 0, 0),
-    "gray": (128, 128, 128), "white": (255, 255, 255),
-}
-"""The colours by name (RGB)."""
 
 NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 """Counts in words (``count`` targets)."""
@@ -91,11 +81,6 @@ Shape = Literal["circle", "square", "triangle", "star", "cross"]
 def object_name(colour: str, shape: str) -> str:
     """``"red circle"``: how an object is named in questions and in ``meta["objects"]``."""
     return f"{colour} {shape}"
-
-
-def plural(shape: str) -> str:
-    """``circles``, ``crosses``."""
-    return shape + ("es" if shape.endswith(("s", "x", "sh", "ch")) else "s")
 
 
 def with_marker(prompt: str) -> str:

@@ -6,8 +6,8 @@ outputs zeroed)::
     s_t = (1 + beta) * log_softmax(logits_base) - beta * log_softmax(logits_ablated)
 
 Both versions of every prompt run in one batched forward per step: the step's steering plan is tiled
-over two copies of the batch (:meth:`headlab.instrument.Plan.tile`, every copy steered like its source
-row) and the heads are zeroed on copy 1 only; :func:`headlab.generation.decode_loop` keeps one KV cache
+over two copies of the batch (:meth:`headlab.Plan.tile`, every copy steered like its source
+row) and the heads are zeroed on copy 1 only; :func:`headlab.generation.decode_loop` (its ``rows`` option) keeps one KV cache
 for the ``2B`` rows. The scorer gives the same contrast, summed over a choice's tokens, to the ``score``
 action.
 """
@@ -21,17 +21,17 @@ import torch
 from pydantic import Field
 
 import headlab
-from headlab import ComponentConfig, HeadSelection
+from headlab import ComponentConfig, HeadSelection, Plan
 from headlab.generation import (
     Decoded,
     DecodeRequest,
     DecodeState,
+    Rows,
     Scored,
     ScoreRequest,
     decode_loop,
     sum_continuation,
 )
-from headlab.instrument import Plan
 
 
 class HeadContrast(ComponentConfig):
@@ -60,7 +60,7 @@ def two_copy_plan(config: HeadContrast, request: DecodeRequest | ScoreRequest) -
 def decode(config: HeadContrast, request: DecodeRequest) -> Decoded:
     """Generate greedily from the contrast, both copies in one forward per step."""
     B = request.batch.size
-    rows = (request.batch.input_ids.repeat(2, 1), request.batch.attention_mask.repeat(2, 1))
+    rows = Rows(request.batch.input_ids.repeat(2, 1), request.batch.attention_mask.repeat(2, 1))
 
     def choose(outputs, state: DecodeState) -> torch.Tensor:
         logits = outputs.logits[:, -1]

@@ -2,7 +2,7 @@
 
 A head's attention temperature: its pre-softmax scores are divided by ``temperature`` (sharper attention
 below 1, flatter above), i.e. its query is multiplied by ``1 / temperature``. The edit goes into the step's
-:class:`headlab.instrument.Plan` with the method as owner, so headlab's conflict check names it if another
+:class:`headlab.Plan` with the method as owner, so headlab's conflict check names it if another
 method of the same step scales the same heads' queries.
 """
 
@@ -12,9 +12,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from headlab import ComponentConfig, HeadSelection, StepContext
-from headlab.generation import Batch
-from headlab.instrument import Plan
+from headlab import Batch, ComponentConfig, HeadSelection, Plan, StepContext
 
 
 class HeadTemperature(ComponentConfig):
