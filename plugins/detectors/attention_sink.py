@@ -50,6 +50,13 @@ class AttentionSink(ComponentConfig):
         return [ctx.activations(ctx.task.tokens, ctx.rows(self.batch_size))]
 
 
+def _median(values: torch.Tensor) -> torch.Tensor:
+    """The median of a 1-D tensor (the mean of the two middle values for an even count)."""
+    ordered = values.sort().values
+    n = ordered.numel()
+    return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+
+
 def attention_sink(lm, batch, threshold: float = 100.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For one left-padded batch: the sink scores (batch, layer, head), and per row and layer the largest
     ``|h|`` over the median ``|h|`` and the number of entries above ``threshold`` times the median
@@ -68,7 +75,7 @@ def attention_sink(lm, batch, threshold: float = 100.0) -> tuple[torch.Tensor, t
             ratios, counts = [], []
             for r, p in enumerate(pads):
                 entries = h[r, p:].flatten()
-                median = entries.median()
+                median = _median(entries)
                 ratios.append(entries.max() / median)
                 counts.append((entries > threshold * median).sum().double())
             stats[layer] = (torch.stack(ratios), torch.stack(counts))

@@ -74,17 +74,20 @@ def ov_rows(lm: Any, layer: int, tokens: Tensor, *, columns: Tensor | None = Non
 def rank_counts(lm: Any, layer: int, tokens: Tensor, *, block: int = 4096,
                 precision: Precision = "float32") -> tuple[Tensor, Tensor]:
     """For every head of ``layer`` and each token ``t`` of ``tokens``: how many entries of the row ``OV[t]``
-    (over the whole vocabulary of ``W_U``) are greater, and how many are smaller, than its own ``OV[t, t]``:
+    (over the whole vocabulary of ``W_U``, ``t`` itself left out) are greater, and how many are smaller, than its
+    own ``OV[t, t]``:
     two (head, token) int64 tensors, computed ``block`` columns at a time."""
     out = fold_out(lm, folded_inputs(lm, layer, tokens, precision))
     W_U = lm.unembedding
     own = (out * W_U[:, tokens.to(W_U.device)].T.to(out.dtype)[None]).sum(-1)  # (H, T)
     greater = torch.zeros(own.shape, dtype=torch.long, device=own.device)
     smaller = torch.zeros_like(greater)
+    ids = tokens.to(own.device)
     for start in range(0, int(W_U.shape[1]), block):
         logits = out @ W_U[:, start: start + block].to(out.dtype)
-        greater += (logits > own[..., None]).sum(-1)
-        smaller += (logits < own[..., None]).sum(-1)
+        others = torch.arange(start, start + logits.shape[-1], device=own.device)[None] != ids[:, None]
+        greater += ((logits > own[..., None]) & others).sum(-1)
+        smaller += ((logits < own[..., None]) & others).sum(-1)
     return greater, smaller
 
 
