@@ -11,7 +11,7 @@ import torch
 from headlab import Example, StepContext
 from headlab.plugins.detectors.attention_sink import AttentionSink, detect
 
-from fixtures.circuits import ARCHS, models
+from fixtures.circuits import ARCHS, POST_NORM_ARCHS, models
 
 PROMPTS = ["ant bee cat dog eel", "fox gnu hen ibis jay ant bee cat dog eel fox gnu", "cat . cat ?",
            "dog dog dog dog dog dog dog"]
@@ -39,7 +39,7 @@ def reference(model, arch: str, ids: list[int], threshold: float):
     return sink, np.array(ratio), np.array(count)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + POST_NORM_ARCHS)
 def test_sink_scores_and_massive_activations_equal_the_eager_computation(arch):
     tok, lm, m = models(arch)
     examples = [Example(prompt=p) for p in PROMPTS]

@@ -1,7 +1,8 @@
 """successor and copy_suppression (docs/methods.md#ov-circuits) against an explicit dense computation: the full
 vocabulary x vocabulary OV matrix of every head, written out from the modules' own projection weights (the
 value rows of the head's key/value head, its slice of the output projection), the input norm's and the final
-norm's weights (LayerNorm: centred) and the unembedding, in float64; the detectors compute it in blocks."""
+norm's weights (LayerNorm: centred; gemma2 and olmo2: also the attention output's norm) and the unembedding,
+in float64; the detectors compute it in blocks."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from headlab.plugins.detectors.copy_suppression import detect as detect_copy
 from headlab.plugins.detectors.successor import Successor
 from headlab.plugins.detectors.successor import detect as detect_successor
 
-from fixtures.circuits import ARCHS, config, randomise_norms
+from fixtures.circuits import ARCHS, POST_NORM_ARCHS, config, gain, randomise_norms
 from fixtures.detectors import SPECIALS, build_models, word_tokenizer
 
 SEQ_WORDS = ("one two three four five six Monday Tuesday Wednesday Friday Saturday Sunday B C D E F G "
@@ -36,12 +37,15 @@ def dense_ov(model, arch: str, layer: int, n_heads: int, n_kv: int) -> torch.Ten
         W_O = [block.attn.c_proj.weight.detach().double()[h * D:(h + 1) * D] for h in range(n_heads)]
         g = base.ln_f.weight.detach().double()
     else:
-        x = W_E * block.input_layernorm.weight.detach().double()
+        x = W_E if arch == "olmo2" else W_E * gain(block.input_layernorm)  # olmo2: no norm before attention
         v = block.self_attn.v_proj.weight.detach().double()  # (kv * D, d)
+        D = block.self_attn.o_proj.weight.shape[1] // n_heads
         group = n_heads // n_kv
         W_V = [v[(h // group) * D:(h // group + 1) * D].T for h in range(n_heads)]
         W_O = [block.self_attn.o_proj.weight.detach().double()[:, h * D:(h + 1) * D].T for h in range(n_heads)]
-        g = base.norm.weight.detach().double()
+        if arch in POST_NORM_ARCHS:  # the attention output's own norm
+            W_O = [w * gain(block.post_attention_layernorm) for w in W_O]
+        g = gain(base.norm)
     W_U = model.lm_head.weight.detach().double().T
     out = []
     for h in range(n_heads):
@@ -63,7 +67,7 @@ def setup(arch: str):
     return tok, lm, ov
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + POST_NORM_ARCHS)
 def test_copying_and_suppression_scores_equal_the_dense_top_and_bottom_k(arch):
     tok, lm, ov = setup(arch)
     k = 3
@@ -103,7 +107,7 @@ SEQUENCES = {"numbers": ["one", "two", "three", "four", "five", "six"],
              "letters": ["A", "B", "C", "D E", "E", "F", "G"]}
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + POST_NORM_ARCHS)
 def test_succession_scores_equal_the_dense_argmax_over_each_sequence(arch):
     tok, lm, ov = setup(arch)
     ctx = StepContext(model=lm, examples=[Example(prompt="ant")], results={}, seed=0)

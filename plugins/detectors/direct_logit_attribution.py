@@ -5,7 +5,9 @@ Definition: docs/methods.md#direct-logit-attribution. At the last position of ea
 ``logit_diff = logit[answer] - logit[wrong]`` is ``norm_lin(c[l,h]) · (W_U[:, answer] - W_U[:, wrong])``,
 where ``norm_lin`` is the final norm's linear part with its scale frozen at the actual final residual
 ``x`` of the run (TransformerLens' ``apply_ln``): ``c / s(x) * g`` for RMS norms,
-``(c - mean(c)) / s(x) * g`` for LayerNorm (:mod:`headlab.plugins.detectors.norms`).
+``(c - mean(c)) / s(x) * g`` for LayerNorm (:mod:`headlab.plugins.detectors.norms`). Where the architecture
+normalises the attention output before the residual stream (gemma2, olmo2: ``post_attention_layernorm``),
+``c[l,h]`` first goes through that norm the same way, its scale frozen at the layer's attention output.
 
 ``logit_diff`` is computed from the final norm's output at ``x`` and the unembedding (with its bias, before
 gemma2's final soft-capping), so ``sum over heads + rest = logit_diff`` where ``rest`` holds every other
@@ -31,6 +33,7 @@ from headlab import ComponentConfig, Plan, Probes, StepContext, forward, hookimp
 from headlab.dims import head_array
 from headlab.generation import tokenize
 from headlab.plugins.detectors.norms import affine_norm
+from headlab.plugins.detectors.ov_circuit import attention_output_norm
 from headlab.resources import Estimate, EstimateContext
 from headlab.spec import PositiveInt
 
@@ -63,16 +66,24 @@ def direct_logit_attribution(lm, batch, answer: list[int], wrong: list[int]) -> 
     (:func:`headlab.tokenize`), ``answer`` / ``wrong`` token ids per row."""
     norm_module = lm.final_norm
     captured: list[torch.Tensor] = []
-    handle = norm_module.register_forward_pre_hook(lambda m, args: captured.append(args[0][:, -1].detach()))
+    post_inputs: dict[int, torch.Tensor] = {}
+    handles = [norm_module.register_forward_pre_hook(lambda m, args: captured.append(args[0][:, -1].detach()))]
+    for layer in range(lm.geometry.n_layers):
+        post = attention_output_norm(lm, layer)
+        if post is not None:
+            handles.append(post.register_forward_pre_hook(
+                lambda m, args, layer=layer: post_inputs.__setitem__(layer, args[0][:, -1].detach())))
     try:
         _, rec = forward(lm, batch, Plan(probes=Probes(z_positions="last")), logits_to_keep=1)
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
     with torch.no_grad():
-        return _terms(lm, norm_module, captured[-1], rec, answer, wrong)
+        return _terms(lm, norm_module, captured[-1], post_inputs, rec, answer, wrong)
 
 
-def _terms(lm, norm_module, x_last: torch.Tensor, rec, answer: list[int], wrong: list[int]):
+def _terms(lm, norm_module, x_last: torch.Tensor, post_inputs: dict[int, torch.Tensor], rec, answer: list[int],
+           wrong: list[int]):
     x = x_last.double()  # (B, d_model): the final residual at the last position
     z = rec.z[:, :, :, -1].double()  # (B, L, H, D)
     W_U = lm.unembedding
@@ -90,6 +101,9 @@ def _terms(lm, norm_module, x_last: torch.Tensor, rec, answer: list[int], wrong:
     for i, layer in enumerate(rec.layers):
         W_O = lm.head_weights(layer).W_O.double()  # (H, D, d_model)
         c = torch.einsum("bhd,hdm->bhm", z[:, i], W_O)
+        if layer in post_inputs:  # gemma2 / olmo2: the attention output's own norm, its scale frozen too
+            post = affine_norm(attention_output_norm(lm, layer), d_model)
+            c = post.linear(c, post.scale(post_inputs[layer].double())[:, None])
         per_layer.append((rule.linear(c, scale[:, None]) * direction[:, None]).sum(-1))
     return torch.stack(per_layer, dim=1), logit_diff
 

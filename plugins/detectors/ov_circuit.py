@@ -9,13 +9,14 @@ Definition: docs/methods.md#ov-circuits. The OV circuit of head ``(l, h)`` maps 
   the mean for LayerNorm, nothing for RMS norms; ``g_in`` the gain as the module applies it); nothing for
   architectures whose attention reads the residual stream directly (olmo2);
 - ``fold_out`` is the final norm without its scale: ``centre(y) * g_final``;
+- where the architecture normalises the attention output before the residual stream (gemma2's and olmo2's
+  ``post_attention_layernorm``), that norm's gain ``g_post`` multiplies the head's output, before ``fold_out``;
 - ``kv(h)`` is the key/value head query head ``h`` reads (grouped-query attention).
 
 Left out: the norms' scales ``1 / s(x)`` (one positive factor per row ``t``, which changes no ranking
 within a row), every bias (the norms', ``b_V``, ``b_O``, ``b_U``), the first MLP (no "effective embedding"),
-and the norms some architectures apply to the attention output (gemma2's ``post_attention_layernorm``,
-olmo2's post-norms). The scores below only compare entries of one row, so they depend on nothing left out
-but the biases and the post-attention norms.
+and gemma2's embedding scale and final soft-capping (a positive factor and a monotonic map). The scores
+below only compare entries of one row, so of what is left out only the biases could change them.
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ from torch import Tensor
 
 from headlab.plugins.detectors.norms import affine_norm
 
-__all__ = ["Precision", "folded_inputs", "ov_rows", "rank_counts", "single_token"]
+__all__ = [
+    "POST_ATTENTION_NORMS", "Precision", "attention_output_norm", "fold_out", "folded_inputs", "model_type", "ov_rows",
+    "rank_counts", "single_token",
+]
 
 Precision = Literal["float32", "float64"]
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -47,7 +51,31 @@ def folded_inputs(lm: Any, layer: int, tokens: Tensor, precision: Precision = "f
         x = rule.centred(x) * rule.gain.to(dtype)
     hw = lm.head_weights(layer)
     W_V = hw.per_query_head(hw.W_V).to(dtype)  # (H, d_model, D)
-    return torch.einsum("tm,hmd,hdn->htn", x, W_V, hw.W_O.to(dtype))
+    out = torch.einsum("tm,hmd,hdn->htn", x, W_V, hw.W_O.to(dtype))
+    post = attention_output_norm(lm, layer)
+    if post is None:
+        return out
+    rule = affine_norm(post, d_model)
+    return rule.centred(out) * rule.gain.to(dtype)
+
+
+#: architectures that normalise the attention output before adding it to the residual stream, and the
+#: decoder layer's attribute holding that norm
+POST_ATTENTION_NORMS = {"gemma2": "post_attention_layernorm", "olmo2": "post_attention_layernorm"}
+
+
+def model_type(lm: Any) -> str:
+    """The text model's ``model_type`` (a vision-language model's text tower's)."""
+    config = lm.model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return str(getattr(text, "model_type", "") or "")
+
+
+def attention_output_norm(lm: Any, layer: int) -> torch.nn.Module | None:
+    """The norm that layer ``layer`` applies to its attention output before the residual stream (gemma2,
+    olmo2), else ``None``."""
+    name = POST_ATTENTION_NORMS.get(model_type(lm))
+    return None if name is None else getattr(lm.decoder_layers[layer], name)
 
 
 def fold_out(lm: Any, y: Tensor) -> Tensor:
