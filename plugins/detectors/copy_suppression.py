@@ -26,6 +26,7 @@ from pydantic import Field
 from headlab import ComponentConfig, StepContext, hookimpl
 from headlab.dims import head_array
 from headlab.plugins.detectors.ov_circuit import Precision, rank_counts
+from headlab.resources import Estimate, EstimateContext
 from headlab.spec import PositiveInt
 
 __all__ = ["CopySuppression", "detect", "ov_rank_scores", "sample_tokens"]
@@ -40,6 +41,17 @@ class CopySuppression(ComponentConfig):
     block: PositiveInt = Field(4096, description="vocabulary columns per block")
     row_block: PositiveInt = Field(256, description="sampled tokens per block")
     precision: Precision = Field("float32", description="dtype of the OV products")
+
+    def estimate(self, ctx: EstimateContext) -> list[Estimate]:
+        """One block of OV logits of every head of a layer, and the heads' outputs for a block of tokens."""
+        g = ctx.geometry
+        rows = min(self.row_block, self.tokens)
+        width = 8 if self.precision == "float64" else 4
+        cols = min(self.block, ctx.vocab_size)
+        return [Estimate("OV logits block", g.n_heads * rows * cols * width,
+                         f"{g.n_heads} heads x {rows:,} tokens x {cols:,} columns x {width} bytes"),
+                Estimate("heads' outputs", g.n_heads * rows * ctx.hidden_size * width,
+                         f"{g.n_heads} heads x {rows:,} tokens x {ctx.hidden_size} hidden x {width} bytes")]
 
 
 def sample_tokens(lm, n: int, seed: int) -> torch.Tensor:

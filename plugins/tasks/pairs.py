@@ -148,16 +148,14 @@ def build_kv_swap(config: KvSwap, ctx: TaskContext) -> list[Example]:
     rng = random.Random(ctx.seed + config.seed)
     examples = []
     for i in range(config.n):
-        row = S.kv_example(rng, config.num_pairs, (1, 1))
-        values = dict(row["pairs"])
-        q = row["query_key"]
-        others = [k for k, v in row["pairs"] if k != q and v != values[q]]
-        if not others:  # every other key holds the same number: draw again
+        for _ in range(100):  # redraw a context whose other keys all hold the queried value
             row = S.kv_example(rng, config.num_pairs, (1, 1))
             values, q = dict(row["pairs"]), row["query_key"]
             others = [k for k, v in row["pairs"] if k != q and v != values[q]]
-            if not others:
-                raise TaskDataError(f"kv_swap task: example {i}: no second key with a different value")
+            if others:
+                break
+        else:
+            raise TaskDataError(f"kv_swap task: example {i}: no second key with a different value in 100 draws")
         swap = rng.choice(others)
         clean = row["prompt"]
         corrupt = clean[: len(clean) - len(q) - 2] + f"{swap} :"
