@@ -1,0 +1,98 @@
+"""Copy-suppression (negative) heads and copying heads, from each head's OV circuit.
+
+Definition: docs/methods.md#ov-circuits (the circuit and what is folded into it:
+:mod:`headlab.plugins.detectors.ov_circuit`). Over a seeded sample of tokens ``t`` (special tokens
+excluded; every token when the vocabulary is not larger than ``tokens``):
+
+- ``score (layer, head)``, the suppression score (McDougall et al. 2023): the fraction of the tokens whose
+  own logit ``OV[t, t]`` is among the ``k`` smallest of the row ``OV[t]`` (fewer than ``k`` entries of the
+  row are smaller);
+- ``copying (layer, head)`` (Elhage et al. 2021): the fraction whose own logit is among the ``k`` largest.
+
+Rows are computed ``row_block`` tokens at a time and compared with the whole vocabulary ``block`` columns at
+a time, so a 150K vocabulary needs ``heads x row_block x block`` numbers at once, never a vocabulary-square
+matrix. Weights only: the task's examples are not used.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import torch
+import xarray as xr
+from pydantic import Field
+
+from headlab import ComponentConfig, StepContext, hookimpl
+from headlab.dims import head_array
+from headlab.plugins.detectors.ov_circuit import Precision, rank_counts
+from headlab.resources import Estimate, EstimateContext
+from headlab.spec import PositiveInt
+
+__all__ = ["CopySuppression", "detect", "ov_rank_scores", "sample_tokens"]
+
+
+class CopySuppression(ComponentConfig):
+    """Heads whose OV circuit lowers (suppresses) the logit of the token they attend to; also the copying score."""
+
+    kind: Literal["copy_suppression"] = "copy_suppression"
+    k: PositiveInt = Field(10, description="a token counts when its own logit is in the bottom-k (top-k for copying)")
+    tokens: PositiveInt = Field(1000, description="number of sampled tokens (all when the vocabulary is smaller)")
+    block: PositiveInt = Field(4096, description="vocabulary columns per block")
+    row_block: PositiveInt = Field(256, description="sampled tokens per block")
+    precision: Precision = Field("float32", description="dtype of the OV products")
+
+    def estimate(self, ctx: EstimateContext) -> list[Estimate]:
+        """One block of OV logits of every head of a layer, and the heads' outputs for a block of tokens."""
+        g = ctx.geometry
+        rows = min(self.row_block, self.tokens)
+        width = 8 if self.precision == "float64" else 4
+        cols = min(self.block, ctx.vocab_size)
+        return [Estimate("OV logits block", g.n_heads * rows * cols * width,
+                         f"{g.n_heads} heads x {rows:,} tokens x {cols:,} columns x {width} bytes"),
+                Estimate("heads' outputs", g.n_heads * rows * ctx.hidden_size * width,
+                         f"{g.n_heads} heads x {rows:,} tokens x {ctx.hidden_size} hidden x {width} bytes")]
+
+
+def sample_tokens(lm, n: int, seed: int) -> torch.Tensor:
+    """``n`` distinct token ids of the embedding's vocabulary, special tokens excluded, seeded (all of them,
+    in order, when there are not more than ``n``)."""
+    vocab = int(lm.embedding.shape[0])
+    special = set(getattr(lm.tokenizer, "all_special_ids", None) or []) if lm.tokenizer is not None else set()
+    ids = np.array([i for i in range(vocab) if i not in special])
+    if len(ids) > n:
+        ids = np.sort(np.random.default_rng(seed).choice(ids, size=n, replace=False))
+    return torch.as_tensor(ids, dtype=torch.long)
+
+
+def ov_rank_scores(lm, tokens: torch.Tensor, k: int, *, block: int = 4096, row_block: int = 256,
+                   precision: Precision = "float32") -> tuple[np.ndarray, np.ndarray]:
+    """``(copying, suppression)`` (layer, head) arrays: the fractions of ``tokens`` whose own OV logit is in
+    the top-``k`` / bottom-``k`` of their row."""
+    geo = lm.geometry
+    top = np.zeros((geo.n_layers, geo.n_heads))
+    bottom = np.zeros_like(top)
+    for layer in range(geo.n_layers):
+        for start in range(0, len(tokens), row_block):
+            greater, smaller = rank_counts(lm, layer, tokens[start: start + row_block], block=block,
+                                           precision=precision)
+            top[layer] += (greater < k).sum(-1).cpu().numpy()
+            bottom[layer] += (smaller < k).sum(-1).cpu().numpy()
+    return top / len(tokens), bottom / len(tokens)
+
+
+def detect(config: CopySuppression, ctx: StepContext) -> xr.Dataset:
+    """The ``copy_suppression`` detector on the model's weights."""
+    tokens = sample_tokens(ctx.model, config.tokens, ctx.seed)
+    with torch.no_grad():
+        copying, suppression = ov_rank_scores(ctx.model, tokens, config.k, block=config.block,
+                                              row_block=config.row_block, precision=config.precision)
+    ds = xr.Dataset({"score": head_array(suppression), "copying": head_array(copying)})
+    ds.attrs.update(method="copy_suppression", model=ctx.model.name, k=config.k, n_tokens=len(tokens),
+                    vocab_size=int(ctx.model.unembedding.shape[1]), reference="docs/methods.md#ov-circuits")
+    return ds
+
+
+@hookimpl
+def headlab_register_detectors(register):
+    register(CopySuppression, detect)
