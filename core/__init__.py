@@ -13,7 +13,7 @@ from __future__ import annotations
 from .context import IMAGE_MARKER, Example, StepContext, TaskContext, strip_tags
 from .dims import DIMENSIONS
 from .errors import ContractError, StepError
-from .forward import forward, positions_from_mask
+from .forward_pass import forward, positions_from_mask
 from .generation import Batch, instrumented, tokenize
 from .heads import draw_like, from_pasta_json, from_retrieval_json, to_pasta_json, to_retrieval_json
 from .hookspecs import hookimpl

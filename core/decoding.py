@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from pydantic import Field
 
-from .forward import forward
+from .forward_pass import forward
 from .generation import Batch, ScoreRequest
 from .spec import ComponentConfig, PositiveFloat, PositiveInt, Probability
 

@@ -136,7 +136,7 @@ def image_token_attention(lm: LoadedModel, batch: Batch, *, row: int = 0, query:
     ``layers`` (default all) are not recorded and are absent from the layer axis.
     """
 
-    from .forward import forward
+    from .forward_pass import forward
     from .instrument import Plan, Probes
 
     spans = [tuple(s) for s in batch.image_spans[row]] if batch.image_spans else []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -111,9 +112,15 @@ def test_editable_install_maps_directories():
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
+    """The wheel built from the tracked files (a clean checkout: no stale ``build/`` of the working tree)."""
+    out, src = tmp_path_factory.mktemp("wheel"), tmp_path_factory.mktemp("checkout")
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    for name in filter(None, tracked.decode().split("\0")):
+        if (ROOT / name).is_file():
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, src / name)
     res = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                          "-w", str(out), str(ROOT)], capture_output=True, text=True, timeout=600)
+                          "-w", str(out), str(src)], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr
     (whl,) = out.glob("headlab-*.whl")
     return whl

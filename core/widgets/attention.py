@@ -31,7 +31,7 @@ import xarray as xr
 
 from ..context import Example
 from ..dims import head_array
-from ..forward import forward
+from ..forward_pass import forward
 from ..image_attention import forward_kwargs, image_attention_svg, model_view
 from ..instrument import Plan, Probes
 from ..model import LoadedModel

@@ -1,4 +1,5 @@
-"""``headlab.forward``: run a batch through a model under a plan, and get its outputs and the recording.
+"""headlab.forward_pass: :func:`forward` (``headlab.forward``) runs a batch through a model under a plan and returns
+its outputs and the recording.
 
 The one way every built-in (and any plugin) runs a forward over prompts with edits and probes, like
 TransformerLens' ``run_with_cache`` over a declarative :class:`headlab.instrument.Plan` instead of hooks::
