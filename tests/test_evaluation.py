@@ -23,7 +23,7 @@ pytest.importorskip("lm_eval", reason="the eval extra (pip install 'headlab[eval
 import headlab  # noqa: E402
 from headlab import harness  # noqa: E402
 from headlab.plugins.models.embedded import CHECKPOINT  # noqa: E402
-from headlab.plugins.tasks import synthetic as S  # noqa: E402
+from headlab.plugins.tasks import generators as S  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not (CHECKPOINT / "config.json").is_file(), reason="headlab-tiny is not built")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from headlab.plugins.tasks import synthetic as S
+from headlab.plugins.tasks import generators as S
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = ROOT / "plugins" / "models" / "tiny" / "headlab-tiny"

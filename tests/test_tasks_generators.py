@@ -1,11 +1,11 @@
-"""Fast tests of the synthetic task generators (plugins/tasks/synthetic.py); the shipped headlab-tiny
+"""Fast tests of the synthetic task generators (plugins/tasks/generators.py); the shipped headlab-tiny
 checkpoint is checked by tests/test_models_tiny.py."""
 
 from __future__ import annotations
 
 import re
 
-from headlab.plugins.tasks import synthetic as S
+from headlab.plugins.tasks import generators as S
 
 
 def test_haystack_file_bundled_and_filler_is_seeded():

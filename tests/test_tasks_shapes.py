@@ -11,8 +11,8 @@ from pydantic import ValidationError
 from headlab import TaskContext, load_spec
 from headlab.context import IMAGE_MARKER
 from headlab.plugin_manager import get_manager
+from headlab.plugins.tasks.generators import tokenize_words, vocabulary
 from headlab.plugins.tasks.shapes import COLOURS, Shapes, build_shapes
-from headlab.plugins.tasks.synthetic import tokenize_words, vocabulary
 
 CTX = TaskContext(tokenizer=None, seed=0, vocab_size=0)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from headlab import SpecError, TaskContext, load_spec
-from headlab.plugins.tasks import synthetic as S
+from headlab.plugins.tasks import generators as S
 from headlab.plugins.tasks.files import TaskDataError
 from headlab.plugins.tasks.synthetic_tasks import (
     Counterfact,

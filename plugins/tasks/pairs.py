@@ -30,7 +30,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from headlab import ComponentConfig, Example, TaskContext, hookimpl
-from headlab.plugins.tasks import synthetic as S
+from headlab.plugins.tasks import generators as S
 from headlab.plugins.tasks.files import DataSource, TaskDataError
 from headlab.resources import TaskSize
 from headlab.spec import PositiveInt, Seed

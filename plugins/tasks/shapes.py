@@ -35,7 +35,7 @@ for ``any_answer``) and ``object`` (the object or shape asked about); presence a
 negatives setting), count adds ``count``.
 
 Vocabulary: the words are those of the embedded ``headlab-tiny`` tokenizer
-(:func:`headlab.plugins.tasks.synthetic.vocabulary`) where possible; out of it are ``Is``, ``image``,
+(:func:`headlab.plugins.tasks.generators.vocabulary`) where possible; out of it are ``Is``, ``image``,
 ``yes``, ``no``, ``colour``, ``How``, ``are``, ``Describe``, the shapes ``circle``, ``triangle``,
 ``cross`` and every plural but none (``square``, ``star`` are in it), and the numbers above ``three``.
 All colours (``red``, ``green``, ``blue``, ``yellow``, ``purple``, ``orange``, ``brown``, ``gray``; the

@@ -29,7 +29,7 @@ from headlab import ComponentConfig, Example, TaskContext, hookimpl
 from headlab.resources import TaskSize
 from headlab.spec import NonNegativeInt, PositiveInt, Probability, Seed, StrictModel
 
-from . import synthetic as S
+from . import generators as S
 from .files import TaskDataError, resolve_path, strip_tags
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from headlab.plugins.tasks import synthetic as S
+from headlab.plugins.tasks import generators as S
 
 HERE = Path(__file__).resolve().parent
 CHECKPOINTS = HERE.parents[1] / "plugins" / "models" / "tiny"  # where the embedded checkpoints ship
