@@ -32,6 +32,10 @@ if TYPE_CHECKING:
     from .generation import Batch
     from .model import LoadedModel
 
+__all__ = ["PREVIEW_ATTENTION", "PREVIEW_IMAGE", "attention_preview", "forward_kwargs", "image_array",
+           "image_attention_svg", "image_token_attention", "model_view", "patch_grid", "png_bytes", "png_data_uri",
+           "preview_of", "resize_image"]
+
 PREVIEW_IMAGE = "preview_image"
 """Name of the stored preview image: ``(pixel_y, pixel_x, channel)`` uint8."""
 PREVIEW_ATTENTION = "preview_attention"
