@@ -20,8 +20,8 @@ import xarray as xr
 if TYPE_CHECKING:
     from .geometry import Geometry
 
-__all__ = ["Head", "HeadSelectionError", "check_top", "draw_like", "from_pasta_json", "from_retrieval_json", "ranked",
-           "read_heads_file", "select_heads", "to_pasta_json", "to_retrieval_json"]
+__all__ = ["Head", "HeadSelectionError", "check_score", "check_top", "draw_like", "from_pasta_json",
+           "from_retrieval_json", "ranked", "read_heads_file", "select_heads", "to_pasta_json", "to_retrieval_json"]
 
 Head = tuple[int, int]
 
@@ -45,6 +45,15 @@ def _check(heads: Iterable[Head], geometry: Geometry | None) -> list[Head]:
                 raise HeadSelectionError(
                     f"head ({l_}, {h}) is outside this model ({geometry.n_layers} layers x {geometry.n_heads} heads)")
     return out
+
+
+def check_score(score: xr.DataArray, geometry: Geometry | None, what: str = "a score") -> None:
+    """Refuse a head score that is not over exactly ``(layer, head)`` of this model's size."""
+    if set(score.dims) != {"layer", "head"}:
+        raise HeadSelectionError(f"{what}: its score has dimensions {tuple(score.dims)}, not (layer, head)")
+    if geometry is not None and (score.sizes["layer"], score.sizes["head"]) != (geometry.n_layers, geometry.n_heads):
+        raise HeadSelectionError(f"{what}: its score is {score.sizes['layer']} layers x {score.sizes['head']} heads; "
+                                 f"this model has {geometry.n_layers} x {geometry.n_heads}")
 
 
 def check_top(top: int | None, geometry: Geometry | None, what: str = "top") -> None:
@@ -158,12 +167,24 @@ def select_heads(selection: Any, results: Mapping[str, xr.Dataset], geometry: Ge
         ds = results[selection.from_]
         if "score" not in ds:
             raise HeadSelectionError(f"step '{selection.from_}' produced no `score` to rank heads by")
-        order = ranked(ds["score"])
+        score = ds["score"]
+        check_score(score, geometry, f"step '{selection.from_}'")
+        order = ranked(score)
         check_top(selection.top, geometry)
+        finite = int(np.isfinite(score.values).sum())
         if selection.top is not None:
+            if selection.top > finite:
+                raise HeadSelectionError(f"top {selection.top} of step '{selection.from_}': only {finite} heads have a "
+                                         "finite score (the others are NaN or infinite), so the selection would "
+                                         "rank heads by nothing")
             chosen = [h for h, _ in order[: selection.top]]
         else:
             chosen = [h for h, s in order if s >= selection.threshold]
+            if not chosen and not getattr(selection, "allow_empty", False):
+                best = max((s for _, s in order), default=float("nan"))
+                raise HeadSelectionError(f"threshold {selection.threshold} selects no head of step "
+                                         f"'{selection.from_}' (its highest score is {best:.4g}), so the step would "
+                                         "run on no heads: lower it, or add `allow_empty: true`")
         if selection.random:
             chosen = draw_like(chosen, [h for h, _ in order], rng or np.random.default_rng(0),
                                match_layers=selection.match_layers, offset=selection.seed)

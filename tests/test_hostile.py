@@ -91,3 +91,32 @@ def test_set_values_go_through_the_spec_loader_and_name_set(tmp_path):
     line = one_line(cli("run", "spec.yaml", "--set", "task.nn=3", "--out", "runs", cwd=tmp_path))
     assert "--set task.nn=3: task.nn: unknown key 'nn' (did you mean 'n'?)" in line
     assert not (tmp_path / "runs").exists()  # refused before the store exists
+
+
+# --------------------------------------------------------------------------- contracts enforced
+def _selection(**kw):
+    from headlab.spec import HeadsFrom
+
+    return HeadsFrom.model_validate({"from": "det", **kw})
+
+
+def test_head_selections_refuse_what_would_run_silently_wrong():
+    import numpy as np
+    import pytest
+
+    from headlab.dims import head_array
+    from headlab.geometry import Geometry
+    from headlab.heads import HeadSelectionError, select_heads
+
+    geo = Geometry(n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8)
+    good = {"det": head_array(np.arange(8.0).reshape(2, 4)).to_dataset(name="score")}
+    assert select_heads(_selection(top=2), good, geo) == [(1, 3), (1, 2)]
+    nan = {"det": head_array(np.full((2, 4), np.nan)).to_dataset(name="score")}
+    with pytest.raises(HeadSelectionError, match="only 0 heads have a finite score"):
+        select_heads(_selection(top=4), nan, geo)
+    transposed = {"det": head_array(np.zeros((2, 4))).T.rename({"layer": "head", "head": "layer"}).to_dataset(name="score")}
+    with pytest.raises(HeadSelectionError, match="is 4 layers x 2 heads; this model has 2 x 4"):
+        select_heads(_selection(top=1), transposed, geo)
+    with pytest.raises(HeadSelectionError, match=r"threshold 100.0 selects no head .*highest score is 7"):
+        select_heads(_selection(threshold=100), good, geo)
+    assert select_heads(_selection(threshold=100, allow_empty=True), good, geo) == []

@@ -26,6 +26,8 @@ class HeadsFrom(StrictModel):
     match_layers: bool = Field(False, description="random: as many heads per layer as the selection has")
     seed: Seed | None = Field(None, description="random: offset added to the run seed, so that several controls "
                              "in one cell draw different heads")
+    allow_empty: bool = Field(False, description="a threshold that selects no head runs the step with no heads "
+                              "(default: an error, since the step would silently run unsteered)")
 
     @model_validator(mode="after")
     def _one_rule(self) -> HeadsFrom:
