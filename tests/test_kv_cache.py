@@ -223,3 +223,17 @@ def test_refusals():
         cache.crop(-1)
     with pytest.raises(KvPolicyError, match="needs a window"):
         _map([[False]], 1, None)
+
+
+def test_rows_can_be_repeated_and_selected():
+    cache = HeadwiseCache(_map([[True, False]], 1, 2), [1, 0])
+    keys = torch.randn(2, 2, 5, D)
+    cache.update(keys, keys, 0)
+    cache.batch_repeat_interleave(2)
+    assert cache.layers[0].pad.tolist() == [1, 1, 0, 0]
+    assert cache.compressed(0)[0].shape[0] == cache.full_group(0)[0].shape[0] == 4
+    cache.batch_select_indices(torch.tensor([2]))
+    assert cache.layers[0].pad.tolist() == [0]
+    ck, _, pos = cache.compressed(0)
+    assert pos[0, 0] == 0 and ck[0, 0, 0].equal(keys[1, 1, 0])
+    assert cache.full_group(0)[0].equal(keys[1:, :1])
