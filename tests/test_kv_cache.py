@@ -237,3 +237,16 @@ def test_rows_can_be_repeated_and_selected():
     ck, _, pos = cache.compressed(0)
     assert pos[0, 0] == 0 and ck[0, 0, 0].equal(keys[1, 1, 0])
     assert cache.full_group(0)[0].equal(keys[1:, :1])
+
+
+def test_a_window_covering_the_row_keeps_every_token():
+    cache = HeadwiseCache(_map([[False]], 2, 8))
+    keys = torch.randn(1, 1, 10, D)
+    cache.update(keys[:, :, :7], keys[:, :, :7], 0)
+    for t in range(7, 10):
+        cache.update(keys[:, :, t:t + 1], keys[:, :, t:t + 1], 0)
+    ck, _, pos = cache.compressed(0)
+    order = pos[0].argsort()
+    assert pos[0, order].tolist() == list(range(10))
+    assert ck[0, 0, order].equal(keys[0, 0])
+    assert cache.nbytes() == cache.full_nbytes()

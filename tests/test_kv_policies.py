@@ -75,6 +75,8 @@ def test_retrieval_json_file_ranks_kv_heads_and_a_pasta_file_is_a_set(tmp_path):
     pasta = tmp_path / "pasta.json"
     pasta.write_text(json.dumps({"0": [1]}))
     assert _on(kv_heads(HeadsFile(file=str(pasta)), {}, GEO)) == [(0, 0)]
+    spec_form = _compile("streaming", full_heads={"file": str(path), "top": 2}, window=4, gqa="mean")
+    assert _on(spec_form.kv_full) == [(0, 1), (1, 0)]  # a .json file is a head list, ranked like `from`
     with pytest.raises(KvPolicyError, match="`top` needs scores"):
         kv_heads(HeadsFile(file=str(pasta), top=1), {}, GEO)
 
