@@ -39,7 +39,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .config import StrictModel
 from .geometry import Geometry
 from .heads import from_retrieval_json, read_heads_file, select_heads
-from .spec.fields import FiniteFloat, NonEmptyStr, PositiveInt
+from .spec.fields import FiniteFloat, NonEmptyStr, NonNegativeInt, PositiveInt
 from .spec.heads import HeadsFile, HeadsFrom
 
 __all__ = ["DuoHeadsFile", "GqaRule", "HeadMap", "HeadwiseCache", "HeadwiseLayer", "KvHeadSelection",
@@ -86,8 +86,8 @@ KvHeadSelection = Annotated[
     Union[  # noqa: UP007
         Annotated[HeadsFrom, Tag("heads[from]")], Annotated[HeadsFile, Tag("heads[file]")],
         Annotated[DuoHeadsFile, Tag("heads[tsv]")],
-        Annotated[list[tuple[Annotated[int, Field(ge=0)], Annotated[int, Field(ge=0)]]], Tag("heads[pairs]")],
-        Annotated[dict[str, list[Annotated[int, Field(ge=0)]]], Tag("heads[layers]")]],
+        Annotated[list[tuple[NonNegativeInt, NonNegativeInt]], Tag("heads[pairs]")],
+        Annotated[dict[str, list[NonNegativeInt]], Tag("heads[layers]")]],
     Discriminator(_selection_form)]
 """The heads a KV policy keeps in full: any spec head selection (:data:`headlab.HeadSelection`, query heads
 mapped to KV heads by a :data:`GqaRule`) or a DuoAttention ``{file: full_attention_heads.tsv}`` (KV heads)."""
