@@ -42,7 +42,7 @@ import pluggy
 
 __all__ = ["Register", "headlab_register_actions", "headlab_register_choice_metrics",
            "headlab_register_decoders", "headlab_register_detectors", "headlab_register_executors",
-           "headlab_register_metrics", "headlab_register_models", "headlab_register_steering",
+           "headlab_register_kv_policies", "headlab_register_metrics", "headlab_register_models", "headlab_register_steering",
            "headlab_register_tasks", "hookimpl", "hookspec"]
 
 hookspec = pluggy.HookspecMarker("headlab")
@@ -206,4 +206,16 @@ def headlab_register_executors(register: Register) -> None:
     its own group of the run's store; the driver alone records completion, so a cell is read as
     finished only once ``job.cell_done`` ran. ``job.cancelled()`` tells when to stop (raise
     ``KeyboardInterrupt``).
+    """
+
+
+@hookspec
+def headlab_register_kv_policies(register: Register) -> None:
+    """Register KV-cache policy kinds: ``register(ConfigModel, compile)``.
+
+    ``compile(config, ctx: headlab.StepContext) -> headlab.kv.HeadMap`` decides, per ``(layer, kv_head)``,
+    which key/value heads keep their whole cache and how many sink and recent tokens the others keep (the
+    built-ins ``full``, ``streaming`` and ``random`` live in ``headlab.plugins.kv``). Heads come from
+    ``ctx.results`` and the model's geometry (``headlab.kv.kv_heads`` resolves any head selection into KV
+    heads); a :class:`headlab.kv.HeadwiseCache` holds a cache laid out by the map.
     """

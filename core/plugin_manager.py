@@ -94,6 +94,8 @@ CATEGORIES: dict[str, Category] = {c.name: c for c in (
              "model"),
     Category("executors", "headlab_register_executors", "executor",
              "how a run's cells are executed (`execution:`; in this process, on a Ray cluster, ...)", key="executor"),
+    Category("kv", "headlab_register_kv_policies", "KV policy",
+             "which key/value heads keep their whole cache, and what the others keep (head-level KV policies)"),
 )}
 """Every category of component by name, in the order ``headlab plugins`` lists them."""
 

@@ -55,6 +55,7 @@ PUBLIC_MODULES: dict[str, str] = {
     "headlab.sandbox": "the Jinja2 sandbox of task templates",
     "headlab.task_code": "checks of lm-evaluation-harness task files",
     "headlab.harness": "the lm-evaluation-harness bridge",
+    "headlab.kv": "head-level KV-cache policies: head maps, KV-head selections, the headwise cache",
 }
 #: modules only executors (plugins/executors) may import from
 EXECUTOR_MODULES = ("headlab.runner", "headlab.plugin_manager")

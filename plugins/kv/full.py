@@ -1,0 +1,22 @@
+"""The ``full`` KV policy: every KV head keeps every token (today's cache)."""
+
+from typing import Literal
+
+from headlab import ComponentConfig, StepContext, hookimpl
+from headlab.kv import HeadMap
+
+
+class FullKV(ComponentConfig):
+    """Every KV head keeps its whole cache (the default)."""
+
+    kind: Literal["full"] = "full"
+
+
+def compile_full(config: FullKV, ctx: StepContext) -> HeadMap:
+    """The head map with every KV head full."""
+    return HeadMap.full(ctx.model.geometry)
+
+
+@hookimpl
+def headlab_register_kv_policies(register):
+    register(FullKV, compile_full, default=True)

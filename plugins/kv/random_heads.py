@@ -1,0 +1,62 @@
+"""The ``random`` KV policy: the control of ``streaming``, with as many full KV heads drawn at random.
+
+The number of full KV heads is the count ``like`` selects (resolved exactly as ``streaming`` resolves its
+``full_heads``) or ``n_full``; they are drawn without replacement with a generator seeded by the run seed
+(plus ``seed``, so that several controls of one cell differ). The other KV heads keep ``sink`` + ``window``
+tokens, as under ``streaming``: the same budget on other heads.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+from pydantic import Field, model_validator
+
+from headlab import ComponentConfig, StepContext, hookimpl
+from headlab.kv import GqaRule, HeadMap, KvHeadSelection, kv_heads, random_kv_heads
+from headlab.spec import NonNegativeInt, PositiveInt, Seed
+
+from .common import GQA_FIELD, SINK_FIELD, WINDOW_FIELD
+
+
+class RandomKV(ComponentConfig):
+    """The control: as many full KV heads as `like` selects (or n_full), drawn at random."""
+
+    kind: Literal["random"] = "random"
+    like: KvHeadSelection | None = Field(None, description="the selection whose number of full KV heads is matched")
+    n_full: NonNegativeInt | None = Field(None, description="the number of full KV heads (instead of `like`)")
+    match_layers: bool = Field(False, description="as many full KV heads per layer as `like` has")
+    exclude: bool = Field(False, description="never draw one of `like`'s full KV heads")
+    seed: Seed = Field(0, description="offset added to the run seed, so that several controls in one cell differ")
+    sink: NonNegativeInt = SINK_FIELD
+    window: PositiveInt = WINDOW_FIELD
+    gqa: GqaRule = GQA_FIELD
+
+    @model_validator(mode="after")
+    def _one_count(self) -> RandomKV:
+        if (self.like is None) == (self.n_full is None):
+            raise ValueError("give exactly one of `like` (a head selection to match) and `n_full`")
+        if self.like is None and (self.match_layers or self.exclude):
+            raise ValueError("`match_layers` and `exclude` refer to `like`: give `like`")
+        return self
+
+
+def compile_random(config: RandomKV, ctx: StepContext) -> HeadMap:
+    """The head map of the random draw."""
+    geometry = ctx.model.geometry
+    rng = np.random.default_rng([ctx.seed, config.seed])
+    if config.like is None:
+        full = random_kv_heads(config.n_full, geometry, rng)
+    else:
+        chosen = kv_heads(config.like, ctx.results, geometry, gqa=config.gqa, rng=rng)
+        per_layer = chosen.sum("kv_head").values.tolist() if config.match_layers else None
+        full = random_kv_heads(int(chosen.sum()), geometry, rng, per_layer=per_layer,
+                               exclude=chosen if config.exclude else None)
+    return HeadMap(full, sink=config.sink, window=config.window,
+                   attrs={"policy": "random", "gqa": config.gqa, "seed": config.seed})
+
+
+@hookimpl
+def headlab_register_kv_policies(register):
+    register(RandomKV, compile_random)
