@@ -339,19 +339,24 @@ def _terminate(signum: int, frame: Any) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the app; any error prints one line and exits 1 (run failed) or 2 (invalid input);
-    Ctrl-C, SIGINT or SIGTERM exit 130 with finished cells stored."""
+    Ctrl-C, SIGINT, SIGTERM or SIGHUP exit 130 with finished cells stored."""
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args or os.environ.get("HEADLAB_DEBUG", "") not in ("", "0")
     args = [a for a in args if a != "--debug"]
-    try:
-        previous = signal.signal(signal.SIGTERM, _terminate)  # a polite kill ends a run like Ctrl-C: resumable
-    except ValueError:  # not the main thread (an embedding application): leave its handlers alone
-        previous = None
+    previous: dict[int, Any] = {}
+    # a polite kill, or the terminal going away (SIGHUP), ends a run like Ctrl-C: resumable, never "running"
+    for signum in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if signum is None:
+            continue
+        try:
+            previous[signum] = signal.signal(signum, _terminate)
+        except ValueError:  # not the main thread (an embedding application): leave its handlers alone
+            break
     try:
         _main(args, debug)
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _main(args: list[str], debug: bool) -> None:

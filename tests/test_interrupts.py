@@ -78,7 +78,7 @@ def first_cell_done(out: Path) -> Path | None:
     return None
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_a_signal_during_run_exits_130_and_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch, signum):
     site = slow_plugin(tmp_path)
     spec = tmp_path / "s.yaml"
