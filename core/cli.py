@@ -102,6 +102,14 @@ def _parse_set(items: list[str]) -> dict[str, Any]:
     return out
 
 
+def _spec_output(spec: Path, overrides: dict[str, Any]) -> str:
+    """Where ``spec`` (with ``--set`` overrides) stores its runs."""
+    from .spec import load_spec
+
+    loaded = load_spec(spec)
+    return str(overrides.get("output", loaded.spec.output))
+
+
 @app.command()
 def run(
     spec: Annotated[Path | None, typer.Argument(help="spec YAML file")] = None,
@@ -134,6 +142,12 @@ def run(
             raise SpecError(f"--resume finishes RUN with the spec and store it was started with, so it cannot honour "
                             f"{', '.join(ignored)}: drop {'it' if len(ignored) == 1 else 'them'} (or run the spec "
                             "without --resume for a new run)", source="command line")
+    if resume is None:
+        target = out if out is not None else _spec_output(spec, _parse_set(set_ or []))
+        if str(target).startswith("memory://"):
+            raise SpecError(f"{'--out' if out is not None else 'output'} {target!r}: an in-memory store ends with this "
+                            "process, so the run would be lost when the command returns; give a directory or a "
+                            "persistent URL (s3://..., gs://...)", source="command line")
     if memory_limit is not None:
         if memory_limit.strip().lower() not in ("none", "off"):
             try:

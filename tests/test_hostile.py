@@ -120,3 +120,11 @@ def test_head_selections_refuse_what_would_run_silently_wrong():
     with pytest.raises(HeadSelectionError, match=r"threshold 100.0 selects no head .*highest score is 7"):
         select_heads(_selection(threshold=100), good, geo)
     assert select_heads(_selection(threshold=100, allow_empty=True), good, geo) == []
+
+
+def test_an_in_memory_store_is_refused_on_the_command_line(tmp_path):
+    (tmp_path / "spec.yaml").write_text(spec_text(STEPS))
+    line = one_line(cli("run", "spec.yaml", "--out", "memory://runs", cwd=tmp_path))
+    assert "an in-memory store ends with this process" in line
+    (tmp_path / "mem.yaml").write_text(spec_text(STEPS, out="memory://runs"))
+    assert "output 'memory://runs'" in one_line(cli("run", "mem.yaml", cwd=tmp_path))
