@@ -128,3 +128,17 @@ def test_an_in_memory_store_is_refused_on_the_command_line(tmp_path):
     assert "an in-memory store ends with this process" in line
     (tmp_path / "mem.yaml").write_text(spec_text(STEPS, out="memory://runs"))
     assert "output 'memory://runs'" in one_line(cli("run", "mem.yaml", cwd=tmp_path))
+
+
+def test_a_factor_beyond_float32_is_refused_when_validated():
+    from headlab import SpecError, load_spec
+
+    text = spec_text("  - id: gen\n    generate: {max_new_tokens: 1, steer: [{kind: head_scale, heads: [[0, 1]], "
+                     "factor: 1e39}]}\n")
+    try:
+        load_spec(text)
+    except SpecError as e:
+        assert "steer[0].factor" in str(e) and "beyond float32's range" in str(e), str(e)
+    else:
+        raise AssertionError("1e39 is infinite in float32 and must be refused")
+    load_spec(text.replace("1e39", "1e38"))

@@ -31,6 +31,7 @@ from .errors import _position as _position
 from .fields import (
     ID_MAX,
     ID_PATTERN,
+    MAX_FLOAT,
     MAX_INT,
     MAX_SEED,
     NAME_MAX,
@@ -55,7 +56,7 @@ from .spec_model import SpecTypes, build_spec_model, json_schema
 from .sweep import MAX_CELLS, MAX_SWEEP_VALUES, UNSWEEPABLE, Cell, Cells, set_path
 
 __all__ = [
-    "DEVICE_PATTERN", "ID_MAX", "ID_PATTERN", "MAX_CELLS", "MAX_DEPTH", "MAX_INT", "MAX_NODES", "MAX_SEED",
+    "DEVICE_PATTERN", "ID_MAX", "ID_PATTERN", "MAX_CELLS", "MAX_DEPTH", "MAX_FLOAT", "MAX_INT", "MAX_NODES", "MAX_SEED",
     "MAX_SPEC_CHARS", "MAX_SWEEP_VALUES", "MAX_YAML_INT", "NAME_MAX", "NAME_PATTERN", "SAFE_TAGS", "UNSWEEPABLE",
     "Cell", "Cells", "ComponentConfig", "FiniteFloat", "HeadSelection", "HeadsFile", "HeadsFrom", "Limits",
     "LoadedSpec", "ModelSpec", "NonEmptyStr", "NonNegativeFloat", "NonNegativeInt", "PositiveFloat", "PositiveInt",

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import Field
+from pydantic import AfterValidator, Field
 
 from ..config import ComponentConfig, StrictModel
 
 __all__ = [
-    "ID_MAX", "ID_PATTERN", "MAX_INT", "MAX_SEED", "NAME_MAX", "NAME_PATTERN", "ComponentConfig", "FiniteFloat",
+    "ID_MAX", "ID_PATTERN", "MAX_FLOAT", "MAX_INT", "MAX_SEED", "NAME_MAX", "NAME_PATTERN", "ComponentConfig", "FiniteFloat",
     "NonEmptyStr", "NonNegativeFloat", "NonNegativeInt", "PositiveFloat", "PositiveInt", "Probability", "Seed",
     "StrictModel",
 ]
@@ -39,11 +39,24 @@ NonNegativeInt = Annotated[int, Field(ge=0, le=MAX_INT)]
 """A count that may be zero, or an index: 0 .. :data:`MAX_INT` (``distractors``, a layer, a token id)."""
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 """A seed or a seed offset: 0 .. :data:`MAX_SEED`."""
-FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
-"""Any finite number (NaN and infinities are refused; every float of a :class:`StrictModel` is finite anyway)."""
-PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+MAX_FLOAT = 3.4028234663852886e38
+"""The largest float32: a spec's numbers become tensor values, and a larger one (``1e39``, finite in YAML) would be
+infinite there."""
+
+
+def _float32(value: float) -> float:
+    if abs(value) > MAX_FLOAT:
+        raise ValueError(f"{value:g} is beyond float32's range (|x| <= {MAX_FLOAT:.4g}): as a tensor value it would be "
+                         "infinite")
+    return value
+
+
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False), AfterValidator(_float32)]
+"""Any finite number within float32's range (NaN and infinities are refused; every float of a :class:`StrictModel`
+is finite anyway)."""
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False), AfterValidator(_float32)]
 """A finite number > 0 (factors, temperatures, scales)."""
-NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False), AfterValidator(_float32)]
 """A finite number >= 0 (weights, slack fractions)."""
 Probability = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
 """A finite number in [0, 1] (probabilities, fractions, recall thresholds)."""
