@@ -142,3 +142,24 @@ def test_a_factor_beyond_float32_is_refused_when_validated():
     else:
         raise AssertionError("1e39 is infinite in float32 and must be refused")
     load_spec(text.replace("1e39", "1e38"))
+
+
+def test_a_generator_refuses_what_it_cannot_produce_before_generating():
+    import time
+
+    import pytest
+
+    from headlab import SpecError, load_spec
+    from headlab.plugins.tasks import generators
+
+    most = generators.max_distractors()
+    assert 100 < most < 10_000
+    text = "name: t\nmodel: headlab-tiny\ntask: {kind: niah, context_lengths: [64], depths: 2, needles: 1, " \
+           "distractors: %d}\nsteps:\n  - id: r\n    detect: {kind: retrieval}\n"
+    start = time.monotonic()
+    with pytest.raises(SpecError, match=f"at most {most} distractors"):
+        load_spec(text % (most + 1))
+    assert time.monotonic() - start < 10  # refused at once (it looped forever at 100% CPU)
+    load_spec(text % most)
+    with pytest.raises(ValueError, match="distinct subjects"):
+        generators.niah([64], [0.5], generators.DEFAULT_NEEDLES[:1], seed=0, distractors=most + 1)

@@ -24,6 +24,7 @@ Tasks
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import re
@@ -314,6 +315,22 @@ def haystack_text(path: str | Path | None = None) -> str:
 # ----------------------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=1)
+def max_distractors() -> int:
+    """The most distractor needles :func:`niah_example` can give one example: distinct needle subjects (the
+    text before " is " of a generated needle) but one, the needle's own."""
+    keys = set()
+    for tmpl, _, kind in _NEEDLE_TEMPLATES:
+        if kind == "place":
+            subjects: Sequence[str] = [*PLACES, *PLACE_PAIRS]
+        elif kind == "object":
+            subjects = [f"{a} {o}" for a in ADJS for o in NEEDLE_OBJECTS]
+        else:
+            subjects = NAMES
+        keys.update(tmpl.format(s=subj, v="x").split(" is ")[0] for subj in subjects)
+    return len(keys) - 1
+
+
 def random_needle(rng: random.Random, exclude_subjects: Sequence[str] = ()) -> tuple[str, str, str]:
     """A random (needle, question, answer) in the style of the reference needles (training data)."""
     while True:
@@ -440,6 +457,9 @@ def niah_example(hay, spans, L, depth, needle, question, answer, length_fn, rng,
     """One needle-in-a-haystack example: the needle placed at ``depth`` of an ``L``-token context cut from
     ``hay`` (word spans ``spans``), with its question and answer (also used by the tiny model's trainer)."""
     extra = []
+    if distractors > max_distractors():
+        raise ValueError(f"{distractors} distractors: the needle generator has {max_distractors() + 1} distinct "
+                         f"subjects, so at most {max_distractors()} distractors differ from the needle and each other")
     if distractors:
         subjects = [needle]
         for _ in range(distractors):

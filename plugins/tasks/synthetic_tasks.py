@@ -113,6 +113,15 @@ class Niah(ComponentConfig):
             raise ValueError("depths are fractions of the context in [0, 1]")
         return v
 
+    @field_validator("distractors")
+    @classmethod
+    def _distractors(cls, v: int) -> int:
+        if v > S.max_distractors():
+            raise ValueError(f"at most {S.max_distractors()} distractors: the needle generator has "
+                             f"{S.max_distractors() + 1} distinct subjects, and distractors differ from the needle "
+                             "and from each other")
+        return v
+
     @field_validator("needles")
     @classmethod
     def _needles(cls, v: int | list[Needle]) -> int | list[Needle]:
