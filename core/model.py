@@ -55,6 +55,18 @@ class LoadedModel:
         return image_token_id(self.processor, self.model.config)
 
     @property
+    def context_length(self) -> int | None:
+        """The longest sequence the model was built for (``max_position_embeddings``, ``n_positions``), if it
+        says."""
+        config = self.model.config
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+            value = getattr(config, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+        return None
+
+    @property
     def pad_id(self) -> int:
         """The token id that pads batches: the tokenizer's pad token, else its EOS, else UNK, else 0."""
         for attr in ("pad_token_id", "eos_token_id", "unk_token_id"):

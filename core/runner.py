@@ -104,6 +104,33 @@ def _seed(seed: int) -> None:
     np.random.seed(seed % (2**32))
 
 
+def check_context(examples: list[Example], lm: LoadedModel, config: Any, cache: dict[int, int]) -> None:
+    """Refuse a step whose longest prompt plus its ``max_new_tokens`` is longer than the model's context window
+    (``model: {extrapolate: true}`` allows it). ``cache``: prompt lengths by example id, kept across steps."""
+    limit = lm.context_length
+    if limit is None or not examples:
+        return
+    longest, where = 0, 0
+    for i, ex in enumerate(examples):
+        n = cache.get(id(ex))
+        if n is None:
+            if ex.input_ids is not None:
+                n = len(ex.input_ids)
+            elif lm.tokenizer is not None:
+                n = len(lm.tokenizer(ex.prompt)["input_ids"]) if len(ex.prompt) <= 4 * limit + 4096 else len(ex.prompt)
+            else:
+                n = 0
+            cache[id(ex)] = n
+        if n > longest:
+            longest, where = n, i
+    new = int(getattr(config, "max_new_tokens", 0) or 0)
+    if longest + new > limit:
+        plus = f" + {new} new tokens" if new else ""
+        raise ValueError(f"example {where} is {longest:,} tokens{plus} = {longest + new:,}, longer than the model's "
+                         f"context window of {limit:,} tokens; shorten the task, or set `model: {{extrapolate: true}}` "
+                         "to run past it")
+
+
 def examples_dataset(examples: list[Example], lm: LoadedModel) -> xr.Dataset:
     """The inputs a step saw: prompts, targets, token ids (right-padded with -1), meta as coordinates."""
     ids = []
@@ -151,6 +178,7 @@ def run_cell(loaded: LoadedSpec, cell: Cell, models: ModelCache, reporter: Repor
     _seed(spec.seed)
     results: dict[str, xr.Dataset] = {}
     example_cache: dict[str, list[Example]] = {}
+    token_cache: dict[int, int] = {}
     for step in spec.steps:
         if on_step is not None:
             on_step(step.id)
@@ -162,6 +190,11 @@ def run_cell(loaded: LoadedSpec, cell: Cell, models: ModelCache, reporter: Repor
             except (Exception, SystemExit) as e:
                 raise step_error(e, step=step, config=None, task=task, cell=cell) from e
         examples = example_cache[key]
+        if not spec.model.extrapolate:
+            try:
+                check_context(examples, lm, getattr(step, step.action), token_cache)
+            except ValueError as e:
+                raise step_error(e, step=step, config=None, task=task, cell=cell) from e
         ctx = StepContext(model=lm, examples=examples, results=results, seed=spec.seed, step_id=step.id,
                           reporter=reporter, cancel=cancel or (lambda: False))
         _seed(spec.seed)

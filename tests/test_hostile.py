@@ -163,3 +163,21 @@ def test_a_generator_refuses_what_it_cannot_produce_before_generating():
     load_spec(text % most)
     with pytest.raises(ValueError, match="distinct subjects"):
         generators.niah([64], [0.5], generators.DEFAULT_NEEDLES[:1], seed=0, distractors=most + 1)
+
+
+# --------------------------------------------------------------------------- past the model
+def test_prompts_past_the_context_window_are_refused_with_both_numbers(tmp_path):
+    import headlab
+
+    # TINY_LLAMA: max_position_embeddings 256; a 300-token repeated sequence is past it
+    long = spec_text("  - id: gen\n    generate: {max_new_tokens: 4}\n", task="{kind: repeated_tokens, n: 1, length: 150}")
+    (tmp_path / "long.yaml").write_text(long)
+    line = one_line(cli("run", "long.yaml", "--out", "runs", cwd=tmp_path))
+    assert "example 0 is 300 tokens + 4 new tokens = 304, longer than the model's context window of 256" in line
+    assert "`model: {extrapolate: true}`" in line and "step 'gen'" in line
+    # right at the limit it runs; asked for, past it runs too
+    edge = spec_text("  - id: gen\n    generate: {max_new_tokens: 6}\n", task="{kind: repeated_tokens, n: 1, length: 125}")
+    assert headlab.run(edge, out=tmp_path / "ok").status == "complete"  # 250 + 6 = 256
+    asked = long.replace('"max_position_embeddings": 256}', '"max_position_embeddings": 256}, extrapolate: true')
+    assert "extrapolate: true" in asked
+    assert headlab.run(asked, out=tmp_path / "ok").status == "complete"

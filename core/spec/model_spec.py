@@ -35,6 +35,9 @@ class ModelSpec(StrictModel):
     device: str = Field("auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', ...",
                         json_schema_extra={"pattern": DEVICE_PATTERN})
     trust_remote_code: bool = False
+    extrapolate: bool = Field(False, description="run prompts (plus generated tokens) longer than the model's context "
+                              "window (max_position_embeddings / n_positions): a legitimate experiment on RoPE models, "
+                              "refused unless asked for")
 
     @field_validator("device")
     @classmethod
