@@ -23,6 +23,7 @@ from .instrument import (
     Plan,
     Probes,
     Recording,
+    ReplaceZ,
     SteeringConflictError,
     shared_trunk,
     span_tensor,
@@ -48,7 +49,7 @@ __all__ = [
     "Batch", "Geometry", "LoadedModel", "forward", "from_config", "from_pretrained", "load_model",
     "positions_from_mask", "token_runs", "tokenize",
     # steering plans and recordings
-    "KeyBias", "Plan", "Probes", "Recording", "SteeringConflictError", "instrumented", "shared_trunk",
+    "KeyBias", "Plan", "Probes", "Recording", "ReplaceZ", "SteeringConflictError", "instrumented", "shared_trunk",
     "span_tensor",
     # heads and result arrays
     "DIMENSIONS", "attention_preview", "draw_like", "from_pasta_json", "from_retrieval_json", "to_pasta_json",

@@ -51,6 +51,7 @@ from .plan import (
     OutputScale,
     Plan,
     QueryScale,
+    ReplaceZ,
     ScoreZero,
     SteeringConflictError,
 )
@@ -73,6 +74,7 @@ __all__ = [
     "Probes",
     "QueryScale",
     "Recording",
+    "ReplaceZ",
     "ScoreZero",
     "SteeringConflictError",
     "UnsupportedModelError",

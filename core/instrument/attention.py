@@ -8,8 +8,9 @@ One call goes through named steps, each owning one translation:
 - :func:`_request`: the plan -> :class:`headlab.kernels.HeadEdits` and :class:`headlab.kernels.ProbeRequest`
   in kernel coordinates (the plan's batch rows -> the call's rows is the session's, under a shared trunk);
 - :func:`_native` (transformers' SDPA) or :func:`headlab.kernels.attention`: the computation;
-- :func:`_apply_callbacks` and :func:`_record`: the layer callbacks and the recording, back in absolute
-  positions;
+- :func:`_apply_callbacks`, ``Session.replace_z`` and :func:`_record`: the layer callbacks, the head output
+  replacements (after the kernel or the native SDPA call, so the same on every path) and the recording, back
+  in absolute positions;
 - :func:`_to_model_layout`: the kernel's (B, H, Nq, D) head outputs -> transformers' (B, Nq, H, D).
 """
 
@@ -97,6 +98,10 @@ def attention_forward(
         call.session.rec.backends[call.layer] = (backend, reason)
     if backend == "native":
         out = _native(module, query, key, value, attention_mask, dropout, scaling, kwargs, request.edits)
+        if call.plan is not None:
+            z = out.transpose(1, 2)
+            replaced = call.session.replace_z(call.layer, z, call.pos)
+            out = out if replaced is z else replaced.transpose(1, 2).contiguous()
         _advance(call)
         return out, None
 
@@ -106,6 +111,7 @@ def attention_forward(
                                 scale=scale, softcap=call.softcap, **margs, backend=backend)
     if call.plan is not None:
         z = _apply_callbacks(call, request, z, scale, margs)
+        z = call.session.replace_z(call.layer, z, call.pos)
         if request.probes is not None:
             _record(call, request, stats, z)
     _advance(call)

@@ -24,6 +24,7 @@ __all__ = [
     "OutputScale",
     "Plan",
     "QueryScale",
+    "ReplaceZ",
     "ScoreZero",
     "SteeringConflictError",
 ]
@@ -69,7 +70,7 @@ class Edit:
     sets both: the name from its ``kind``, the instance to the config itself.
 
     ``kind`` (class attribute) is what the edit changes, for the conflict check: ``q_scale``,
-    ``score_zero``, ``out_scale`` or ``key_bias``; ``description`` words it for messages.
+    ``score_zero``, ``out_scale``, ``key_bias`` or ``z_replace``; ``description`` words it for messages.
     """
 
     kind: ClassVar[str] = ""
@@ -180,6 +181,65 @@ class LayerCallback(Edit):
         return self.heads is None or super().covers(layer, head)
 
 
+@dataclass(eq=False)
+class ReplaceZ(Edit):
+    """Replace the outputs ``z`` (before ``o_proj``) of ``heads`` on ``rows`` at ``positions`` with ``values``
+    (activation patching).
+
+    ``heads``: explicit ``(layer, head)`` pairs (no ``(layer, None)``). ``values``: a tensor broadcastable to
+    (rows, heads, positions, head_dim), in the order of ``rows`` (every batch row when ``rows`` is None),
+    ``heads`` and ``positions``. ``positions``: absolute query positions; ``None`` = ``0..P-1`` with ``P``
+    the size of the positions axis of ``values`` (every position of one forward over the prompts). Each
+    attention call replaces the positions among its queries, so a ``generate`` replaces the prompt's
+    positions in the prefill and a decode step's when listed.
+
+    The replacement is the last change to ``z``: ``o_proj`` receives ``values`` exactly, whatever output
+    scales or layer callbacks did before (callbacks see ``z`` before it; a recording of ``z`` reads the
+    values). It is differentiable in ``values``: a leaf tensor that requires grad gets ``d output / d z``.
+    """
+
+    kind: ClassVar[str] = "z_replace"
+    description: ClassVar[str] = "head output replacement"
+    heads: list[Head]
+    values: Tensor
+    rows: list[int] | None = None
+    positions: list[int] | None = None
+    owner: str | None = field(default=None, kw_only=True)
+    instance: Any = field(default=None, kw_only=True, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if any(h is None for _, h in self.heads):
+            raise ValueError("ReplaceZ needs explicit (layer, head) pairs: (layer, None) has no place in values")
+        if not isinstance(self.values, Tensor):
+            self.values = torch.as_tensor(self.values)
+        if self.values.dim() == 0:
+            raise ValueError("ReplaceZ: values must have at least a head_dim axis")
+        if self.positions is not None:
+            self.positions = [int(p) for p in self.positions]
+            if any(p < 0 for p in self.positions):
+                raise ValueError(f"ReplaceZ: positions must be >= 0, got {self.positions}")
+
+    def n_positions(self) -> int:
+        """The number of replaced positions (``len(positions)``, or the positions axis of ``values``)."""
+        if self.positions is not None:
+            return len(self.positions)
+        return int(self.values.shape[-2]) if self.values.dim() >= 2 else 1
+
+    def full_values(self, n_rows: int) -> Tensor:
+        """``values`` broadcast to (``n_rows``, heads, positions, head_dim); a ValueError naming the shapes
+        when they do not broadcast."""
+        shape = (n_rows, len(self.heads), self.n_positions(), int(self.values.shape[-1]))
+        try:
+            return torch.broadcast_to(self.values, shape)
+        except RuntimeError:
+            raise ValueError(f"ReplaceZ: values of shape {tuple(self.values.shape)} do not broadcast to (rows, "
+                             f"heads, positions, head_dim) = {shape}") from None
+
+
+_EDIT_TYPES = (QueryScale, ScoreZero, OutputScale, KeyBias, LayerCallback, ReplaceZ)
+
+
 @dataclass
 class Plan:
     """Edits and probes over (batch row, layer, head) for one forward or one ``generate``.
@@ -191,11 +251,14 @@ class Plan:
     - :class:`OutputScale` ``(heads, factor, rows)``: multiply the head output ``z`` (0 = ablation);
     - :class:`KeyBias` ``(heads, spans, bias, rows)``: add pre-softmax biases to key spans (PASTA);
     - :class:`LayerCallback` ``(fn, heads, rows)``: a function of each layer's ``z`` that may return an
-      output scale (VHR).
+      output scale (VHR);
+    - :class:`ReplaceZ` ``(heads, values, rows, positions)``: replace the head output ``z`` (activation
+      patching), last of all.
 
     Heads are ``(layer, head)`` pairs; ``(layer, None)`` means every head of the layer. ``rows`` are the
     batch rows an edit applies to (``None`` = all). Add edits with :meth:`add` or the builders
-    (:meth:`mask_heads`, :meth:`scale_heads`, :meth:`scale_queries`, :meth:`bias_keys`, :meth:`on_layer`),
+    (:meth:`mask_heads`, :meth:`scale_heads`, :meth:`scale_queries`, :meth:`bias_keys`, :meth:`on_layer`,
+    :meth:`patch_z`),
     which take ``owner=``: the method adding the edit, as a name or as its config (named by its ``kind``;
     two config objects are two owners). Two edits of the same kind on a shared (layer, head) and
     overlapping rows from different owners raise :class:`SteeringConflictError` (edits without an owner
@@ -222,9 +285,9 @@ class Plan:
         a batch row with an edit of another owner (already in the plan or earlier in ``edits``).
         """
         for e in edits:
-            if not isinstance(e, (QueryScale, ScoreZero, OutputScale, KeyBias, LayerCallback)):
-                raise TypeError(f"Plan.add takes typed edits (QueryScale, ScoreZero, OutputScale, KeyBias, "
-                                f"LayerCallback), got {type(e).__name__}")
+            if not isinstance(e, _EDIT_TYPES):
+                raise TypeError(f"Plan.add takes typed edits ({', '.join(t.__name__ for t in _EDIT_TYPES)}), "
+                                f"got {type(e).__name__}")
         for i, e in enumerate(edits):
             _check_conflict(e, [*self.edits, *edits[:i]])
         self.edits.extend(edits)
@@ -274,6 +337,12 @@ class Plan:
         ``heads``/``rows`` declare which heads and rows ``fn`` may scale (a :class:`LayerCallback`), for the
         conflict check with other owners' output scales."""
         return self.add(LayerCallback(fn, heads, rows, owner=owner))
+
+    def patch_z(self, heads: HeadSpec, values: Tensor, rows: Sequence[int] | None = None,
+                positions: Sequence[int] | None = None, *, owner: Any = None) -> Plan:
+        """Replace the outputs ``z`` of these heads on ``rows`` at absolute ``positions`` with ``values``
+        (broadcastable to (rows, heads, positions, head_dim); a :class:`ReplaceZ`)."""
+        return self.add(ReplaceZ(heads, values, rows, positions, owner=owner))
 
     # ---- queries
     @property
@@ -326,6 +395,10 @@ class Plan:
             elif isinstance(e, LayerCallback):
                 out.edits.append(dataclasses.replace(e, fn=_copy0_callback(e.fn, B, k, mirror),
                                                      rows=None if (e.rows is None and mirror) else new_rows))
+            elif isinstance(e, ReplaceZ):
+                which = torch.tensor([i for i, r in enumerate(src) for _ in rows_for(r)], dtype=torch.long)
+                values = e.full_values(len(src))
+                out.edits.append(dataclasses.replace(e, values=values[which.to(values.device)], rows=new_rows))
             else:
                 out.edits.append(dataclasses.replace(e, rows=None if (e.rows is None and mirror) else new_rows))
         return out
