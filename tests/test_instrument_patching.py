@@ -69,9 +69,10 @@ def test_every_head_replaced_by_the_clean_run_reproduces_the_clean_logits(arch, 
     torch.testing.assert_close(rec2.z, z, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("mode", ["replace", "add"])
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_one_head_at_one_position_equals_an_o_proj_pre_hook(arch, backend):
+def test_one_head_at_one_position_equals_an_o_proj_pre_hook(arch, backend, mode):
     lm, eager, vocab = _setup(arch)
     ids, mask = _batch(vocab)
     D = lm.geometry.head_dim
@@ -80,7 +81,10 @@ def test_one_head_at_one_position_equals_an_o_proj_pre_hook(arch, backend):
 
     def hook(module, args):
         x = args[0].clone()
-        x[row, position, head * D:(head + 1) * D] = values
+        if mode == "replace":
+            x[row, position, head * D:(head + 1) * D] = values
+        else:
+            x[row, position, head * D:(head + 1) * D] += values
         return (x,)
 
     handle = _o_proj(eager, arch, layer).register_forward_pre_hook(hook)
@@ -89,7 +93,8 @@ def test_one_head_at_one_position_equals_an_o_proj_pre_hook(arch, backend):
     finally:
         handle.remove()
     base = _logits(eager, ids, mask)
-    plan = Plan(backend=backend).patch_z([(layer, head)], values, rows=[row], positions=[position])
+    build = Plan.patch_z if mode == "replace" else Plan.add_z
+    plan = build(Plan(backend=backend), [(layer, head)], values, rows=[row], positions=[position])
     out, _ = forward(lm, ids, plan, attention_mask=mask)
     torch.testing.assert_close(_real(out.logits, mask), _real(want, mask), atol=2e-5, rtol=0)
     torch.testing.assert_close(out.logits[0], base[0], atol=2e-5, rtol=0)  # row 0 untouched
@@ -170,6 +175,33 @@ def test_gradient_flows_to_the_values():
         assert abs(fd) > 1e-4
     finally:
         lm.model.float()
+
+
+def test_an_added_zero_leaf_gets_the_total_derivative_a_replacement_cuts():
+    """With every head of both layers patched, a replaced layer-0 z reaches the logits only around layer 1's
+    heads; an added zero keeps those paths: its gradient is the one of a single replaced head."""
+    lm, _, vocab = _setup("llama")
+    ids, mask = _batch(vocab, B=1, pad=0, seed=10)
+    L, H = lm.geometry.n_layers, lm.geometry.n_heads
+    _, rec = forward(lm, ids, Plan(probes=Probes(z_positions="all")))
+    z = rec.z[0]
+    leaf = z[0, 1].clone().requires_grad_(True)
+    single, _ = forward(lm, ids, Plan().patch_z([(0, 1)], leaf), grad=True)
+    (want,) = torch.autograd.grad(single.logits[0, -1, 5], leaf)
+    zeros = [torch.zeros_like(z[layer], requires_grad=True) for layer in range(L)]
+    plan = Plan()
+    for layer in range(L):
+        plan.add_z([(layer, h) for h in range(H)], zeros[layer][None])
+    added, _ = forward(lm, ids, plan, grad=True)
+    (got,) = torch.autograd.grad(added.logits[0, -1, 5], zeros[0])
+    torch.testing.assert_close(got[1], want, atol=1e-6, rtol=1e-5)
+    leaves = [z[layer].clone().requires_grad_(True) for layer in range(L)]
+    plan = Plan()
+    for layer in range(L):
+        plan.patch_z([(layer, h) for h in range(H)], leaves[layer][None])
+    replaced, _ = forward(lm, ids, plan, grad=True)
+    (cut,) = torch.autograd.grad(replaced.logits[0, -1, 5], leaves[0])
+    assert (cut[1] - want).abs().max() > 1e-3
 
 
 def test_validation_conflicts_and_touches():

@@ -41,6 +41,7 @@ from .attention import attention_forward
 from .context import active_plan, instrument, register
 from .layers import ATTN_IMPLEMENTATION, UnsupportedModelError, attention_layers, decoder_layers
 from .plan import (
+    AddZ,
     Edit,
     Head,
     HeadSpec,
@@ -61,6 +62,7 @@ from .trunk import expand_cache, shared_trunk
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "AddZ",
     "DIMS",
     "Edit",
     "Head",

@@ -23,6 +23,7 @@ __all__ = [
     "LayerFunction",
     "OutputScale",
     "Plan",
+    "AddZ",
     "QueryScale",
     "ReplaceZ",
     "ScoreZero",
@@ -70,7 +71,7 @@ class Edit:
     sets both: the name from its ``kind``, the instance to the config itself.
 
     ``kind`` (class attribute) is what the edit changes, for the conflict check: ``q_scale``,
-    ``score_zero``, ``out_scale``, ``key_bias`` or ``z_replace``; ``description`` words it for messages.
+    ``score_zero``, ``out_scale``, ``key_bias``, ``z_replace`` or ``z_add``; ``description`` words it for messages.
     """
 
     kind: ClassVar[str] = ""
@@ -237,6 +238,19 @@ class ReplaceZ(Edit):
                              f"heads, positions, head_dim) = {shape}") from None
 
 
+@dataclass(eq=False)
+class AddZ(ReplaceZ):
+    """Add ``values`` to the outputs ``z`` of ``heads`` on ``rows`` at ``positions`` (the fields and the place
+    of :class:`ReplaceZ`; replacements and additions apply in the plan's order).
+
+    Unlike a replacement, an addition keeps ``z``'s dependence on the layers below: a leaf of zeros that
+    requires grad gets the total derivative ``d output / d z`` of every head at once (attribution patching).
+    """
+
+    kind: ClassVar[str] = "z_add"
+    description: ClassVar[str] = "head output addition"
+
+
 _EDIT_TYPES = (QueryScale, ScoreZero, OutputScale, KeyBias, LayerCallback, ReplaceZ)
 
 
@@ -253,12 +267,12 @@ class Plan:
     - :class:`LayerCallback` ``(fn, heads, rows)``: a function of each layer's ``z`` that may return an
       output scale (VHR);
     - :class:`ReplaceZ` ``(heads, values, rows, positions)``: replace the head output ``z`` (activation
-      patching), last of all.
+      patching), after the other edits; :class:`AddZ` (the same fields): add to it.
 
     Heads are ``(layer, head)`` pairs; ``(layer, None)`` means every head of the layer. ``rows`` are the
     batch rows an edit applies to (``None`` = all). Add edits with :meth:`add` or the builders
     (:meth:`mask_heads`, :meth:`scale_heads`, :meth:`scale_queries`, :meth:`bias_keys`, :meth:`on_layer`,
-    :meth:`patch_z`),
+    :meth:`patch_z`, :meth:`add_z`),
     which take ``owner=``: the method adding the edit, as a name or as its config (named by its ``kind``;
     two config objects are two owners). Two edits of the same kind on a shared (layer, head) and
     overlapping rows from different owners raise :class:`SteeringConflictError` (edits without an owner
@@ -343,6 +357,12 @@ class Plan:
         """Replace the outputs ``z`` of these heads on ``rows`` at absolute ``positions`` with ``values``
         (broadcastable to (rows, heads, positions, head_dim); a :class:`ReplaceZ`)."""
         return self.add(ReplaceZ(heads, values, rows, positions, owner=owner))
+
+    def add_z(self, heads: HeadSpec, values: Tensor, rows: Sequence[int] | None = None,
+              positions: Sequence[int] | None = None, *, owner: Any = None) -> Plan:
+        """Add ``values`` to the outputs ``z`` of these heads on ``rows`` at absolute ``positions`` (an
+        :class:`AddZ`)."""
+        return self.add(AddZ(heads, values, rows, positions, owner=owner))
 
     # ---- queries
     @property

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .masks import kernel_mask_args
-from .plan import Edit, KeyBias, LayerCallback, OutputScale, Plan, QueryScale, ReplaceZ, ScoreZero
+from .plan import AddZ, Edit, KeyBias, LayerCallback, OutputScale, Plan, QueryScale, ReplaceZ, ScoreZero
 from .positions import CallPositions
 from .probes import offsets_tensor, pairs_tensor, per_row_spans, select_pairs, span_tensor
 from .recording import Recording
@@ -130,7 +130,7 @@ class Session:
         return out
 
     def replace_z(self, layer: int, z: Tensor, pos: CallPositions) -> Tensor:
-        """``z`` (B, H, Nq, D) of a call of ``layer`` with the plan's :class:`ReplaceZ` edits applied in order
+        """``z`` (B, H, Nq, D) of a call of ``layer`` with the plan's :class:`ReplaceZ` / :class:`AddZ` edits applied in order
         (out of place, differentiable in their values); ``z`` itself when none replaces a query of the call."""
         edits = [e for e in self.plan.edits if isinstance(e, ReplaceZ) and any(ly == layer for ly, _ in e.heads)]
         if not edits:
@@ -138,7 +138,7 @@ class Session:
         trunk = active_trunk()
         if trunk is not None and layer < trunk.layer:
             raise ValueError(f"shared_trunk: layer {layer} runs once for {trunk.copies} copies of the batch, "
-                             "so its head outputs cannot be replaced")
+                             "so its head outputs cannot be replaced or added to")
         B, H, Nq, D = z.shape
         for e in edits:
             z = _replaced(e, layer, z, pos, B, H, Nq, D)
@@ -209,7 +209,8 @@ def _selection(e: Edit, layer: int, B: int, H: int, device: Any) -> tuple[Tensor
 
 
 def _replaced(e: ReplaceZ, layer: int, z: Tensor, pos: CallPositions, B: int, H: int, Nq: int, D: int) -> Tensor:
-    """``z`` with the values of one :class:`ReplaceZ` at its heads of ``layer`` and the call's queries."""
+    """``z`` with the values of one :class:`ReplaceZ` (or added, :class:`AddZ`) at its heads of ``layer`` and the
+    call's queries."""
     device = z.device
     rows = list(range(B)) if e.rows is None else e.rows
     if rows and max(rows) >= B:
@@ -231,7 +232,7 @@ def _replaced(e: ReplaceZ, layer: int, z: Tensor, pos: CallPositions, B: int, H:
     h_idx = torch.tensor(heads, device=device)[None, :, None]
     q_idx = q[p_sel].to(device)[None, None, :]
     r_idx, h_idx, q_idx = torch.broadcast_tensors(r_idx, h_idx, q_idx)
-    return z.index_put((r_idx, h_idx, q_idx), vals)
+    return z.index_put((r_idx, h_idx, q_idx), vals, accumulate=isinstance(e, AddZ))
 
 
 def _scaled(cur: Tensor | None, sel: Tensor, factor: float, B: int, H: int, device: Any) -> Tensor:
