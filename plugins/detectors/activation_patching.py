@@ -20,7 +20,8 @@ every position (``Probes(z_positions="all")``); the patched runs are then rows o
 patch per row (:class:`headlab.ReplaceZ`), ``batch_size`` rows at a time.
 
 Outputs: ``score (layer, head[, token])``, ``patched (layer, head[, token], example)`` (the raw metric;
-NaN at a token an example does not have), ``clean (example)``, ``corrupt (example)``.
+NaN at a token an example does not have), ``clean_metric (example)``, ``corrupt_metric (example)`` (not ``clean`` /
+``corrupt``: a pair task's examples have a field ``corrupt``, the corrupted prompt).
 """
 
 from __future__ import annotations
@@ -252,8 +253,8 @@ def detect(config: ActivationPatching, ctx: StepContext) -> xr.Dataset:
     ds = xr.Dataset({
         "score": xr.DataArray(score, dims=dims[:-1], coords=coords),
         "patched": xr.DataArray(patched, dims=dims, coords=coords),
-        "clean": xr.DataArray(clean, dims=("example",)),
-        "corrupt": xr.DataArray(corrupt, dims=("example",)),
+        "clean_metric": xr.DataArray(clean, dims=("example",)),
+        "corrupt_metric": xr.DataArray(corrupt, dims=("example",)),
     })
     ds.attrs.update(method="activation_patching", model=ctx.model.name, metric=config.metric,
                     direction=config.direction, unit=config.unit, normalise=config.normalise,

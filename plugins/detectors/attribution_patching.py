@@ -20,7 +20,7 @@ unit) and ``top_k_recall`` (the fraction of the reference's ``top_k`` units with
 ``|score - s0|``, ``s0`` = 0 to denoise and 1 to noise, that are among AtP's ``top_k``).
 
 Outputs: ``score (layer, head[, token])``, ``atp (layer, head[, token], example)`` (NaN at a token an
-example does not have), ``clean (example)``, ``corrupt (example)``.
+example does not have), ``clean_metric (example)``, ``corrupt_metric (example)``.
 """
 
 from __future__ import annotations
@@ -178,8 +178,8 @@ def detect(config: AttributionPatching, ctx: StepContext) -> xr.Dataset:
     ds = xr.Dataset({
         "score": xr.DataArray(score, dims=dims[:-1], coords=coords),
         "atp": xr.DataArray(atp_all, dims=dims, coords=coords),
-        "clean": xr.DataArray(clean, dims=("example",)),
-        "corrupt": xr.DataArray(corrupt, dims=("example",)),
+        "clean_metric": xr.DataArray(clean, dims=("example",)),
+        "corrupt_metric": xr.DataArray(corrupt, dims=("example",)),
     })
     ds.attrs.update(method="attribution_patching", estimator=config.method, model=ctx.model.name,
                     metric=config.metric, direction=config.direction, unit=config.unit,
