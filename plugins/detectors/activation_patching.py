@@ -17,7 +17,9 @@ patched run behaves like the clean one, 0 = like the corrupted one, in both dire
 
 One forward over the clean and the corrupted prompts of a chunk of pairs records every head's ``z`` at
 every position (``Probes(z_positions="all")``); the patched runs are then rows of batched forwards, one
-patch per row (:class:`headlab.ReplaceZ`), ``batch_size`` rows at a time.
+patch per row (:class:`headlab.ReplaceZ`), ``batch_size`` rows at a time. Per token, the tokens before the
+first one where a pair's prompts differ are not run: their ``z`` is the same in both runs, so their patched
+metric is the unpatched target's.
 
 Outputs: ``score (layer, head[, token])``, ``patched (layer, head[, token], example)`` (the raw metric;
 NaN at a token an example does not have), ``clean_metric (example)``, ``corrupt_metric (example)`` (not ``clean`` /
@@ -153,20 +155,32 @@ def normalised_score(patched: np.ndarray, clean: np.ndarray, corrupt: np.ndarray
 Patch = tuple[tuple[int, ...], int, tuple[int, int], torch.Tensor, "list[int] | None"]
 
 
-def _patches(runs: PairRuns, unit: str, L: int, H: int) -> Iterator[Patch]:
+def _shared_prefix(runs: PairRuns, e: int) -> int:
+    """The number of padded positions before the first token where pair ``e``'s two prompts differ."""
+    differ = (runs.ids[e] != runs.ids[runs.n + e]).nonzero()
+    return int(differ[0, 0]) if differ.numel() else int(runs.ids.shape[1])
+
+
+def _patches(runs: PairRuns, unit: str, L: int, H: int) -> Iterator[Patch | tuple[tuple[int, ...], int]]:
     """``(unit index, example, head, values, positions)`` for every patch of a chunk: the source run's ``z`` of
-    one head, at every position or at one token of the example (``positions``: absolute, ``None`` = all)."""
+    one head, at every position or at one token of the example (``positions``: absolute, ``None`` = all).
+    A token before the first one where the pair's prompts differ has the same ``z`` in both runs, so its
+    patch changes nothing: it comes as ``(unit index, example)`` alone, its patched metric the target's."""
     z_source = runs.z[runs.rows("clean")]
     T = runs.ids.shape[1]
+    shared = [_shared_prefix(runs, e) for e in range(runs.n)]
     for layer in range(L):
         for head in range(H):
             for e in range(runs.n):
                 z = z_source[e, layer, head]
                 if unit == "z":
                     yield (layer, head), e, (layer, head), z, None
-                else:
-                    pad = runs.pad[e]
-                    for token in range(T - pad):
+                    continue
+                pad = runs.pad[e]
+                for token in range(T - pad):
+                    if pad + token < shared[e]:
+                        yield (layer, head, token), e
+                    else:
                         yield (layer, head, token), e, (layer, head), z[pad + token:pad + token + 1], [pad + token]
 
 
@@ -203,7 +217,11 @@ def patch_chunk(lm, runs: PairRuns, unit: str, metric: str, batch_size: int, dir
             out[(key, e)] = value
         pending.clear()
 
+    target_metric = oriented.metric[target].tolist()
     for item in _patches(oriented, unit, geo.n_layers, geo.n_heads):
+        if len(item) == 2:
+            out[item] = target_metric[item[1]]
+            continue
         pending.append(item)
         if len(pending) == batch_size:
             flush()
