@@ -24,6 +24,7 @@ from .instrument import (
     Plan,
     Probes,
     Recording,
+    ReplaceKV,
     ReplaceZ,
     SteeringConflictError,
     shared_trunk,
@@ -50,8 +51,8 @@ __all__ = [
     "Batch", "Geometry", "LoadedModel", "forward", "from_config", "from_pretrained", "load_model",
     "positions_from_mask", "token_runs", "tokenize",
     # steering plans and recordings
-    "AddZ", "KeyBias", "Plan", "Probes", "Recording", "ReplaceZ", "SteeringConflictError", "instrumented", "shared_trunk",
-    "span_tensor",
+    "AddZ", "KeyBias", "Plan", "Probes", "Recording", "ReplaceKV", "ReplaceZ", "SteeringConflictError",
+    "instrumented", "shared_trunk", "span_tensor",
     # heads and result arrays
     "DIMENSIONS", "attention_preview", "draw_like", "from_pasta_json", "from_retrieval_json", "to_pasta_json",
     "to_retrieval_json",

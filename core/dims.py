@@ -27,6 +27,8 @@ DIMENSIONS: dict[str, str] = {
     "example": "an example of the step's task, in the task's order (in a Recording: a row of the batch)",
     "layer": "a decoder layer of the model (0 = nearest the input); coordinates are layer indices",
     "head": "an attention (query) head of a layer; coordinates are head indices",
+    "kv_head": "a key/value head of a layer (under grouped-query attention it serves n_heads / n_kv_heads query "
+               "heads: kv_head j serves heads j * g .. (j + 1) * g - 1); coordinates are KV head indices",
     "token": "a position in an example's prompt token ids (input_ids, unpadded, from 0)",
     "step": "a decoding step: step t chose the t-th generated token (its query is the last prompt token for "
             "t = 0, then the token chosen at step t - 1)",

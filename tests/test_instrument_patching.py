@@ -221,3 +221,111 @@ def test_validation_conflicts_and_touches():
     with pytest.raises(SteeringConflictError, match="'a' and 'c' both apply a head output replacement to head"):
         plan.patch_z([(1, 2)], torch.ones(16), rows=[0], owner="c")
     plan.scale_heads([(1, 2)], 0.5, owner="c")  # another kind of edit on the head: no conflict
+
+
+# --------------------------------------------------------------------------- keys and values (ReplaceKV)
+def _kv_hooks(model, arch: str, layer: int, edit):
+    """Forward hooks writing ``edit(part, output)`` over the key and value projections' outputs of ``layer``
+    (gpt2: the key and value thirds of ``c_attn``)."""
+    if arch == "gpt2":
+        attn = model.transformer.h[layer].attn
+        d = attn.embed_dim
+
+        def hook(module, args, out):
+            q, k, v = out.split(d, dim=-1)
+            return torch.cat([q, edit("k", k), edit("v", v)], dim=-1)
+        return [attn.c_attn.register_forward_hook(hook)]
+    attn = model.model.layers[layer].self_attn
+    return [attn.k_proj.register_forward_hook(lambda m, a, out: edit("k", out)),
+            attn.v_proj.register_forward_hook(lambda m, a, out: edit("v", out))]
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_kv_head_replaced_by_the_clean_run_reproduces_the_clean_logits(arch, backend):
+    lm, _, vocab = _setup(arch)
+    clean, mask = _batch(vocab, seed=11)
+    corrupt = clean.clone()
+    corrupt[:, 4:6] = _batch(vocab, seed=12)[0][:, 4:6]
+    same = mask.clone()
+    same[:, 4:6] = 0
+    L, K = lm.geometry.n_layers, lm.geometry.n_kv_heads
+    out_clean, rec = forward(lm, clean, Plan(probes=Probes(kv_positions="all")), attention_mask=mask)
+    assert rec.k.shape[2] == K and rec.kv_positions == list(range(clean.shape[1]))
+    assert rec.to_xarray("k").dims == ("example", "layer", "kv_head", "position", "head_dim")
+    plan = Plan(backend=backend)
+    for layer in range(L):
+        plan.patch_kv([(layer, k) for k in range(K)], rec.k[:, layer], rec.v[:, layer])
+    out, _ = forward(lm, corrupt, plan, attention_mask=mask)
+    plain, _ = forward(lm, corrupt, Plan(backend=backend), attention_mask=mask)
+    torch.testing.assert_close(_real(out.logits, same), _real(out_clean.logits, same), atol=1e-5, rtol=0)
+    assert (_real(plain.logits, same) - _real(out_clean.logits, same)).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("part", ["keys", "values", "both"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_one_kv_head_at_one_position_equals_projection_hooks(arch, part):
+    """The clean prompt's key / value of KV head 1 at one position into the corrupted run (row 1, left-padded)
+    == the key / value projection's output there overwritten by the clean run's (the rotary embedding then
+    turns it into the same key: the position is the same)."""
+    lm, eager, vocab = _setup(arch)
+    clean, mask = _batch(vocab, seed=13)
+    corrupt = clean.clone()
+    corrupt[:, 4:7] = _batch(vocab, seed=14)[0][:, 4:7]
+    layer, kvh, row, position = 1, 1, 1, 5
+    D = lm.geometry.head_dim
+    seen: dict = {}
+
+    def keep(name, out):
+        seen[name] = out.detach().clone()
+        return out
+    handles = _kv_hooks(eager, arch, layer, keep)
+    try:
+        _logits(eager, clean, mask)
+    finally:
+        for h in handles:
+            h.remove()
+    wanted = {"keys": ("k",), "values": ("v",), "both": ("k", "v")}[part]
+
+    def overwrite(name, out):
+        if name not in wanted:
+            return out
+        out = out.clone()
+        out[row, position, kvh * D:(kvh + 1) * D] = seen[name][row, position, kvh * D:(kvh + 1) * D]
+        return out
+    handles = _kv_hooks(eager, arch, layer, overwrite)
+    try:
+        want = _logits(eager, corrupt, mask)
+    finally:
+        for h in handles:
+            h.remove()
+    _, rec = forward(lm, clean, Plan(probes=Probes(kv_positions=[position], layers=[layer])), attention_mask=mask)
+    k, v = rec.k[row, 0, kvh], rec.v[row, 0, kvh]  # (1, D) at the position
+    plan = Plan().patch_kv([(layer, kvh)], k if "k" in wanted else None, v if "v" in wanted else None,
+                           rows=[row], positions=[position])
+    out, _ = forward(lm, corrupt, plan, attention_mask=mask)
+    plain = _logits(eager, corrupt, mask)
+    torch.testing.assert_close(_real(out.logits, mask), _real(want, mask), atol=2e-5, rtol=0)
+    assert (out.logits[row, position:] - plain[row, position:]).abs().max() > 1e-4
+    torch.testing.assert_close(out.logits[0], plain[0], atol=2e-5, rtol=0)
+
+
+def test_kv_replacement_tiles_and_validates():
+    lm, _, vocab = _setup("qwen2")
+    ids, mask = _batch(vocab, seed=15)
+    B, D = ids.shape[0], lm.geometry.head_dim
+    g = torch.Generator().manual_seed(16)
+    keys = torch.randn(B, 1, 2, D, generator=g)
+    plan = Plan().patch_kv([(0, 1)], keys, None, positions=[PAD, PAD + 2])
+    assert plan.touches(0) and not plan.touches(1) and plan.edits_on(0, 1) == []
+    tiled = plan.tile(2, B)
+    by_hand = Plan().patch_kv([(0, 1)], torch.cat([keys, keys]), None, positions=[PAD, PAD + 2])
+    out, _ = forward(lm, ids.repeat(2, 1), tiled, attention_mask=mask.repeat(2, 1))
+    ref, _ = forward(lm, ids.repeat(2, 1), by_hand, attention_mask=mask.repeat(2, 1))
+    alone, _ = forward(lm, ids, plan, attention_mask=mask)
+    torch.testing.assert_close(out.logits, ref.logits, atol=1e-6, rtol=0)
+    torch.testing.assert_close(_real(out.logits[B:], mask), _real(alone.logits, mask), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="give keys, values or both"):
+        Plan().patch_kv([(0, 1)])
+    with pytest.raises(ValueError, match="kv head out of range"):
+        forward(lm, ids, Plan().patch_kv([(0, 2)], torch.zeros(D)), attention_mask=mask)

@@ -16,7 +16,18 @@ import torch
 from torch import Tensor
 
 from .masks import kernel_mask_args
-from .plan import AddZ, Edit, KeyBias, LayerCallback, OutputScale, Plan, QueryScale, ReplaceZ, ScoreZero
+from .plan import (
+    AddZ,
+    Edit,
+    KeyBias,
+    LayerCallback,
+    OutputScale,
+    Plan,
+    QueryScale,
+    ReplaceKV,
+    ReplaceZ,
+    ScoreZero,
+)
 from .positions import CallPositions
 from .probes import offsets_tensor, pairs_tensor, per_row_spans, select_pairs, span_tensor
 from .recording import Recording
@@ -103,7 +114,7 @@ class Session:
         spans_l: list[Tensor] = []
         bias_l: list[Tensor] = []
         for e in self.plan.edits:
-            if isinstance(e, (LayerCallback, ReplaceZ)):
+            if isinstance(e, (LayerCallback, ReplaceZ, ReplaceKV)):
                 continue
             hit = _selection(e, layer, B, H, device)
             if hit is None:
@@ -143,6 +154,22 @@ class Session:
         for e in edits:
             z = _replaced(e, layer, z, pos, B, H, Nq, D)
         return z
+
+    def replace_kv(self, layer: int, key: Tensor, value: Tensor, pos: CallPositions) -> tuple[Tensor, Tensor]:
+        """``key`` / ``value`` (B, Hkv, Nk, D) of a call of ``layer`` with the plan's :class:`ReplaceKV` edits
+        applied in order (out of place; key slot ``j`` is absolute position ``pos.key_offset + j``, slots past
+        ``pos.n_keys`` untouched)."""
+        edits = [e for e in self.plan.edits if isinstance(e, ReplaceKV) and any(ly == layer for ly, _ in e.heads)]
+        if not edits:
+            return key, value
+        trunk = active_trunk()
+        if trunk is not None and layer < trunk.layer:
+            raise ValueError(f"shared_trunk: layer {layer} runs once for {trunk.copies} copies of the batch, "
+                             "so its keys and values cannot be replaced")
+        for e in edits:
+            key = _replaced_kv(e, "keys", layer, key, pos)
+            value = _replaced_kv(e, "values", layer, value, pos)
+        return key, value
 
     # ---- per-call probe tensors
     def probe_spans(self, B: int, pos: CallPositions, device: Any) -> Tensor | None:
@@ -233,6 +260,35 @@ def _replaced(e: ReplaceZ, layer: int, z: Tensor, pos: CallPositions, B: int, H:
     q_idx = q[p_sel].to(device)[None, None, :]
     r_idx, h_idx, q_idx = torch.broadcast_tensors(r_idx, h_idx, q_idx)
     return z.index_put((r_idx, h_idx, q_idx), vals, accumulate=isinstance(e, AddZ))
+
+
+def _replaced_kv(e: ReplaceKV, name: str, layer: int, t: Tensor, pos: CallPositions) -> Tensor:
+    """``t`` (keys or values, (B, Hkv, Nk, D)) with ``e``'s ``name`` tensor at its heads of ``layer`` and the
+    key positions the call holds."""
+    B, Hkv, _, D = t.shape
+    rows = list(range(B)) if e.rows is None else e.rows
+    if rows and max(rows) >= B:
+        raise ValueError(f"ReplaceKV rows {e.rows} out of range for batch size {B}")
+    full = e.full(name, len(rows))
+    if full is None:
+        return t
+    if full.shape[-1] != D:
+        raise ValueError(f"ReplaceKV: {name} have head_dim {full.shape[-1]}, layer {layer} has {D}")
+    k_sel = [k for k, (ly, _) in enumerate(e.heads) if ly == layer]
+    heads = [e.heads[k][1] for k in k_sel]
+    if any(not 0 <= h < Hkv for h in heads):
+        raise ValueError(f"ReplaceKV: kv head out of range in {heads} (layer {layer} has {Hkv} key/value heads)")
+    positions = torch.arange(e.n_positions()) if e.positions is None else torch.tensor(e.positions)
+    slot = positions - pos.key_offset
+    p_sel = ((slot >= 0) & (slot < pos.n_keys)).nonzero().flatten()
+    if not p_sel.numel():
+        return t
+    vals = full[:, k_sel][:, :, p_sel.to(full.device)].to(device=t.device, dtype=t.dtype)
+    r_idx = torch.tensor(rows, device=t.device)[:, None, None]
+    h_idx = torch.tensor(heads, device=t.device)[None, :, None]
+    s_idx = slot[p_sel].to(t.device)[None, None, :]
+    r_idx, h_idx, s_idx = torch.broadcast_tensors(r_idx, h_idx, s_idx)
+    return t.index_put((r_idx, h_idx, s_idx), vals)
 
 
 def _scaled(cur: Tensor | None, sel: Tensor, factor: float, B: int, H: int, device: Any) -> Tensor:
