@@ -84,6 +84,73 @@ def reference(model, arch: str, tok, examples, L: int, H: int, unit: str, metric
     return clean, corrupt, patched
 
 
+def _kv_projections(model, arch: str, layer: int, edit):
+    """Forward hooks writing ``edit(part, output)`` over the key and value projections' outputs of ``layer``
+    (gpt2: the key and value thirds of ``c_attn``)."""
+    if arch == "gpt2":
+        attn = model.transformer.h[layer].attn
+        d = attn.embed_dim
+
+        def hook(module, args, out):
+            q, k, v = out.split(d, dim=-1)
+            return torch.cat([q, edit("k", k), edit("v", v)], dim=-1)
+        return [attn.c_attn.register_forward_hook(hook)]
+    attn = model.model.layers[layer].self_attn
+    return [attn.k_proj.register_forward_hook(lambda m, a, out: edit("k", out)),
+            attn.v_proj.register_forward_hook(lambda m, a, out: edit("v", out))]
+
+
+def kv_reference(model, arch: str, tok, examples, L: int, K: int, D: int, metric: str):
+    """(layer, kv_head, example) metrics of the corrupted prompts with one key/value head's projections at
+    every position overwritten by the clean prompt's (the rotary embedding then gives the clean keys)."""
+    patched = np.zeros((L, K, len(examples)))
+    for e, ex in enumerate(examples):
+        a, w = ex.meta["answer_id"], ex.meta["wrong_id"]
+        clean_ids = torch.tensor([tok(ex.prompt).input_ids])
+        corrupt_ids = torch.tensor([tok(ex.meta["corrupt"]).input_ids])
+        for layer in range(L):
+            seen: dict = {}
+            handles = _kv_projections(model, arch, layer, lambda name, out, seen=seen: seen.setdefault(name, out.detach()))
+            try:
+                with torch.no_grad():
+                    model(input_ids=clean_ids)
+            finally:
+                for h in handles:
+                    h.remove()
+            for kvh in range(K):
+                def overwrite(name, out, kvh=kvh, seen=seen):
+                    out = out.clone()
+                    out[..., kvh * D:(kvh + 1) * D] = seen[name][..., kvh * D:(kvh + 1) * D]
+                    return out
+                handles = _kv_projections(model, arch, layer, overwrite)
+                try:
+                    with torch.no_grad():
+                        logits = model(input_ids=corrupt_ids).logits[0, -1]
+                finally:
+                    for h in handles:
+                        h.remove()
+                patched[layer, kvh, e] = _metric(logits, a, w, metric)
+    return patched
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_kv_patching_equals_the_projection_hook_reference(arch):
+    tok, lm, eager = models(arch)
+    examples = pair_examples(tok)
+    geo = lm.geometry
+    ctx = StepContext(model=lm, examples=examples, results={}, seed=0)
+    ds = detect(ActivationPatching(unit="kv", batch_size=4, pair_batch_size=3), ctx)
+    want = kv_reference(eager["eager"], arch, tok, examples, geo.n_layers, geo.n_kv_heads, geo.head_dim,
+                        "logit_diff")
+    np.testing.assert_allclose(ds["patched"].values, want, atol=1e-5, rtol=0)
+    assert np.abs(ds["patched"].values - ds["corrupt_metric"].values).max() > 1e-2
+    assert ds["score"].dims == ("layer", "kv_head") and ds.sizes["kv_head"] == geo.n_kv_heads
+    group = geo.n_heads // geo.n_kv_heads
+    serves = ds["serves"].values
+    assert serves.shape == (geo.n_kv_heads, geo.n_heads) and serves.sum(1).tolist() == [group] * geo.n_kv_heads
+    assert all(serves[h // group, h] for h in range(geo.n_heads))
+
+
 def _score(clean, corrupt, patched):
     valid = ~np.isnan(patched)
     mean_p = np.nansum(patched, -1) / valid.sum(-1)

@@ -8,7 +8,10 @@ docs/methods.md#metrics-for-circuit-analysis). The examples are pairs (the pair 
 ``direction: denoise`` (the default) runs the corrupted prompt with one head's output ``z`` replaced by its
 value on the clean prompt; ``noise`` runs the clean prompt with the corrupted value. ``unit: z`` replaces
 the head's ``z`` at every position (``(layer, head)``); ``z_position`` at one token of the prompt
-(``(layer, head, token)``; ``token`` counts from the prompt's first token, left padding skipped).
+(``(layer, head, token)``; ``token`` counts from the prompt's first token, left padding skipped); ``kv`` replaces
+the keys (as attention reads them, after the rotary embedding) and values of one key/value head at every
+position (:class:`headlab.ReplaceKV`; ``(layer, kv_head)``, the coordinate ``serves (kv_head, head)`` marks
+the query heads each one serves under grouped-query attention).
 
 The metric is read at the last position: ``logit_diff = logit[answer] - logit[wrong]`` or ``logprob`` =
 the log-probability of the answer. ``score = (mean patched - mean corrupt) / (mean clean - mean corrupt)``
@@ -21,14 +24,14 @@ patch per row (:class:`headlab.ReplaceZ`), ``batch_size`` rows at a time. Per to
 first one where a pair's prompts differ are not run: their ``z`` is the same in both runs, so their patched
 metric is the unpatched target's.
 
-Outputs: ``score (layer, head[, token])``, ``patched (layer, head[, token], example)`` (the raw metric;
+Outputs: ``score (layer, head[, token])`` (``(layer, kv_head)`` for ``kv``), ``patched (..., example)`` (the raw metric;
 NaN at a token an example does not have), ``clean_metric (example)``, ``corrupt_metric (example)`` (not ``clean`` /
 ``corrupt``: a pair task's examples have a field ``corrupt``, the corrupted prompt).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -37,7 +40,17 @@ import torch
 import xarray as xr
 from pydantic import Field
 
-from headlab import ComponentConfig, Example, Plan, Probes, ReplaceZ, StepContext, forward, hookimpl
+from headlab import (
+    ComponentConfig,
+    Example,
+    Plan,
+    Probes,
+    ReplaceKV,
+    ReplaceZ,
+    StepContext,
+    forward,
+    hookimpl,
+)
 from headlab.generation import tokenize
 from headlab.plugins.detectors.direct_logit_attribution import answer_ids
 from headlab.resources import Estimate, EstimateContext
@@ -60,7 +73,8 @@ class ActivationPatching(ComponentConfig):
     kind: Literal["activation_patching"] = "activation_patching"
     metric: Metric = Field("logit_diff", description="logit[answer] - logit[wrong], or the answer's log-probability")
     direction: Direction = Field("denoise", description="denoise: clean z into the corrupted run; noise: the reverse")
-    unit: Literal["z", "z_position"] = Field("z", description="a head's z at every position, or at one token")
+    unit: Literal["z", "z_position", "kv"] = Field(
+        "z", description="a head's z at every position, at one token, or a key/value head's keys and values")
     normalise: Normalise = Field("means", description="the score's ratio of example means, or the mean of ratios")
     batch_size: PositiveInt = Field(32, description="rows (one patch each) per patched forward")
     pair_batch_size: PositiveInt = Field(8, description="pairs whose clean and corrupted runs share a forward")
@@ -86,7 +100,8 @@ class PairRuns:
     """A chunk of pairs run once, clean and corrupted: ``ids`` / ``mask`` (2n, T) with the clean prompts in
     rows ``0..n-1`` and the corrupted ones in ``n..2n-1`` (the same padding: a pair has one token length),
     ``z`` (2n, layer, head, T, head_dim) every head's output, ``metric`` (2n,) float64, ``answer`` /
-    ``wrong`` (n,) token ids, ``pad`` (n,) left padding of each pair."""
+    ``wrong`` (n,) token ids, ``pad`` (n,) left padding of each pair; ``k`` / ``v`` (2n, layer, kv_head, T,
+    head_dim) the keys and values when recorded (``kv=True``)."""
 
     ids: torch.Tensor
     mask: torch.Tensor
@@ -95,6 +110,8 @@ class PairRuns:
     answer: torch.Tensor
     wrong: torch.Tensor
     pad: list[int]
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
 
     @property
     def n(self) -> int:
@@ -105,22 +122,25 @@ class PairRuns:
         return slice(0, self.n) if which == "clean" else slice(self.n, 2 * self.n)
 
 
-def pair_runs(lm, examples: list[Example], answer: list[int], wrong: list[int], metric: str) -> PairRuns:
+def pair_runs(lm, examples: list[Example], answer: list[int], wrong: list[int], metric: str,
+              kv: bool = False) -> PairRuns:
     """One forward over the clean and corrupted prompts of ``examples`` (pair-task examples), recording every
-    head's ``z`` at every position."""
+    head's ``z`` at every position (and every key/value head's keys and values with ``kv``)."""
     corrupt = [Example(prompt=str(ex.meta["corrupt"])) for ex in examples]
     batch = tokenize(lm, list(examples) + corrupt)
     n = len(examples)
     if not torch.equal(batch.attention_mask[:n], batch.attention_mask[n:]):
         row = next(i for i in range(n) if batch.pad[i] != batch.pad[n + i])
         raise ValueError(f"example {row}: the clean and corrupted prompts have different token lengths")
-    out, rec = forward(lm, batch.input_ids, Plan(probes=Probes(z_positions="all")),
-                       attention_mask=batch.attention_mask, logits_to_keep=1)
+    probes = Probes(z_positions="all", kv_positions="all" if kv else None)
+    out, rec = forward(lm, batch.input_ids, Plan(probes=probes), attention_mask=batch.attention_mask,
+                       logits_to_keep=1)
     device = out.logits.device
     a = torch.tensor(answer, device=device)
     w = torch.tensor(wrong, device=device)
     m = metric_of(out.logits[:, -1], a.repeat(2), w.repeat(2), metric)
-    return PairRuns(batch.input_ids, batch.attention_mask, rec.z, m, a, w, [int(p) for p in batch.pad[:n]])
+    return PairRuns(batch.input_ids, batch.attention_mask, rec.z, m, a, w, [int(p) for p in batch.pad[:n]],
+                    rec.k, rec.v)
 
 
 def normalised_score(patched: np.ndarray, clean: np.ndarray, corrupt: np.ndarray, normalise: str,
@@ -152,7 +172,7 @@ def normalised_score(patched: np.ndarray, clean: np.ndarray, corrupt: np.ndarray
         return np.where(count > 0, (mean_p - mean_k) / gap, np.nan)
 
 
-Patch = tuple[tuple[int, ...], int, tuple[int, int], torch.Tensor, "list[int] | None"]
+Patch = tuple[tuple[int, ...], int, Callable[[int], "ReplaceZ | ReplaceKV"]]
 
 
 def _shared_prefix(runs: PairRuns, e: int) -> int:
@@ -161,27 +181,41 @@ def _shared_prefix(runs: PairRuns, e: int) -> int:
     return int(differ[0, 0]) if differ.numel() else int(runs.ids.shape[1])
 
 
-def _patches(runs: PairRuns, unit: str, L: int, H: int) -> Iterator[Patch | tuple[tuple[int, ...], int]]:
-    """``(unit index, example, head, values, positions)`` for every patch of a chunk: the source run's ``z`` of
-    one head, at every position or at one token of the example (``positions``: absolute, ``None`` = all).
-    A token before the first one where the pair's prompts differ has the same ``z`` in both runs, so its
-    patch changes nothing: it comes as ``(unit index, example)`` alone, its patched metric the target's."""
-    z_source = runs.z[runs.rows("clean")]
+def _patches(runs: PairRuns, unit: str, L: int, H: int, K: int) -> Iterator[Patch | tuple[tuple[int, ...], int]]:
+    """``(unit index, example, edit(row))`` for every patch of a chunk: the source run's ``z`` of one head at
+    every position or at one token of the example, or the keys and values of one key/value head at every
+    position. A token before the first one where the pair's prompts differ has the same ``z`` in both runs,
+    so its patch changes nothing: it comes as ``(unit index, example)`` alone, its patched metric the
+    target's."""
+    source = runs.rows("clean")
     T = runs.ids.shape[1]
+    if unit == "kv":
+        k_source, v_source = runs.k[source], runs.v[source]
+        for layer in range(L):
+            for kvh in range(K):
+                for e in range(runs.n):
+                    k, v = k_source[e, layer, kvh], v_source[e, layer, kvh]
+                    yield (layer, kvh), e, (lambda r, ly=layer, j=kvh, k=k, v=v:
+                                            ReplaceKV([(ly, j)], k[None, None], v[None, None], rows=[r]))
+        return
+    z_source = runs.z[source]
     shared = [_shared_prefix(runs, e) for e in range(runs.n)]
     for layer in range(L):
         for head in range(H):
             for e in range(runs.n):
                 z = z_source[e, layer, head]
                 if unit == "z":
-                    yield (layer, head), e, (layer, head), z, None
+                    yield (layer, head), e, (lambda r, ly=layer, h=head, z=z: ReplaceZ([(ly, h)], z[None, None],
+                                                                                        rows=[r]))
                     continue
                 pad = runs.pad[e]
                 for token in range(T - pad):
-                    if pad + token < shared[e]:
+                    p = pad + token
+                    if p < shared[e]:
                         yield (layer, head, token), e
                     else:
-                        yield (layer, head, token), e, (layer, head), z[pad + token:pad + token + 1], [pad + token]
+                        yield (layer, head, token), e, (lambda r, ly=layer, h=head, z=z[p:p + 1], p=p:
+                                                        ReplaceZ([(ly, h)], z[None, None], rows=[r], positions=[p]))
 
 
 def _swap(runs: PairRuns, direction: str) -> PairRuns:
@@ -191,7 +225,8 @@ def _swap(runs: PairRuns, direction: str) -> PairRuns:
     n = runs.n
     order = torch.cat([torch.arange(n, 2 * n), torch.arange(n)]).to(runs.z.device)
     return PairRuns(runs.ids[order.to(runs.ids.device)], runs.mask[order.to(runs.mask.device)], runs.z[order],
-                    runs.metric[order.to(runs.metric.device)], runs.answer, runs.wrong, runs.pad)
+                    runs.metric[order.to(runs.metric.device)], runs.answer, runs.wrong, runs.pad,
+                    None if runs.k is None else runs.k[order], None if runs.v is None else runs.v[order])
 
 
 def patch_chunk(lm, runs: PairRuns, unit: str, metric: str, batch_size: int, direction: str = "denoise"
@@ -207,18 +242,17 @@ def patch_chunk(lm, runs: PairRuns, unit: str, metric: str, batch_size: int, dir
     def flush() -> None:
         if not pending:
             return
-        plan = Plan().add(*(ReplaceZ([head], values[None, None], rows=[r], positions=positions)
-                            for r, (_, _, head, values, positions) in enumerate(pending)))
-        rows = torch.tensor([e for _, e, *_ in pending], device=ids.device)
+        plan = Plan().add(*(build(r) for r, (_, _, build) in enumerate(pending)))
+        rows = torch.tensor([e for _, e, _ in pending], device=ids.device)
         res, _ = forward(lm, ids[rows], plan, attention_mask=mask[rows], logits_to_keep=1)
         rr = rows.to(oriented.answer.device)
         m = metric_of(res.logits[:, -1], oriented.answer[rr], oriented.wrong[rr], metric)
-        for (key, e, *_), value in zip(pending, m.tolist(), strict=True):
+        for (key, e, _), value in zip(pending, m.tolist(), strict=True):
             out[(key, e)] = value
         pending.clear()
 
     target_metric = oriented.metric[target].tolist()
-    for item in _patches(oriented, unit, geo.n_layers, geo.n_heads):
+    for item in _patches(oriented, unit, geo.n_layers, geo.n_heads, geo.n_kv_heads):
         if len(item) == 2:
             out[item] = target_metric[item[1]]
             continue
@@ -250,17 +284,24 @@ def detect(config: ActivationPatching, ctx: StepContext) -> xr.Dataset:
     n_tokens = 0
     for idx in ctx.progress(chunks, "activation patching"):
         runs = pair_runs(ctx.model, [ctx.examples[i] for i in idx], [answer[i] for i in idx],
-                         [wrong[i] for i in idx], config.metric)
+                         [wrong[i] for i in idx], config.metric, kv=config.unit == "kv")
         m = runs.metric.detach().cpu().numpy()
         clean[idx], corrupt[idx] = m[:len(idx)], m[len(idx):]
         n_tokens = max(n_tokens, max(runs.ids.shape[1] - p for p in runs.pad))
         for (key, e), value in patch_chunk(ctx.model, runs, config.unit, config.metric, config.batch_size,
                                            config.direction).items():
             results[(key, idx[e])] = value
+    coords: dict = {"layer": np.arange(L), "head": np.arange(H)}
     if config.unit == "z":
         patched = np.full((L, H, n), np.nan)
         dims: tuple[str, ...] = ("layer", "head", "example")
-        coords = {"layer": np.arange(L), "head": np.arange(H)}
+    elif config.unit == "kv":
+        K = geo.n_kv_heads
+        patched = np.full((L, K, n), np.nan)
+        dims = ("layer", "kv_head", "example")
+        group = H // K
+        coords["kv_head"] = np.arange(K)
+        coords["serves"] = (("kv_head", "head"), np.arange(H)[None, :] // group == np.arange(K)[:, None])
     else:
         patched = np.full((L, H, n_tokens, n), np.nan)
         dims = ("layer", "head", "token", "example")
@@ -269,11 +310,12 @@ def detect(config: ActivationPatching, ctx: StepContext) -> xr.Dataset:
         patched[(*key, e)] = value
     score = normalised_score(patched, clean, corrupt, config.normalise, config.kind)
     ds = xr.Dataset({
-        "score": xr.DataArray(score, dims=dims[:-1], coords=coords),
-        "patched": xr.DataArray(patched, dims=dims, coords=coords),
+        "score": xr.DataArray(score, dims=dims[:-1]),
+        "patched": xr.DataArray(patched, dims=dims),
         "clean_metric": xr.DataArray(clean, dims=("example",)),
         "corrupt_metric": xr.DataArray(corrupt, dims=("example",)),
     })
+    ds = ds.assign_coords(coords)
     ds.attrs.update(method="activation_patching", model=ctx.model.name, metric=config.metric,
                     direction=config.direction, unit=config.unit, normalise=config.normalise,
                     convention=CONVENTION if config.normalise == "means" else PER_EXAMPLE,
