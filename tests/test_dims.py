@@ -25,8 +25,8 @@ CHECKPOINT = ROOT / "plugins" / "models" / "tiny" / "headlab-tiny" / "config.jso
 REPEATED = {"kind": "repeated_tokens", "n": 2, "length": 5}
 NIAH = {"kind": "niah", "context_lengths": [48], "depths": [0.5], "needles": 2}
 COUNTERFACT = {"kind": "counterfact", "n": 2}
+KV_SWAP = {"kind": "kv_swap", "n": 2}
 EMPHASIS = {"kind": "emphasis", "n": 2}
-KV_SWAP = {"kind": "kv_swap", "n": 2, "num_pairs": 3}
 
 DETECT = {
     "previous_token": ({}, REPEATED),
@@ -39,11 +39,11 @@ DETECT = {
     "lookback": ({"context": "context", "max_new_tokens": 3}, COUNTERFACT),
     "pasta_profile": ({"heads": [[0, 1], [3, 2]], "n_examples": 2}, EMPHASIS),
     "direct_logit_attribution": ({}, KV_SWAP),
-    "activation_patching": ({"unit": "z_position"}, KV_SWAP),
-    "attribution_patching": ({"unit": "z_position"}, KV_SWAP),
     "attention_sink": ({}, REPEATED),
     "successor": ({}, REPEATED),
-    "copy_suppression": ({"tokens": 32, "k": 5}, REPEATED),
+    "copy_suppression": ({}, REPEATED),
+    "activation_patching": ({"unit": "z_position"}, KV_SWAP),
+    "attribution_patching": ({"unit": "z_position"}, KV_SWAP),
 }
 DECODE = {
     "greedy": {},
