@@ -19,10 +19,13 @@ from .heads import draw_like, from_pasta_json, from_retrieval_json, to_pasta_jso
 from .hookspecs import hookimpl
 from .image_attention import attention_preview
 from .instrument import (
+    AddZ,
     KeyBias,
     Plan,
     Probes,
     Recording,
+    ReplaceKV,
+    ReplaceZ,
     SteeringConflictError,
     shared_trunk,
     span_tensor,
@@ -48,8 +51,8 @@ __all__ = [
     "Batch", "Geometry", "LoadedModel", "forward", "from_config", "from_pretrained", "load_model",
     "positions_from_mask", "token_runs", "tokenize",
     # steering plans and recordings
-    "KeyBias", "Plan", "Probes", "Recording", "SteeringConflictError", "instrumented", "shared_trunk",
-    "span_tensor",
+    "AddZ", "KeyBias", "Plan", "Probes", "Recording", "ReplaceKV", "ReplaceZ", "SteeringConflictError",
+    "instrumented", "shared_trunk", "span_tensor",
     # heads and result arrays
     "DIMENSIONS", "attention_preview", "draw_like", "from_pasta_json", "from_retrieval_json", "to_pasta_json",
     "to_retrieval_json",

@@ -17,7 +17,8 @@ import headlab
 
 ROOT = Path(__file__).parent.parent
 CHECKPOINT = ROOT / "plugins" / "models" / "tiny" / "headlab-tiny" / "model.safetensors"
-KINDS = ("direct_logit_attribution", "attention_sink", "successor", "copy_suppression")
+KINDS = ("direct_logit_attribution", "activation_patching", "attribution_patching", "attention_sink", "successor",
+         "copy_suppression")
 
 SPEC = """\
 name: circuits
@@ -32,6 +33,10 @@ steps:
     detect: {kind: successor}
   - id: negative
     detect: {kind: copy_suppression, tokens: 64, k: 5}
+  - id: patch
+    detect: {kind: activation_patching, batch_size: 32}
+  - id: atp
+    detect: {kind: attribution_patching, reference: patch, top_k: 5}
 """
 
 
@@ -66,7 +71,7 @@ def test_the_docs_examples_validate(tmp_path):
 def test_a_pair_task_spec_runs_every_circuit_detector(tmp_path):
     run = headlab.run(yaml.safe_load(SPEC), out=tmp_path / "runs")
     dla = run.results["dla"]
-    for step in ("dla", "sinks", "successor", "negative"):
+    for step in ("dla", "sinks", "successor", "negative", "patch", "atp"):
         assert run.results[step]["score"].dims == ("layer", "head")
     lm = headlab.model.load_model(headlab.spec.ModelSpec(id="headlab-tiny", device="cpu"))
     prompts = [str(p) for p in dla["prompt"].values]
@@ -80,3 +85,8 @@ def test_a_pair_task_spec_runs_every_circuit_detector(tmp_path):
     # the embedded model retrieves the queried value: the clean logit difference favours the answer
     assert float(dla["logit_diff"].mean()) > 1
     assert np.isfinite(run.results["sinks"]["massive_ratio"].values).all()
+    # the patching steps read the same clean logit differences as DLA, and compare with each other
+    for step in ("patch", "atp"):
+        np.testing.assert_allclose(run.results[step]["clean_metric"].values, dla["logit_diff"].values, atol=1e-4)
+    assert run.results["patch"]["score"].dims == ("layer", "head")
+    assert -1 <= run.results["atp"].attrs["spearman"] <= 1

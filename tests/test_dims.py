@@ -42,6 +42,8 @@ DETECT = {
     "attention_sink": ({}, REPEATED),
     "successor": ({}, REPEATED),
     "copy_suppression": ({}, REPEATED),
+    "activation_patching": ({"unit": "z_position"}, KV_SWAP),
+    "attribution_patching": ({"unit": "z_position"}, KV_SWAP),
 }
 DECODE = {
     "greedy": {},

@@ -46,7 +46,8 @@ def test_every_array_keeps_its_values_under_its_dims(model):
     ids, am = inputs()
     spans = [[(0, 2), (4, 7)], [(PAD, PAD + 1)]]
     probes = ins.Probes(argmax=True, entropy=True, spans=spans, offsets=[1, 0, 3], z_positions=[2, N - 1],
-                        pattern=True, layers=[0, 2], pairs=[[(5, 3), (2, 2)], [(N - 1, PAD)]])
+                        pattern=True, layers=[0, 2], pairs=[[(5, 3), (2, 2)], [(N - 1, PAD)]],
+                        kv_positions=[2, N - 1])
     rec = record(model, probes, ids, am)
     assert set(rec.as_dict()) == set(ins.DIMS)
     for name, tensor in rec.as_dict().items():
@@ -56,13 +57,17 @@ def test_every_array_keeps_its_values_under_its_dims(model):
         np.testing.assert_array_equal(da.values, tensor.cpu().numpy())
         assert da["example"].values.tolist() == [0, 1]
         assert da["layer"].values.tolist() == [0, 2]
-        assert da["head"].values.tolist() == [0, 1, 2, 3]
+        heads = da.dims[2]  # head, or kv_head for the keys and values
+        assert da[heads].values.tolist() == ([0, 1, 2, 3] if heads == "head" else [0, 1])
         if "query" in da.dims:
             assert da["query"].values.tolist() == list(range(N))
     pattern = rec.to_xarray("pattern")
     assert pattern["key"].values.tolist() == list(range(N))
     z = rec.to_xarray("z")
     assert z["position"].values.tolist() == [2, N - 1] and "head_dim" not in z.coords
+    k = rec.to_xarray("k")
+    assert k["position"].values.tolist() == [2, N - 1] and rec.kv_positions == [2, N - 1]
+    np.testing.assert_array_equal(k.sel(position=N - 1, layer=2, kv_head=1).values, rec.k[:, 1, 1, 1].numpy())
     # coordinates select what indexing the tensors by hand selects
     sm = rec.to_xarray("span_mass")
     assert sm["span_start"].values.tolist() == [[0, 4], [PAD, 0]]
@@ -126,3 +131,21 @@ def test_bfloat16_becomes_float32_and_errors_are_named(model):
         rec.to_xarray("nope")
     with pytest.raises(ValueError, match="not recorded"):
         rec.to_xarray("pattern")
+
+
+def test_generate_records_the_keys_and_values_of_each_step(model):
+    """The keys and values each call adds, concatenated over a ``generate``, equal those of one forward over
+    the prompt and the generated tokens (a token's key and value do not depend on later tokens)."""
+    ids, am = inputs()
+    new = 3
+    with torch.no_grad(), ins.instrument(model, ins.Plan(probes=ins.Probes(kv_positions="all"))) as rec:
+        out = model.generate(input_ids=ids, attention_mask=am, max_new_tokens=new, do_sample=False, pad_token_id=0)
+    assert rec.kv_positions == list(range(N + new - 1))
+    full_am = torch.cat([am, torch.ones(2, new, dtype=torch.long)], dim=1)
+    positions = (full_am.cumsum(-1) - 1).clamp(min=0)  # as generate counts them: left padding at 0
+    with torch.no_grad(), ins.instrument(model, ins.Plan(probes=ins.Probes(kv_positions="all"))) as full:
+        model(input_ids=out, attention_mask=full_am, position_ids=positions)
+    real = am.bool()[:, None, None, :].expand(-1, 3, 2, -1)  # the prompt's real tokens, and then every step
+    torch.testing.assert_close(rec.k[..., :N, :][real], full.k[..., :N, :][real], atol=1e-5, rtol=0)
+    torch.testing.assert_close(rec.v[..., N:, :], full.v[..., N:N + new - 1, :], atol=1e-5, rtol=0)
+    torch.testing.assert_close(rec.k[..., N:, :], full.k[..., N:N + new - 1, :], atol=1e-5, rtol=0)

@@ -41,6 +41,7 @@ from .attention import attention_forward
 from .context import active_plan, instrument, register
 from .layers import ATTN_IMPLEMENTATION, UnsupportedModelError, attention_layers, decoder_layers
 from .plan import (
+    AddZ,
     Edit,
     Head,
     HeadSpec,
@@ -51,6 +52,8 @@ from .plan import (
     OutputScale,
     Plan,
     QueryScale,
+    ReplaceKV,
+    ReplaceZ,
     ScoreZero,
     SteeringConflictError,
 )
@@ -60,6 +63,7 @@ from .trunk import expand_cache, shared_trunk
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "AddZ",
     "DIMS",
     "Edit",
     "Head",
@@ -73,6 +77,8 @@ __all__ = [
     "Probes",
     "QueryScale",
     "Recording",
+    "ReplaceKV",
+    "ReplaceZ",
     "ScoreZero",
     "SteeringConflictError",
     "UnsupportedModelError",

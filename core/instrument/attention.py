@@ -8,8 +8,10 @@ One call goes through named steps, each owning one translation:
 - :func:`_request`: the plan -> :class:`headlab.kernels.HeadEdits` and :class:`headlab.kernels.ProbeRequest`
   in kernel coordinates (the plan's batch rows -> the call's rows is the session's, under a shared trunk);
 - :func:`_native` (transformers' SDPA) or :func:`headlab.kernels.attention`: the computation;
-- :func:`_apply_callbacks` and :func:`_record`: the layer callbacks and the recording, back in absolute
-  positions;
+- ``Session.replace_kv``: the key/value replacements, before any path reads the keys and values;
+- :func:`_apply_callbacks`, ``Session.replace_z`` and :func:`_record`: the layer callbacks, the head output
+  replacements (after the kernel or the native SDPA call, so the same on every path) and the recording, back
+  in absolute positions;
 - :func:`_to_model_layout`: the kernel's (B, H, Nq, D) head outputs -> transformers' (B, Nq, H, D).
 """
 
@@ -89,6 +91,9 @@ def attention_forward(
     query (B, H, Nq, D), key/value (B, Hkv, Nk, D) -> (attn_output (B, Nq, H, D), None).
     """
     call = _call_of(module, query, key, value, attention_mask, dropout, kwargs)
+    if call.plan is not None:  # key/value replacements, before any path reads them
+        key, value = call.session.replace_kv(call.layer, key, value, call.pos)
+        call.key, call.value = key[:, :, :call.key.shape[2]], value[:, :, :call.value.shape[2]]
     request = _request(call)
     backend, reason = choose_backend("auto" if call.plan is None else call.plan.backend, edits=request.edits,
                                      probes=request.probes, softcap=call.softcap, device=query.device,
@@ -97,6 +102,10 @@ def attention_forward(
         call.session.rec.backends[call.layer] = (backend, reason)
     if backend == "native":
         out = _native(module, query, key, value, attention_mask, dropout, scaling, kwargs, request.edits)
+        if call.plan is not None:
+            z = out.transpose(1, 2)
+            replaced = call.session.replace_z(call.layer, z, call.pos)
+            out = out if replaced is z else replaced.transpose(1, 2).contiguous()
         _advance(call)
         return out, None
 
@@ -106,6 +115,7 @@ def attention_forward(
                                 scale=scale, softcap=call.softcap, **margs, backend=backend)
     if call.plan is not None:
         z = _apply_callbacks(call, request, z, scale, margs)
+        z = call.session.replace_z(call.layer, z, call.pos)
         if request.probes is not None:
             _record(call, request, stats, z)
     _advance(call)
@@ -154,7 +164,7 @@ def _request(call: _Call) -> _Request:
         request.probes = ProbeRequest(p.argmax, p.entropy, sess.probe_spans(B, pos, device),
                                       sess.probe_offsets(B, pos, device), p.pattern,
                                       None if request.pair_pos is None else pos.pairs(request.pair_pos))
-        request.reads_z = request.reads_z or p.z_positions is not None
+        request.reads_z = request.reads_z or p.z_positions is not None or p.kv_positions is not None
     return request
 
 
@@ -236,6 +246,15 @@ def _record(call: _Call, request: _Request, stats: Any, z: Tensor) -> None:
             keep = torch.isin(qpos, torch.as_tensor(list(zp), device=z.device))
         rec._add("z", layer, z[:, :, keep])
         rec._add_z_positions(layer, qpos[keep].cpu())
+    kvp = call.plan.probes.kv_positions
+    if kvp is not None:  # the keys and values of the call's own queries
+        qpos = pos.query_positions(call.key.device)
+        keep = torch.ones_like(qpos, dtype=torch.bool) if kvp == "all" else \
+            torch.isin(qpos, torch.as_tensor(list(kvp), device=qpos.device))
+        slots = qpos[keep] - pos.key_offset
+        rec._add("k", layer, call.key[:, :, slots])
+        rec._add("v", layer, call.value[:, :, slots])
+        rec._add_kv_positions(layer, qpos[keep].cpu())
     if layer == sess.probe_layers[0]:
         rec.calls += 1
 

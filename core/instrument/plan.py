@@ -23,7 +23,10 @@ __all__ = [
     "LayerFunction",
     "OutputScale",
     "Plan",
+    "AddZ",
     "QueryScale",
+    "ReplaceKV",
+    "ReplaceZ",
     "ScoreZero",
     "SteeringConflictError",
 ]
@@ -69,7 +72,7 @@ class Edit:
     sets both: the name from its ``kind``, the instance to the config itself.
 
     ``kind`` (class attribute) is what the edit changes, for the conflict check: ``q_scale``,
-    ``score_zero``, ``out_scale`` or ``key_bias``; ``description`` words it for messages.
+    ``score_zero``, ``out_scale``, ``key_bias``, ``z_replace``, ``z_add`` or ``kv_replace``; ``description`` words it for messages.
     """
 
     kind: ClassVar[str] = ""
@@ -180,6 +183,141 @@ class LayerCallback(Edit):
         return self.heads is None or super().covers(layer, head)
 
 
+@dataclass(eq=False)
+class ReplaceZ(Edit):
+    """Replace the outputs ``z`` (before ``o_proj``) of ``heads`` on ``rows`` at ``positions`` with ``values``
+    (activation patching).
+
+    ``heads``: explicit ``(layer, head)`` pairs (no ``(layer, None)``). ``values``: a tensor broadcastable to
+    (rows, heads, positions, head_dim), in the order of ``rows`` (every batch row when ``rows`` is None),
+    ``heads`` and ``positions``. ``positions``: absolute query positions; ``None`` = ``0..P-1`` with ``P``
+    the size of the positions axis of ``values`` (every position of one forward over the prompts). Each
+    attention call replaces the positions among its queries, so a ``generate`` replaces the prompt's
+    positions in the prefill and a decode step's when listed.
+
+    The replacement is the last change to ``z``: ``o_proj`` receives ``values`` exactly, whatever output
+    scales or layer callbacks did before (callbacks see ``z`` before it; a recording of ``z`` reads the
+    values). It is differentiable in ``values``: a leaf tensor that requires grad gets ``d output / d z``.
+    """
+
+    kind: ClassVar[str] = "z_replace"
+    description: ClassVar[str] = "head output replacement"
+    heads: list[Head]
+    values: Tensor
+    rows: list[int] | None = None
+    positions: list[int] | None = None
+    owner: str | None = field(default=None, kw_only=True)
+    instance: Any = field(default=None, kw_only=True, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if any(h is None for _, h in self.heads):
+            raise ValueError("ReplaceZ needs explicit (layer, head) pairs: (layer, None) has no place in values")
+        if not isinstance(self.values, Tensor):
+            self.values = torch.as_tensor(self.values)
+        if self.values.dim() == 0:
+            raise ValueError("ReplaceZ: values must have at least a head_dim axis")
+        if self.positions is not None:
+            self.positions = [int(p) for p in self.positions]
+            if any(p < 0 for p in self.positions):
+                raise ValueError(f"ReplaceZ: positions must be >= 0, got {self.positions}")
+
+    def n_positions(self) -> int:
+        """The number of replaced positions (``len(positions)``, or the positions axis of ``values``)."""
+        if self.positions is not None:
+            return len(self.positions)
+        return int(self.values.shape[-2]) if self.values.dim() >= 2 else 1
+
+    def full_values(self, n_rows: int) -> Tensor:
+        """``values`` broadcast to (``n_rows``, heads, positions, head_dim); a ValueError naming the shapes
+        when they do not broadcast."""
+        shape = (n_rows, len(self.heads), self.n_positions(), int(self.values.shape[-1]))
+        try:
+            return torch.broadcast_to(self.values, shape)
+        except RuntimeError:
+            raise ValueError(f"ReplaceZ: values of shape {tuple(self.values.shape)} do not broadcast to (rows, "
+                             f"heads, positions, head_dim) = {shape}") from None
+
+
+@dataclass(eq=False)
+class AddZ(ReplaceZ):
+    """Add ``values`` to the outputs ``z`` of ``heads`` on ``rows`` at ``positions`` (the fields and the place
+    of :class:`ReplaceZ`; replacements and additions apply in the plan's order).
+
+    Unlike a replacement, an addition keeps ``z``'s dependence on the layers below: a leaf of zeros that
+    requires grad gets the total derivative ``d output / d z`` of every head at once (attribution patching).
+    """
+
+    kind: ClassVar[str] = "z_add"
+    description: ClassVar[str] = "head output addition"
+
+
+@dataclass(eq=False)
+class ReplaceKV(Edit):
+    """Replace the keys and/or values of key/value heads on ``rows`` at ``positions`` before attention.
+
+    ``heads``: explicit ``(layer, kv_head)`` pairs, key/value heads (under grouped-query attention each serves
+    several query heads; :meth:`Plan.edits_on`, which speaks query heads, never lists the edit). ``keys`` /
+    ``values``: tensors broadcastable to (rows, heads, positions, head_dim) in the order of ``rows`` (every
+    batch row when ``rows`` is None), ``heads`` and ``positions``, or ``None`` to leave that one alone; keys
+    are the ones attention reads (after the rotary embedding and any key norm). ``positions``: absolute key
+    positions; ``None`` = ``0..P-1``. Every attention call replaces the positions among the keys it reads
+    (the cached ones included), on every path. Two replacements are equal only when they are the same object.
+    """
+
+    kind: ClassVar[str] = "kv_replace"
+    description: ClassVar[str] = "key/value replacement"
+    heads: list[Head]
+    keys: Tensor | None = None
+    values: Tensor | None = None
+    rows: list[int] | None = None
+    positions: list[int] | None = None
+    owner: str | None = field(default=None, kw_only=True)
+    instance: Any = field(default=None, kw_only=True, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if any(h is None for _, h in self.heads):
+            raise ValueError("ReplaceKV needs explicit (layer, kv_head) pairs")
+        if self.keys is None and self.values is None:
+            raise ValueError("ReplaceKV: give keys, values or both")
+        for name in ("keys", "values"):
+            t = getattr(self, name)
+            if t is not None and not isinstance(t, Tensor):
+                setattr(self, name, torch.as_tensor(t))
+            if getattr(self, name) is not None and getattr(self, name).dim() == 0:
+                raise ValueError(f"ReplaceKV: {name} must have at least a head_dim axis")
+        if self.positions is not None:
+            self.positions = [int(p) for p in self.positions]
+            if any(p < 0 for p in self.positions):
+                raise ValueError(f"ReplaceKV: positions must be >= 0, got {self.positions}")
+
+    def covers(self, layer: int, head: int) -> bool:
+        return False
+
+    def n_positions(self) -> int:
+        """The number of replaced positions (``len(positions)``, or the positions axis of the tensors)."""
+        if self.positions is not None:
+            return len(self.positions)
+        t = self.keys if self.keys is not None else self.values
+        return int(t.shape[-2]) if t.dim() >= 2 else 1
+
+    def full(self, name: str, n_rows: int) -> Tensor | None:
+        """``keys`` or ``values`` (``name``) broadcast to (``n_rows``, heads, positions, head_dim), or ``None``."""
+        t = getattr(self, name)
+        if t is None:
+            return None
+        shape = (n_rows, len(self.heads), self.n_positions(), int(t.shape[-1]))
+        try:
+            return torch.broadcast_to(t, shape)
+        except RuntimeError:
+            raise ValueError(f"ReplaceKV: {name} of shape {tuple(t.shape)} do not broadcast to (rows, heads, "
+                             f"positions, head_dim) = {shape}") from None
+
+
+_EDIT_TYPES = (QueryScale, ScoreZero, OutputScale, KeyBias, LayerCallback, ReplaceZ, ReplaceKV)
+
+
 @dataclass
 class Plan:
     """Edits and probes over (batch row, layer, head) for one forward or one ``generate``.
@@ -191,11 +329,16 @@ class Plan:
     - :class:`OutputScale` ``(heads, factor, rows)``: multiply the head output ``z`` (0 = ablation);
     - :class:`KeyBias` ``(heads, spans, bias, rows)``: add pre-softmax biases to key spans (PASTA);
     - :class:`LayerCallback` ``(fn, heads, rows)``: a function of each layer's ``z`` that may return an
-      output scale (VHR).
+      output scale (VHR);
+    - :class:`ReplaceZ` ``(heads, values, rows, positions)``: replace the head output ``z`` (activation
+      patching), after the other edits; :class:`AddZ` (the same fields): add to it;
+    - :class:`ReplaceKV` ``(heads, keys, values, rows, positions)``: replace the keys / values of key/value
+      heads before attention.
 
     Heads are ``(layer, head)`` pairs; ``(layer, None)`` means every head of the layer. ``rows`` are the
     batch rows an edit applies to (``None`` = all). Add edits with :meth:`add` or the builders
-    (:meth:`mask_heads`, :meth:`scale_heads`, :meth:`scale_queries`, :meth:`bias_keys`, :meth:`on_layer`),
+    (:meth:`mask_heads`, :meth:`scale_heads`, :meth:`scale_queries`, :meth:`bias_keys`, :meth:`on_layer`,
+    :meth:`patch_z`, :meth:`add_z`, :meth:`patch_kv`),
     which take ``owner=``: the method adding the edit, as a name or as its config (named by its ``kind``;
     two config objects are two owners). Two edits of the same kind on a shared (layer, head) and
     overlapping rows from different owners raise :class:`SteeringConflictError` (edits without an owner
@@ -222,9 +365,9 @@ class Plan:
         a batch row with an edit of another owner (already in the plan or earlier in ``edits``).
         """
         for e in edits:
-            if not isinstance(e, (QueryScale, ScoreZero, OutputScale, KeyBias, LayerCallback)):
-                raise TypeError(f"Plan.add takes typed edits (QueryScale, ScoreZero, OutputScale, KeyBias, "
-                                f"LayerCallback), got {type(e).__name__}")
+            if not isinstance(e, _EDIT_TYPES):
+                raise TypeError(f"Plan.add takes typed edits ({', '.join(t.__name__ for t in _EDIT_TYPES)}), "
+                                f"got {type(e).__name__}")
         for i, e in enumerate(edits):
             _check_conflict(e, [*self.edits, *edits[:i]])
         self.edits.extend(edits)
@@ -274,6 +417,25 @@ class Plan:
         ``heads``/``rows`` declare which heads and rows ``fn`` may scale (a :class:`LayerCallback`), for the
         conflict check with other owners' output scales."""
         return self.add(LayerCallback(fn, heads, rows, owner=owner))
+
+    def patch_z(self, heads: HeadSpec, values: Tensor, rows: Sequence[int] | None = None,
+                positions: Sequence[int] | None = None, *, owner: Any = None) -> Plan:
+        """Replace the outputs ``z`` of these heads on ``rows`` at absolute ``positions`` with ``values``
+        (broadcastable to (rows, heads, positions, head_dim); a :class:`ReplaceZ`)."""
+        return self.add(ReplaceZ(heads, values, rows, positions, owner=owner))
+
+    def add_z(self, heads: HeadSpec, values: Tensor, rows: Sequence[int] | None = None,
+              positions: Sequence[int] | None = None, *, owner: Any = None) -> Plan:
+        """Add ``values`` to the outputs ``z`` of these heads on ``rows`` at absolute ``positions`` (an
+        :class:`AddZ`)."""
+        return self.add(AddZ(heads, values, rows, positions, owner=owner))
+
+    def patch_kv(self, heads: HeadSpec, keys: Tensor | None = None, values: Tensor | None = None,
+                 rows: Sequence[int] | None = None, positions: Sequence[int] | None = None, *,
+                 owner: Any = None) -> Plan:
+        """Replace the keys and/or values of these ``(layer, kv_head)`` heads on ``rows`` at absolute key
+        ``positions`` (a :class:`ReplaceKV`)."""
+        return self.add(ReplaceKV(heads, keys, values, rows, positions, owner=owner))
 
     # ---- queries
     @property
@@ -326,6 +488,15 @@ class Plan:
             elif isinstance(e, LayerCallback):
                 out.edits.append(dataclasses.replace(e, fn=_copy0_callback(e.fn, B, k, mirror),
                                                      rows=None if (e.rows is None and mirror) else new_rows))
+            elif isinstance(e, ReplaceKV):
+                which = torch.tensor([i for i, r in enumerate(src) for _ in rows_for(r)], dtype=torch.long)
+                parts = {name: None if (t := e.full(name, len(src))) is None else t[which.to(t.device)]
+                         for name in ("keys", "values")}
+                out.edits.append(dataclasses.replace(e, **parts, rows=new_rows))
+            elif isinstance(e, ReplaceZ):
+                which = torch.tensor([i for i, r in enumerate(src) for _ in rows_for(r)], dtype=torch.long)
+                values = e.full_values(len(src))
+                out.edits.append(dataclasses.replace(e, values=values[which.to(values.device)], rows=new_rows))
             else:
                 out.edits.append(dataclasses.replace(e, rows=None if (e.rows is None and mirror) else new_rows))
         return out

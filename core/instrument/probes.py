@@ -34,6 +34,9 @@ class Probes:
     - ``z_positions``: head outputs ``z`` (before ``o_proj``, after edits) to keep: ``None`` (none),
       ``"last"`` (the last query of every forward call: the prompt's last position, then each generated
       step), ``"all"``, or a list of absolute positions.
+    - ``kv_positions``: the keys and values each call adds (after the rotary embedding and any key norm; the
+      call's own query positions) to keep, per key/value head: ``None``, ``"all"`` or a list of absolute
+      positions (``Recording.k``, ``.v``).
     - ``pattern``: the full attention (only for small inputs).
     - ``pairs``: (query, key) absolute position pairs whose attention ``A[query, key]`` is recorded
       (``Recording.pair_mass``; a sparse probe: any set of cells of the pattern, memory O(pairs)): a list of
@@ -53,11 +56,13 @@ class Probes:
     layers: Sequence[int] | None = None
     offsets: Any = None
     pairs: Any = None
+    kv_positions: Literal["all"] | Sequence[int] | None = None
 
     def any(self) -> bool:
         """Whether anything is recorded."""
         return bool(self.argmax or self.entropy or self.spans is not None or self.z_positions is not None
-                    or self.pattern or self.offsets is not None or self.pairs is not None)
+                    or self.pattern or self.offsets is not None or self.pairs is not None
+                    or self.kv_positions is not None)
 
     def covers(self, layer: int) -> bool:
         """Whether something is recorded on ``layer``."""

@@ -24,6 +24,8 @@ DIMS: dict[str, tuple[str, ...]] = {
     "pair_mass": ("example", "layer", "head", "pair"),
     "z": ("example", "layer", "head", "position", "head_dim"),
     "pattern": ("example", "layer", "head", "query", "key"),
+    "k": ("example", "layer", "kv_head", "position", "head_dim"),
+    "v": ("example", "layer", "kv_head", "position", "head_dim"),
 }
 
 
@@ -40,7 +42,9 @@ class Recording:
     - ``pair_mass`` (example, layer, head, pair) float32, the attention at each of ``Probes.pairs``, whose
       absolute ``(query, key)`` positions are ``rec.pairs`` (example, pair, 2) (-1: an unused slot);
     - ``z`` (example, layer, head, position, head_dim) in the model dtype, at ``z_positions``;
-    - ``pattern`` (example, layer, head, query, key) float32 (keys beyond a call's cache are 0).
+    - ``pattern`` (example, layer, head, query, key) float32 (keys beyond a call's cache are 0);
+    - ``k``, ``v`` (example, layer, kv_head, position, head_dim) in the model dtype, the keys (as attention
+      reads them) and values at ``kv_positions``; ``rec.kv_positions`` lists the positions of their axis.
 
     The ``example`` axis is the batch row; the layer axis lists ``rec.layers``; the query axis is the
     absolute position (the calls of a ``generate`` are concatenated: prefill, then one query per step).
@@ -61,6 +65,7 @@ class Recording:
         self._chunks: dict[str, dict[int, list]] = {k: {ly: [] for ly in layers} for k in DIMS}
         self._zpos: dict[int, list[Tensor]] = {ly: [] for ly in layers}
         self._pairpos: dict[int, list[Tensor]] = {ly: [] for ly in layers}
+        self._kvpos: dict[int, list[Tensor]] = {ly: [] for ly in layers}
         self._cache: dict[str, Tensor | None] = {}
         self.calls = 0
         self.backends: dict[int, tuple[str, str]] = {}
@@ -72,6 +77,9 @@ class Recording:
 
     def _add_z_positions(self, layer: int, positions: Tensor) -> None:
         self._zpos[layer].append(positions)
+
+    def _add_kv_positions(self, layer: int, positions: Tensor) -> None:
+        self._kvpos[layer].append(positions)
 
     def _add_pair_positions(self, layer: int, positions: Tensor) -> None:
         self._pairpos[layer].append(positions)
@@ -99,6 +107,8 @@ class Recording:
     pair_mass = property(lambda self: self._get("pair_mass"))
     z = property(lambda self: self._get("z"))
     pattern = property(lambda self: self._get("pattern"))
+    k = property(lambda self: self._get("k"))
+    v = property(lambda self: self._get("v"))
 
     @property
     def pairs(self) -> Tensor | None:
@@ -115,6 +125,13 @@ class Recording:
             return None
         return torch.cat(self._zpos[self.layers[0]]).tolist()
 
+    @property
+    def kv_positions(self) -> list[int] | None:
+        """The absolute positions of the ``position`` axis of ``k`` and ``v``."""
+        if not self.layers or not self._kvpos[self.layers[0]]:
+            return None
+        return torch.cat(self._kvpos[self.layers[0]]).tolist()
+
     def as_dict(self) -> dict[str, Tensor]:
         """The recorded arrays by name (only those recorded)."""
         return {k: v for k in DIMS if (v := self._get(k)) is not None}
@@ -123,8 +140,8 @@ class Recording:
         """The recorded array ``name`` as a DataArray on the CPU, with the dims of ``DIMS[name]``.
 
         Coordinates: ``example`` the batch rows ``0..B-1``; ``layer`` the recorded layers (``rec.layers``);
-        ``head`` ``0..H-1``; ``query`` and ``key`` absolute positions ``0..``; ``position`` the positions of
-        ``z`` (``rec.z_positions``); ``span`` ``0..S-1``, with ``span_start`` / ``span_end`` (example, span)
+        ``head`` (``kv_head`` for ``k``, ``v``) ``0..H-1``; ``query`` and ``key`` absolute positions ``0..``;
+        ``position`` the positions of ``z`` (``rec.z_positions``; of ``k``, ``v``: ``rec.kv_positions``); ``span`` ``0..S-1``, with ``span_start`` / ``span_end`` (example, span)
         the probed key spans; ``offset`` the probed offsets ``delta`` when every row shares them, otherwise
         ``0..O-1`` with ``delta`` (example, offset) the offsets of each row (-1: unused slot); ``pair``
         ``0..P-1`` with ``pair_query`` / ``pair_key`` (example, pair) the probed positions (-1: unused slot).
@@ -142,13 +159,15 @@ class Recording:
         dims = DIMS[name]
         B, _, H = t.shape[:3]
         coords: dict[str, Any] = {"example": np.arange(B), "layer": np.asarray(self.layers, dtype=np.int64),
-                                  "head": np.arange(H)}
+                                  dims[2]: np.arange(H)}
         if "query" in dims:
             coords["query"] = np.arange(t.shape[3])
         if name == "pattern":
             coords["key"] = np.arange(t.shape[4])
         if name == "z":
             coords["position"] = np.asarray(self.z_positions, dtype=np.int64)
+        if name in ("k", "v"):
+            coords["position"] = np.asarray(self.kv_positions, dtype=np.int64)
         if name == "span_mass":
             coords["span"] = np.arange(t.shape[4])
             if self.probes is not None and self.probes.spans is not None:

@@ -16,7 +16,18 @@ import torch
 from torch import Tensor
 
 from .masks import kernel_mask_args
-from .plan import Edit, KeyBias, LayerCallback, OutputScale, Plan, QueryScale, ScoreZero
+from .plan import (
+    AddZ,
+    Edit,
+    KeyBias,
+    LayerCallback,
+    OutputScale,
+    Plan,
+    QueryScale,
+    ReplaceKV,
+    ReplaceZ,
+    ScoreZero,
+)
 from .positions import CallPositions
 from .probes import offsets_tensor, pairs_tensor, per_row_spans, select_pairs, span_tensor
 from .recording import Recording
@@ -103,7 +114,7 @@ class Session:
         spans_l: list[Tensor] = []
         bias_l: list[Tensor] = []
         for e in self.plan.edits:
-            if isinstance(e, LayerCallback):
+            if isinstance(e, (LayerCallback, ReplaceZ, ReplaceKV)):
                 continue
             hit = _selection(e, layer, B, H, device)
             if hit is None:
@@ -128,6 +139,37 @@ class Session:
             out["key_spans"] = pos.key_spans(torch.cat(spans_l, dim=1))
             out["key_bias"] = torch.cat(bias_l, dim=2)
         return out
+
+    def replace_z(self, layer: int, z: Tensor, pos: CallPositions) -> Tensor:
+        """``z`` (B, H, Nq, D) of a call of ``layer`` with the plan's :class:`ReplaceZ` / :class:`AddZ` edits applied in order
+        (out of place, differentiable in their values); ``z`` itself when none replaces a query of the call."""
+        edits = [e for e in self.plan.edits if isinstance(e, ReplaceZ) and any(ly == layer for ly, _ in e.heads)]
+        if not edits:
+            return z
+        trunk = active_trunk()
+        if trunk is not None and layer < trunk.layer:
+            raise ValueError(f"shared_trunk: layer {layer} runs once for {trunk.copies} copies of the batch, "
+                             "so its head outputs cannot be replaced or added to")
+        B, H, Nq, D = z.shape
+        for e in edits:
+            z = _replaced(e, layer, z, pos, B, H, Nq, D)
+        return z
+
+    def replace_kv(self, layer: int, key: Tensor, value: Tensor, pos: CallPositions) -> tuple[Tensor, Tensor]:
+        """``key`` / ``value`` (B, Hkv, Nk, D) of a call of ``layer`` with the plan's :class:`ReplaceKV` edits
+        applied in order (out of place; key slot ``j`` is absolute position ``pos.key_offset + j``, slots past
+        ``pos.n_keys`` untouched)."""
+        edits = [e for e in self.plan.edits if isinstance(e, ReplaceKV) and any(ly == layer for ly, _ in e.heads)]
+        if not edits:
+            return key, value
+        trunk = active_trunk()
+        if trunk is not None and layer < trunk.layer:
+            raise ValueError(f"shared_trunk: layer {layer} runs once for {trunk.copies} copies of the batch, "
+                             "so its keys and values cannot be replaced")
+        for e in edits:
+            key = _replaced_kv(e, "keys", layer, key, pos)
+            value = _replaced_kv(e, "values", layer, value, pos)
+        return key, value
 
     # ---- per-call probe tensors
     def probe_spans(self, B: int, pos: CallPositions, device: Any) -> Tensor | None:
@@ -191,6 +233,62 @@ def _selection(e: Edit, layer: int, B: int, H: int, device: Any) -> tuple[Tensor
     sel = torch.zeros(B, H, dtype=torch.bool, device=device)
     sel[rows] = hmask
     return rows, sel
+
+
+def _replaced(e: ReplaceZ, layer: int, z: Tensor, pos: CallPositions, B: int, H: int, Nq: int, D: int) -> Tensor:
+    """``z`` with the values of one :class:`ReplaceZ` (or added, :class:`AddZ`) at its heads of ``layer`` and the
+    call's queries."""
+    device = z.device
+    rows = list(range(B)) if e.rows is None else e.rows
+    if rows and max(rows) >= B:
+        raise ValueError(f"ReplaceZ rows {e.rows} out of range for batch size {B}")
+    values = e.full_values(len(rows))
+    if values.shape[-1] != D:
+        raise ValueError(f"ReplaceZ: values have head_dim {values.shape[-1]}, layer {layer} has {D}")
+    k_sel = [k for k, (ly, _) in enumerate(e.heads) if ly == layer]
+    heads = [e.heads[k][1] for k in k_sel]
+    if any(not 0 <= h < H for h in heads):
+        raise ValueError(f"ReplaceZ: head out of range in {heads} (layer {layer} has {H} heads)")
+    positions = torch.arange(e.n_positions()) if e.positions is None else torch.tensor(e.positions)
+    q = positions - pos.q_start
+    p_sel = ((q >= 0) & (q < Nq)).nonzero().flatten()
+    if not p_sel.numel():
+        return z
+    vals = values[:, k_sel][:, :, p_sel.to(values.device)].to(device=device, dtype=z.dtype)
+    r_idx = torch.tensor(rows, device=device)[:, None, None]
+    h_idx = torch.tensor(heads, device=device)[None, :, None]
+    q_idx = q[p_sel].to(device)[None, None, :]
+    r_idx, h_idx, q_idx = torch.broadcast_tensors(r_idx, h_idx, q_idx)
+    return z.index_put((r_idx, h_idx, q_idx), vals, accumulate=isinstance(e, AddZ))
+
+
+def _replaced_kv(e: ReplaceKV, name: str, layer: int, t: Tensor, pos: CallPositions) -> Tensor:
+    """``t`` (keys or values, (B, Hkv, Nk, D)) with ``e``'s ``name`` tensor at its heads of ``layer`` and the
+    key positions the call holds."""
+    B, Hkv, _, D = t.shape
+    rows = list(range(B)) if e.rows is None else e.rows
+    if rows and max(rows) >= B:
+        raise ValueError(f"ReplaceKV rows {e.rows} out of range for batch size {B}")
+    full = e.full(name, len(rows))
+    if full is None:
+        return t
+    if full.shape[-1] != D:
+        raise ValueError(f"ReplaceKV: {name} have head_dim {full.shape[-1]}, layer {layer} has {D}")
+    k_sel = [k for k, (ly, _) in enumerate(e.heads) if ly == layer]
+    heads = [e.heads[k][1] for k in k_sel]
+    if any(not 0 <= h < Hkv for h in heads):
+        raise ValueError(f"ReplaceKV: kv head out of range in {heads} (layer {layer} has {Hkv} key/value heads)")
+    positions = torch.arange(e.n_positions()) if e.positions is None else torch.tensor(e.positions)
+    slot = positions - pos.key_offset
+    p_sel = ((slot >= 0) & (slot < pos.n_keys)).nonzero().flatten()
+    if not p_sel.numel():
+        return t
+    vals = full[:, k_sel][:, :, p_sel.to(full.device)].to(device=t.device, dtype=t.dtype)
+    r_idx = torch.tensor(rows, device=t.device)[:, None, None]
+    h_idx = torch.tensor(heads, device=t.device)[None, :, None]
+    s_idx = slot[p_sel].to(t.device)[None, None, :]
+    r_idx, h_idx, s_idx = torch.broadcast_tensors(r_idx, h_idx, s_idx)
+    return t.index_put((r_idx, h_idx, s_idx), vals)
 
 
 def _scaled(cur: Tensor | None, sel: Tensor, factor: float, B: int, H: int, device: Any) -> Tensor:

@@ -1,0 +1,328 @@
+"""Activation patching: how much of a behaviour one head's output carries from one prompt into another.
+
+Definition: docs/methods.md#activation-patching (the metrics and the normalised score:
+docs/methods.md#metrics-for-circuit-analysis). The examples are pairs (the pair tasks ``pairs``, ``kv_swap``,
+``ioi_pairs``: ``prompt`` the clean prompt, ``meta["corrupt"]`` the corrupted one of the same token length,
+``meta["answer_id"]`` / ``meta["wrong_id"]`` the answer tokens).
+
+``direction: denoise`` (the default) runs the corrupted prompt with one head's output ``z`` replaced by its
+value on the clean prompt; ``noise`` runs the clean prompt with the corrupted value. ``unit: z`` replaces
+the head's ``z`` at every position (``(layer, head)``); ``z_position`` at one token of the prompt
+(``(layer, head, token)``; ``token`` counts from the prompt's first token, left padding skipped); ``kv`` replaces
+the keys (as attention reads them, after the rotary embedding) and values of one key/value head at every
+position (:class:`headlab.ReplaceKV`; ``(layer, kv_head)``, the coordinate ``serves (kv_head, head)`` marks
+the query heads each one serves under grouped-query attention).
+
+The metric is read at the last position: ``logit_diff = logit[answer] - logit[wrong]`` or ``logprob`` =
+the log-probability of the answer. ``score = (mean patched - mean corrupt) / (mean clean - mean corrupt)``
+over the examples (``normalise: means``; ``per_example``: the mean of each example's ratio), so 1 = the
+patched run behaves like the clean one, 0 = like the corrupted one, in both directions.
+
+One forward over the clean and the corrupted prompts of a chunk of pairs records every head's ``z`` at
+every position (``Probes(z_positions="all")``); the patched runs are then rows of batched forwards, one
+patch per row (:class:`headlab.ReplaceZ`), ``batch_size`` rows at a time. Per token, the tokens before the
+first one where a pair's prompts differ are not run: their ``z`` is the same in both runs, so their patched
+metric is the unpatched target's.
+
+Outputs: ``score (layer, head[, token])`` (``(layer, kv_head)`` for ``kv``), ``patched (..., example)`` (the raw metric;
+NaN at a token an example does not have), ``clean_metric (example)``, ``corrupt_metric (example)`` (not ``clean`` /
+``corrupt``: a pair task's examples have a field ``corrupt``, the corrupted prompt).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+import xarray as xr
+from pydantic import Field
+
+from headlab import (
+    ComponentConfig,
+    Example,
+    Plan,
+    Probes,
+    ReplaceKV,
+    ReplaceZ,
+    StepContext,
+    forward,
+    hookimpl,
+)
+from headlab.generation import tokenize
+from headlab.plugins.detectors.direct_logit_attribution import answer_ids
+from headlab.resources import Estimate, EstimateContext
+from headlab.spec import PositiveInt
+
+__all__ = ["ActivationPatching", "PairRuns", "detect", "metric_of", "normalised_score", "pair_runs"]
+
+Metric = Literal["logit_diff", "logprob"]
+Direction = Literal["denoise", "noise"]
+Normalise = Literal["means", "per_example"]
+
+#: the convention of ``score``, stored in the attrs
+CONVENTION = "(mean patched - mean corrupt) / (mean clean - mean corrupt) over examples"
+PER_EXAMPLE = "mean over examples of (patched - corrupt) / (clean - corrupt)"
+
+
+class ActivationPatching(ComponentConfig):
+    """Exact activation patching of each head's output between the clean and corrupted prompts of a pair task."""
+
+    kind: Literal["activation_patching"] = "activation_patching"
+    metric: Metric = Field("logit_diff", description="logit[answer] - logit[wrong], or the answer's log-probability")
+    direction: Direction = Field("denoise", description="denoise: clean z into the corrupted run; noise: the reverse")
+    unit: Literal["z", "z_position", "kv"] = Field(
+        "z", description="a head's z at every position, at one token, or a key/value head's keys and values")
+    normalise: Normalise = Field("means", description="the score's ratio of example means, or the mean of ratios")
+    batch_size: PositiveInt = Field(32, description="rows (one patch each) per patched forward")
+    pair_batch_size: PositiveInt = Field(8, description="pairs whose clean and corrupted runs share a forward")
+
+    def estimate(self, ctx: EstimateContext) -> list[Estimate]:
+        """Hidden states of a patched forward over the longest prompt (resource guard)."""
+        return [ctx.activations(ctx.task.tokens, ctx.rows(max(self.batch_size, 2 * self.pair_batch_size)))]
+
+
+def metric_of(logits_last: torch.Tensor, answer: torch.Tensor, wrong: torch.Tensor, metric: str) -> torch.Tensor:
+    """The metric per row (float64, differentiable) from the last position's logits (rows, vocab) and each
+    row's answer and wrong-answer token ids."""
+    x = logits_last.double()
+    if metric == "logit_diff":
+        return x.gather(1, answer[:, None])[:, 0] - x.gather(1, wrong[:, None])[:, 0]
+    if metric == "logprob":
+        return torch.log_softmax(x, dim=-1).gather(1, answer[:, None])[:, 0]
+    raise ValueError(f"unknown metric {metric!r} (logit_diff or logprob)")
+
+
+@dataclass
+class PairRuns:
+    """A chunk of pairs run once, clean and corrupted: ``ids`` / ``mask`` (2n, T) with the clean prompts in
+    rows ``0..n-1`` and the corrupted ones in ``n..2n-1`` (the same padding: a pair has one token length),
+    ``z`` (2n, layer, head, T, head_dim) every head's output, ``metric`` (2n,) float64, ``answer`` /
+    ``wrong`` (n,) token ids, ``pad`` (n,) left padding of each pair; ``k`` / ``v`` (2n, layer, kv_head, T,
+    head_dim) the keys and values when recorded (``kv=True``)."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    z: torch.Tensor
+    metric: torch.Tensor
+    answer: torch.Tensor
+    wrong: torch.Tensor
+    pad: list[int]
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+
+    @property
+    def n(self) -> int:
+        return int(self.answer.shape[0])
+
+    def rows(self, which: str) -> slice:
+        """The rows of the ``clean`` or ``corrupt`` prompts."""
+        return slice(0, self.n) if which == "clean" else slice(self.n, 2 * self.n)
+
+
+def pair_runs(lm, examples: list[Example], answer: list[int], wrong: list[int], metric: str,
+              kv: bool = False) -> PairRuns:
+    """One forward over the clean and corrupted prompts of ``examples`` (pair-task examples), recording every
+    head's ``z`` at every position (and every key/value head's keys and values with ``kv``)."""
+    corrupt = [Example(prompt=str(ex.meta["corrupt"])) for ex in examples]
+    batch = tokenize(lm, list(examples) + corrupt)
+    n = len(examples)
+    if not torch.equal(batch.attention_mask[:n], batch.attention_mask[n:]):
+        row = next(i for i in range(n) if batch.pad[i] != batch.pad[n + i])
+        raise ValueError(f"example {row}: the clean and corrupted prompts have different token lengths")
+    probes = Probes(z_positions="all", kv_positions="all" if kv else None)
+    out, rec = forward(lm, batch.input_ids, Plan(probes=probes), attention_mask=batch.attention_mask,
+                       logits_to_keep=1)
+    device = out.logits.device
+    a = torch.tensor(answer, device=device)
+    w = torch.tensor(wrong, device=device)
+    m = metric_of(out.logits[:, -1], a.repeat(2), w.repeat(2), metric)
+    return PairRuns(batch.input_ids, batch.attention_mask, rec.z, m, a, w, [int(p) for p in batch.pad[:n]],
+                    rec.k, rec.v)
+
+
+def normalised_score(patched: np.ndarray, clean: np.ndarray, corrupt: np.ndarray, normalise: str,
+                     method: str) -> np.ndarray:
+    """``score`` from ``patched`` (..., example) (NaN where a unit does not exist for an example) and the
+    ``clean`` / ``corrupt`` metrics (example,), as ``normalise`` says (module docstring); a ValueError naming
+    the metric (and the example, per example) when clean and corrupt are equal (to 1e-5 relative: two rows
+    of one float32 forward over the same prompt may differ in rounding)."""
+    valid = ~np.isnan(patched)
+    if normalise == "per_example":
+        gap = clean - corrupt
+        flat = np.abs(gap) <= 1e-5 * np.maximum(1.0, np.abs(clean))
+        if flat.any():
+            i = int(np.flatnonzero(flat)[0])
+            raise ValueError(f"{method}: example {i} has the same metric on its clean and corrupted prompts "
+                             f"({clean[i]:.6g}): the per-example ratio (patched - corrupt) / (clean - corrupt) "
+                             "is undefined; use normalise: means or a pair whose corruption changes the answer")
+        with np.errstate(invalid="ignore"):
+            return np.nanmean(np.where(valid, (patched - corrupt) / gap, np.nan), axis=-1)
+    count = valid.sum(-1)
+    mean_c, mean_k = (np.where(valid, v, 0.0).sum(-1) / np.maximum(count, 1) for v in (clean, corrupt))
+    gap = mean_c - mean_k
+    if np.any(np.abs(gap[count > 0]) <= 1e-5 * np.maximum(1.0, np.abs(mean_c[count > 0]))):
+        raise ValueError(f"{method}: the mean metric is the same on the clean and the corrupted prompts "
+                         f"({float(np.mean(clean)):.6g}): the score (mean patched - mean corrupt) / (mean clean - "
+                         "mean corrupt) is undefined; the corruption must change the metric")
+    mean_p = np.where(valid, patched, 0.0).sum(-1) / np.maximum(count, 1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(count > 0, (mean_p - mean_k) / gap, np.nan)
+
+
+Patch = tuple[tuple[int, ...], int, Callable[[int], "ReplaceZ | ReplaceKV"]]
+
+
+def _shared_prefix(runs: PairRuns, e: int) -> int:
+    """The number of padded positions before the first token where pair ``e``'s two prompts differ."""
+    differ = (runs.ids[e] != runs.ids[runs.n + e]).nonzero()
+    return int(differ[0, 0]) if differ.numel() else int(runs.ids.shape[1])
+
+
+def _patches(runs: PairRuns, unit: str, L: int, H: int, K: int) -> Iterator[Patch | tuple[tuple[int, ...], int]]:
+    """``(unit index, example, edit(row))`` for every patch of a chunk: the source run's ``z`` of one head at
+    every position or at one token of the example, or the keys and values of one key/value head at every
+    position. A token before the first one where the pair's prompts differ has the same ``z`` in both runs,
+    so its patch changes nothing: it comes as ``(unit index, example)`` alone, its patched metric the
+    target's."""
+    source = runs.rows("clean")
+    T = runs.ids.shape[1]
+    if unit == "kv":
+        k_source, v_source = runs.k[source], runs.v[source]
+        for layer in range(L):
+            for kvh in range(K):
+                for e in range(runs.n):
+                    k, v = k_source[e, layer, kvh], v_source[e, layer, kvh]
+                    yield (layer, kvh), e, (lambda r, ly=layer, j=kvh, k=k, v=v:
+                                            ReplaceKV([(ly, j)], k[None, None], v[None, None], rows=[r]))
+        return
+    z_source = runs.z[source]
+    shared = [_shared_prefix(runs, e) for e in range(runs.n)]
+    for layer in range(L):
+        for head in range(H):
+            for e in range(runs.n):
+                z = z_source[e, layer, head]
+                if unit == "z":
+                    yield (layer, head), e, (lambda r, ly=layer, h=head, z=z: ReplaceZ([(ly, h)], z[None, None],
+                                                                                        rows=[r]))
+                    continue
+                pad = runs.pad[e]
+                for token in range(T - pad):
+                    p = pad + token
+                    if p < shared[e]:
+                        yield (layer, head, token), e
+                    else:
+                        yield (layer, head, token), e, (lambda r, ly=layer, h=head, z=z[p:p + 1], p=p:
+                                                        ReplaceZ([(ly, h)], z[None, None], rows=[r], positions=[p]))
+
+
+def _swap(runs: PairRuns, direction: str) -> PairRuns:
+    """``runs`` with the source prompts (patched from) first: the clean ones to denoise, the corrupted to noise."""
+    if direction == "denoise":
+        return runs
+    n = runs.n
+    order = torch.cat([torch.arange(n, 2 * n), torch.arange(n)]).to(runs.z.device)
+    return PairRuns(runs.ids[order.to(runs.ids.device)], runs.mask[order.to(runs.mask.device)], runs.z[order],
+                    runs.metric[order.to(runs.metric.device)], runs.answer, runs.wrong, runs.pad,
+                    None if runs.k is None else runs.k[order], None if runs.v is None else runs.v[order])
+
+
+def patch_chunk(lm, runs: PairRuns, unit: str, metric: str, batch_size: int, direction: str = "denoise"
+                ) -> dict[tuple[tuple[int, ...], int], float]:
+    """The patched metric of every (unit, example) of a chunk of pairs, ``batch_size`` patches per forward."""
+    geo = lm.geometry
+    oriented = _swap(runs, direction)
+    target = oriented.rows("corrupt")
+    ids, mask = oriented.ids[target], oriented.mask[target]
+    out: dict[tuple[tuple[int, ...], int], float] = {}
+    pending: list[Patch] = []
+
+    def flush() -> None:
+        if not pending:
+            return
+        plan = Plan().add(*(build(r) for r, (_, _, build) in enumerate(pending)))
+        rows = torch.tensor([e for _, e, _ in pending], device=ids.device)
+        res, _ = forward(lm, ids[rows], plan, attention_mask=mask[rows], logits_to_keep=1)
+        rr = rows.to(oriented.answer.device)
+        m = metric_of(res.logits[:, -1], oriented.answer[rr], oriented.wrong[rr], metric)
+        for (key, e, _), value in zip(pending, m.tolist(), strict=True):
+            out[(key, e)] = value
+        pending.clear()
+
+    target_metric = oriented.metric[target].tolist()
+    for item in _patches(oriented, unit, geo.n_layers, geo.n_heads, geo.n_kv_heads):
+        if len(item) == 2:
+            out[item] = target_metric[item[1]]
+            continue
+        pending.append(item)
+        if len(pending) == batch_size:
+            flush()
+    flush()
+    return out
+
+
+def pair_chunks(n: int, size: int) -> list[list[int]]:
+    """Consecutive chunks of ``size`` example indices."""
+    return [list(range(j, min(j + size, n))) for j in range(0, n, size)]
+
+
+def detect(config: ActivationPatching, ctx: StepContext) -> xr.Dataset:
+    """The ``activation_patching`` detector over a pair task."""
+    geo = ctx.model.geometry
+    L, H = geo.n_layers, geo.n_heads
+    answer, wrong = answer_ids(ctx.examples, config.kind)
+    for i, ex in enumerate(ctx.examples):
+        if "corrupt" not in ex.meta:
+            raise ValueError(f"{config.kind}: example {i} has no corrupted prompt (meta['corrupt']); use a pair "
+                             "task (kind pairs, kv_swap or ioi_pairs)")
+    n = len(ctx.examples)
+    clean, corrupt = np.zeros(n), np.zeros(n)
+    chunks = pair_chunks(n, config.pair_batch_size)
+    results: dict = {}
+    n_tokens = 0
+    for idx in ctx.progress(chunks, "activation patching"):
+        runs = pair_runs(ctx.model, [ctx.examples[i] for i in idx], [answer[i] for i in idx],
+                         [wrong[i] for i in idx], config.metric, kv=config.unit == "kv")
+        m = runs.metric.detach().cpu().numpy()
+        clean[idx], corrupt[idx] = m[:len(idx)], m[len(idx):]
+        n_tokens = max(n_tokens, max(runs.ids.shape[1] - p for p in runs.pad))
+        for (key, e), value in patch_chunk(ctx.model, runs, config.unit, config.metric, config.batch_size,
+                                           config.direction).items():
+            results[(key, idx[e])] = value
+    coords: dict = {"layer": np.arange(L), "head": np.arange(H)}
+    if config.unit == "z":
+        patched = np.full((L, H, n), np.nan)
+        dims: tuple[str, ...] = ("layer", "head", "example")
+    elif config.unit == "kv":
+        K = geo.n_kv_heads
+        patched = np.full((L, K, n), np.nan)
+        dims = ("layer", "kv_head", "example")
+        group = H // K
+        coords["kv_head"] = np.arange(K)
+        coords["serves"] = (("kv_head", "head"), np.arange(H)[None, :] // group == np.arange(K)[:, None])
+    else:
+        patched = np.full((L, H, n_tokens, n), np.nan)
+        dims = ("layer", "head", "token", "example")
+        coords = {"layer": np.arange(L), "head": np.arange(H), "token": np.arange(n_tokens)}
+    for (key, e), value in results.items():
+        patched[(*key, e)] = value
+    score = normalised_score(patched, clean, corrupt, config.normalise, config.kind)
+    ds = xr.Dataset({
+        "score": xr.DataArray(score, dims=dims[:-1]),
+        "patched": xr.DataArray(patched, dims=dims),
+        "clean_metric": xr.DataArray(clean, dims=("example",)),
+        "corrupt_metric": xr.DataArray(corrupt, dims=("example",)),
+    })
+    ds = ds.assign_coords(coords)
+    ds.attrs.update(method="activation_patching", model=ctx.model.name, metric=config.metric,
+                    direction=config.direction, unit=config.unit, normalise=config.normalise,
+                    convention=CONVENTION if config.normalise == "means" else PER_EXAMPLE,
+                    position="last", reference="docs/methods.md#activation-patching")
+    return ds
+
+
+@hookimpl
+def headlab_register_detectors(register):
+    register(ActivationPatching, detect)

@@ -1,0 +1,236 @@
+"""activation_patching (docs/methods.md#activation-patching) against a TransformerLens-style reference written
+here: an eager copy of the model, one unpadded prompt at a time, the clean run's head outputs read by a forward
+pre-hook on the output projection, then one forward per patched head (and position) with a pre-hook that
+overwrites that head's slice of the projection's input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from headlab import Example, Plan, StepContext, forward
+from headlab.plugins.detectors.activation_patching import (
+    ActivationPatching,
+    detect,
+    metric_of,
+    pair_runs,
+)
+
+from fixtures.circuits import ARCHS, models, pair_examples
+
+
+def _o_proj(model, arch: str, layer: int):
+    return model.transformer.h[layer].attn.c_proj if arch == "gpt2" else model.model.layers[layer].self_attn.o_proj
+
+
+def _metric(logits: torch.Tensor, answer: int, wrong: int, metric: str) -> float:
+    x = logits.double()
+    if metric == "logit_diff":
+        return float(x[answer] - x[wrong])
+    return float(torch.log_softmax(x, -1)[answer])
+
+
+def _run(model, arch: str, ids: list[int], patch=None):
+    """(last-position logits, {layer: o_proj input (T, H*D)}) of one prompt; ``patch = (layer, head, values
+    (T', D), positions)`` overwrites that head's slice at those positions."""
+    L = len(model.transformer.h if arch == "gpt2" else model.model.layers)
+    seen: dict = {}
+    hooks = []
+    for layer in range(L):
+        def hook(module, args, layer=layer):
+            x = args[0]
+            if patch is not None and patch[0] == layer:
+                _, head, values, positions = patch
+                D = values.shape[-1]
+                x = x.clone()
+                x[0, positions, head * D:(head + 1) * D] = values
+            seen[layer] = x[0].detach()
+            return (x,)
+        hooks.append(_o_proj(model, arch, layer).register_forward_pre_hook(hook))
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
+    finally:
+        for h in hooks:
+            h.remove()
+    return logits, seen
+
+
+def reference(model, arch: str, tok, examples, L: int, H: int, unit: str, metric: str, direction: str):
+    """(clean (E,), corrupt (E,), patched (L, H[, token], E) with NaN where an example lacks the token)."""
+    E = len(examples)
+    T = max(len(tok(ex.prompt).input_ids) for ex in examples)
+    patched = np.full((L, H, E) if unit == "z" else (L, H, T, E), np.nan)
+    clean, corrupt = np.zeros(E), np.zeros(E)
+    for e, ex in enumerate(examples):
+        a, w = ex.meta["answer_id"], ex.meta["wrong_id"]
+        ids_clean, ids_corrupt = tok(ex.prompt).input_ids, tok(ex.meta["corrupt"]).input_ids
+        logits_clean, z_clean = _run(model, arch, ids_clean)
+        logits_corrupt, z_corrupt = _run(model, arch, ids_corrupt)
+        clean[e], corrupt[e] = _metric(logits_clean, a, w, metric), _metric(logits_corrupt, a, w, metric)
+        source, target = (z_clean, ids_corrupt) if direction == "denoise" else (z_corrupt, ids_clean)
+        n = len(target)
+        for layer in range(L):
+            for head in range(H):
+                z = source[layer].view(n, H, -1)[:, head]
+                if unit == "z":
+                    logits, _ = _run(model, arch, target, (layer, head, z, list(range(n))))
+                    patched[layer, head, e] = _metric(logits, a, w, metric)
+                else:
+                    for p in range(n):
+                        logits, _ = _run(model, arch, target, (layer, head, z[p:p + 1], [p]))
+                        patched[layer, head, p, e] = _metric(logits, a, w, metric)
+    return clean, corrupt, patched
+
+
+def _kv_projections(model, arch: str, layer: int, edit):
+    """Forward hooks writing ``edit(part, output)`` over the key and value projections' outputs of ``layer``
+    (gpt2: the key and value thirds of ``c_attn``)."""
+    if arch == "gpt2":
+        attn = model.transformer.h[layer].attn
+        d = attn.embed_dim
+
+        def hook(module, args, out):
+            q, k, v = out.split(d, dim=-1)
+            return torch.cat([q, edit("k", k), edit("v", v)], dim=-1)
+        return [attn.c_attn.register_forward_hook(hook)]
+    attn = model.model.layers[layer].self_attn
+    return [attn.k_proj.register_forward_hook(lambda m, a, out: edit("k", out)),
+            attn.v_proj.register_forward_hook(lambda m, a, out: edit("v", out))]
+
+
+def kv_reference(model, arch: str, tok, examples, L: int, K: int, D: int, metric: str):
+    """(layer, kv_head, example) metrics of the corrupted prompts with one key/value head's projections at
+    every position overwritten by the clean prompt's (the rotary embedding then gives the clean keys)."""
+    patched = np.zeros((L, K, len(examples)))
+    for e, ex in enumerate(examples):
+        a, w = ex.meta["answer_id"], ex.meta["wrong_id"]
+        clean_ids = torch.tensor([tok(ex.prompt).input_ids])
+        corrupt_ids = torch.tensor([tok(ex.meta["corrupt"]).input_ids])
+        for layer in range(L):
+            seen: dict = {}
+            handles = _kv_projections(model, arch, layer, lambda name, out, seen=seen: seen.setdefault(name, out.detach()))
+            try:
+                with torch.no_grad():
+                    model(input_ids=clean_ids)
+            finally:
+                for h in handles:
+                    h.remove()
+            for kvh in range(K):
+                def overwrite(name, out, kvh=kvh, seen=seen):
+                    out = out.clone()
+                    out[..., kvh * D:(kvh + 1) * D] = seen[name][..., kvh * D:(kvh + 1) * D]
+                    return out
+                handles = _kv_projections(model, arch, layer, overwrite)
+                try:
+                    with torch.no_grad():
+                        logits = model(input_ids=corrupt_ids).logits[0, -1]
+                finally:
+                    for h in handles:
+                        h.remove()
+                patched[layer, kvh, e] = _metric(logits, a, w, metric)
+    return patched
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_kv_patching_equals_the_projection_hook_reference(arch):
+    tok, lm, eager = models(arch)
+    examples = pair_examples(tok)
+    geo = lm.geometry
+    ctx = StepContext(model=lm, examples=examples, results={}, seed=0)
+    ds = detect(ActivationPatching(unit="kv", batch_size=4, pair_batch_size=3), ctx)
+    want = kv_reference(eager["eager"], arch, tok, examples, geo.n_layers, geo.n_kv_heads, geo.head_dim,
+                        "logit_diff")
+    np.testing.assert_allclose(ds["patched"].values, want, atol=1e-5, rtol=0)
+    assert np.abs(ds["patched"].values - ds["corrupt_metric"].values).max() > 1e-2
+    assert ds["score"].dims == ("layer", "kv_head") and ds.sizes["kv_head"] == geo.n_kv_heads
+    group = geo.n_heads // geo.n_kv_heads
+    serves = ds["serves"].values
+    assert serves.shape == (geo.n_kv_heads, geo.n_heads) and serves.sum(1).tolist() == [group] * geo.n_kv_heads
+    assert all(serves[h // group, h] for h in range(geo.n_heads))
+
+
+def _score(clean, corrupt, patched):
+    valid = ~np.isnan(patched)
+    mean_p = np.nansum(patched, -1) / valid.sum(-1)
+    mean_c = (np.where(valid, clean, 0).sum(-1)) / valid.sum(-1)
+    mean_k = (np.where(valid, corrupt, 0).sum(-1)) / valid.sum(-1)
+    return (mean_p - mean_k) / (mean_c - mean_k)
+
+
+CASES = [(arch, unit, "logit_diff", "denoise") for arch in ARCHS for unit in ("z", "z_position")]
+CASES += [("llama", "z", "logprob", "noise"), ("gpt2", "z_position", "logprob", "noise")]
+
+
+@pytest.mark.parametrize(("arch", "unit", "metric", "direction"), CASES)
+def test_patching_equals_the_hook_reference(arch, unit, metric, direction):
+    tok, lm, eager = models(arch)
+    examples = pair_examples(tok)  # three lengths: one left-padded chunk
+    L, H = lm.geometry.n_layers, lm.geometry.n_heads
+    ctx = StepContext(model=lm, examples=examples, results={}, seed=0)
+    config = ActivationPatching(unit=unit, metric=metric, direction=direction, batch_size=5, pair_batch_size=3)
+    ds = detect(config, ctx)
+    clean, corrupt, patched = reference(eager["eager"], arch, tok, examples, L, H, unit, metric, direction)
+    np.testing.assert_allclose(ds["clean_metric"].values, clean, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(ds["corrupt_metric"].values, corrupt, atol=1e-5, rtol=0)
+    assert np.array_equal(np.isnan(ds["patched"].values), np.isnan(patched))
+    np.testing.assert_allclose(ds["patched"].values, patched, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(ds["score"].values, _score(clean, corrupt, patched), atol=1e-4, rtol=1e-4)
+    assert np.nanmax(np.abs(ds["patched"].values - corrupt if direction == "denoise" else
+                            ds["patched"].values - clean)) > 1e-2  # some patch changes the metric
+    want_dims = ("layer", "head") if unit == "z" else ("layer", "head", "token")
+    assert ds["score"].dims == want_dims and ds["patched"].dims == (*want_dims, "example")
+    assert ds.attrs["convention"].startswith("(mean patched - mean corrupt)")
+    assert ds.attrs["direction"] == direction and ds.attrs["metric"] == metric
+
+
+def test_chunks_of_pairs_and_rows_do_not_change_the_result():
+    tok, lm, _ = models("qwen2")
+    ctx = StepContext(model=lm, examples=pair_examples(tok), results={}, seed=0)
+    one = detect(ActivationPatching(batch_size=64, pair_batch_size=8), ctx)
+    many = detect(ActivationPatching(batch_size=3, pair_batch_size=1), ctx)  # unpadded chunks of one pair
+    np.testing.assert_allclose(many["patched"].values, one["patched"].values, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_patching_every_head_with_clean_values_reproduces_the_clean_metric(arch):
+    tok, lm, _ = models(arch)
+    examples = pair_examples(tok)
+    answer = [ex.meta["answer_id"] for ex in examples]
+    wrong = [ex.meta["wrong_id"] for ex in examples]
+    runs = pair_runs(lm, examples, answer, wrong, "logit_diff")
+    n = runs.n
+    plan = Plan()
+    for layer in range(lm.geometry.n_layers):
+        plan.patch_z([(layer, h) for h in range(lm.geometry.n_heads)], runs.z[:n, layer])
+    out, _ = forward(lm, runs.ids[n:], plan, attention_mask=runs.mask[n:], logits_to_keep=1)
+    got = metric_of(out.logits[:, -1], runs.answer, runs.wrong, "logit_diff")
+    torch.testing.assert_close(got, runs.metric[:n], atol=1e-5, rtol=0)
+    assert (runs.metric[n:] - runs.metric[:n]).abs().max() > 1e-2
+
+
+def test_per_example_normalisation_is_the_mean_of_the_ratios():
+    tok, lm, _ = models("llama")
+    ctx = StepContext(model=lm, examples=pair_examples(tok), results={}, seed=0)
+    ds = detect(ActivationPatching(normalise="per_example"), ctx)
+    ratio = (ds["patched"] - ds["corrupt_metric"]) / (ds["clean_metric"] - ds["corrupt_metric"])
+    np.testing.assert_allclose(ds["score"].values, ratio.mean("example").values, rtol=1e-12)
+    assert ds.attrs["convention"].startswith("mean over examples of")
+
+
+def test_equal_clean_and_corrupt_metrics_and_non_pairs_are_refused():
+    tok, lm, _ = models("llama")
+    same = []
+    for ex in pair_examples(tok):
+        meta = {**ex.meta, "corrupt": ex.prompt}
+        same.append(Example(prompt=ex.prompt, target=ex.target, choices=ex.choices, label=ex.label, meta=meta))
+    ctx = StepContext(model=lm, examples=same, results={}, seed=0)
+    with pytest.raises(ValueError, match=r"activation_patching: the mean metric is the same on the clean and the "
+                                         r"corrupted prompts .*undefined"):
+        detect(ActivationPatching(), ctx)
+    with pytest.raises(ValueError, match=r"activation_patching: example 0 has the same metric"):
+        detect(ActivationPatching(normalise="per_example"), ctx)
+    no_corrupt = [Example(prompt=ex.prompt, meta={"answer_id": 5, "wrong_id": 6}) for ex in same]
+    with pytest.raises(ValueError, match=r"example 0 has no corrupted prompt"):
+        detect(ActivationPatching(), StepContext(model=lm, examples=no_corrupt, results={}, seed=0))
