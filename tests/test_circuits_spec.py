@@ -87,6 +87,6 @@ def test_a_pair_task_spec_runs_every_circuit_detector(tmp_path):
     assert np.isfinite(run.results["sinks"]["massive_ratio"].values).all()
     # the patching steps read the same clean logit differences as DLA, and compare with each other
     for step in ("patch", "atp"):
-        np.testing.assert_allclose(run.results[step]["clean_metric"].values, dla["logit_diff"].values, atol=1e-4)
+        np.testing.assert_allclose(run.results[step]["clean"].values, dla["logit_diff"].values, atol=1e-4)
     assert run.results["patch"]["score"].dims == ("layer", "head")
     assert -1 <= run.results["atp"].attrs["spearman"] <= 1

@@ -65,7 +65,7 @@ def reference(model, arch: str, tok, examples, L: int, H: int, unit: str, metric
     clean, corrupt = np.zeros(E), np.zeros(E)
     for e, ex in enumerate(examples):
         a, w = ex.meta["answer_id"], ex.meta["wrong_id"]
-        ids_clean, ids_corrupt = tok(ex.prompt).input_ids, tok(ex.meta["corrupt"]).input_ids
+        ids_clean, ids_corrupt = tok(ex.prompt).input_ids, tok(ex.meta["corrupt_prompt"]).input_ids
         logits_clean, z_clean = _run(model, arch, ids_clean)
         logits_corrupt, z_corrupt = _run(model, arch, ids_corrupt)
         clean[e], corrupt[e] = _metric(logits_clean, a, w, metric), _metric(logits_corrupt, a, w, metric)
@@ -107,7 +107,7 @@ def kv_reference(model, arch: str, tok, examples, L: int, K: int, D: int, metric
     for e, ex in enumerate(examples):
         a, w = ex.meta["answer_id"], ex.meta["wrong_id"]
         clean_ids = torch.tensor([tok(ex.prompt).input_ids])
-        corrupt_ids = torch.tensor([tok(ex.meta["corrupt"]).input_ids])
+        corrupt_ids = torch.tensor([tok(ex.meta["corrupt_prompt"]).input_ids])
         for layer in range(L):
             seen: dict = {}
             handles = _kv_projections(model, arch, layer, lambda name, out, seen=seen: seen.setdefault(name, out.detach()))
@@ -143,7 +143,7 @@ def test_kv_patching_equals_the_projection_hook_reference(arch):
     want = kv_reference(eager["eager"], arch, tok, examples, geo.n_layers, geo.n_kv_heads, geo.head_dim,
                         "logit_diff")
     np.testing.assert_allclose(ds["patched"].values, want, atol=1e-5, rtol=0)
-    assert np.abs(ds["patched"].values - ds["corrupt_metric"].values).max() > 1e-2
+    assert np.abs(ds["patched"].values - ds["corrupt"].values).max() > 1e-2
     assert ds["score"].dims == ("layer", "kv_head") and ds.sizes["kv_head"] == geo.n_kv_heads
     group = geo.n_heads // geo.n_kv_heads
     serves = ds["serves"].values
@@ -172,8 +172,8 @@ def test_patching_equals_the_hook_reference(arch, unit, metric, direction):
     config = ActivationPatching(unit=unit, metric=metric, direction=direction, batch_size=5, pair_batch_size=3)
     ds = detect(config, ctx)
     clean, corrupt, patched = reference(eager["eager"], arch, tok, examples, L, H, unit, metric, direction)
-    np.testing.assert_allclose(ds["clean_metric"].values, clean, atol=1e-5, rtol=0)
-    np.testing.assert_allclose(ds["corrupt_metric"].values, corrupt, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(ds["clean"].values, clean, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(ds["corrupt"].values, corrupt, atol=1e-5, rtol=0)
     assert np.array_equal(np.isnan(ds["patched"].values), np.isnan(patched))
     np.testing.assert_allclose(ds["patched"].values, patched, atol=1e-5, rtol=0)
     np.testing.assert_allclose(ds["score"].values, _score(clean, corrupt, patched), atol=1e-4, rtol=1e-4)
@@ -214,7 +214,7 @@ def test_per_example_normalisation_is_the_mean_of_the_ratios():
     tok, lm, _ = models("llama")
     ctx = StepContext(model=lm, examples=pair_examples(tok), results={}, seed=0)
     ds = detect(ActivationPatching(normalise="per_example"), ctx)
-    ratio = (ds["patched"] - ds["corrupt_metric"]) / (ds["clean_metric"] - ds["corrupt_metric"])
+    ratio = (ds["patched"] - ds["corrupt"]) / (ds["clean"] - ds["corrupt"])
     np.testing.assert_allclose(ds["score"].values, ratio.mean("example").values, rtol=1e-12)
     assert ds.attrs["convention"].startswith("mean over examples of")
 
@@ -223,7 +223,7 @@ def test_equal_clean_and_corrupt_metrics_and_non_pairs_are_refused():
     tok, lm, _ = models("llama")
     same = []
     for ex in pair_examples(tok):
-        meta = {**ex.meta, "corrupt": ex.prompt}
+        meta = {**ex.meta, "corrupt_prompt": ex.prompt}
         same.append(Example(prompt=ex.prompt, target=ex.target, choices=ex.choices, label=ex.label, meta=meta))
     ctx = StepContext(model=lm, examples=same, results={}, seed=0)
     with pytest.raises(ValueError, match=r"activation_patching: the mean metric is the same on the clean and the "

@@ -55,8 +55,8 @@ def test_atp_equals_finite_differences_of_the_patched_metric(arch, metric, direc
     # the RMS norms compute in float32 even in a float64 model: steps of 3e-3 balance that noise and the
     # truncation error of the differences (both near 3e-5 of the scale)
     np.testing.assert_allclose(atp, fd, rtol=1e-3, atol=1e-4 * scale)
-    target = ds["corrupt_metric"] if direction == "denoise" else ds["clean_metric"]
-    want = ((target + ds["atp"]).mean("example") - ds["corrupt_metric"].mean()) / (ds["clean_metric"].mean() - ds["corrupt_metric"].mean())
+    target = ds["corrupt"] if direction == "denoise" else ds["clean"]
+    want = ((target + ds["atp"]).mean("example") - ds["corrupt"].mean()) / (ds["clean"].mean() - ds["corrupt"].mean())
     np.testing.assert_allclose(ds["score"].values, want.values, rtol=1e-12)
     # per token: the terms of each head add up to its all-positions estimate
     per_token = detect(AttributionPatching(metric=metric, direction=direction, unit="z_position"), ctx)

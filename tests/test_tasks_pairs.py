@@ -42,7 +42,7 @@ def test_jsonl_pairs_carry_the_corrupt_prompt_and_the_answer_tokens(tmp_path, to
     examples = build_pairs(PairTask(path=path), ctx(tok))
     assert [e.prompt for e in examples] == [r["clean"] for r in ROWS]
     for ex, row in zip(examples, ROWS, strict=True):
-        assert ex.meta["corrupt"] == row["corrupt"]
+        assert ex.meta["corrupt_prompt"] == row["corrupt"]
         assert ex.meta["answer_id"] == tok.convert_tokens_to_ids(row["answer"])
         assert ex.meta["wrong_id"] == tok.convert_tokens_to_ids(row["wrong"])
         assert ex.target == " " + row["answer"] and ex.choices == [" " + row["answer"], " " + row["wrong"]]
@@ -57,7 +57,7 @@ def test_csv_pairs_read_the_same_fields(tmp_path, tok):
         w.writeheader()
         w.writerows(ROWS)
     examples = build_pairs(PairTask(path=str(path)), ctx(tok))
-    assert [e.meta["corrupt"] for e in examples] == [r["corrupt"] for r in ROWS]
+    assert [e.meta["corrupt_prompt"] for e in examples] == [r["corrupt"] for r in ROWS]
     assert examples[1].meta["answer_id"] == tok.convert_tokens_to_ids("eel")
 
 
@@ -95,14 +95,14 @@ def test_kv_swap_queries_another_key_of_the_same_context(tiny_tok):
     assert len(examples) == 6
     for ex in examples:
         body, query = ex.prompt.rsplit(" . ", 1)
-        cbody, cquery = ex.meta["corrupt"].rsplit(" . ", 1)
+        cbody, cquery = ex.meta["corrupt_prompt"].rsplit(" . ", 1)
         assert body == cbody and query == f"{ex.meta['query_key']} :" and cquery == f"{ex.meta['swap_key']} :"
         pairs = dict(item.split(" : ") for item in body.split(" , "))
         assert pairs[ex.meta["query_key"]] == ex.meta["answer"]
         assert pairs[ex.meta["swap_key"]] == ex.meta["wrong"] != ex.meta["answer"]
         assert ex.meta["answer_id"] == tiny_tok.convert_tokens_to_ids(ex.meta["answer"])
         assert ex.meta["wrong_id"] == tiny_tok.convert_tokens_to_ids(ex.meta["wrong"])
-        assert len(tiny_tok(ex.prompt).input_ids) == len(tiny_tok(ex.meta["corrupt"]).input_ids)
+        assert len(tiny_tok(ex.prompt).input_ids) == len(tiny_tok(ex.meta["corrupt_prompt"]).input_ids)
 
 
 def test_ioi_pairs_swap_the_names_of_the_second_clause(tiny_tok):
@@ -113,8 +113,8 @@ def test_ioi_pairs_swap_the_names_of_the_second_clause(tiny_tok):
         template = IoiPairs().templates[i % 3]
         fill = {"place": ex.prompt.split(" the ")[1].split()[0].strip(",.")}
         assert ex.prompt.startswith(template.split("{A}")[0] + a + " and " + b)
-        assert ex.prompt.count(b) == 2 and ex.meta["corrupt"].count(a) == 2
-        assert ex.meta["corrupt"] == ex.prompt[: ex.prompt.rindex(b)] + a + ex.prompt[ex.prompt.rindex(b) + len(b):]
+        assert ex.prompt.count(b) == 2 and ex.meta["corrupt_prompt"].count(a) == 2
+        assert ex.meta["corrupt_prompt"] == ex.prompt[: ex.prompt.rindex(b)] + a + ex.prompt[ex.prompt.rindex(b) + len(b):]
         assert fill["place"] in IoiPairs().places
         assert ex.meta["answer_id"] == tiny_tok.convert_tokens_to_ids(a)
 
@@ -123,7 +123,7 @@ def test_ioi_names_that_are_several_tokens_are_an_error(tok):
     with pytest.raises(TaskDataError, match="name ' ant bee' is 2 tokens"):
         build_ioi(IoiPairs(n=2, names=["cat", "ant bee"], templates=["{A} and {B} . {B} to"]), ctx(tok))
     examples = build_ioi(IoiPairs(n=4, names=["cat", "dog"], templates=["{A} and {B} . {B} to"]), ctx(tok))
-    assert {(e.prompt, e.meta["corrupt"]) for e in examples} <= {
+    assert {(e.prompt, e.meta["corrupt_prompt"]) for e in examples} <= {
         ("cat and dog . dog to", "cat and dog . cat to"), ("dog and cat . cat to", "dog and cat . dog to")}
 
 

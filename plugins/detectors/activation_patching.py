@@ -2,7 +2,7 @@
 
 Definition: docs/methods.md#activation-patching (the metrics and the normalised score:
 docs/methods.md#metrics-for-circuit-analysis). The examples are pairs (the pair tasks ``pairs``, ``kv_swap``,
-``ioi_pairs``: ``prompt`` the clean prompt, ``meta["corrupt"]`` the corrupted one of the same token length,
+``ioi_pairs``: ``prompt`` the clean prompt, ``meta["corrupt_prompt"]`` the corrupted one of the same token length,
 ``meta["answer_id"]`` / ``meta["wrong_id"]`` the answer tokens).
 
 ``direction: denoise`` (the default) runs the corrupted prompt with one head's output ``z`` replaced by its
@@ -25,7 +25,7 @@ first one where a pair's prompts differ are not run: their ``z`` is the same in 
 metric is the unpatched target's.
 
 Outputs: ``score (layer, head[, token])`` (``(layer, kv_head)`` for ``kv``), ``patched (..., example)`` (the raw metric;
-NaN at a token an example does not have), ``clean_metric (example)``, ``corrupt_metric (example)`` (not ``clean`` /
+NaN at a token an example does not have), ``clean (example)``, ``corrupt (example)`` (not ``clean`` /
 ``corrupt``: a pair task's examples have a field ``corrupt``, the corrupted prompt).
 """
 
@@ -126,7 +126,7 @@ def pair_runs(lm, examples: list[Example], answer: list[int], wrong: list[int], 
               kv: bool = False) -> PairRuns:
     """One forward over the clean and corrupted prompts of ``examples`` (pair-task examples), recording every
     head's ``z`` at every position (and every key/value head's keys and values with ``kv``)."""
-    corrupt = [Example(prompt=str(ex.meta["corrupt"])) for ex in examples]
+    corrupt = [Example(prompt=str(ex.meta["corrupt_prompt"])) for ex in examples]
     batch = tokenize(lm, list(examples) + corrupt)
     n = len(examples)
     if not torch.equal(batch.attention_mask[:n], batch.attention_mask[n:]):
@@ -274,8 +274,8 @@ def detect(config: ActivationPatching, ctx: StepContext) -> xr.Dataset:
     L, H = geo.n_layers, geo.n_heads
     answer, wrong = answer_ids(ctx.examples, config.kind)
     for i, ex in enumerate(ctx.examples):
-        if "corrupt" not in ex.meta:
-            raise ValueError(f"{config.kind}: example {i} has no corrupted prompt (meta['corrupt']); use a pair "
+        if "corrupt_prompt" not in ex.meta:
+            raise ValueError(f"{config.kind}: example {i} has no corrupted prompt (meta['corrupt_prompt']); use a pair "
                              "task (kind pairs, kv_swap or ioi_pairs)")
     n = len(ctx.examples)
     clean, corrupt = np.zeros(n), np.zeros(n)
@@ -312,8 +312,8 @@ def detect(config: ActivationPatching, ctx: StepContext) -> xr.Dataset:
     ds = xr.Dataset({
         "score": xr.DataArray(score, dims=dims[:-1]),
         "patched": xr.DataArray(patched, dims=dims),
-        "clean_metric": xr.DataArray(clean, dims=("example",)),
-        "corrupt_metric": xr.DataArray(corrupt, dims=("example",)),
+        "clean": xr.DataArray(clean, dims=("example",)),
+        "corrupt": xr.DataArray(corrupt, dims=("example",)),
     })
     ds = ds.assign_coords(coords)
     ds.attrs.update(method="activation_patching", model=ctx.model.name, metric=config.metric,

@@ -20,7 +20,7 @@ unit) and ``top_k_recall`` (the fraction of the reference's ``top_k`` units with
 ``|score - s0|``, ``s0`` = 0 to denoise and 1 to noise, that are among AtP's ``top_k``).
 
 Outputs: ``score (layer, head[, token])``, ``atp (layer, head[, token], example)`` (NaN at a token an
-example does not have), ``clean_metric (example)``, ``corrupt_metric (example)``.
+example does not have), ``clean (example)``, ``corrupt (example)``.
 """
 
 from __future__ import annotations
@@ -146,8 +146,8 @@ def detect(config: AttributionPatching, ctx: StepContext) -> xr.Dataset:
     L, H = geo.n_layers, geo.n_heads
     answer, wrong = answer_ids(ctx.examples, config.kind)
     for i, ex in enumerate(ctx.examples):
-        if "corrupt" not in ex.meta:
-            raise ValueError(f"{config.kind}: example {i} has no corrupted prompt (meta['corrupt']); use a pair "
+        if "corrupt_prompt" not in ex.meta:
+            raise ValueError(f"{config.kind}: example {i} has no corrupted prompt (meta['corrupt_prompt']); use a pair "
                              "task (kind pairs, kv_swap or ioi_pairs)")
     n = len(ctx.examples)
     clean, corrupt = np.zeros(n), np.zeros(n)
@@ -178,8 +178,8 @@ def detect(config: AttributionPatching, ctx: StepContext) -> xr.Dataset:
     ds = xr.Dataset({
         "score": xr.DataArray(score, dims=dims[:-1], coords=coords),
         "atp": xr.DataArray(atp_all, dims=dims, coords=coords),
-        "clean_metric": xr.DataArray(clean, dims=("example",)),
-        "corrupt_metric": xr.DataArray(corrupt, dims=("example",)),
+        "clean": xr.DataArray(clean, dims=("example",)),
+        "corrupt": xr.DataArray(corrupt, dims=("example",)),
     })
     ds.attrs.update(method="attribution_patching", estimator=config.method, model=ctx.model.name,
                     metric=config.metric, direction=config.direction, unit=config.unit,

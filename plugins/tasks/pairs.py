@@ -1,7 +1,7 @@
 """Pair tasks: clean and corrupted prompts with an answer and a wrong answer, for causal head analysis.
 
 Definition: docs/methods.md#metrics-for-circuit-analysis. Every example is a pair of prompts of the same
-token length: ``prompt`` is the clean prompt, ``meta["corrupt"]`` the corrupted one; ``target`` is the
+token length: ``prompt`` is the clean prompt, ``meta["corrupt_prompt"]`` the corrupted one; ``target`` is the
 answer as a continuation (``target_delimiter + answer``) and ``choices`` are ``[answer, wrong]`` the same
 way (``label`` 0). ``meta`` also holds ``answer`` / ``wrong`` (the texts) and ``answer_id`` / ``wrong_id``:
 the one token that each continues the clean prompt with (the tokens of ``prompt + delimiter + answer``
@@ -88,7 +88,7 @@ def pair_example(tokenizer: Any, clean: str, corrupt: str, answer: str, wrong: s
     wrong_id = answer_token(tokenizer, clean, delimiter + wrong, where, "wrong answer")
     if answer_id == wrong_id:
         raise TaskDataError(f"{where}: the answer {answer!r} and the wrong answer {wrong!r} are the same token")
-    info = {**(meta or {}), "corrupt": corrupt, "answer": answer, "wrong": wrong, "answer_id": answer_id,
+    info = {**(meta or {}), "corrupt_prompt": corrupt, "answer": answer, "wrong": wrong, "answer_id": answer_id,
             "wrong_id": wrong_id}
     return Example(prompt=clean, target=delimiter + answer, choices=[delimiter + answer, delimiter + wrong],
                    label=0, meta=info)
