@@ -268,15 +268,22 @@ def pair_chunks(n: int, size: int) -> list[list[int]]:
     return [list(range(j, min(j + size, n))) for j in range(0, n, size)]
 
 
+def pair_inputs(examples: list[Example], kind: str) -> tuple[list[int], list[int]]:
+    """The answer and wrong token ids of a pair task's examples; an example without a corrupted prompt is an
+    error naming it and the pair tasks."""
+    answer, wrong = answer_ids(examples, kind)
+    for i, ex in enumerate(examples):
+        if "corrupt_prompt" not in ex.meta:
+            raise ValueError(f"{kind}: example {i} has no corrupted prompt (meta['corrupt_prompt']); use a pair "
+                             "task (kind pairs, kv_swap or ioi_pairs)")
+    return answer, wrong
+
+
 def detect(config: ActivationPatching, ctx: StepContext) -> xr.Dataset:
     """The ``activation_patching`` detector over a pair task."""
     geo = ctx.model.geometry
     L, H = geo.n_layers, geo.n_heads
-    answer, wrong = answer_ids(ctx.examples, config.kind)
-    for i, ex in enumerate(ctx.examples):
-        if "corrupt_prompt" not in ex.meta:
-            raise ValueError(f"{config.kind}: example {i} has no corrupted prompt (meta['corrupt_prompt']); use a pair "
-                             "task (kind pairs, kv_swap or ioi_pairs)")
+    answer, wrong = pair_inputs(ctx.examples, config.kind)
     n = len(ctx.examples)
     clean, corrupt = np.zeros(n), np.zeros(n)
     chunks = pair_chunks(n, config.pair_batch_size)

@@ -43,9 +43,9 @@ from headlab.plugins.detectors.activation_patching import (
     metric_of,
     normalised_score,
     pair_chunks,
+    pair_inputs,
     pair_runs,
 )
-from headlab.plugins.detectors.direct_logit_attribution import answer_ids
 from headlab.resources import Estimate, EstimateContext
 from headlab.spec import PositiveInt
 
@@ -144,11 +144,7 @@ def detect(config: AttributionPatching, ctx: StepContext) -> xr.Dataset:
     """The ``attribution_patching`` detector over a pair task."""
     geo = ctx.model.geometry
     L, H = geo.n_layers, geo.n_heads
-    answer, wrong = answer_ids(ctx.examples, config.kind)
-    for i, ex in enumerate(ctx.examples):
-        if "corrupt_prompt" not in ex.meta:
-            raise ValueError(f"{config.kind}: example {i} has no corrupted prompt (meta['corrupt_prompt']); use a pair "
-                             "task (kind pairs, kv_swap or ioi_pairs)")
+    answer, wrong = pair_inputs(ctx.examples, config.kind)
     n = len(ctx.examples)
     clean, corrupt = np.zeros(n), np.zeros(n)
     per_position: list[tuple[list[int], np.ndarray, list[int]]] = []
