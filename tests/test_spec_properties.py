@@ -34,7 +34,7 @@ CROSS_FIELD = (
     "hi must be >= lo", "needles:", "k: a list of positive head counts", "no metrics plugin provides kind",
     "a depth count must be", "depths are fractions", "missing `kind`", "with lo <= hi",
     "distinct colour x shape objects", "yes questions need", "no questions need", "questions are about different shapes",
-    "`image_dir` needs `image`",
+    "`image_dir` needs `image`", "IOI template", "names: give at least two different names",
 )
 
 

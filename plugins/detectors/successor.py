@@ -15,12 +15,12 @@ Weights only: the task's examples are not used.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
 import xarray as xr
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from headlab import ComponentConfig, StepContext, hookimpl
 from headlab.dims import head_array
@@ -43,20 +43,11 @@ class Successor(ComponentConfig):
     """Heads whose OV circuit maps an item of an ordinal sequence to the next one (successor heads)."""
 
     kind: Literal["successor"] = "successor"
-    sequences: dict[str, list[str]] = Field(default_factory=lambda: {k: list(v) for k, v in SEQUENCES.items()},
-                                            description="name -> the items of an ordinal sequence, in order")
+    sequences: dict[str, Annotated[list[str], Field(min_length=2)]] = Field(
+        default_factory=lambda: {k: list(v) for k, v in SEQUENCES.items()}, min_length=1,
+        description="name -> the items of an ordinal sequence, in order (at least two items; at least one sequence)")
     prefix: str = Field(" ", description="put in front of each item before tokenizing (e.g. ' Monday')")
     precision: Precision = Field("float32", description="dtype of the OV products")
-
-    @field_validator("sequences")
-    @classmethod
-    def _sequences(cls, v: dict[str, list[str]]) -> dict[str, list[str]]:
-        if not v:
-            raise ValueError("sequences: give at least one sequence")
-        for name, items in v.items():
-            if len(items) < 2:
-                raise ValueError(f"sequences.{name}: a sequence needs at least two items")
-        return v
 
 
 def sequence_tokens(tokenizer, sequences: dict[str, list[str]], prefix: str = " ") -> tuple[
