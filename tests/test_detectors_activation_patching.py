@@ -17,7 +17,7 @@ from headlab.plugins.detectors.activation_patching import (
     pair_runs,
 )
 
-from fixtures.circuits import ARCHS, models, pair_examples
+from fixtures.circuits import ARCHS, kv_projection_hooks, models, pair_examples
 
 
 def _o_proj(model, arch: str, layer: int):
@@ -84,22 +84,6 @@ def reference(model, arch: str, tok, examples, L: int, H: int, unit: str, metric
     return clean, corrupt, patched
 
 
-def _kv_projections(model, arch: str, layer: int, edit):
-    """Forward hooks writing ``edit(part, output)`` over the key and value projections' outputs of ``layer``
-    (gpt2: the key and value thirds of ``c_attn``)."""
-    if arch == "gpt2":
-        attn = model.transformer.h[layer].attn
-        d = attn.embed_dim
-
-        def hook(module, args, out):
-            q, k, v = out.split(d, dim=-1)
-            return torch.cat([q, edit("k", k), edit("v", v)], dim=-1)
-        return [attn.c_attn.register_forward_hook(hook)]
-    attn = model.model.layers[layer].self_attn
-    return [attn.k_proj.register_forward_hook(lambda m, a, out: edit("k", out)),
-            attn.v_proj.register_forward_hook(lambda m, a, out: edit("v", out))]
-
-
 def kv_reference(model, arch: str, tok, examples, L: int, K: int, D: int, metric: str):
     """(layer, kv_head, example) metrics of the corrupted prompts with one key/value head's projections at
     every position overwritten by the clean prompt's (the rotary embedding then gives the clean keys)."""
@@ -110,7 +94,7 @@ def kv_reference(model, arch: str, tok, examples, L: int, K: int, D: int, metric
         corrupt_ids = torch.tensor([tok(ex.meta["corrupt_prompt"]).input_ids])
         for layer in range(L):
             seen: dict = {}
-            handles = _kv_projections(model, arch, layer, lambda name, out, seen=seen: seen.setdefault(name, out.detach()))
+            handles = kv_projection_hooks(model, arch, layer, lambda name, out, seen=seen: seen.setdefault(name, out.detach()))
             try:
                 with torch.no_grad():
                     model(input_ids=clean_ids)
@@ -122,7 +106,7 @@ def kv_reference(model, arch: str, tok, examples, L: int, K: int, D: int, metric
                     out = out.clone()
                     out[..., kvh * D:(kvh + 1) * D] = seen[name][..., kvh * D:(kvh + 1) * D]
                     return out
-                handles = _kv_projections(model, arch, layer, overwrite)
+                handles = kv_projection_hooks(model, arch, layer, overwrite)
                 try:
                     with torch.no_grad():
                         logits = model(input_ids=corrupt_ids).logits[0, -1]

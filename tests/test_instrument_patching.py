@@ -9,7 +9,7 @@ import torch
 
 from headlab import Plan, Probes, ReplaceZ, SteeringConflictError, forward
 
-from fixtures.circuits import ARCHS, models
+from fixtures.circuits import ARCHS, kv_projection_hooks, models
 
 PAD = 3
 
@@ -224,22 +224,6 @@ def test_validation_conflicts_and_touches():
 
 
 # --------------------------------------------------------------------------- keys and values (ReplaceKV)
-def _kv_hooks(model, arch: str, layer: int, edit):
-    """Forward hooks writing ``edit(part, output)`` over the key and value projections' outputs of ``layer``
-    (gpt2: the key and value thirds of ``c_attn``)."""
-    if arch == "gpt2":
-        attn = model.transformer.h[layer].attn
-        d = attn.embed_dim
-
-        def hook(module, args, out):
-            q, k, v = out.split(d, dim=-1)
-            return torch.cat([q, edit("k", k), edit("v", v)], dim=-1)
-        return [attn.c_attn.register_forward_hook(hook)]
-    attn = model.model.layers[layer].self_attn
-    return [attn.k_proj.register_forward_hook(lambda m, a, out: edit("k", out)),
-            attn.v_proj.register_forward_hook(lambda m, a, out: edit("v", out))]
-
-
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_kv_head_replaced_by_the_clean_run_reproduces_the_clean_logits(arch, backend):
@@ -279,7 +263,7 @@ def test_one_kv_head_at_one_position_equals_projection_hooks(arch, part):
     def keep(name, out):
         seen[name] = out.detach().clone()
         return out
-    handles = _kv_hooks(eager, arch, layer, keep)
+    handles = kv_projection_hooks(eager, arch, layer, keep)
     try:
         _logits(eager, clean, mask)
     finally:
@@ -293,7 +277,7 @@ def test_one_kv_head_at_one_position_equals_projection_hooks(arch, part):
         out = out.clone()
         out[row, position, kvh * D:(kvh + 1) * D] = seen[name][row, position, kvh * D:(kvh + 1) * D]
         return out
-    handles = _kv_hooks(eager, arch, layer, overwrite)
+    handles = kv_projection_hooks(eager, arch, layer, overwrite)
     try:
         want = _logits(eager, corrupt, mask)
     finally:
