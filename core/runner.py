@@ -117,7 +117,7 @@ def check_context(examples: list[Example], lm: LoadedModel, config: Any, cache: 
             if ex.input_ids is not None:
                 n = len(ex.input_ids)
             elif lm.tokenizer is not None:
-                n = len(lm.tokenizer(ex.prompt)["input_ids"]) if len(ex.prompt) <= 4 * limit + 4096 else len(ex.prompt)
+                n = len(lm.tokenizer(ex.prompt)["input_ids"])
             else:
                 n = 0
             cache[id(ex)] = n
