@@ -45,6 +45,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Literal
 
 import numpy as np
@@ -437,12 +438,16 @@ def edge_scores(lm: LoadedModel, runs: EdgeRuns, graph: EdgeGraph, metric: str, 
         with torch.no_grad():
             e_other = embedding(p.ids[p.rows(other)].to(embedding.weight.device))
     for k in range(1, m + 1):
-        embeds = None
-        if k < m:  # the base run's embeddings o, moved k/m of the way from the other run's
-            embeds = (lambda o, alpha=k / m: e_other + alpha * (o - e_other))
+        embeds = None if k == m else partial(_interpolate, e_other, k / m)
         grads = _gradients(lm, parts, ids, mask, p.answer, p.wrong, metric, embeds)
         total += _step_scores(lm, parts, graph, grads, delta, dtype)
     return total / m
+
+
+def _interpolate(start: Tensor, alpha: float, end: Tensor) -> Tensor:
+    """``start + alpha (end - start)``: the base run's embeddings ``end`` moved ``alpha`` of the way from the
+    other run's."""
+    return start + alpha * (end - start)
 
 
 def memory_per_token(lm: LoadedModel) -> dict[str, int]:
