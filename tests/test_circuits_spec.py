@@ -18,7 +18,7 @@ import headlab
 ROOT = Path(__file__).parent.parent
 CHECKPOINT = ROOT / "plugins" / "models" / "tiny" / "headlab-tiny" / "model.safetensors"
 KINDS = ("direct_logit_attribution", "activation_patching", "attribution_patching", "attention_sink", "successor",
-         "copy_suppression")
+         "copy_suppression", "edge_attribution")
 
 SPEC = """\
 name: circuits
@@ -37,6 +37,8 @@ steps:
     detect: {kind: activation_patching, batch_size: 32}
   - id: atp
     detect: {kind: attribution_patching, reference: patch, top_k: 5}
+  - id: eap
+    detect: {kind: edge_attribution, method: eap_ig, ig_steps: 2, circuit: {top: 40}}
 """
 
 
@@ -90,3 +92,10 @@ def test_a_pair_task_spec_runs_every_circuit_detector(tmp_path):
         np.testing.assert_allclose(run.results[step]["clean"].values, dla["logit_diff"].values, atol=1e-4)
     assert run.results["patch"]["score"].dims == ("layer", "head")
     assert -1 <= run.results["atp"].attrs["spearman"] <= 1
+    # edge attribution: one score per edge of the graph, and the top 40 edges patched exactly
+    eap = run.results["eap"]
+    assert eap["score"].dims == ("edge",) and int(eap["in_circuit"].sum()) == 40
+    assert {"emb", "a0.h0", "m3"} <= set(eap["source"].values.tolist())
+    assert {"a0.h0.q", "a3.kv3.v", "m0", "logits"} <= set(eap["destination"].values.tolist())
+    np.testing.assert_allclose(eap["clean"].values, dla["logit_diff"].values, atol=1e-4)
+    assert eap.attrs["faithfulness"] == pytest.approx(float(eap["circuit"].mean() / eap["clean"].mean()), rel=1e-9)

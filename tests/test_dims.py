@@ -44,6 +44,7 @@ DETECT = {
     "copy_suppression": ({}, REPEATED),
     "activation_patching": ({"unit": "z_position"}, KV_SWAP),
     "attribution_patching": ({"unit": "z_position"}, KV_SWAP),
+    "edge_attribution": ({"method": "eap_ig", "ig_steps": 2, "circuit": {"top": 20}}, KV_SWAP),
 }
 DECODE = {
     "greedy": {},
