@@ -262,8 +262,9 @@ def record(lm: LoadedModel, examples: list, answer: list[int], wrong: list[int],
     parts = [block_parts(lm, layer) for layer in range(L)]
     mlp: dict[int, Tensor] = {}
     emb: list[Tensor] = []
+    handles: list = []
     with ExitStack() as stack:
-        stack.callback(_remove, handles := [])
+        stack.callback(_remove, handles)
         handles.append(parts[0].norm.register_forward_pre_hook(lambda m, args: emb.append(args[0].detach())))
         for layer, p in enumerate(parts):
             handles.append(p.mlp.register_forward_hook(
@@ -337,8 +338,9 @@ def _gradients(lm: LoadedModel, parts: list[BlockParts], ids: Tensor, mask: Tens
         leaves[key] = torch.zeros_like(t, requires_grad=True)
         return leaves[key]
 
+    handles: list = []
     with ExitStack() as stack:
-        stack.callback(_remove, handles := [])
+        stack.callback(_remove, handles)
         if embeds is not None:
             handles.append(lm.model.get_input_embeddings().register_forward_hook(lambda m, a, o: embeds(o)))
         for layer, p in enumerate(parts):
@@ -548,8 +550,9 @@ def patch_circuit(lm: LoadedModel, runs: EdgeRuns, graph: EdgeGraph, keep: np.nd
             return args
         return ((args[0].to(dtype) - d[0]).to(args[0].dtype), *args[1:])
 
+    handles: list = []
     with ExitStack() as stack:
-        stack.callback(_remove, handles := [])
+        stack.callback(_remove, handles)
         for layer, part in enumerate(parts):
             handles.append(part.norm.register_forward_pre_hook(
                 lambda m, args, layer=layer: attention_inputs(layer, args[0])))
