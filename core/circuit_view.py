@@ -200,21 +200,20 @@ def parse_node(name: str) -> tuple[Node, str | None]:
 
 def circuit_edges(score: xr.DataArray | xr.Dataset, *, top_k: int | None = 30,
                   threshold: float | None = None) -> list[Edge]:
-    """The edges of an edge-attribution ``score``, largest magnitude first: a ``(source, destination)``
-    array whose coordinates are node labels, or one edge dimension with ``source`` and ``destination``
-    coordinates. NaN and zero weights are not edges; ``threshold`` keeps ``|weight| >= threshold``, ``top_k``
+    """The edges of an edge-attribution ``score``, largest magnitude first (ties in array order): a
+    ``(source, destination)`` array whose coordinates are node labels, or one edge dimension with ``source`` and
+    ``destination`` coordinates. NaN and zero weights are not edges; ``threshold`` keeps ``|weight| >= threshold``, ``top_k``
     the ``top_k`` largest (None: all). Other dimensions (sweep keys) are averaged."""
     da = _score(score) if isinstance(score, xr.Dataset) else score
     if da is None:
         raise ValueError("this dataset has no `score` variable")
-    edges: list[Edge] = []
     if {"source", "destination"} <= set(da.dims):
         extra = [d for d in da.dims if d not in ("source", "destination")]
         da = (da.mean(extra) if extra else da).transpose("source", "destination")
-        src, dst = [str(s) for s in da["source"].values], [str(d) for d in da["destination"].values]
         vals = da.values.astype(float)
-        for i, j in zip(*np.nonzero(np.isfinite(vals) & (vals != 0)), strict=True):
-            edges.append(Edge(src[i], dst[j], float(vals[i, j])))
+        rows, cols = np.nonzero(np.isfinite(vals) & (vals != 0))
+        weights = vals[rows, cols]
+        src, dst = da["source"].values[rows], da["destination"].values[cols]
     else:
         if not {"source", "destination"} <= set(da.coords):
             raise ValueError("edge scores need dimensions (source, destination), or source and destination "
@@ -222,13 +221,15 @@ def circuit_edges(score: xr.DataArray | xr.Dataset, *, top_k: int | None = 30,
         dim = da["source"].dims[0]
         extra = [d for d in da.dims if d != dim]
         da = da.mean(extra) if extra else da
-        for s, d, v in zip(da["source"].values, da["destination"].values, da.values.astype(float), strict=True):
-            if math.isfinite(v) and v != 0:
-                edges.append(Edge(str(s), str(d), float(v)))
-    edges.sort(key=lambda e: (-abs(e.weight), e.source, e.destination))
+        vals = da.values.astype(float)
+        keep = np.nonzero(np.isfinite(vals) & (vals != 0))[0]
+        weights, src, dst = vals[keep], da["source"].values[keep], da["destination"].values[keep]
+    order = np.argsort(-np.abs(weights), kind="stable")
     if threshold is not None:
-        edges = [e for e in edges if abs(e.weight) >= threshold]
-    return edges[:top_k] if top_k is not None else edges
+        order = order[np.abs(weights[order]) >= threshold]
+    if top_k is not None:
+        order = order[:top_k]
+    return [Edge(str(src[i]), str(dst[i]), float(weights[i])) for i in order]
 
 
 def _row(node: Node) -> tuple[float, int]:
