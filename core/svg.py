@@ -189,7 +189,8 @@ def grid_svg(values: np.ndarray, rows: Sequence[str], cols: Sequence[str], *, ti
     """A (row x column) heatmap on :func:`color`'s scale with text labels as inline SVG; each cell carries
     ``data-row`` / ``data-col`` (the labels), ``data-value`` and a ``<title>``.
 
-    ``values`` is ``(len(rows), len(cols))``; columns are labelled below (every k-th when there are many).
+    ``values`` is ``(len(rows), len(cols))``. Columns are labelled below, every one up to 64 columns (every
+    k-th beyond), slanted when a label is longer than two characters.
     """
     arr = np.asarray(values, dtype=float).reshape(len(rows), len(cols))
     lo, hi = finite_range(arr)
@@ -197,8 +198,10 @@ def grid_svg(values: np.ndarray, rows: Sequence[str], cols: Sequence[str], *, ti
     vmax = hi if vmax is None else vmax
     left, top = row_width, 22 if title else 8
     n_rows, n_cols = arr.shape
-    width = max(left + n_cols * cell + 70, left + 7 * len(title) + 8)
-    height = top + n_rows * cell + 22
+    slant = any(len(str(c)) > 2 for c in cols)
+    longest = max((len(str(c)) for c in cols), default=1)
+    width = max(left + n_cols * cell + 90, left + 7 * len(title) + 8)
+    height = top + n_rows * cell + (14 + int(5.5 * min(longest, 16)) if slant else 22)
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="grid" width="{width}" height="{height}" '
              f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="10">']
     if title:
@@ -213,11 +216,15 @@ def grid_svg(values: np.ndarray, rows: Sequence[str], cols: Sequence[str], *, ti
                          f'fill="{color(v, vmin, vmax)}" data-row="{escape(str(row))}" data-col="{escape(str(col))}" '
                          f'data-value="{label}"><title>{escape(str(row))}, {escape(str(col))}: {label}</title></rect>')
     base = top + n_rows * cell + 12
-    step = max(1, math.ceil(n_cols / 16))
+    step = 1 if n_cols <= 64 else math.ceil(n_cols / 64)
     for j, col in enumerate(cols):
         if j % step == 0:
-            parts.append(f'<text x="{left + j * cell + cell / 2:.1f}" y="{base}" '
-                         f'text-anchor="middle">{escape(str(col))}</text>')
+            x = left + j * cell + cell / 2
+            if slant:
+                parts.append(f'<text x="{x:.1f}" y="{base - 4}" text-anchor="end" '
+                             f'transform="rotate(-60 {x:.1f} {base - 4})">{escape(str(col))}</text>')
+            else:
+                parts.append(f'<text x="{x:.1f}" y="{base}" text-anchor="middle">{escape(str(col))}</text>')
     parts.extend(colour_bar_svg(left + n_cols * cell + 14, top, max(n_rows * cell, 40), vmin, vmax))
     parts.append("</svg>")
     return "".join(parts)
