@@ -40,16 +40,20 @@ from .results import Run, open_run
 from .svg import (
     NAN_COLOR,
     PALETTE,
+    SIGN_COLORS,
+    bar_chart_svg,
     color,
     colour_bar_svg,
     finite_range,
+    grid_svg,
     heatmap_svg,
     line_plot_svg,
+    sign_color,
     text_color,
 )
 
-__all__ = ["CSS", "NAN_COLOR", "PALETTE", "color", "colour_bar_svg", "heatmap_svg", "line_plot_svg", "render_report",
-           "text_color", "write_report"]
+__all__ = ["CSS", "NAN_COLOR", "PALETTE", "SIGN_COLORS", "bar_chart_svg", "color", "colour_bar_svg", "grid_svg",
+           "heatmap_svg", "line_plot_svg", "render_report", "sign_color", "text_color", "write_report"]
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[Any]], cls: str = "") -> str:
