@@ -4,7 +4,9 @@
 spec, a (layer x head) heatmap of every detect step's scores (averaged over sweep cells, and one per
 cell when there is a sweep), top-head tables, metric tables per sweep cell, line plots of metrics and
 top-head scores against numeric sweep keys, sample generations, per-task metrics with sample records
-(``evaluate`` steps), and, for steps on examples with images that stored a preview
+(``evaluate`` steps), the circuit analyses (:mod:`headlab.circuit_view`: patching maps with the top heads'
+scores per token, direct logit attribution as signed bars, edge attribution as a graph of the circuit), and,
+for steps on examples with images that stored a preview
 (:func:`headlab.image_attention.attention_preview`), the first image with the top heads' attention over its patches. Everything is inline (CSS and
 SVG); the file loads nothing from the network and needs no JavaScript.
 
@@ -25,21 +27,33 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
+from .circuit_view import (
+    circuit_edges,
+    circuit_graph_svg,
+    circuit_kind,
+    dla_bars_svg,
+    head_map,
+    position_grid_svg,
+)
 from .image_attention import PREVIEW_ATTENTION, image_attention_svg, preview_of
 from .results import Run, open_run
 from .svg import (
     NAN_COLOR,
     PALETTE,
+    SIGN_COLORS,
+    bar_chart_svg,
     color,
     colour_bar_svg,
     finite_range,
+    grid_svg,
     heatmap_svg,
     line_plot_svg,
+    sign_color,
     text_color,
 )
 
-__all__ = ["CSS", "NAN_COLOR", "PALETTE", "color", "colour_bar_svg", "heatmap_svg", "line_plot_svg", "render_report",
-           "text_color", "write_report"]
+__all__ = ["CSS", "NAN_COLOR", "PALETTE", "SIGN_COLORS", "bar_chart_svg", "color", "colour_bar_svg", "grid_svg",
+           "heatmap_svg", "line_plot_svg", "render_report", "sign_color", "text_color", "write_report"]
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[Any]], cls: str = "") -> str:
@@ -229,6 +243,97 @@ def _values_section(step: str, ds: xr.Dataset) -> str:
     return "".join(out)
 
 
+def _mean_over_sweep(run: Run, da: xr.DataArray) -> xr.DataArray:
+    dims = _sweep_dims(run, da)
+    return da.mean(dims) if dims else da
+
+
+def _step_header(step: str, ds: xr.Dataset, cls: str) -> str:
+    return (f'<section class="step {cls}" id="step-{escape(step)}"><h2>{escape(step)}: detect '
+            f'<code>{escape(str(ds.attrs.get("method", "")))}</code></h2>')
+
+
+def _attrs_table(ds: xr.Dataset, keys: Sequence[str]) -> str:
+    rows = [[k, ds.attrs[k] if isinstance(ds.attrs[k], float) else str(ds.attrs[k])] for k in keys if k in ds.attrs]
+    return _table(["", ""], rows, "meta") if rows else ""
+
+
+def _patching_section(run: Run, step: str, ds: xr.Dataset) -> str:
+    """An activation or attribution patching result: the (layer x head) map (a per-token score reduced to
+    its peak), the top heads, their scores per token, the unpatched metrics and the comparison with exact
+    patching when AtP stored one."""
+    from .heads import ranked
+
+    score = _mean_over_sweep(run, ds["score"])
+    by_token = "token" in score.dims
+    kv = "kv_head" in score.dims
+    hm = head_map(score)
+    if kv:
+        hm = hm.rename(kv_head="head")
+    what = "key/value head" if kv else "head"
+    title = "score per " + what + (" (the per-token score of largest magnitude)" if by_token else "")
+    if _sweep_dims(run, ds["score"]):
+        title += ", mean over sweep cells"
+    top = ranked(hm)[:10]
+    out = [_step_header(step, ds, "detect patching")]
+    out.append('<div class="row">' + heatmap_svg(hm, title=title, highlight=[h for h, _ in top[:5]]))
+    out.append(_table(["rank", "layer", what, "score"], [[i, h[0], h[1], v] for i, (h, v) in enumerate(top, 1)],
+                      "top") + "</div>")
+    if by_token:
+        strongest = sorted(np.ndindex(hm.shape), key=lambda lh: (-abs(np.nan_to_num(hm.values[lh])), lh))[:8]
+        out.append("<h3>the strongest heads per token (token 0: the prompt's first)</h3>"
+                   + position_grid_svg(score, [(int(a), int(b)) for a, b in strongest], title="score per token"))
+    metrics = [[f"{name} (mean over examples)", float(_mean_over_sweep(run, ds[name]).mean())]
+               for name in ("clean", "corrupt") if name in ds]
+    out.append('<div class="row">' + (_table(["metric", "value"], metrics, "metrics") if metrics else "")
+               + _attrs_table(ds, ["metric", "direction", "unit", "normalise", "convention", "estimator",
+                                   "reference_step", "spearman", "top_k", "top_k_recall"]) + "</div>")
+    out.append("</section>")
+    return "".join(out)
+
+
+def _dla_section(run: Run, step: str, ds: xr.Dataset) -> str:
+    """A direct logit attribution result: the (layer x head) map and the heads, the rest and the total as
+    signed bars."""
+    from .heads import ranked
+
+    score = _mean_over_sweep(run, ds["score"])
+    top = ranked(score)[:10]
+    mean = ds.assign(score=score)
+    for name in ("rest", "logit_diff"):
+        if name in ds:
+            mean[name] = _mean_over_sweep(run, ds[name])
+    out = [_step_header(step, ds, "detect dla")]
+    out.append('<div class="row">' + heatmap_svg(score, title="direct effect per head (mean over examples)",
+                                                 highlight=[h for h, _ in top[:5]]))
+    out.append(_table(["rank", "layer", "head", "score"], [[i, h[0], h[1], v] for i, (h, v) in enumerate(top, 1)],
+                      "top") + "</div>")
+    out.append(dla_bars_svg(mean))
+    out.append("</section>")
+    return "".join(out)
+
+
+def _edges_section(run: Run, step: str, ds: xr.Dataset, top_k: int = 30) -> str:
+    """An edge attribution result: the ``top_k`` edges as a circuit graph and a table, and the faithfulness."""
+    score = _mean_over_sweep(run, ds["score"])
+    edges = circuit_edges(score, top_k=top_k)
+    out = [_step_header(step, ds, "detect edges")]
+    out.append('<div class="row">' + circuit_graph_svg(edges, title=f"the {len(edges)} edges of largest |score|"))
+    out.append(_table(["rank", "source", "destination", "score"],
+                      [[i, e.source, e.destination, e.weight] for i, e in enumerate(edges, 1)], "edges") + "</div>")
+    values = []
+    for name in ("faithfulness",):
+        if name in ds and ds[name].dtype.kind in "fiu":
+            da = _mean_over_sweep(run, ds[name])
+            values.append([name, float(da.mean()) if da.ndim else float(da)])
+        elif isinstance(ds.attrs.get(name), (int, float)):
+            values.append([name, float(ds.attrs[name])])
+    out.append('<div class="row">' + (_table(["", ""], values, "metrics") if values else "")
+               + _attrs_table(ds, ["metric", "method", "estimator", "steps", "top_k", "threshold"]) + "</div>")
+    out.append("</section>")
+    return "".join(out)
+
+
 def _image_figure(run: Run, ds: xr.Dataset, n_heads: int = 3) -> str:
     """The stored image preview of a step (first example, first sweep cell) with the attention of its top
     heads over the patches: by the step's score for a detect step, else by the attention mass on the image."""
@@ -291,8 +396,12 @@ def render_report(run: Run | str | Path, *, n_examples: int = 8) -> str:
                      + "</p>")
     else:
         parts.append("<p>No finished cells yet.</p>")
+    circuits = {"patching": _patching_section, "dla": _dla_section, "edges": _edges_section}
     for step, ds in results.items():
-        if "score" in ds and {"layer", "head"} <= set(ds["score"].dims):
+        kind = circuit_kind(ds)
+        if kind is not None:
+            section = circuits[kind](run, step, ds)
+        elif "score" in ds and {"layer", "head"} <= set(ds["score"].dims):
             section = _detect_section(run, step, ds)
         elif "output" in ds and ds.attrs.get("action", "generate") == "generate":
             section = _generate_section(run, step, ds, n_examples)

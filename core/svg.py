@@ -1,5 +1,6 @@
 """Inline SVG figures on one colour scale: the viridis palette (:func:`color`), a colour bar, a
-(layer x head) heatmap and a line plot.
+(layer x head) heatmap, a labelled grid (:func:`grid_svg`), a line plot, and a bar chart of signed values
+(:func:`bar_chart_svg`, coloured by sign: :data:`SIGN_COLORS`).
 
 A leaf: it imports nothing of headlab, so the static reports (:mod:`headlab.report`), the pictures of
 attention over images (:mod:`headlab.image_attention`) and the notebook widgets draw with the same
@@ -17,8 +18,8 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
-__all__ = ["NAN_COLOR", "PALETTE", "color", "colour_bar_svg", "finite_range", "heatmap_svg", "line_plot_svg",
-           "text_color"]
+__all__ = ["NAN_COLOR", "PALETTE", "SIGN_COLORS", "bar_chart_svg", "color", "colour_bar_svg", "finite_range",
+           "grid_svg", "heatmap_svg", "line_plot_svg", "sign_color", "text_color"]
 
 # viridis at 9 stops (matplotlib's data, rounded): low -> high
 PALETTE: tuple[tuple[int, int, int], ...] = (
@@ -26,6 +27,8 @@ PALETTE: tuple[tuple[int, int, int], ...] = (
     (39, 173, 129), (92, 200, 99), (170, 220, 50), (253, 231, 37),
 )
 NAN_COLOR = "#dddddd"
+#: the colours of positive and negative values where the sign is what matters (bars, circuit edges)
+SIGN_COLORS = {"positive": "#2166ac", "negative": "#b2182b"}
 
 
 def color(value: float | None, vmin: float = 0.0, vmax: float = 1.0) -> str:
@@ -39,6 +42,17 @@ def color(value: float | None, vmin: float = 0.0, vmax: float = 1.0) -> str:
     a, b = PALETTE[i], PALETTE[i + 1]
     rgb = [round(a[k] + (b[k] - a[k]) * f) for k in range(3)]
     return "#{:02x}{:02x}{:02x}".format(*rgb)
+
+
+def sign_color(value: float) -> str:
+    """:data:`SIGN_COLORS`' colour of ``value``'s sign (zero counts as positive; grey for NaN)."""
+    if not math.isfinite(float(value)):
+        return NAN_COLOR
+    return SIGN_COLORS["negative"] if value < 0 else SIGN_COLORS["positive"]
+
+
+def _fmt(v: float) -> str:
+    return "nan" if not math.isfinite(v) else f"{v:.4g}"
 
 
 def text_color(background: str) -> str:
@@ -166,5 +180,99 @@ def line_plot_svg(xs: Sequence[Any], series: Mapping[str, Sequence[float]], *, x
         ly = height + 4 + 16 * k
         parts.append(f'<line x1="{ml}" x2="{ml + 18}" y1="{ly}" y2="{ly}" stroke="{c}" stroke-width="2"/>')
         parts.append(f'<text x="{ml + 24}" y="{ly + 3}">{escape(name)}</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def grid_svg(values: np.ndarray, rows: Sequence[str], cols: Sequence[str], *, title: str = "", cell: int = 18,
+             vmin: float | None = None, vmax: float | None = None, row_width: int = 46) -> str:
+    """A (row x column) heatmap on :func:`color`'s scale with text labels as inline SVG; each cell carries
+    ``data-row`` / ``data-col`` (the labels), ``data-value`` and a ``<title>``.
+
+    ``values`` is ``(len(rows), len(cols))``. Columns are labelled below, every one up to 64 columns (every
+    k-th beyond), slanted when a label is longer than two characters.
+    """
+    arr = np.asarray(values, dtype=float).reshape(len(rows), len(cols))
+    lo, hi = finite_range(arr)
+    vmin = lo if vmin is None else vmin
+    vmax = hi if vmax is None else vmax
+    left, top = row_width, 22 if title else 8
+    n_rows, n_cols = arr.shape
+    slant = any(len(str(c)) > 2 for c in cols)
+    longest = max((len(str(c)) for c in cols), default=1)
+    width = max(left + n_cols * cell + 90, left + 7 * len(title) + 8)
+    height = top + n_rows * cell + (14 + int(5.5 * min(longest, 16)) if slant else 22)
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="grid" width="{width}" height="{height}" '
+             f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="10">']
+    if title:
+        parts.append(f'<text x="{left}" y="13" font-size="12" font-weight="bold">{escape(title)}</text>')
+    for i, row in enumerate(rows):
+        y = top + i * cell
+        parts.append(f'<text x="{left - 4}" y="{y + cell * 0.7:.1f}" text-anchor="end">{escape(str(row))}</text>')
+        for j, col in enumerate(cols):
+            v = float(arr[i, j])
+            label = _fmt(v)
+            parts.append(f'<rect x="{left + j * cell}" y="{y}" width="{cell - 1}" height="{cell - 1}" '
+                         f'fill="{color(v, vmin, vmax)}" data-row="{escape(str(row))}" data-col="{escape(str(col))}" '
+                         f'data-value="{label}"><title>{escape(str(row))}, {escape(str(col))}: {label}</title></rect>')
+    base = top + n_rows * cell + 12
+    step = 1 if n_cols <= 64 else math.ceil(n_cols / 64)
+    for j, col in enumerate(cols):
+        if j % step == 0:
+            x = left + j * cell + cell / 2
+            if slant:
+                parts.append(f'<text x="{x:.1f}" y="{base - 4}" text-anchor="end" '
+                             f'transform="rotate(-60 {x:.1f} {base - 4})">{escape(str(col))}</text>')
+            else:
+                parts.append(f'<text x="{x:.1f}" y="{base}" text-anchor="middle">{escape(str(col))}</text>')
+    parts.extend(colour_bar_svg(left + n_cols * cell + 14, top, max(n_rows * cell, 40), vmin, vmax))
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def bar_chart_svg(labels: Sequence[str], values: Sequence[float], *, title: str = "", xlabel: str = "",
+                  width: int = 420, bar: int = 14, label_width: int = 90) -> str:
+    """Horizontal bars of signed values from a zero line as inline SVG, one per label in the given order,
+    coloured by sign (:func:`sign_color`); each bar carries ``data-label`` and ``data-value`` and a
+    ``<title>``, and its value is written beside it. NaN values get no bar."""
+    vals = [float(v) for v in values]
+    finite = [v for v in vals if math.isfinite(v)]
+    lo, hi = min([0.0, *finite]), max([0.0, *finite])
+    if hi == lo:
+        hi = lo + 1.0
+    top = 22 if title else 8
+    plot_left, plot_width = label_width, width - label_width - 50
+    height = top + len(vals) * bar + (30 if xlabel else 16)
+
+    def sx(v: float) -> float:
+        return plot_left + (v - lo) / (hi - lo) * plot_width
+
+    zero = sx(0.0)
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="bars" width="{width}" height="{height}" '
+             f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="10">']
+    if title:
+        parts.append(f'<text x="4" y="13" font-size="12" font-weight="bold">{escape(title)}</text>')
+    for i, (name, v) in enumerate(zip(labels, vals, strict=True)):
+        y = top + i * bar
+        text = escape(str(name))
+        parts.append(f'<text x="{plot_left - 4}" y="{y + bar * 0.75:.1f}" text-anchor="end">{text}</text>')
+        if not math.isfinite(v):
+            parts.append(f'<text x="{zero + 3:.1f}" y="{y + bar * 0.75:.1f}" fill="#888">nan</text>')
+            continue
+        x0, x1 = sorted((zero, sx(v)))
+        parts.append(f'<rect x="{x0:.1f}" y="{y + 1}" width="{max(x1 - x0, 0.5):.1f}" height="{bar - 2}" '
+                     f'fill="{sign_color(v)}" data-label="{text}" data-value="{_fmt(v)}">'
+                     f'<title>{text}: {_fmt(v)}</title></rect>')
+        anchor, tx = ("start", x1 + 3) if v >= 0 else ("end", x0 - 3)
+        if v < 0 and tx < plot_left + 24:  # no room left of the bar: write the value right of zero
+            anchor, tx = "start", zero + 3
+        parts.append(f'<text x="{tx:.1f}" y="{y + bar * 0.75:.1f}" text-anchor="{anchor}">{_fmt(v)}</text>')
+    bottom = top + len(vals) * bar
+    parts.append(f'<line x1="{zero:.1f}" x2="{zero:.1f}" y1="{top}" y2="{bottom}" stroke="#555"/>')
+    parts.append(f'<text x="{plot_left}" y="{bottom + 11}">{lo:.3g}</text>')
+    parts.append(f'<text x="{plot_left + plot_width}" y="{bottom + 11}" text-anchor="end">{hi:.3g}</text>')
+    if xlabel:
+        parts.append(f'<text x="{plot_left + plot_width / 2:.1f}" y="{bottom + 24}" '
+                     f'text-anchor="middle">{escape(xlabel)}</text>')
     parts.append("</svg>")
     return "".join(parts)

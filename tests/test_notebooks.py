@@ -28,7 +28,7 @@ def embedded_model_available() -> bool:
 def test_every_notebook_is_listed_and_clean():
     names = {p.name for p in NOTEBOOKS}
     assert {"quickstart.ipynb", "writing_a_plugin.ipynb", "retrieval_heads.ipynb", "pasta_steering.ipynb",
-            "decoding.ipynb", "evaluation.ipynb"} <= names
+            "decoding.ipynb", "evaluation.ipynb", "circuits.ipynb"} <= names
     for path in NOTEBOOKS:
         nb = nbformat.read(path, as_version=4)
         nbformat.validate(nb)

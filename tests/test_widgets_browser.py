@@ -323,3 +323,48 @@ def test_image_attention_view_click_shows_the_patch_value(tmp_path, monkeypatch)
         panel.scroll_into_view_if_needed()
         page.screenshot(path=str(artifacts / "browser-image-attention.png"))
     assert not outside, f"requests left localhost: {outside[:5]}"
+
+
+PATCHING_CELLS = [
+    """import numpy as np
+import xarray as xr
+
+from headlab.widgets import PatchingMap
+
+score = np.zeros((2, 3, 4))
+score[0, 1] = [0.0, 0.1, 0.6, 0.2]
+score[1, 2] = [0.0, 0.3, 0.1, -0.8]
+ds = xr.Dataset({"score": (("layer", "head", "token"), score), "clean": (("example",), [2.0]),
+                 "corrupt": (("example",), [-1.0])}, attrs={"method": "activation_patching"})""",
+    'view = PatchingMap(ds, tokens=["<bos>", "a", "b", ":"])\nview',
+]
+
+
+def test_patching_map_click_shows_scores_per_token(tmp_path):
+    """PatchingMap in JupyterLab: a click on a head's cell goes through the kernel and comes back as that
+    head's scores per token under the map (values of the dataset written in the notebook)."""
+    nbformat = pytest.importorskip("nbformat")
+    work = tmp_path / "lab"
+    work.mkdir()
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in PATCHING_CELLS], metadata={
+        "kernelspec": {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}})
+    nbformat.write(nb, work / "patching.ipynb")
+    artifacts = Path(os.environ.get("HEADLAB_ARTIFACTS", tmp_path))
+    artifacts.mkdir(parents=True, exist_ok=True)
+    with _jupyterlab(tmp_path, work, "headlab-tiny") as (url, token, _), _browser(tmp_path, url) as (page, outside):
+        _run_notebook(page, url, token, "patching.ipynb", tmp_path)
+        _wait(page, "() => document.querySelectorAll('.headlab-patching .hl-cell').length === 6", 60,
+              "the patching map", tmp_path)
+        root = page.locator(".headlab-patching").first
+        assert "Click a head" in root.locator(".headlab-patching-tokens").text_content()
+        cell = root.locator('.hl-cell[data-layer="1"][data-head="2"]')
+        assert cell.get_attribute("data-value") == "-0.8000"  # the peak over tokens
+        cell.click()
+        _wait(page, """() => document.querySelectorAll('.headlab-patching-tokens rect[data-row="L1H2"]').length === 4""",
+              30, "the click to reach the kernel and the panel to come back", tmp_path)
+        values = page.evaluate("""() => [...document.querySelectorAll('.headlab-patching-tokens rect[data-row]')]
+            .map(r => [r.dataset.col, r.dataset.value])""")
+        assert values == [["<bos>", "0"], ["a", "0.3"], ["b", "0.1"], [":", "-0.8"]]
+        root.scroll_into_view_if_needed()
+        page.screenshot(path=str(artifacts / "browser-patching.png"))
+    assert not outside, f"requests left localhost: {outside[:5]}"

@@ -8,6 +8,8 @@
 - :class:`ImagePatchView`: an image with one value per patch as a heatmap (hover/click for values).
 - :class:`SpecRunner`: edit/load a spec, validate with inline errors, run with live progress,
   cancel into a resumable run, result tables.
+- :class:`PatchingMap`, :class:`DLABars`, :class:`CircuitGraph`: circuit analyses (patching per head and, on
+  a click, per token; direct logit attribution as signed bars; an edge attribution's circuit as a graph).
 - :class:`RunBrowser` / :class:`Compare`: runs of a store, metric tables across sweep cells and runs,
   generations side by side with differences highlighted.
 
@@ -33,12 +35,14 @@ from .browser import (
     side_by_side,
     top_heads_table,
 )
+from .circuits import CircuitGraph, DLABars, PatchingMap
 from .headmap import HeadMap, as_head_scores, spec_fragment
 from .image import ImagePatchView
 from .runner import SpecRunner, WidgetReporter, error_html
 
 __all__ = [
-    "AttentionView", "Compare", "HeadMap", "ImagePatchView", "RunBrowser", "SpecRunner", "TokenView", "WidgetReporter",
+    "AttentionView", "CircuitGraph", "Compare", "DLABars", "HeadMap", "ImagePatchView", "PatchingMap", "RunBrowser",
+    "SpecRunner", "TokenView", "WidgetReporter",
     "as_head_scores", "diff_html", "error_html", "generation_table", "generations_html", "metric_table",
     "side_by_side", "spec_fragment", "top_heads_table",
 ]
