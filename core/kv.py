@@ -423,7 +423,7 @@ class HeadwiseLayer(CacheLayerMixin):
         self.min_pad = self.max_pad = 0
         self.slot_keys = self.slot_values = self.slot_pos = None
         self.pending: SplitCall | None = None
-        self.attention_path: str | None = None
+        self.attention_paths: set[str] = set()  # how the attention read this layer (kv_split records it)
 
     # the two parts of the bounded group, as views of its slots
     @property
@@ -741,8 +741,8 @@ class KvUsage:
             held, full = _layer_bytes(layer)
             self.layer_bytes[i] += held
             self.layer_full_bytes[i] += full
-            if isinstance(layer, HeadwiseLayer) and layer.attention_path is not None:
-                self.paths.add(layer.attention_path)
+            if isinstance(layer, HeadwiseLayer):
+                self.paths |= layer.attention_paths
 
     def _track(self, cache: Any) -> None:
         if cache is not self._current:

@@ -14,7 +14,7 @@ When a layer's cache update left a :class:`headlab.kv.SplitCall` (the layer has 
 
 Both groups run through :func:`headlab.kernels.attention`; :func:`headlab.kernels.choose_backend` picks the
 path of each group (SDPA when no edit needs the kernels, else the torch path, or Triton on CUDA, which takes
-the same boolean mask), and the path is recorded on the cache layer (``attention_path``) and in the
+the same boolean mask), and the path is recorded on the cache layer (``attention_paths``) and in the
 session's backends. Edits that act per head (query scales, output scales, score zeroing) and head output
 replacements apply; key-span biases, probes, layer callbacks and key/value replacements speak key positions
 of a full cache and are refused on such a layer.
@@ -31,6 +31,7 @@ from headlab.kernels import HeadEdits, choose_backend
 from headlab.kernels import attention as kernel_attention
 from headlab.kv import KvPolicyError, SplitCall
 
+from .layers import REFUSED_KWARGS, UnsupportedModelError
 from .masks import kernel_mask_args
 from .plan import ReplaceKV
 from .session import Session
@@ -62,6 +63,9 @@ def split_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: 
                     session: Session | None, layer: int | None) -> Tensor:
     """One attention call over a split cache: query (B, H, Nq, D), the full group's key/value (B, n_full,
     Nk, D) as the cache update returned them -> (B, H, Nq, D) head outputs."""
+    for name in REFUSED_KWARGS:
+        if kwargs.get(name) is not None:
+            raise UnsupportedModelError(f"headlab: attention with `{name}` ({type(module).__name__}) is not supported")
     cache = split.layer
     B, H, Nq, D = query.shape
     group = H // cache.n_kv_heads
@@ -97,7 +101,7 @@ def split_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: 
     out[:, cq] = _bounded(query.index_select(1, cq), split, scale, softcap, sub, backend, model_window)
     how = "sinks + ring buffer" if Nq == 1 else "sinks + window by query blocks"
     paths.append(f"compressed group: {backend} ({reason}; {how})")
-    cache.attention_path = "split cache; " + "; ".join(paths)
+    cache.attention_paths.add("; ".join(paths))
     if session is not None and layer is not None:
         session.rec.backends[layer] = (backend, "kv split cache: " + "; ".join(paths))
         if plan is not None:
