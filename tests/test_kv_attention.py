@@ -6,6 +6,8 @@ one; the cache holds the expected keys, and its bytes the formula."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -86,8 +88,6 @@ def _positions(mask: torch.Tensor) -> torch.Tensor:
 def _decode(model, ids, mask, steps: int, head_map: HeadMap | None):
     """Greedy decoding with a KV cache (under ``head_map`` when given): logits of the prompt, the logits of
     every step, the tokens, and the final cache."""
-    import contextlib
-
     ctx = kv_policy(model, head_map) if head_map is not None else contextlib.nullcontext()
     with torch.no_grad(), ctx as usage:
         out = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=True)
@@ -245,3 +245,47 @@ def test_refusals():
         plain = ours(input_ids=ids, attention_mask=mask, use_cache=True).cache
         with kv_policy(ours, _map(FULL, 1, 2)):
             ours(input_ids=ids[:, -1:], attention_mask=torch.cat([mask, mask[:, :1]], 1), cache=plain)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_per_head_edits_on_the_kernel_paths(backend):
+    """A plan's per-head edits apply on both groups; the torch and Triton kernels (interpreted on a CPU) read
+    the split cache and agree with SDPA's result of the same edits, and the path is recorded."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    from headlab.instrument import OutputScale, Plan, QueryScale, instrument
+
+    ours, _ = _models("llama")
+    ids, mask = _batch([9, 6])
+    head_map = _map(FULL, 2, 3)
+    edits = [OutputScale(heads=[(0, 1), (0, 2), (1, 4)], factor=0.5), QueryScale(heads=[(0, 0), (1, 5)], factor=0.0)]
+
+    def run(requested: str | None):
+        plan = Plan(edits=edits, backend=requested) if requested else None
+        with torch.no_grad(), kv_policy(ours, head_map) as usage:
+            ctx = instrument(ours, plan) if plan is not None else contextlib.nullcontext()
+            with ctx as rec:
+                out = ours(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=True)
+                mask2 = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+                nxt = ours(input_ids=out.logits[:, -1:].argmax(-1), attention_mask=mask2, cache=out.cache,
+                           position_ids=_positions(mask2)[:, -1:], use_cache=True)
+        return torch.cat([out.logits, nxt.logits], 1), rec, usage
+
+    base, _, _ = run(None)
+    sdpa, _, _ = run("auto")
+    got, rec, usage = run(backend)
+    torch.testing.assert_close(got[:, -1], sdpa[:, -1], rtol=0, atol=1e-5)
+    torch.testing.assert_close(_real(got[:, :-1], mask), _real(sdpa[:, :-1], mask), rtol=0, atol=1e-5)
+    assert (got - base).abs().max() > 1e-3  # the edits changed the outputs
+    assert rec.backends[0][0] == backend and "kv split cache" in rec.backends[0][1]
+    assert any(f"compressed group: {backend}" in p for p in usage.paths)
+
+
+def test_key_span_biases_and_probes_are_refused():
+    from headlab.instrument import Plan, Probes, instrument
+
+    ours, _ = _models("llama")
+    ids, mask = _batch([5, 5])
+    with pytest.raises(KvPolicyError, match="attention probes cannot run"), torch.no_grad(), \
+            kv_policy(ours, _map(FULL, 1, 2)), instrument(ours, Plan(probes=Probes(argmax=True))):
+        ours(input_ids=ids, attention_mask=mask)
