@@ -17,8 +17,9 @@ config into a :class:`HeadMap`.
 (the full KV heads, every position) and a *bounded group* (the compressed KV heads: ``sink`` slots plus a
 ring buffer of ``window`` slots), batched with left padding: positions are counted in each row's own
 tokens, so the sinks of a left-padded row are its first real tokens. Its ``nbytes`` are the bytes of the
-keys and values it actually holds. An attention that reads each group over its own keys is not part of
-this module (docs/kv.md says what is wired).
+keys and values it actually holds. Its ``update`` leaves a :class:`SplitCall` that headlab's attention
+(:mod:`headlab.instrument.kv_split`) reads each group from; :func:`kv_policy` runs a model's forwards with
+such caches and measures them (:class:`KvUsage`).
 """
 
 from __future__ import annotations
@@ -634,9 +635,9 @@ class HeadwiseCache(Cache):
     ``pad`` gives each row's number of left-padding tokens (see :meth:`from_attention_mask`); positions are
     counted in each row's own tokens. ``update`` returns the full group's keys and values, identical to
     :class:`~transformers.DynamicCache`'s when the map is full; an attention reads the compressed group with
-    :meth:`compressed`. With compressed heads, transformers' own attention functions do not read the bounded
-    group: a model must run with an attention that attends each group over its own keys (not yet wired, see
-    docs/kv.md)."""
+    :meth:`compressed` (or the :class:`SplitCall` the update leaves). With compressed heads, transformers' own
+    attention functions do not read the bounded group: a model runs with headlab's attention, which attends
+    each group over its own keys (:func:`kv_policy` checks it)."""
 
     def __init__(self, head_map: HeadMap, pad: Sequence[int] | torch.Tensor | None = None) -> None:
         self.head_map = head_map
