@@ -272,13 +272,15 @@ def kv_heads(selection: Any, results: Mapping[str, xr.Dataset], geometry: Geomet
 class HeadMap:
     """What a KV policy keeps: ``kv_full`` (bool, ``(layer, kv_head)``) marks the KV heads that keep every
     token; every other KV head keeps its row's ``sink`` first tokens and ``window`` most recent tokens (the
-    window includes the current query's token). ``window`` is None only when every head is full. ``attrs``
-    describe the policy (stored with :meth:`to_dataarray`)."""
+    window includes the current query's token). ``window`` is None only when every head is full. With
+    ``compensate`` a compressed KV head also keeps one compensation token, the mean of the keys and values it
+    dropped (RazorAttention). ``attrs`` describe the policy (stored with :meth:`to_dataarray`)."""
 
     kv_full: xr.DataArray
     sink: int = 0
     window: int | None = None
     attrs: Mapping[str, Any] = field(default_factory=dict)
+    compensate: bool = False
 
     def __post_init__(self) -> None:
         if tuple(self.kv_full.dims) != ("layer", "kv_head"):
@@ -321,6 +323,8 @@ class HeadMap:
     def kept_tokens(self, length: int) -> xr.DataArray:
         """Tokens each KV head holds after a row of ``length`` tokens, ``(layer, kv_head)``."""
         bounded = length if self.window is None else min(length, self.sink + self.window)
+        if self.compensate and self.window is not None and length > self.sink + self.window:
+            bounded += 1  # the compensation token
         return _kv_array(np.where(self.kv_full.values, length, bounded).astype(np.int64), "kv_kept_tokens")
 
     def kept_fraction(self, length: int) -> float:
@@ -346,6 +350,8 @@ class HeadMap:
         out = self.kv_full.copy().rename("kv_full")
         attrs: dict[str, Any] = {k: v for k, v in self.attrs.items() if v is not None}
         attrs.update(sink=self.sink, full_kv_heads=self.n_full)
+        if self.compensate:
+            attrs["compensate"] = True
         if self.window is not None:
             attrs["window"] = self.window
         if length is not None:
@@ -404,13 +410,16 @@ class HeadwiseLayer(CacheLayerMixin):
     head_dim]``, every position including left padding, as :class:`~transformers.DynamicLayer` holds them)
     and the bounded group of the compressed KV heads: ``slot_keys``/``slot_values`` ``[batch, n_compressed,
     slots, head_dim]``, the first ``min(sink, longest row)`` slots the sinks and the others a ring of at most
-    ``window`` slots, with each slot's position in its row's own tokens in ``slot_pos`` (-1 while empty)."""
+    ``window`` slots, with each slot's position in its row's own tokens in ``slot_pos`` (-1 while empty).
+    With ``compensate``, ``comp_keys``/``comp_values`` ``[batch, n_compressed, 1, head_dim]`` (float32) are
+    the sums of the keys and values the bounded group dropped (own positions ``sink <= p < n - window``)."""
 
     is_compileable = False
     is_sliding = False
     is_croppable = False
 
-    def __init__(self, full: Sequence[bool], sink: int, window: int | None, pad: torch.Tensor | None = None) -> None:
+    def __init__(self, full: Sequence[bool], sink: int, window: int | None, pad: torch.Tensor | None = None, *,
+                 compensate: bool = False) -> None:
         super().__init__()
         self.full_heads = torch.tensor([i for i, f in enumerate(full) if f], dtype=torch.long)
         self.compressed_heads = torch.tensor([i for i, f in enumerate(full) if not f], dtype=torch.long)
@@ -423,6 +432,8 @@ class HeadwiseLayer(CacheLayerMixin):
         self.n_sink = 0
         self.min_pad = self.max_pad = 0
         self.slot_keys = self.slot_values = self.slot_pos = None
+        self.compensate = bool(compensate) and len(self.compressed_heads) > 0
+        self.comp_keys = self.comp_values = None
         self.pending: SplitCall | None = None
         self.attention_paths: set[str] = set()  # how the attention read this layer (kv_split records it)
 
@@ -480,6 +491,9 @@ class HeadwiseLayer(CacheLayerMixin):
         self.slot_keys = key_states.new_zeros((batch, n_comp, 0, dim))
         self.slot_values = value_states.new_zeros((batch, n_comp, 0, value_states.shape[-1]))
         self.slot_pos = torch.full((batch, 0), -1, dtype=torch.long, device=self.device)
+        if self.compensate:
+            self.comp_keys = key_states.new_zeros((batch, n_comp, 1, dim), dtype=torch.float32)
+            self.comp_values = value_states.new_zeros((batch, n_comp, 1, value_states.shape[-1]), dtype=torch.float32)
         self.n_sink = 0
         self.is_initialized = True
 
@@ -529,11 +543,20 @@ class HeadwiseLayer(CacheLayerMixin):
             pos = own[:, 0]
             slot = torch.where(pos < sink, pos, sink + (pos - sink) % window)
             index = slot.view(-1, 1, 1, 1)
+            if self.compensate:  # the ring slot's previous token leaves the window: into the sums
+                evicted = (self.slot_pos.gather(1, slot[:, None]) >= sink).view(-1, 1, 1, 1)
+                for total, buf in ((self.comp_keys, self.slot_keys), (self.comp_values, self.slot_values)):
+                    old = buf.gather(2, index.expand(-1, buf.shape[1], 1, buf.shape[3]))
+                    total.add_(torch.where(evicted, old.float(), torch.zeros((), device=old.device)))
             self.slot_keys.scatter_(2, index.expand(-1, keys.shape[1], 1, keys.shape[3]), keys)
             self.slot_values.scatter_(2, index.expand(-1, values.shape[1], 1, values.shape[3]), values)
             self.slot_pos.scatter_(1, slot[:, None], pos[:, None])
             return
         count = self.seen + q - self.pad  # each row's real tokens after this update
+        if self.compensate:  # the chunk's tokens that are dropped at once
+            dropped = ((own >= sink) & (own < (count - window)[:, None]))[:, None, :, None]
+            self.comp_keys.add_((keys.float() * dropped).sum(2, keepdim=True))
+            self.comp_values.add_((values.float() * dropped).sum(2, keepdim=True))
         rows, cols = torch.nonzero((own >= 0) & (own < sink), as_tuple=True)
         if rows.numel():
             slots = own[rows, cols]
@@ -544,6 +567,11 @@ class HeadwiseLayer(CacheLayerMixin):
         if rows.numel():
             positions = own[rows, cols]
             slots = sink + (positions - sink) % window
+            if self.compensate:  # the tokens these slots held leave the window
+                evicted = (self.slot_pos[rows, slots] >= sink)[:, None, None]
+                for total, buf in ((self.comp_keys, self.slot_keys), (self.comp_values, self.slot_values)):
+                    old = torch.where(evicted, buf[rows, :, slots].float(), torch.zeros((), device=buf.device))
+                    total[:, :, 0].index_put_((rows,), old, accumulate=True)
             self.slot_keys[rows, :, slots] = keys[rows, :, cols]
             self.slot_values[rows, :, slots] = values[rows, :, cols]
             self.slot_pos[rows, slots] = positions
@@ -556,11 +584,23 @@ class HeadwiseLayer(CacheLayerMixin):
             raise KvPolicyError("the cache holds nothing yet")
         return self.slot_keys, self.slot_values, self.slot_pos
 
+    def compensation(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The compensation token of each row and compressed head: the mean key and value ``[batch,
+        n_compressed, 1, head_dim]`` (in the cache's dtype) of the tokens dropped so far, and their number per
+        row ``[batch]`` (0: nothing dropped, no token)."""
+        if not self.compensate or not self.is_initialized:
+            raise KvPolicyError("this layer keeps no compensation token")
+        count = (self.seen - self.pad - self.sink - self.window).clamp(min=0)
+        scale = 1.0 / count.clamp(min=1).to(torch.float32).view(-1, 1, 1, 1)
+        return ((self.comp_keys * scale).to(self.dtype), (self.comp_values * scale).to(self.dtype), count)
+
     def _tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.keys, self.values, self.slot_keys, self.slot_values) if t is not None]
+        return [t for t in (self.keys, self.values, self.slot_keys, self.slot_values, self.comp_keys,
+                            self.comp_values) if t is not None]
 
     def nbytes(self) -> int:
-        """Bytes of the keys and values this layer holds (both groups; the int64 slot positions excluded)."""
+        """Bytes of the keys and values this layer holds (both groups and the compensation sums; the int64 slot
+        positions excluded)."""
         return sum(t.numel() * t.element_size() for t in self._tensors())
 
     def full_nbytes(self) -> int:
@@ -585,6 +625,7 @@ class HeadwiseLayer(CacheLayerMixin):
     def reset(self) -> None:
         """Drop every stored token."""
         self.keys = self.values = self.slot_keys = self.slot_values = self.slot_pos = None
+        self.comp_keys = self.comp_values = None
         self.seen = self.n_sink = 0
         self.pending = None
         self.is_initialized = False
@@ -594,7 +635,7 @@ class HeadwiseLayer(CacheLayerMixin):
         raise KvPolicyError("a headwise KV cache cannot be cropped (its compressed heads dropped old tokens)")
 
     def _select_rows(self, pick: Any) -> None:
-        for name in ("keys", "values", "slot_keys", "slot_values", "slot_pos", "pad"):
+        for name in ("keys", "values", "slot_keys", "slot_values", "slot_pos", "comp_keys", "comp_values", "pad"):
             tensor = getattr(self, name)
             if isinstance(tensor, torch.Tensor):
                 setattr(self, name, pick(tensor))
@@ -645,7 +686,8 @@ class HeadwiseCache(Cache):
         if pad_t is not None and bool((pad_t < 0).any()):
             raise KvPolicyError("a padding length is negative")
         full = head_map.kv_full.transpose("layer", "kv_head").values
-        super().__init__(layers=[HeadwiseLayer(row.tolist(), head_map.sink, head_map.window, pad_t) for row in full])
+        super().__init__(layers=[HeadwiseLayer(row.tolist(), head_map.sink, head_map.window, pad_t,
+                                               compensate=head_map.compensate) for row in full])
 
     @classmethod
     def from_attention_mask(cls, head_map: HeadMap, attention_mask: torch.Tensor) -> HeadwiseCache:

@@ -18,6 +18,12 @@ the same boolean mask), and the path is recorded on the cache layer (``attention
 session's backends. Edits that act per head (query scales, output scales, score zeroing) and head output
 replacements apply; key-span biases, probes, layer callbacks and key/value replacements speak key positions
 of a full cache and are refused on such a layer.
+
+A map with ``compensate`` (the ``razor`` policy) adds one compensation token per compressed head: the mean
+key and value of the tokens the query no longer sees (own positions ``sink <= k <= q - window``). A decode
+step appends the layer's running mean (:meth:`headlab.kv.HeadwiseLayer.compensation`) to the bounded
+group; a prefill computes each query's own token exactly from prefix sums over the chunk, and attends in
+plain torch (one float32 softmax over the block's keys and that token, ``compensated`` in the path).
 """
 
 from __future__ import annotations
@@ -100,6 +106,8 @@ def split_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: 
     backend, reason = choose_backend(requested, edits=sub, softcap=softcap, device=query.device)
     out[:, cq] = _bounded(query.index_select(1, cq), split, scale, softcap, sub, backend, model_window)
     how = "sinks + ring buffer" if Nq == 1 else "sinks + window by query blocks"
+    if cache.compensate:
+        how += ", compensation token" + ("" if Nq == 1 else " (compensated prefill in torch)")
     paths.append(f"compressed group: {backend} ({reason}; {how})")
     cache.attention_paths.add("; ".join(paths))
     if session is not None and layer is not None:
@@ -141,7 +149,14 @@ def _bounded(q: Tensor, split: SplitCall, scale: float, softcap: float | None, e
     if Nq == 1:  # the bounded group after the update holds exactly the keys this query sees
         k, v, pos = layer.compressed()
         vis = _visible(own_q, pos, sink, window, model_window)
+        if layer.compensate:  # plus the compensation token, once a token was dropped
+            mk, mv, count = layer.compensation()
+            k, v = torch.cat([k, mk], 2), torch.cat([v, mv], 2)
+            vis = torch.cat([vis, (count > 0)[:, None, None]], -1)
         return _attend(q, k, v, vis, scale, softcap, edits, backend)
+    if layer.compensate and split.prior is not None:
+        raise KvPolicyError("razor: a chunk of several tokens after earlier ones (a chunked prefill) is not "
+                            "supported; prefill the prompt in one forward")
     ck, cv = split.chunk_keys, split.chunk_values
     sinks = torch.arange(sink, device=q.device)
     s_idx = sinks[None, :] + pad[:, None] - split.start  # chunk index of each own sink position (B, sink)
@@ -160,6 +175,7 @@ def _bounded(q: Tensor, split: SplitCall, scale: float, softcap: float | None, e
     while bq > 1 and B * Hq * bq * (fixed + bq + window) > _BLOCK_ELEMS:
         bq = (bq + 1) // 2
     out = q.new_empty(B, Hq, Nq, cv.shape[-1])
+    comp = _prefix_sums(split, own_q, sink) if layer.compensate else None
     for q0 in range(0, Nq, bq):
         q1 = min(Nq, q0 + bq)
         w0 = max(0, q0 - window + 1)
@@ -169,8 +185,69 @@ def _bounded(q: Tensor, split: SplitCall, scale: float, softcap: float | None, e
         v = torch.cat([*fixed_v, cv[:, :, w0:q1]], dim=2)
         pos = torch.cat([*fixed_pos, wpos], dim=1)
         vis = _visible(own_q[:, q0:q1], pos, sink, window, model_window)
-        out[:, :, q0:q1] = _attend(q[:, :, q0:q1], k, v, vis, scale, softcap, edits, backend)
+        if comp is None:
+            out[:, :, q0:q1] = _attend(q[:, :, q0:q1], k, v, vis, scale, softcap, edits, backend)
+        else:
+            mk, mv, count = _compensation(comp, own_q[:, q0:q1], q0, q1, sink, window)
+            out[:, :, q0:q1] = _attend_compensated(q[:, :, q0:q1], k, v, vis, mk, mv, count > 0, scale, softcap,
+                                                   edits)
     return out
+
+
+def _prefix_sums(split: SplitCall, own_q: Tensor, sink: int) -> tuple[Tensor, Tensor]:
+    """Prefix sums over the chunk of the keys and values a compensation token may fold (own positions
+    ``>= sink``; padding excluded): ``[B, Hc, Nq + 1, D]`` float32, entry ``i`` the sum over chunk indices
+    ``< i`` (the chunk is a row's first: nothing was dropped before it)."""
+    keep = (own_q >= sink)[:, None, :, None]
+    out = []
+    for t in (split.chunk_keys, split.chunk_values):
+        summed = torch.cumsum(t.float() * keep, dim=2)
+        out.append(torch.cat([summed.new_zeros(*summed.shape[:2], 1, summed.shape[3]), summed], dim=2))
+    return out[0], out[1]
+
+
+def _compensation(comp: tuple[Tensor, Tensor], own_q: Tensor, q0: int, q1: int, sink: int,
+                  window: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Per query of the block ``[q0, q1)``: the mean key and value (B, Hc, n, D) of the keys it no longer sees
+    (own positions ``sink <= k <= q - window``) and their number (B, n)."""
+    end = (torch.arange(q0, q1, device=own_q.device) - window + 1).clamp(min=0)  # chunk indices < end dropped
+    count = (own_q - window + 1 - sink).clamp(min=0)
+    scale = 1.0 / count.clamp(min=1).to(torch.float32)[:, None, :, None]
+    pk, pv = comp
+    return pk.index_select(2, end) * scale, pv.index_select(2, end) * scale, count
+
+
+def _attend_compensated(q: Tensor, k: Tensor, v: Tensor, vis: Tensor, mk: Tensor, mv: Tensor, has: Tensor,
+                        scale: float, softcap: float | None, edits: HeadEdits | None) -> Tensor:
+    """Attention of ``q`` (B, Hc*g, n, D) over the shared keys ``k`` (B, Hc, L, D) under ``vis`` (B, n, L) plus one
+    compensation key per query (``mk``/``mv`` (B, Hc, n, D), present where ``has`` (B, n)), in one softmax
+    (float32; the block is bounded by the caller)."""
+    B, Hq, n, D = q.shape
+    Hc = k.shape[1]
+    g = Hq // Hc
+    qf = q.float()
+    if edits is not None and edits.q_scale is not None:
+        qf = qf * edits.q_scale[:, :, None, None]
+    qg = qf.view(B, Hc, g, n, D)
+    s = torch.einsum("bhgnd,bhld->bhgnl", qg, k.float()) * scale
+    sc = torch.einsum("bhgnd,bhnd->bhgn", qg, mk)[..., None] * scale
+    s = torch.cat([s, sc], -1)
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    if edits is not None and edits.score_zero is not None:
+        s = s.masked_fill(edits.score_zero.view(B, Hc, g, 1, 1), 0.0)
+    seen = torch.cat([vis, has[:, :, None]], -1)[:, None, None]
+    s = s.masked_fill(~seen, -torch.inf)
+    m = s.amax(-1, keepdim=True)
+    p = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros((), device=m.device)))
+    total = p.sum(-1, keepdim=True)
+    p = p / torch.where(total > 0, total, torch.ones((), device=total.device))
+    L = k.shape[2]
+    z = torch.einsum("bhgnl,bhld->bhgnd", p[..., :L], v.float()) + p[..., L:] * mv[:, :, None]
+    z = z.reshape(B, Hq, n, -1)
+    if edits is not None and edits.out_scale is not None:
+        z = z * edits.out_scale[:, :, None, None]
+    return z.to(q.dtype)
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, vis: Tensor, scale: float, softcap: float | None,
