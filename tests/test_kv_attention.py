@@ -32,6 +32,9 @@ def _reference_attention(module, query, key, value, attention_mask, scaling=None
     own = torch.arange(N)[None, :] - pad[:, None]  # (B, N) own positions
     d = own[:, :, None] - own[:, None, :]
     causal = (own[:, None, :] >= 0) & (d >= 0)
+    model_window = kwargs.get("sliding_window")
+    if model_window:  # the model's own sliding window (Mistral) applies to every head
+        causal = causal & (d < model_window)
     bounded = causal & ((own[:, None, :] < sink) | (d < window))
     per_head = torch.tensor([bool(full[h // g]) for h in range(H)])
     mask = torch.where(per_head[None, :, None, None], causal[:, None], bounded[:, None])
@@ -44,21 +47,23 @@ def _reference_attention(module, query, key, value, attention_mask, scaling=None
 AttentionInterface.register("kv_reference", _reference_attention)
 
 
-def _config(kind: str) -> transformers.PretrainedConfig:
+def _config(kind: str, sliding_window: int | None = None) -> transformers.PretrainedConfig:
     common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
                   num_key_value_heads=4, vocab_size=VOCAB, max_position_embeddings=128)
     if kind == "llama":
         return transformers.LlamaConfig(**common)
     if kind == "qwen2":
         return transformers.Qwen2Config(**common, use_sliding_window=False)
-    return transformers.MistralConfig(**common, sliding_window=None)
+    return transformers.MistralConfig(**common, sliding_window=sliding_window)
 
 
-def _models(kind: str):
+def _models(kind: str, sliding_window: int | None = None):
     register()
     torch.manual_seed(0)
-    ours = transformers.AutoModelForCausalLM.from_config(_config(kind), attn_implementation=ATTN_IMPLEMENTATION).eval()
-    ref = transformers.AutoModelForCausalLM.from_config(_config(kind), attn_implementation="kv_reference").eval()
+    ours = transformers.AutoModelForCausalLM.from_config(_config(kind, sliding_window),
+                                                         attn_implementation=ATTN_IMPLEMENTATION).eval()
+    ref = transformers.AutoModelForCausalLM.from_config(_config(kind, sliding_window),
+                                                        attn_implementation="kv_reference").eval()
     ref.load_state_dict(ours.state_dict())
     return ours, ref
 
@@ -150,6 +155,32 @@ def test_streaming_equals_the_dense_mask_reference(kind, sink, window):
     p_full = _decode(ours, ids, mask, 0, None)[0]
     assert (_real(p_full, mask) - _real(p_ours, mask)).abs().max() > 1e-3
     assert usage.caches == 1 and any("compressed group" in p for p in usage.paths)
+
+
+def test_a_model_sliding_window_applies_to_both_groups():
+    """Mistral with its own sliding window (6): the full heads see the model's window, the compressed heads
+    the policy's sinks and window within it."""
+    ours, ref = _models("mistral", sliding_window=6)
+    ids, mask = _batch([11, 8])
+    head_map = _map(FULL, 2, 3)
+    p_ours, s_ours, t_ours, _, _ = _decode(ours, ids, mask, 5, head_map)
+    p_ref, s_ref, t_ref = _reference(ref, ids, mask, 5, head_map)
+    torch.testing.assert_close(_real(p_ours, mask), _real(p_ref, mask), rtol=0, atol=1e-5)
+    torch.testing.assert_close(s_ours, s_ref, rtol=0, atol=1e-5)
+    assert t_ours.equal(t_ref)
+
+
+def test_small_query_blocks_give_the_same_result(monkeypatch):
+    """A prefill split into many query blocks (each against its own window slice) equals the reference."""
+    import headlab.instrument.kv_split as split
+
+    monkeypatch.setattr(split, "_BLOCK_ELEMS", 600)  # blocks of a few queries
+    ours, ref = _models("llama")
+    ids, mask = _batch([13, 9, 4])
+    head_map = _map(FULL, 2, 3)
+    p_ours = _decode(ours, ids, mask, 0, head_map)[0]
+    p_ref = _reference(ref, ids, mask, 0, head_map)[0]
+    torch.testing.assert_close(_real(p_ours, mask), _real(p_ref, mask), rtol=0, atol=1e-5)
 
 
 def test_all_heads_compressed_and_a_chunked_prefill():
