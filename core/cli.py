@@ -281,6 +281,10 @@ def _print_summary(result: Any) -> None:
             for r in info["cells"]:
                 table.add_row(*(str(r["cell"][k]) for k in keys), *(f"{r['metrics'][m]:.4f}" for m in names))
         console.print(table)
+        for row in info.get("kv", []):
+            where = ", ".join(f"{k}={v}" for k, v in row["cell"].items())
+            console.print(f"{step}: kv {row['policy']} kept fraction {row['kept_fraction']:.4f}"
+                          + (f" ({where})" if where else ""))
 
 
 @app.command()

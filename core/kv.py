@@ -17,14 +17,17 @@ config into a :class:`HeadMap`.
 (the full KV heads, every position) and a *bounded group* (the compressed KV heads: ``sink`` slots plus a
 ring buffer of ``window`` slots), batched with left padding: positions are counted in each row's own
 tokens, so the sinks of a left-padded row are its first real tokens. Its ``nbytes`` are the bytes of the
-keys and values it actually holds. An attention that reads each group over its own keys is not part of
-this module (docs/kv.md says what is wired).
+keys and values it actually holds. Its ``update`` leaves a :class:`SplitCall` that headlab's attention
+(:mod:`headlab.instrument.kv_split`) reads each group from; :func:`kv_policy` runs a model's forwards with
+such caches and measures them (:class:`KvUsage`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +46,8 @@ from .spec.fields import FiniteFloat, NonEmptyStr, NonNegativeInt, PositiveInt
 from .spec.heads import HeadsFile, HeadsFrom
 
 __all__ = ["DuoHeadsFile", "GqaRule", "HeadMap", "HeadwiseCache", "HeadwiseLayer", "KvHeadSelection",
-           "KvPolicyError", "kv_heads", "random_kv_heads", "read_duo_heads"]
+           "KvPolicyError", "KvUsage", "SplitCall", "kv_heads", "kv_policy", "random_kv_heads", "read_duo_heads",
+           "split_call"]
 
 GqaRule = Literal["any", "all", "mean"]
 """How the query heads of a KV head decide it is full: ``any`` (one selected query head suffices; with
@@ -268,13 +272,15 @@ def kv_heads(selection: Any, results: Mapping[str, xr.Dataset], geometry: Geomet
 class HeadMap:
     """What a KV policy keeps: ``kv_full`` (bool, ``(layer, kv_head)``) marks the KV heads that keep every
     token; every other KV head keeps its row's ``sink`` first tokens and ``window`` most recent tokens (the
-    window includes the current query's token). ``window`` is None only when every head is full. ``attrs``
-    describe the policy (stored with :meth:`to_dataarray`)."""
+    window includes the current query's token). ``window`` is None only when every head is full. With
+    ``compensate`` a compressed KV head also keeps one compensation token, the mean of the keys and values it
+    dropped (RazorAttention). ``attrs`` describe the policy (stored with :meth:`to_dataarray`)."""
 
     kv_full: xr.DataArray
     sink: int = 0
     window: int | None = None
     attrs: Mapping[str, Any] = field(default_factory=dict)
+    compensate: bool = False
 
     def __post_init__(self) -> None:
         if tuple(self.kv_full.dims) != ("layer", "kv_head"):
@@ -317,6 +323,8 @@ class HeadMap:
     def kept_tokens(self, length: int) -> xr.DataArray:
         """Tokens each KV head holds after a row of ``length`` tokens, ``(layer, kv_head)``."""
         bounded = length if self.window is None else min(length, self.sink + self.window)
+        if self.compensate and self.window is not None and length > self.sink + self.window:
+            bounded += 1  # the compensation token
         return _kv_array(np.where(self.kv_full.values, length, bounded).astype(np.int64), "kv_kept_tokens")
 
     def kept_fraction(self, length: int) -> float:
@@ -342,6 +350,8 @@ class HeadMap:
         out = self.kv_full.copy().rename("kv_full")
         attrs: dict[str, Any] = {k: v for k, v in self.attrs.items() if v is not None}
         attrs.update(sink=self.sink, full_kv_heads=self.n_full)
+        if self.compensate:
+            attrs["compensate"] = True
         if self.window is not None:
             attrs["window"] = self.window
         if length is not None:
@@ -362,17 +372,54 @@ def _grow(buf: torch.Tensor, size: int, dim: int, fill: float | int = 0) -> torc
     return torch.cat([buf, buf.new_full(shape, fill)], dim=dim)
 
 
+@dataclass
+class SplitCall:
+    """One attention call over a :class:`HeadwiseLayer` with compressed heads, as the layer's ``update`` left
+    it for the attention that follows: the chunk's keys and values of the compressed KV heads
+    (``[batch, n_compressed, q, head_dim]``), ``start`` (tokens stored before the chunk, left padding
+    included: the chunk's first token is at padded position ``start``) and, for a chunk of several tokens
+    after earlier ones, ``prior``: the bounded group's keys, values and slot positions before the chunk was
+    stored (the update overwrites ring slots the chunk's first queries still see). A one-token chunk reads
+    the bounded group after the update, which holds exactly the keys its query sees."""
+
+    layer: HeadwiseLayer
+    chunk_keys: torch.Tensor
+    chunk_values: torch.Tensor
+    start: int
+    prior: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    path: str | None = None
+
+
+_SPLIT = threading.local()
+
+
+def split_call(keys: torch.Tensor) -> SplitCall | None:
+    """The pending :class:`SplitCall` whose layer's ``update`` returned ``keys`` (the full group's keys, as an
+    attention function receives them), marked read; None for keys of any other cache. An attention that gets
+    a SplitCall must attend the full group over ``keys`` and the compressed heads over the bounded group."""
+    last = getattr(_SPLIT, "last", None)
+    if last is None or last[0] is not keys:
+        return None
+    _SPLIT.last = None
+    last[1].layer.pending = None
+    return last[1]
+
+
 class HeadwiseLayer(CacheLayerMixin):
     """One layer of a :class:`HeadwiseCache`: the full group (``keys``/``values``, ``[batch, n_full, seq,
     head_dim]``, every position including left padding, as :class:`~transformers.DynamicLayer` holds them)
-    and the bounded group of the compressed KV heads (``sink`` slots and a ring of ``window`` slots per row,
-    each slot's position in its row's own tokens, -1 while empty)."""
+    and the bounded group of the compressed KV heads: ``slot_keys``/``slot_values`` ``[batch, n_compressed,
+    slots, head_dim]``, the first ``min(sink, longest row)`` slots the sinks and the others a ring of at most
+    ``window`` slots, with each slot's position in its row's own tokens in ``slot_pos`` (-1 while empty).
+    With ``compensate``, ``comp_keys``/``comp_values`` ``[batch, n_compressed, 1, head_dim]`` (float32) are
+    the sums of the keys and values the bounded group dropped (own positions ``sink <= p < n - window``)."""
 
     is_compileable = False
     is_sliding = False
     is_croppable = False
 
-    def __init__(self, full: Sequence[bool], sink: int, window: int | None, pad: torch.Tensor | None = None) -> None:
+    def __init__(self, full: Sequence[bool], sink: int, window: int | None, pad: torch.Tensor | None = None, *,
+                 compensate: bool = False) -> None:
         super().__init__()
         self.full_heads = torch.tensor([i for i, f in enumerate(full) if f], dtype=torch.long)
         self.compressed_heads = torch.tensor([i for i, f in enumerate(full) if not f], dtype=torch.long)
@@ -382,8 +429,49 @@ class HeadwiseLayer(CacheLayerMixin):
         self.sink, self.window = int(sink), (None if window is None else int(window))
         self.pad = pad
         self.seen = 0
-        self.sink_keys = self.sink_values = self.ring_keys = self.ring_values = None
-        self.sink_pos = self.ring_pos = None
+        self.n_sink = 0
+        self.min_pad = self.max_pad = 0
+        self.slot_keys = self.slot_values = self.slot_pos = None
+        self.compensate = bool(compensate) and len(self.compressed_heads) > 0
+        self.comp_keys = self.comp_values = None
+        self.pending: SplitCall | None = None
+        self.attention_paths: set[str] = set()  # how the attention read this layer (kv_split records it)
+
+    # the two parts of the bounded group, as views of its slots
+    @property
+    def sink_keys(self) -> torch.Tensor | None:
+        """The sink slots' keys (a view)."""
+        return None if self.slot_keys is None else self.slot_keys[:, :, :self.n_sink]
+
+    @property
+    def sink_values(self) -> torch.Tensor | None:
+        """The sink slots' values (a view)."""
+        return None if self.slot_values is None else self.slot_values[:, :, :self.n_sink]
+
+    @property
+    def sink_pos(self) -> torch.Tensor | None:
+        """The sink slots' positions (a view)."""
+        return None if self.slot_pos is None else self.slot_pos[:, :self.n_sink]
+
+    @property
+    def ring_keys(self) -> torch.Tensor | None:
+        """The ring slots' keys (a view; slot ``s`` holds position ``p`` with ``(p - sink) % window == s``)."""
+        return None if self.slot_keys is None else self.slot_keys[:, :, self.n_sink:]
+
+    @property
+    def ring_values(self) -> torch.Tensor | None:
+        """The ring slots' values (a view)."""
+        return None if self.slot_values is None else self.slot_values[:, :, self.n_sink:]
+
+    @property
+    def ring_pos(self) -> torch.Tensor | None:
+        """The ring slots' positions (a view)."""
+        return None if self.slot_pos is None else self.slot_pos[:, self.n_sink:]
+
+    @property
+    def n_compressed(self) -> int:
+        """Number of compressed KV heads."""
+        return len(self.compressed_heads)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, dim = key_states.shape
@@ -393,80 +481,126 @@ class HeadwiseLayer(CacheLayerMixin):
         pad = torch.zeros(batch, dtype=torch.long) if self.pad is None else torch.as_tensor(self.pad, dtype=torch.long)
         if pad.shape != (batch,):
             raise KvPolicyError(f"{pad.numel()} padding lengths for a batch of {batch} rows")
+        self.min_pad, self.max_pad = int(pad.min()), int(pad.max())  # the only host sync of the layer
         self.pad = pad.to(self.device)
         self.full_heads = self.full_heads.to(self.device)
         self.compressed_heads = self.compressed_heads.to(self.device)
         n_comp = len(self.compressed_heads)
         self.keys = key_states.new_zeros((batch, len(self.full_heads), 0, dim))
         self.values = value_states.new_zeros((batch, len(self.full_heads), 0, value_states.shape[-1]))
-        self.sink_keys = key_states.new_zeros((batch, n_comp, 0, dim))
-        self.sink_values = value_states.new_zeros((batch, n_comp, 0, value_states.shape[-1]))
-        self.ring_keys, self.ring_values = self.sink_keys.clone(), self.sink_values.clone()
-        self.sink_pos = torch.full((batch, 0), -1, dtype=torch.long, device=self.device)
-        self.ring_pos = self.sink_pos.clone()
+        self.slot_keys = key_states.new_zeros((batch, n_comp, 0, dim))
+        self.slot_values = value_states.new_zeros((batch, n_comp, 0, value_states.shape[-1]))
+        self.slot_pos = torch.full((batch, 0), -1, dtype=torch.long, device=self.device)
+        if self.compensate:
+            self.comp_keys = key_states.new_zeros((batch, n_comp, 1, dim), dtype=torch.float32)
+            self.comp_values = value_states.new_zeros((batch, n_comp, 1, value_states.shape[-1]), dtype=torch.float32)
+        self.n_sink = 0
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the states of the next ``key_states.shape[-2]`` tokens; returns the full group's keys and
         values (every KV head's when the map is full, exactly what :class:`~transformers.DynamicLayer`
-        returns)."""
+        returns). With compressed heads it leaves a :class:`SplitCall` for the attention (:func:`split_call`;
+        ``pending`` until an attention reads it)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if len(self.full_heads) == self.n_kv_heads:
             self.keys = torch.cat([self.keys, key_states], dim=-2)
             self.values = torch.cat([self.values, value_states], dim=-2)
-        else:
-            if len(self.full_heads):
-                self.keys = torch.cat([self.keys, key_states.index_select(1, self.full_heads)], dim=-2)
-                self.values = torch.cat([self.values, value_states.index_select(1, self.full_heads)], dim=-2)
-            self._store_bounded(key_states.index_select(1, self.compressed_heads),
-                                value_states.index_select(1, self.compressed_heads))
-        self.seen += key_states.shape[-2]
+            self.seen += key_states.shape[-2]
+            return self.keys, self.values
+        if len(self.full_heads):
+            self.keys = torch.cat([self.keys, key_states.index_select(1, self.full_heads)], dim=-2)
+            self.values = torch.cat([self.values, value_states.index_select(1, self.full_heads)], dim=-2)
+        else:  # a new (empty) tensor, so that split_call recognises this call's keys
+            self.keys = torch.cat([self.keys, key_states[:, :0]], dim=-2)
+            self.values = torch.cat([self.values, value_states[:, :0]], dim=-2)
+        q = key_states.shape[-2]
+        prior = None
+        if q > 1 and self.seen and self.slot_pos.shape[1]:
+            prior = (self.slot_keys.clone(), self.slot_values.clone(), self.slot_pos.clone())
+        ck = key_states.index_select(1, self.compressed_heads)
+        cv = value_states.index_select(1, self.compressed_heads)
+        self.pending = SplitCall(self, ck, cv, self.seen, prior)
+        _SPLIT.last = (self.keys, self.pending)
+        self._store_bounded(ck, cv)
+        self.seen += q
         return self.keys, self.values
 
     def _store_bounded(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         q = keys.shape[-2]
         own = self.seen + torch.arange(q, device=self.device)[None, :] - self.pad[:, None]  # (batch, q)
-        count = self.seen + q - self.pad  # each row's real tokens after this update
-        longest = int(count.max().clamp(min=0))
+        longest = max(0, self.seen + q - self.min_pad)  # real tokens of the longest row after this update
         sink, window = self.sink, self.window
-        self.sink_keys = _grow(self.sink_keys, min(sink, longest), 2)
-        self.sink_values = _grow(self.sink_values, min(sink, longest), 2)
-        self.sink_pos = _grow(self.sink_pos, min(sink, longest), 1, -1)
-        ring = min(window, max(0, longest - sink))
-        self.ring_keys = _grow(self.ring_keys, ring, 2)
-        self.ring_values = _grow(self.ring_values, ring, 2)
-        self.ring_pos = _grow(self.ring_pos, ring, 1, -1)
+        n_sink, ring = min(sink, longest), min(window, max(0, longest - sink))
+        size = n_sink + ring  # the ring only starts once every sink slot exists: growth is at the end
+        self.slot_keys = _grow(self.slot_keys, size, 2)
+        self.slot_values = _grow(self.slot_values, size, 2)
+        self.slot_pos = _grow(self.slot_pos, size, 1, -1)
+        self.n_sink = n_sink
+        if q == 1 and self.seen >= self.max_pad:  # a decode step: every row's token is real, no host sync
+            pos = own[:, 0]
+            slot = torch.where(pos < sink, pos, sink + (pos - sink) % window)
+            index = slot.view(-1, 1, 1, 1)
+            if self.compensate:  # the ring slot's previous token leaves the window: into the sums
+                evicted = (self.slot_pos.gather(1, slot[:, None]) >= sink).view(-1, 1, 1, 1)
+                for total, buf in ((self.comp_keys, self.slot_keys), (self.comp_values, self.slot_values)):
+                    old = buf.gather(2, index.expand(-1, buf.shape[1], 1, buf.shape[3]))
+                    total.add_(torch.where(evicted, old.float(), torch.zeros((), device=old.device)))
+            self.slot_keys.scatter_(2, index.expand(-1, keys.shape[1], 1, keys.shape[3]), keys)
+            self.slot_values.scatter_(2, index.expand(-1, values.shape[1], 1, values.shape[3]), values)
+            self.slot_pos.scatter_(1, slot[:, None], pos[:, None])
+            return
+        count = self.seen + q - self.pad  # each row's real tokens after this update
+        if self.compensate:  # the chunk's tokens that are dropped at once
+            dropped = ((own >= sink) & (own < (count - window)[:, None]))[:, None, :, None]
+            self.comp_keys.add_((keys.float() * dropped).sum(2, keepdim=True))
+            self.comp_values.add_((values.float() * dropped).sum(2, keepdim=True))
         rows, cols = torch.nonzero((own >= 0) & (own < sink), as_tuple=True)
         if rows.numel():
             slots = own[rows, cols]
-            self.sink_keys[rows, :, slots] = keys[rows, :, cols]
-            self.sink_values[rows, :, slots] = values[rows, :, cols]
-            self.sink_pos[rows, slots] = slots
+            self.slot_keys[rows, :, slots] = keys[rows, :, cols]
+            self.slot_values[rows, :, slots] = values[rows, :, cols]
+            self.slot_pos[rows, slots] = slots
         rows, cols = torch.nonzero((own >= sink) & (own >= (count - window)[:, None]), as_tuple=True)
         if rows.numel():
             positions = own[rows, cols]
-            slots = (positions - sink) % window
-            self.ring_keys[rows, :, slots] = keys[rows, :, cols]
-            self.ring_values[rows, :, slots] = values[rows, :, cols]
-            self.ring_pos[rows, slots] = positions
+            slots = sink + (positions - sink) % window
+            if self.compensate:  # the tokens these slots held leave the window
+                evicted = (self.slot_pos[rows, slots] >= sink)[:, None, None]
+                for total, buf in ((self.comp_keys, self.slot_keys), (self.comp_values, self.slot_values)):
+                    old = torch.where(evicted, buf[rows, :, slots].float(), torch.zeros((), device=buf.device))
+                    total[:, :, 0].index_put_((rows,), old, accumulate=True)
+            self.slot_keys[rows, :, slots] = keys[rows, :, cols]
+            self.slot_values[rows, :, slots] = values[rows, :, cols]
+            self.slot_pos[rows, slots] = positions
 
     def compressed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The bounded group: keys and values ``[batch, n_compressed, slots, head_dim]`` (sink slots, then the
         ring, not in position order) and each slot's position in its row's own tokens ``[batch, slots]``
-        (-1: an empty slot, to be masked)."""
+        (-1: an empty slot, to be masked). The layer's own buffers, not copies."""
         if not self.is_initialized:
             raise KvPolicyError("the cache holds nothing yet")
-        return (torch.cat([self.sink_keys, self.ring_keys], dim=2), torch.cat([self.sink_values, self.ring_values], 2),
-                torch.cat([self.sink_pos, self.ring_pos], dim=1))
+        return self.slot_keys, self.slot_values, self.slot_pos
+
+    def compensation(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The compensation token of each row and compressed head: the mean key and value ``[batch,
+        n_compressed, 1, head_dim]`` (in the cache's dtype) of the tokens dropped so far, and their number per
+        row ``[batch]`` (0: nothing dropped, no token)."""
+        if not self.compensate or not self.is_initialized:
+            raise KvPolicyError("this layer keeps no compensation token")
+        count = (self.seen - self.pad - self.sink - self.window).clamp(min=0)
+        scale = 1.0 / count.clamp(min=1).to(torch.float32).view(-1, 1, 1, 1)
+        return ((self.comp_keys * scale).to(self.dtype), (self.comp_values * scale).to(self.dtype), count)
 
     def _tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.keys, self.values, self.sink_keys, self.sink_values, self.ring_keys,
-                            self.ring_values) if t is not None]
+        return [t for t in (self.keys, self.values, self.slot_keys, self.slot_values, self.comp_keys,
+                            self.comp_values) if t is not None]
 
     def nbytes(self) -> int:
-        """Bytes of the keys and values this layer holds (both groups; the int64 slot positions excluded)."""
+        """Bytes of the keys and values this layer holds (both groups and the compensation sums; the int64 slot
+        positions excluded)."""
         return sum(t.numel() * t.element_size() for t in self._tensors())
 
     def full_nbytes(self) -> int:
@@ -490,9 +624,10 @@ class HeadwiseLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         """Drop every stored token."""
-        self.keys = self.values = self.sink_keys = self.sink_values = self.ring_keys = self.ring_values = None
-        self.sink_pos = self.ring_pos = None
-        self.seen = 0
+        self.keys = self.values = self.slot_keys = self.slot_values = self.slot_pos = None
+        self.comp_keys = self.comp_values = None
+        self.seen = self.n_sink = 0
+        self.pending = None
         self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -500,11 +635,12 @@ class HeadwiseLayer(CacheLayerMixin):
         raise KvPolicyError("a headwise KV cache cannot be cropped (its compressed heads dropped old tokens)")
 
     def _select_rows(self, pick: Any) -> None:
-        for name in ("keys", "values", "sink_keys", "sink_values", "ring_keys", "ring_values", "sink_pos",
-                     "ring_pos", "pad"):
+        for name in ("keys", "values", "slot_keys", "slot_values", "slot_pos", "comp_keys", "comp_values", "pad"):
             tensor = getattr(self, name)
             if isinstance(tensor, torch.Tensor):
                 setattr(self, name, pick(tensor))
+        if isinstance(self.pad, torch.Tensor) and self.pad.numel():
+            self.min_pad, self.max_pad = int(self.pad.min()), int(self.pad.max())
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Reorder the rows (beam search)."""
@@ -540,9 +676,9 @@ class HeadwiseCache(Cache):
     ``pad`` gives each row's number of left-padding tokens (see :meth:`from_attention_mask`); positions are
     counted in each row's own tokens. ``update`` returns the full group's keys and values, identical to
     :class:`~transformers.DynamicCache`'s when the map is full; an attention reads the compressed group with
-    :meth:`compressed`. With compressed heads, transformers' own attention functions do not read the bounded
-    group: a model must run with an attention that attends each group over its own keys (not yet wired, see
-    docs/kv.md)."""
+    :meth:`compressed` (or the :class:`SplitCall` the update leaves). With compressed heads, transformers' own
+    attention functions do not read the bounded group: a model runs with headlab's attention, which attends
+    each group over its own keys (:func:`kv_policy` checks it)."""
 
     def __init__(self, head_map: HeadMap, pad: Sequence[int] | torch.Tensor | None = None) -> None:
         self.head_map = head_map
@@ -550,7 +686,8 @@ class HeadwiseCache(Cache):
         if pad_t is not None and bool((pad_t < 0).any()):
             raise KvPolicyError("a padding length is negative")
         full = head_map.kv_full.transpose("layer", "kv_head").values
-        super().__init__(layers=[HeadwiseLayer(row.tolist(), head_map.sink, head_map.window, pad_t) for row in full])
+        super().__init__(layers=[HeadwiseLayer(row.tolist(), head_map.sink, head_map.window, pad_t,
+                                               compensate=head_map.compensate) for row in full])
 
     @classmethod
     def from_attention_mask(cls, head_map: HeadMap, attention_mask: torch.Tensor) -> HeadwiseCache:
@@ -609,3 +746,141 @@ class HeadwiseCache(Cache):
         return xr.DataArray(np.array([layer.nbytes() for layer in self.layers], dtype=np.int64), dims=("layer",),
                             coords={"layer": np.arange(len(self.layers))}, name="kv_bytes")
 
+
+
+# --- running a model under a policy ------------------------------------------------------------------------
+
+
+def _layer_bytes(layer: Any) -> tuple[int, int]:
+    """(bytes held, bytes a full cache would hold) of one cache layer."""
+    if isinstance(layer, HeadwiseLayer):
+        return layer.nbytes(), layer.full_nbytes()
+    held = sum(t.numel() * t.element_size() for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+               if isinstance(t, torch.Tensor))
+    return held, held
+
+
+@dataclass
+class KvUsage:
+    """What the caches of a :func:`kv_policy` context held: per layer, the bytes of keys and values held by
+    each cache at its last forward, summed over the caches (one per prefill: a batch decoded, or a batch of
+    rows scored) and so over their rows; what full caches would have held; the attention paths that read
+    the split caches; and the peak accelerator memory (None where it is not measured: on a CPU)."""
+
+    head_map: HeadMap
+    layer_bytes: np.ndarray
+    layer_full_bytes: np.ndarray
+    caches: int = 0
+    paths: set[str] = field(default_factory=set)
+    peak_memory: int | None = None
+    _current: Any = None
+
+    def _fold(self) -> None:
+        cache, self._current = self._current, None
+        if cache is None:
+            return
+        self.caches += 1
+        for i, layer in enumerate(getattr(cache, "layers", [])[: len(self.layer_bytes)]):
+            held, full = _layer_bytes(layer)
+            self.layer_bytes[i] += held
+            self.layer_full_bytes[i] += full
+            if isinstance(layer, HeadwiseLayer):
+                self.paths |= layer.attention_paths
+
+    def _track(self, cache: Any) -> None:
+        if cache is not self._current:
+            self._fold()
+            self._current = cache
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held, over every layer and cache."""
+        return int(self.layer_bytes.sum())
+
+    @property
+    def full_nbytes(self) -> int:
+        """Bytes full caches would have held for the same tokens."""
+        return int(self.layer_full_bytes.sum())
+
+    def kept_fraction(self) -> float:
+        """``nbytes / full_nbytes`` (NaN when no cache held a token)."""
+        return self.nbytes / self.full_nbytes if self.full_nbytes else float("nan")
+
+    def to_dataarray(self) -> xr.DataArray:
+        """The bytes held per layer, a ``(layer,)`` int64 array named ``kv_bytes``."""
+        return xr.DataArray(self.layer_bytes.astype(np.int64), dims=("layer",), name="kv_bytes",
+                            coords={"layer": np.arange(len(self.layer_bytes))})
+
+
+def _decoder(model: Any) -> Any:
+    get = getattr(model, "get_decoder", None)
+    try:
+        inner = get() if callable(get) else None
+    except Exception:  # noqa: BLE001 - a model without a separable decoder runs hooked at the top
+        inner = None
+    return inner if isinstance(inner, torch.nn.Module) else model
+
+
+@contextlib.contextmanager
+def kv_policy(model: torch.nn.Module, head_map: HeadMap) -> Any:
+    """Run every forward of ``model`` (a transformers causal LM) inside the block with a cache laid out by
+    ``head_map``; yields the :class:`KvUsage` (complete once the block exits).
+
+    A forward that starts without a cache (a prefill) gets a :class:`HeadwiseCache` for its left-padded
+    attention mask, and ``use_cache`` on; a later forward that continues one keeps it. Under a map with
+    every head full the model's own cache is used (the same logits as without the context) and only
+    measured. With compressed heads the model must run with headlab's attention (``attn_implementation=
+    "headlab"``), which reads each group over its own keys; a forward whose attention left the compressed
+    heads unread, or that continues a cache of another type, is a :class:`KvPolicyError`."""
+    compressed = not head_map.is_full
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if compressed and impl != "headlab":
+        raise KvPolicyError(f"a KV policy with compressed heads needs headlab's attention; this model runs "
+                            f"attn_implementation={impl!r}")
+    n_layers = head_map.n_layers
+    usage = KvUsage(head_map, np.zeros(n_layers, dtype=np.int64), np.zeros(n_layers, dtype=np.int64))
+    target = _decoder(model)
+    cuda = next((p.device for p in model.parameters() if p.device.type == "cuda"), None)
+    if cuda is not None:
+        torch.cuda.reset_peak_memory_stats(cuda)
+
+    def before(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        kwargs = dict(kwargs)
+        kwargs["use_cache"] = True
+        if cache is None:
+            if compressed:
+                mask = kwargs.get("attention_mask")
+                if mask is None:
+                    ids = kwargs.get("input_ids", args[0] if args else None)
+                    if ids is None:
+                        ids = kwargs["inputs_embeds"][..., 0]
+                    mask = torch.ones(ids.shape[:2], dtype=torch.long, device=ids.device)
+                elif mask.dim() != 2:
+                    raise KvPolicyError(f"a KV policy needs a 2-D attention mask, not one of {mask.dim()} dims")
+                kwargs.pop("past_key_values", None)
+                kwargs["cache"] = HeadwiseCache.from_attention_mask(head_map, mask)
+        elif compressed and not isinstance(cache, HeadwiseCache):
+            raise KvPolicyError(f"a KV policy with compressed heads cannot continue a {type(cache).__name__}")
+        return args, kwargs
+
+    def after(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        cache = getattr(output, "cache", None) or getattr(output, "past_key_values", None)
+        if isinstance(cache, HeadwiseCache):
+            unread = [i for i, layer in enumerate(cache.layers) if layer.pending is not None]
+            if unread:
+                raise KvPolicyError(f"layer {unread[0]}: the attention did not read the compressed KV heads (the "
+                                    "model must run with headlab's attention)")
+        if cache is not None:
+            usage._track(cache)
+
+    handles = [target.register_forward_pre_hook(before, with_kwargs=True),
+               target.register_forward_hook(after, with_kwargs=True)]
+    try:
+        yield usage
+    finally:
+        for handle in handles:
+            handle.remove()
+        usage._fold()
+        if cuda is not None:
+            usage.peak_memory = int(torch.cuda.max_memory_allocated(cuda))

@@ -494,7 +494,8 @@ class Run:
         (``[{"cell": {sweep key: value}, "metrics": {name: mean over the cell's examples}}]``; a metric's
         step-level aggregate, stored without the ``example`` dimension, as it is), and
         ``metrics``, the same means when the run has one cell; for per-task metrics (``evaluate``), one row
-        per sweep cell and task (``tasks``: ``[{"cell": {...}, "task": name, "metrics": {...}}]``)."""
+        per sweep cell and task (``tasks``: ``[{"cell": {...}, "task": name, "metrics": {...}}]``); a step with a
+        KV policy adds ``kv``: ``[{"cell": {...}, "policy": kind, "kept_fraction": f}]``."""
         from .heads import ranked
 
         out: dict[str, Any] = {}
@@ -515,6 +516,10 @@ class Run:
                 cells = self._cell_rows(ds, metrics)
                 out[step] = {"kind": kind, "cells": cells,
                              "metrics": cells[0]["metrics"] if len(cells) == 1 else {}}
+            if "kv_kept_fraction" in ds:  # a step with a KV policy: the true kept fraction per sweep cell
+                out[step]["kv"] = [{"cell": cell, "policy": str(ds.attrs.get("kv_policy", "")),
+                                    "kept_fraction": float(sub["kv_kept_fraction"].values)}
+                                   for cell, sub in self._sweep_cells(ds)]
         return out
 
     def _sweep_cells(self, ds: xr.Dataset) -> Iterator[tuple[dict[str, Any], xr.Dataset]]:

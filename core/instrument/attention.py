@@ -13,6 +13,9 @@ One call goes through named steps, each owning one translation:
   replacements (after the kernel or the native SDPA call, so the same on every path) and the recording, back
   in absolute positions;
 - :func:`_to_model_layout`: the kernel's (B, H, Nq, D) head outputs -> transformers' (B, Nq, H, D).
+
+A call over a :class:`headlab.kv.HeadwiseCache` with compressed heads (:func:`headlab.kv.split_call`) is
+computed by :func:`.kv_split.split_attention` instead (each group over its own keys).
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from torch import Tensor
 
 from headlab.kernels import HeadEdits, ProbeRequest, choose_backend
 from headlab.kernels import attention as kernel_attention
+from headlab.kv import split_call
 
+from .kv_split import split_attention
 from .layers import REFUSED_KWARGS, UnsupportedModelError
 from .masks import kernel_mask_args
 from .plan import LayerContext, Plan
@@ -88,8 +93,15 @@ def attention_forward(
 ) -> tuple[Tensor, None]:
     """headlab's attention implementation (``AttentionInterface`` signature).
 
-    query (B, H, Nq, D), key/value (B, Hkv, Nk, D) -> (attn_output (B, Nq, H, D), None).
+    query (B, H, Nq, D), key/value (B, Hkv, Nk, D) -> (attn_output (B, Nq, H, D), None). Keys a
+    :class:`headlab.kv.HeadwiseCache` with compressed heads returned go to :func:`.kv_split.split_attention`.
     """
+    split = split_call(key)
+    if split is not None:
+        sess = active_session()
+        layer = None if sess is None else sess.layer_of.get(id(module))
+        z = split_attention(module, query, key, value, attention_mask, scaling, kwargs, split, sess, layer)
+        return _to_model_layout(z), None
     call = _call_of(module, query, key, value, attention_mask, dropout, kwargs)
     if call.plan is not None:  # key/value replacements, before any path reads them
         key, value = call.session.replace_kv(call.layer, key, value, call.pos)

@@ -1,12 +1,17 @@
-"""What the decoding actions (``generate``, ``score``) share: their common config fields and steering."""
+"""What the decoding actions (``generate``, ``score``, ``evaluate``) share: their common config fields,
+steering, and the KV policy (``kv``) with the results it stores."""
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
+import xarray as xr
 from pydantic import Field, model_validator
 
-from headlab import Plan
+from headlab import ContractError, Plan, component
 from headlab.generation import Batch
+from headlab.kv import HeadMap, KvPolicyError, KvUsage, kv_policy
 from headlab.scoring import steering_plan as core_steering_plan
 from headlab.spec import PositiveInt, SpecTypes, StrictModel
 
@@ -19,7 +24,7 @@ def kind_shorthand(value: Any) -> Any:
 def decoding_config(types: SpecTypes) -> type[StrictModel]:
     """The base config of a decoding action: ``decode`` (a step without it uses the default decoder),
     ``steer`` (steering methods applied together) and ``batch_size``."""
-    Decoder, Steer = types.union("decoders"), types.union("steering")
+    Decoder, Steer, Kv = types.union("decoders"), types.union("steering"), types.union("kv")
     default = types.default("decoders")
     about = "decoding strategy" + (f" (default: {default.kind_name()})" if default is not None else "")
 
@@ -27,6 +32,7 @@ def decoding_config(types: SpecTypes) -> type[StrictModel]:
         decode: Decoder = Field(description=about)
         steer: list[Steer] = Field(default_factory=list, description="steering methods applied together")
         batch_size: PositiveInt = Field(8, description="prompts (generate) or prompt+choice rows (score) per forward")
+        kv: Kv | None = Field(None, description=KV_ABOUT)
 
         @model_validator(mode="before")
         @classmethod
@@ -43,3 +49,71 @@ def steering_plan(steer: list[Any], ctx: Any, batch: Batch) -> tuple[Plan | None
     """The instrumentation plan of the steering methods ``steer`` for ``batch`` (None without any), and
     the reports they returned (called once the batch is generated): :func:`headlab.scoring.steering_plan`."""
     return core_steering_plan(steer, ctx, batch)
+
+
+KV_ABOUT = ("KV-cache policy (default: none given, today's full cache, not measured): {kind: streaming, full_heads: "
+            "{from: step, top: k}, sink: 4, window: 64}, ... (docs/kv.md)")
+
+
+@dataclass
+class KvRun:
+    """A step's KV policy while it runs: its ``kind``, the compiled map (``requested``), the map in force (``head_map``:
+    every head full when ``sink + window`` covers the step's context) and, once the step's forwards are
+    done, what the caches held (``usage``)."""
+
+    kind: str
+    requested: HeadMap
+    head_map: HeadMap
+    length: int | None
+    usage: KvUsage | None = None
+
+
+def compile_kv(config: Any, ctx: Any, length: int | None) -> KvRun | None:
+    """The step's KV policy compiled through the ``kv`` component category, for a context of at most
+    ``length`` tokens per row (None: unknown, the map applies as compiled); None when the step gives none."""
+    if config is None:
+        return None
+    comp = component("kv", config.kind)
+    head_map = comp.impl(config, ctx)
+    if not isinstance(head_map, HeadMap):
+        raise ContractError(f"the KV policy returned {type(head_map).__name__}, not a headlab.kv.HeadMap",
+                            category="kv", kind=config.kind)
+    geometry = ctx.model.geometry
+    if (head_map.n_layers, head_map.n_kv_heads) != (geometry.n_layers, geometry.n_kv_heads):
+        raise KvPolicyError(f"kv '{config.kind}': a head map of {head_map.n_layers} layers x {head_map.n_kv_heads} KV "
+                            f"heads, this model has {geometry.n_layers} x {geometry.n_kv_heads}")
+    effective = head_map if length is None else head_map.for_length(length)
+    return KvRun(config.kind, head_map, effective, length)
+
+
+@contextlib.contextmanager
+def kv_running(run: KvRun | None, ctx: Any) -> Iterator[None]:
+    """Every forward of the step's model inside the block under the policy (nothing without one)."""
+    if run is None:
+        yield
+        return
+    with kv_policy(ctx.model.model, run.head_map) as usage:
+        run.usage = usage
+        yield
+
+
+def kv_results(ds: xr.Dataset, run: KvRun | None) -> xr.Dataset:
+    """``ds`` with what a step with a KV policy stores: ``kv_bytes(layer)`` (bytes held at the end of each
+    cache, summed over the step's batches and rows), ``kv_full(layer, kv_head)`` (the map in force, with its
+    attributes), the 0-d ``kv_kept_fraction`` (one per sweep cell once cells are combined) and the attrs
+    ``kv_policy``, ``kv_bytes_full``, ``kv_kept_fraction``, ``kv_attention`` (the path that read the caches),
+    ``kv_effective``/``kv_note`` when the window covers the context, ``kv_peak_memory`` where measured."""
+    if run is None or run.usage is None:
+        return ds
+    usage, head_map = run.usage, run.head_map
+    kept = usage.kept_fraction()
+    ds = ds.assign(kv_bytes=usage.to_dataarray(), kv_full=head_map.to_dataarray(run.length),
+                   kv_kept_fraction=((), kept))
+    paths = sorted(usage.paths) if not head_map.is_full else ["the model's own cache (every KV head full)"]
+    ds.attrs.update(kv_policy=run.kind, kv_bytes_full=usage.full_nbytes,
+                    kv_kept_fraction=kept, kv_attention=" | ".join(paths))
+    if head_map.attrs.get("effective") == "full" and not run.requested.is_full:
+        ds.attrs.update(kv_effective="full", kv_note=str(head_map.attrs.get("note", "")))
+    if usage.peak_memory is not None:
+        ds.attrs["kv_peak_memory"] = usage.peak_memory
+    return ds

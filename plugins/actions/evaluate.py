@@ -36,7 +36,7 @@ from headlab import StepContext, hookimpl
 from headlab.spec import FiniteFloat, NonNegativeInt, PositiveInt, SpecTypes, StrictModel
 from headlab.task_code import check_tasks
 
-from .common import decoding_config
+from .common import compile_kv, decoding_config, kv_results, kv_running
 
 EXTRA = "lm-eval is not installed; install the eval extra: pip install 'headlab[eval]'"
 
@@ -82,15 +82,17 @@ def evaluate(config: Any, ctx: StepContext) -> xr.Dataset:
     """Run the tasks; per-task metrics over ``task``, per-sample records over ``example``."""
     from headlab.harness import evaluate as run_tasks
 
-    ds = run_tasks(ctx.model, config.tasks, decode=config.decode, steer=config.steer, limit=config.limit,
-                   num_fewshot=config.num_fewshot, include_path=config.include_path,
-                   include_defaults=config.include_defaults, batch_size=config.batch_size,
-                   max_gen_toks=config.max_gen_toks, gen_kwargs=config.gen_kwargs, seed=ctx.seed, ctx=ctx,
-                   bootstrap_iters=config.bootstrap_iters, trust_task_code=config.trust_task_code)
+    kv = compile_kv(config.kv, ctx, None)  # lm-eval's requests are not known in advance: no context length
+    with kv_running(kv, ctx):
+        ds = run_tasks(ctx.model, config.tasks, decode=config.decode, steer=config.steer, limit=config.limit,
+                       num_fewshot=config.num_fewshot, include_path=config.include_path,
+                       include_defaults=config.include_defaults, batch_size=config.batch_size,
+                       max_gen_toks=config.max_gen_toks, gen_kwargs=config.gen_kwargs, seed=ctx.seed, ctx=ctx,
+                       bootstrap_iters=config.bootstrap_iters, trust_task_code=config.trust_task_code)
     ds.attrs.update(decode=config.decode.kind, steer=[c.kind for c in config.steer],
                     tasks=[t if isinstance(t, str) else str(t.get("task", t)) for t in config.tasks],
                     example_source="lm-eval")
-    return ds
+    return kv_results(ds, kv)
 
 
 @hookimpl

@@ -2,7 +2,8 @@
 
 Stored: ``output`` (the text, over ``example``), ``output_ids`` (the generated token ids over ``example,
 step``, -1 after a row's last token; special tokens kept, EOS not included), one variable per metric, the
-decoder's diagnostics (:func:`headlab.generation.decode_info`) and the steering methods' reports."""
+decoder's diagnostics (:func:`headlab.generation.decode_info`) and the steering methods' reports; with a ``kv``
+policy, what its caches held (:func:`.common.kv_results`)."""
 
 from typing import Annotated, Any
 
@@ -16,7 +17,7 @@ from headlab.resources import Estimate, EstimateContext
 from headlab.scoring import metric_values
 from headlab.spec import NonEmptyStr, PositiveInt, SpecTypes, StrictModel
 
-from .common import decoding_config, kind_shorthand, steering_plan
+from .common import compile_kv, decoding_config, kind_shorthand, kv_results, kv_running, steering_plan
 
 
 def generate_config(types: SpecTypes) -> type[StrictModel]:
@@ -45,20 +46,24 @@ def generate(action: Any, ctx: StepContext) -> xr.Dataset:
     infos: list[tuple[dict[str, Any], list[int]]] = []
     steered: dict[str, list[xr.DataArray]] = {}
     batches = [ctx.examples[i: i + action.batch_size] for i in range(0, len(ctx.examples), action.batch_size)]
-    for chunk in ctx.progress(batches, "generating", total=len(batches)):
-        batch = tokenize(ctx.model, chunk)
-        plan, reports = steering_plan(action.steer, ctx, batch)
-        request = DecodeRequest(ctx.model, batch, action.max_new_tokens, list(action.stop), plan, ctx.seed, ctx)
-        decoded = decoder.impl(action.decode, request)
-        if not isinstance(decoded, Decoded) or len(decoded.texts) != len(chunk):
-            raise ContractError(f"the decoder returned {type(decoded).__name__}, not Decoded with one text per "
-                                "prompt", category="decoders", kind=action.decode.kind)
-        outputs.extend(decoded.texts)
-        tokens.extend(decoded.tokens)
-        infos.append((decoded.info, [len(t) for t in decoded.tokens]))
-        for report in reports:
-            for name, array in report().items():
-                steered.setdefault(name, []).append(array)
+    tokenized = [tokenize(ctx.model, chunk) for chunk in batches] if action.kv is not None else None
+    longest = max((b.length for b in tokenized), default=0) if tokenized else 0
+    kv = compile_kv(action.kv, ctx, longest + action.max_new_tokens)
+    with kv_running(kv, ctx):
+        for i, chunk in enumerate(ctx.progress(batches, "generating", total=len(batches))):
+            batch = tokenized[i] if tokenized else tokenize(ctx.model, chunk)
+            plan, reports = steering_plan(action.steer, ctx, batch)
+            request = DecodeRequest(ctx.model, batch, action.max_new_tokens, list(action.stop), plan, ctx.seed, ctx)
+            decoded = decoder.impl(action.decode, request)
+            if not isinstance(decoded, Decoded) or len(decoded.texts) != len(chunk):
+                raise ContractError(f"the decoder returned {type(decoded).__name__}, not Decoded with one text per "
+                                    "prompt", category="decoders", kind=action.decode.kind)
+            outputs.extend(decoded.texts)
+            tokens.extend(decoded.tokens)
+            infos.append((decoded.info, [len(t) for t in decoded.tokens]))
+            for report in reports:
+                for name, array in report().items():
+                    steered.setdefault(name, []).append(array)
     arrays, attrs = decode_info(infos, ctx.model.geometry)
     steps = max([len(t) for t in tokens] + [a.sizes["step"] for a in arrays.values() if "step" in a.dims])
     ids = np.full((len(tokens), steps), -1, dtype=np.int64)
@@ -76,6 +81,7 @@ def generate(action: Any, ctx: StepContext) -> xr.Dataset:
             ds[name] = array
             names.append(name)
     ds.attrs.update(decode=action.decode.kind, steer=[c.kind for c in action.steer], metrics=names)
+    ds = kv_results(ds, kv)
     if ctx.examples and ctx.examples[0].images:  # the first image with every head's attention, for the report
         ds = ds.merge(attention_preview(ctx.model, ctx.examples[0]))
     return ds

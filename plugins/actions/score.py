@@ -16,7 +16,7 @@ from headlab.generation import Scored, ScoreRequest, continuation_batch
 from headlab.resources import Estimate, EstimateContext
 from headlab.spec import SpecTypes, StrictModel
 
-from .common import decoding_config, kind_shorthand, steering_plan
+from .common import compile_kv, decoding_config, kind_shorthand, kv_results, kv_running, steering_plan
 
 DEFAULT_METRICS = ("mc1", "mc2", "mc3", "accuracy")
 
@@ -55,18 +55,23 @@ def score(action: Any, ctx: StepContext) -> xr.Dataset:
     logprobs = np.full((len(ctx.examples), width), np.nan)
     n_tok = np.zeros((len(ctx.examples), width), dtype=np.int64)
     chunks = [pairs[i: i + action.batch_size] for i in range(0, len(pairs), action.batch_size)]
-    for chunk in ctx.progress(chunks, "scoring", total=len(chunks)):
-        sources = [ctx.examples[i] for i, _ in chunk]
-        conts = [ctx.examples[i].choices[j] for i, j in chunk]
-        batch, n_tokens = continuation_batch(ctx.model, list(zip(sources, conts, strict=True)))
-        plan, _ = steering_plan(action.steer, ctx, batch)
-        request = ScoreRequest(ctx.model, batch, n_tokens, sources, conts, plan, ctx.seed, ctx)
-        scored = scorer(action.decode, request)
-        if not isinstance(scored, Scored) or len(scored.logprobs) != len(chunk):
-            raise ContractError(f"the scorer returned {type(scored).__name__}, not Scored with one value per row",
-                                category="decoders", kind=action.decode.kind)
-        for (i, j), value, n in zip(chunk, scored.logprobs, n_tokens, strict=True):
-            logprobs[i, j], n_tok[i, j] = value, n
+    built = [continuation_batch(ctx.model, [(ctx.examples[i], ctx.examples[i].choices[j]) for i, j in chunk])
+             for chunk in chunks] if action.kv is not None else None
+    kv = compile_kv(action.kv, ctx, max((b.length for b, _ in built), default=0) if built else None)
+    with kv_running(kv, ctx):
+        for k, chunk in enumerate(ctx.progress(chunks, "scoring", total=len(chunks))):
+            sources = [ctx.examples[i] for i, _ in chunk]
+            conts = [ctx.examples[i].choices[j] for i, j in chunk]
+            batch, n_tokens = built[k] if built else continuation_batch(ctx.model, list(zip(sources, conts,
+                                                                                             strict=True)))
+            plan, _ = steering_plan(action.steer, ctx, batch)
+            request = ScoreRequest(ctx.model, batch, n_tokens, sources, conts, plan, ctx.seed, ctx)
+            scored = scorer(action.decode, request)
+            if not isinstance(scored, Scored) or len(scored.logprobs) != len(chunk):
+                raise ContractError(f"the scorer returned {type(scored).__name__}, not Scored with one value per "
+                                    "row", category="decoders", kind=action.decode.kind)
+            for (i, j), value, n in zip(chunk, scored.logprobs, n_tokens, strict=True):
+                logprobs[i, j], n_tok[i, j] = value, n
     metrics = {cfg.kind: np.asarray(component("choice_metrics", cfg.kind).impl(cfg, ctx.examples, logprobs),
                                     dtype=float) for cfg in action.metrics}
     predicted = np.array([int(np.argmax(logprobs[i, : len(ex.choices or [])])) for i, ex in enumerate(ctx.examples)],
@@ -83,7 +88,7 @@ def score(action: Any, ctx: StepContext) -> xr.Dataset:
         "predicted": ("example", predicted),
     }).assign_coords(choice=np.arange(width))
     ds.attrs.update(decode=action.decode.kind, steer=[c.kind for c in action.steer], metrics=list(metrics))
-    return ds
+    return kv_results(ds, kv)
 
 
 @hookimpl

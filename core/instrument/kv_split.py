@@ -1,0 +1,257 @@
+"""Attention over a headwise KV cache (:class:`headlab.kv.HeadwiseCache`): each group over its own keys.
+
+When a layer's cache update left a :class:`headlab.kv.SplitCall` (the layer has compressed KV heads),
+:func:`split_attention` computes the call instead of the plain path:
+
+- the query heads of the *full* KV heads attend the full group (every position) under transformers' mask,
+  exactly as the plain path does;
+- the query heads of each *compressed* KV head ``j`` (query heads ``j*g .. (j+1)*g - 1``) attend only the
+  keys the policy keeps: key ``k`` is visible to the query at ``q`` iff ``k < sink`` or ``q - k < window``
+  (and ``k <= q``), positions counted in the row's own tokens. A decode step reads the bounded group (its
+  sinks and ring buffer); a chunk of several tokens (a prefill) runs by blocks of queries, each against the
+  bounded group stored before the chunk, the chunk's own sink tokens and the chunk's keys inside the block's
+  window (never the chunk's other keys), in one exact softmax with a boolean mask.
+
+Both groups run through :func:`headlab.kernels.attention`; :func:`headlab.kernels.choose_backend` picks the
+path of each group (SDPA when no edit needs the kernels, else the torch path, or Triton on CUDA, which takes
+the same boolean mask), and the path is recorded on the cache layer (``attention_paths``) and in the
+session's backends. Edits that act per head (query scales, output scales, score zeroing) and head output
+replacements apply; key-span biases, probes, layer callbacks and key/value replacements speak key positions
+of a full cache and are refused on such a layer.
+
+A map with ``compensate`` (the ``razor`` policy) adds one compensation token per compressed head: the mean
+key and value of the tokens the query no longer sees (own positions ``sink <= k <= q - window``). A decode
+step appends the layer's running mean (:meth:`headlab.kv.HeadwiseLayer.compensation`) to the bounded
+group; a prefill computes each query's own token exactly from prefix sums over the chunk, and attends in
+plain torch (one float32 softmax over the block's keys and that token, ``compensated`` in the path).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from headlab.kernels import HeadEdits, choose_backend
+from headlab.kernels import attention as kernel_attention
+from headlab.kv import KvPolicyError, SplitCall
+
+from .layers import REFUSED_KWARGS, UnsupportedModelError
+from .masks import kernel_mask_args
+from .plan import ReplaceKV
+from .session import Session
+
+__all__ = ["split_attention"]
+
+#: elements of one query block's boolean mask and scores (B x query heads x queries x keys), at most
+_BLOCK_ELEMS = 1 << 22
+
+
+def _query_heads(kv_heads: Tensor, group: int) -> Tensor:
+    """The query heads of ``kv_heads`` under GQA (``j -> j*g .. (j+1)*g - 1``)."""
+    return (kv_heads[:, None] * group + torch.arange(group, device=kv_heads.device)[None, :]).reshape(-1)
+
+
+def _heads_of(edits: HeadEdits | None, heads: Tensor) -> HeadEdits | None:
+    """``edits`` (checked, per (row, query head)) restricted to the query heads ``heads``."""
+    if edits is None or edits.is_empty():
+        return None
+
+    def pick(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t.index_select(1, heads)
+
+    return HeadEdits(pick(edits.q_scale), pick(edits.score_zero), pick(edits.out_scale))
+
+
+def split_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                    attention_mask: Tensor | None, scaling: float | None, kwargs: dict[str, Any], split: SplitCall,
+                    session: Session | None, layer: int | None) -> Tensor:
+    """One attention call over a split cache: query (B, H, Nq, D), the full group's key/value (B, n_full,
+    Nk, D) as the cache update returned them -> (B, H, Nq, D) head outputs."""
+    for name in REFUSED_KWARGS:
+        if kwargs.get(name) is not None:
+            raise UnsupportedModelError(f"headlab: attention with `{name}` ({type(module).__name__}) is not supported")
+    cache = split.layer
+    B, H, Nq, D = query.shape
+    group = H // cache.n_kv_heads
+    scale = D**-0.5 if scaling is None else scaling
+    softcap = kwargs.get("softcap")
+    if softcap is None:
+        softcap = getattr(getattr(module, "config", None), "attn_logit_softcapping", None)
+    model_window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    model_window = model_window if model_window is not None and model_window > 0 else None
+    plan = session.plan if session is not None and layer is not None and session.plan.touches(layer) else None
+    edits, requested = None, "auto"
+    if plan is not None:
+        requested = plan.backend
+        pos = session.positions(layer, Nq, key.shape[2])
+        _refuse(plan, session, layer)
+        edits = HeadEdits(**session.edits_for(layer, B, H, pos, query.device)).checked(B, H, query.device)
+        if edits.key_spans is not None:
+            raise KvPolicyError(f"layer {layer}: key-span biases (PASTA) cannot run with a KV policy that compresses "
+                                "heads (they name key positions a compressed head no longer holds)")
+    out = query.new_empty(B, H, Nq, value.shape[-1])
+    paths = []
+    if len(cache.full_heads):
+        fq = _query_heads(cache.full_heads, group)
+        sub = _heads_of(edits, fq)
+        backend, reason = choose_backend(requested, edits=sub, softcap=softcap, device=query.device)
+        margs = kernel_mask_args(attention_mask, Nq, key.shape[2], True, model_window)
+        out[:, fq] = kernel_attention(query.index_select(1, fq), key, value, edits=sub, scale=scale, softcap=softcap,
+                                      **margs, backend=backend)[0]
+        paths.append(f"full group: {backend} ({reason})")
+    cq = _query_heads(cache.compressed_heads, group)
+    sub = _heads_of(edits, cq)
+    backend, reason = choose_backend(requested, edits=sub, softcap=softcap, device=query.device)
+    out[:, cq] = _bounded(query.index_select(1, cq), split, scale, softcap, sub, backend, model_window)
+    how = "sinks + ring buffer" if Nq == 1 else "sinks + window by query blocks"
+    if cache.compensate:
+        how += ", compensation token" + ("" if Nq == 1 else " (compensated prefill in torch)")
+    paths.append(f"compressed group: {backend} ({reason}; {how})")
+    cache.attention_paths.add("; ".join(paths))
+    if session is not None and layer is not None:
+        session.rec.backends[layer] = (backend, "kv split cache: " + "; ".join(paths))
+        if plan is not None:
+            out = session.replace_z(layer, out, session.positions(layer, Nq, key.shape[2]))
+        session.advance(layer, Nq)
+    return out
+
+
+def _refuse(plan: Any, session: Session, layer: int) -> None:
+    """What a layer with compressed KV heads cannot run: probes, callbacks, key/value replacements."""
+    if plan.probes.covers(layer) and plan.probes.any():
+        raise KvPolicyError(f"layer {layer}: attention probes cannot run with a KV policy that compresses heads")
+    if plan.callbacks:
+        raise KvPolicyError(f"layer {layer}: layer callbacks cannot run with a KV policy that compresses heads")
+    if any(isinstance(e, ReplaceKV) and any(ly == layer for ly, _ in e.heads) for e in plan.edits):
+        raise KvPolicyError(f"layer {layer}: key/value replacements cannot run with a KV policy that compresses "
+                            "heads")
+
+
+def _visible(own_q: Tensor, pos: Tensor, sink: int, window: int, model_window: int | None) -> Tensor:
+    """(B, n, L) whether key positions ``pos`` (B, L; -1: none) are visible to queries at ``own_q`` (B, n)."""
+    d = own_q[:, :, None] - pos[:, None, :]
+    p = pos[:, None, :]
+    vis = (p >= 0) & (d >= 0) & ((p < sink) | (d < window))
+    if model_window is not None:
+        vis &= d < model_window
+    return vis
+
+
+def _bounded(q: Tensor, split: SplitCall, scale: float, softcap: float | None, edits: HeadEdits | None,
+             backend: str, model_window: int | None) -> Tensor:
+    """The compressed query heads' outputs (B, Hc*g, Nq, Dv) over the keys the policy keeps."""
+    layer = split.layer
+    sink, window, pad = layer.sink, layer.window, layer.pad
+    B, Hq, Nq, _ = q.shape
+    own_q = split.start + torch.arange(Nq, device=q.device)[None, :] - pad[:, None]  # (B, Nq)
+    if Nq == 1:  # the bounded group after the update holds exactly the keys this query sees
+        k, v, pos = layer.compressed()
+        vis = _visible(own_q, pos, sink, window, model_window)
+        if layer.compensate:  # plus the compensation token, once a token was dropped
+            mk, mv, count = layer.compensation()
+            k, v = torch.cat([k, mk], 2), torch.cat([v, mv], 2)
+            vis = torch.cat([vis, (count > 0)[:, None, None]], -1)
+        return _attend(q, k, v, vis, scale, softcap, edits, backend)
+    if layer.compensate and split.prior is not None:
+        raise KvPolicyError("razor: a chunk of several tokens after earlier ones (a chunked prefill) is not "
+                            "supported; prefill the prompt in one forward")
+    ck, cv = split.chunk_keys, split.chunk_values
+    sinks = torch.arange(sink, device=q.device)
+    s_idx = sinks[None, :] + pad[:, None] - split.start  # chunk index of each own sink position (B, sink)
+    s_ok = (s_idx >= 0) & (s_idx < Nq)
+    gather = s_idx.clamp(0, max(Nq - 1, 0))[:, None, :, None]
+    sk = ck.gather(2, gather.expand(-1, ck.shape[1], -1, ck.shape[3]))
+    sv = cv.gather(2, gather.expand(-1, cv.shape[1], -1, cv.shape[3]))
+    spos = torch.where(s_ok, sinks[None, :], torch.full_like(s_idx, -1))
+    fixed_k, fixed_v, fixed_pos = [sk], [sv], [spos]
+    if split.prior is not None:
+        fixed_k.insert(0, split.prior[0])
+        fixed_v.insert(0, split.prior[1])
+        fixed_pos.insert(0, split.prior[2])
+    fixed = sum(t.shape[1] for t in fixed_pos)
+    bq = Nq
+    while bq > 1 and B * Hq * bq * (fixed + bq + window) > _BLOCK_ELEMS:
+        bq = (bq + 1) // 2
+    out = q.new_empty(B, Hq, Nq, cv.shape[-1])
+    comp = _prefix_sums(split, own_q, sink) if layer.compensate else None
+    for q0 in range(0, Nq, bq):
+        q1 = min(Nq, q0 + bq)
+        w0 = max(0, q0 - window + 1)
+        wpos = split.start + torch.arange(w0, q1, device=q.device)[None, :] - pad[:, None]
+        wpos = torch.where(wpos >= sink, wpos, torch.full_like(wpos, -1))  # sinks come from the sink gather
+        k = torch.cat([*fixed_k, ck[:, :, w0:q1]], dim=2)
+        v = torch.cat([*fixed_v, cv[:, :, w0:q1]], dim=2)
+        pos = torch.cat([*fixed_pos, wpos], dim=1)
+        vis = _visible(own_q[:, q0:q1], pos, sink, window, model_window)
+        if comp is None:
+            out[:, :, q0:q1] = _attend(q[:, :, q0:q1], k, v, vis, scale, softcap, edits, backend)
+        else:
+            mk, mv, count = _compensation(comp, own_q[:, q0:q1], q0, q1, sink, window)
+            out[:, :, q0:q1] = _attend_compensated(q[:, :, q0:q1], k, v, vis, mk, mv, count > 0, scale, softcap,
+                                                   edits)
+    return out
+
+
+def _prefix_sums(split: SplitCall, own_q: Tensor, sink: int) -> tuple[Tensor, Tensor]:
+    """Prefix sums over the chunk of the keys and values a compensation token may fold (own positions
+    ``>= sink``; padding excluded): ``[B, Hc, Nq + 1, D]`` float32, entry ``i`` the sum over chunk indices
+    ``< i`` (the chunk is a row's first: nothing was dropped before it)."""
+    keep = (own_q >= sink)[:, None, :, None]
+    out = []
+    for t in (split.chunk_keys, split.chunk_values):
+        summed = torch.cumsum(t.float() * keep, dim=2)
+        out.append(torch.cat([summed.new_zeros(*summed.shape[:2], 1, summed.shape[3]), summed], dim=2))
+    return out[0], out[1]
+
+
+def _compensation(comp: tuple[Tensor, Tensor], own_q: Tensor, q0: int, q1: int, sink: int,
+                  window: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Per query of the block ``[q0, q1)``: the mean key and value (B, Hc, n, D) of the keys it no longer sees
+    (own positions ``sink <= k <= q - window``) and their number (B, n)."""
+    end = (torch.arange(q0, q1, device=own_q.device) - window + 1).clamp(min=0)  # chunk indices < end dropped
+    count = (own_q - window + 1 - sink).clamp(min=0)
+    scale = 1.0 / count.clamp(min=1).to(torch.float32)[:, None, :, None]
+    pk, pv = comp
+    return pk.index_select(2, end) * scale, pv.index_select(2, end) * scale, count
+
+
+def _attend_compensated(q: Tensor, k: Tensor, v: Tensor, vis: Tensor, mk: Tensor, mv: Tensor, has: Tensor,
+                        scale: float, softcap: float | None, edits: HeadEdits | None) -> Tensor:
+    """Attention of ``q`` (B, Hc*g, n, D) over the shared keys ``k`` (B, Hc, L, D) under ``vis`` (B, n, L) plus one
+    compensation key per query (``mk``/``mv`` (B, Hc, n, D), present where ``has`` (B, n)), in one softmax
+    (float32; the block is bounded by the caller)."""
+    B, Hq, n, D = q.shape
+    Hc = k.shape[1]
+    g = Hq // Hc
+    qf = q.float()
+    if edits is not None and edits.q_scale is not None:
+        qf = qf * edits.q_scale[:, :, None, None]
+    qg = qf.view(B, Hc, g, n, D)
+    s = torch.einsum("bhgnd,bhld->bhgnl", qg, k.float()) * scale
+    sc = torch.einsum("bhgnd,bhnd->bhgn", qg, mk)[..., None] * scale
+    s = torch.cat([s, sc], -1)
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    if edits is not None and edits.score_zero is not None:
+        s = s.masked_fill(edits.score_zero.view(B, Hc, g, 1, 1), 0.0)
+    seen = torch.cat([vis, has[:, :, None]], -1)[:, None, None]
+    s = s.masked_fill(~seen, -torch.inf)
+    m = s.amax(-1, keepdim=True)
+    p = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros((), device=m.device)))
+    total = p.sum(-1, keepdim=True)
+    p = p / torch.where(total > 0, total, torch.ones((), device=total.device))
+    L = k.shape[2]
+    z = torch.einsum("bhgnl,bhld->bhgnd", p[..., :L], v.float()) + p[..., L:] * mv[:, :, None]
+    z = z.reshape(B, Hq, n, -1)
+    if edits is not None and edits.out_scale is not None:
+        z = z * edits.out_scale[:, :, None, None]
+    return z.to(q.dtype)
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, vis: Tensor, scale: float, softcap: float | None,
+            edits: HeadEdits | None, backend: str) -> Tensor:
+    """Attention of queries ``q`` over keys ``k`` under the boolean visibility ``vis`` (B, n, L)."""
+    return kernel_attention(q, k, v, edits=edits, scale=scale, softcap=softcap, causal=False,
+                            attn_mask=vis[:, None], backend=backend)[0]

@@ -1,0 +1,45 @@
+"""The ``razor`` KV policy: streaming heads plus RazorAttention's compensation token.
+
+Hanlin Tang et al. (2024), "RazorAttention: Efficient KV Cache Compression Through Retrieval Heads",
+arXiv:2407.15891. The KV heads of ``full_heads`` (RazorAttention takes its retrieval heads from echo and
+induction scores; here any head selection, as for ``streaming``) keep their whole cache; every other KV
+head keeps its row's ``sink`` first tokens, the ``window`` most recent ones, and one compensation token: the
+mean of the keys and of the values it dropped (own positions ``sink <= k <= q - window`` for the query at
+``q``), attended like any other key once a token was dropped.
+"""
+
+from typing import Literal
+
+import numpy as np
+from pydantic import Field
+
+from headlab import ComponentConfig, StepContext, hookimpl
+from headlab.kv import GqaRule, HeadMap, KvHeadSelection, kv_heads
+from headlab.spec import NonNegativeInt, PositiveInt
+
+from .common import GQA_FIELD, SINK_FIELD, WINDOW_FIELD
+
+
+class RazorKV(ComponentConfig):
+    """Streaming heads with a compensation token: full_heads keep every token, the other KV heads sink + window
+    tokens plus the mean of the keys and values they dropped."""
+
+    kind: Literal["razor"] = "razor"
+    full_heads: KvHeadSelection | None = Field(
+        None, description="KV heads that keep their whole cache (as for streaming); none: every head is compressed")
+    sink: NonNegativeInt = SINK_FIELD
+    window: PositiveInt = WINDOW_FIELD
+    gqa: GqaRule = GQA_FIELD
+
+
+def compile_razor(config: RazorKV, ctx: StepContext) -> HeadMap:
+    """The head map of ``full_heads``, compressed heads with a compensation token."""
+    full = kv_heads(config.full_heads, ctx.results, ctx.model.geometry, gqa=config.gqa,
+                    rng=np.random.default_rng(ctx.seed))
+    return HeadMap(full, sink=config.sink, window=config.window, compensate=True,
+                   attrs={"policy": "razor", "gqa": config.gqa})
+
+
+@hookimpl
+def headlab_register_kv_policies(register):
+    register(RazorKV, compile_razor)

@@ -1,0 +1,164 @@
+"""The ``razor`` KV policy: streaming heads plus a compensation token per compressed KV head, against a
+reference that computes each query's token by hand (the mean of the keys and values at own positions
+``sink <= k <= q - window``, appended to the query's visible keys), on a tiny GQA Llama batched with left
+padding, prefill and decode; the cache's running sums and bytes."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import transformers
+import xarray as xr
+from transformers import AttentionInterface
+
+from headlab import component
+from headlab.geometry import Geometry
+from headlab.instrument import ATTN_IMPLEMENTATION, register
+from headlab.kv import HeadMap, HeadwiseCache, KvPolicyError, kv_policy
+
+VOCAB = 97
+_REF: dict = {}
+
+
+def _razor_reference(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Eager attention where the query heads of a compressed KV head see the sinks, the window and, once a
+    token was dropped, one more key: the mean of the dropped keys (with the mean of their values)."""
+    full, sink, window, pad = _REF["full"][module.layer_idx], _REF["sink"], _REF["window"], _REF["pad"]
+    B, H, N, D = query.shape
+    g = H // key.shape[1]
+    k, v, q = key.repeat_interleave(g, 1).float(), value.repeat_interleave(g, 1).float(), query.float()
+    scale = scaling if scaling is not None else D**-0.5
+    out = torch.zeros(B, H, N, v.shape[-1])
+    for b in range(B):
+        for i in range(N):
+            own_q = i - int(pad[b])
+            if own_q < 0:
+                continue
+            for h in range(H):
+                keys = [j for j in range(N) if 0 <= j - int(pad[b]) <= own_q]
+                if not full[h // g]:
+                    keys_own = [(j, j - int(pad[b])) for j in keys]
+                    dropped = [j for j, o in keys_own if o >= sink and own_q - o >= window]
+                    keys = [j for j, o in keys_own if o < sink or own_q - o < window]
+                else:
+                    dropped = []
+                kk, vv = k[b, h, keys], v[b, h, keys]
+                if dropped:
+                    kk = torch.cat([kk, k[b, h, dropped].mean(0, keepdim=True)])
+                    vv = torch.cat([vv, v[b, h, dropped].mean(0, keepdim=True)])
+                out[b, h, i] = ((q[b, h, i] @ kk.T) * scale).softmax(-1) @ vv
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register("kv_razor_reference", _razor_reference)
+
+
+def _config() -> transformers.LlamaConfig:
+    return transformers.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64)
+
+
+def _models():
+    register()
+    torch.manual_seed(0)
+    ours = transformers.AutoModelForCausalLM.from_config(_config(), attn_implementation=ATTN_IMPLEMENTATION).eval()
+    ref = transformers.AutoModelForCausalLM.from_config(_config(), attn_implementation="kv_razor_reference").eval()
+    ref.load_state_dict(ours.state_dict())
+    return ours, ref
+
+
+def _map(full: list[list[bool]], sink: int, window: int) -> HeadMap:
+    arr = np.array(full, dtype=bool)
+    da = xr.DataArray(arr, dims=("layer", "kv_head"), coords={"layer": np.arange(2), "kv_head": np.arange(2)})
+    return HeadMap(da, sink=sink, window=window, compensate=True)
+
+
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+@pytest.mark.parametrize(("sink", "window", "full"), [(2, 3, [[True, False], [False, False]]),
+                                                      (0, 2, [[False, False], [False, True]])])
+def test_razor_equals_the_hand_reference(sink, window, full):
+    ours, ref = _models()
+    g = torch.Generator().manual_seed(2)
+    lengths, steps = [10, 6, 12], 6
+    n = max(lengths)
+    ids = torch.zeros(3, n, dtype=torch.long)
+    mask = torch.zeros(3, n, dtype=torch.long)
+    for r, length in enumerate(lengths):
+        ids[r, n - length:] = torch.randint(1, VOCAB, (length,), generator=g)
+        mask[r, n - length:] = 1
+    head_map = _map(full, sink, window)
+    _REF.update(full=head_map.kv_full.values, sink=sink, window=window, pad=(mask == 0).sum(-1))
+    with torch.no_grad():
+        with kv_policy(ours, head_map) as usage:
+            out = ours(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=True)
+            got_prompt, got_steps, tokens, cache, m = out.logits, [], [], out.cache, mask
+            for _ in range(steps):
+                nxt = out.logits[:, -1:].argmax(-1)
+                tokens.append(nxt)
+                m = torch.cat([m, torch.ones_like(m[:, :1])], 1)
+                out = ours(input_ids=nxt, attention_mask=m, position_ids=_positions(m)[:, -1:], cache=cache,
+                           use_cache=True)
+                got_steps.append(out.logits[:, -1])
+        r_ids, r_mask = ids, mask
+        ref_prompt = ref(input_ids=ids, attention_mask=mask, position_ids=_positions(mask)).logits
+        ref_steps = []
+        for _ in range(steps):
+            logits = ref(input_ids=r_ids, attention_mask=r_mask, position_ids=_positions(r_mask)).logits
+            r_ids = torch.cat([r_ids, logits[:, -1:].argmax(-1)], 1)
+            r_mask = torch.cat([r_mask, torch.ones_like(r_mask[:, :1])], 1)
+            ref_steps.append(ref(input_ids=r_ids, attention_mask=r_mask, position_ids=_positions(r_mask)).logits[:, -1])
+    real = mask.bool()
+    torch.testing.assert_close(got_prompt[real], ref_prompt[real], rtol=0, atol=1e-5)
+    torch.testing.assert_close(torch.stack(got_steps, 1), torch.stack(ref_steps, 1), rtol=0, atol=1e-5)
+    assert torch.equal(torch.cat(tokens, 1), r_ids[:, n:])  # token for token
+    assert any("compensation token" in p for p in usage.paths)
+    # the running sums are the sums of exactly the dropped keys; the bytes count the compensation token
+    assert isinstance(cache, HeadwiseCache)
+    seen = n + steps
+    for layer in range(2):
+        lay = cache.layers[layer]
+        _, _, count = lay.compensation()
+        assert count.tolist() == [max(0, length + steps - sink - window) for length in lengths]
+        n_full, n_comp = sum(full[layer]), 2 - sum(full[layer])
+        slots = min(sink, max(lengths) + steps) + min(window, max(lengths) + steps - sink)
+        assert cache.nbytes(layer) == 2 * 3 * (n_full * seen + n_comp * (slots + 1)) * 8 * 4
+
+
+def test_running_sums_hold_the_dropped_keys():
+    sink, window = 1, 3
+    cache = HeadwiseCache(_map([[False, False], [False, False]], sink, window), [2, 0])
+    keys = torch.randn(2, 2, 12, 8)
+    cache.update(keys[:, :, :7], keys[:, :, :7] + 100, 0)
+    for t in range(7, 12):
+        cache.update(keys[:, :, t:t + 1], keys[:, :, t:t + 1] + 100, 0)
+        layer = cache.layers[0]
+        mk, mv, count = layer.compensation()
+        for row, pad in enumerate([2, 0]):
+            own = t + 1 - pad
+            dropped = [p + pad for p in range(own) if sink <= p < own - window]
+            assert count[row] == len(dropped)
+            torch.testing.assert_close(mk[row, :, 0], keys[row, :, dropped].mean(1), rtol=0, atol=1e-6)
+            torch.testing.assert_close(mv[row, :, 0], keys[row, :, dropped].mean(1) + 100, rtol=1e-6, atol=1e-5)
+
+
+def test_the_razor_component_and_refusals():
+    comp = component("kv", "razor")
+    config = comp.config.model_validate({"kind": "razor", "full_heads": [[0, 1]], "sink": 2, "window": 4})
+    ctx = SimpleNamespace(model=SimpleNamespace(geometry=Geometry(2, 4, 2, 8)), results={}, seed=0)
+    head_map = comp.impl(config, ctx)
+    assert head_map.compensate and head_map.kv_full.values.tolist() == [[True, False], [False, False]]
+    assert int(head_map.kept_tokens(10).values[1, 0]) == 2 + 4 + 1  # sinks, window, compensation token
+    assert int(head_map.kept_tokens(6).values[1, 0]) == 6  # nothing dropped, no token
+    assert head_map.to_dataarray(10).attrs["compensate"] is True
+    ours, _ = _models()
+    ids = torch.randint(1, VOCAB, (1, 9))
+    with pytest.raises(KvPolicyError, match="chunked prefill"), torch.no_grad(), \
+            kv_policy(ours, _map([[False, False], [False, False]], 1, 2)):
+        first = ours(input_ids=ids[:, :5], use_cache=True)
+        ours(input_ids=ids[:, 5:], cache=first.cache, position_ids=torch.arange(5, 9)[None], use_cache=True)
