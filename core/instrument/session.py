@@ -114,7 +114,7 @@ class Session:
         spans_l: list[Tensor] = []
         bias_l: list[Tensor] = []
         for e in self.plan.edits:
-            if isinstance(e, (LayerCallback, ReplaceZ, ReplaceKV)):
+            if isinstance(e, (LayerCallback, ReplaceZ, ReplaceKV)) or e.heads is None:  # heads None: per-layer edits
                 continue
             hit = _selection(e, layer, B, H, device)
             if hit is None:
