@@ -26,6 +26,7 @@ from .instrument import (
     Probes,
     Recording,
     ReplaceKV,
+    ReplaceQ,
     ReplaceResid,
     ReplaceZ,
     SteeringConflictError,
@@ -53,7 +54,8 @@ __all__ = [
     "Batch", "Geometry", "LoadedModel", "forward", "from_config", "from_pretrained", "load_model",
     "positions_from_mask", "token_runs", "tokenize",
     # steering plans and recordings
-    "AddZ", "DropResidGrad", "KeyBias", "Plan", "Probes", "Recording", "ReplaceKV", "ReplaceResid", "ReplaceZ",
+    "AddZ", "DropResidGrad", "KeyBias", "Plan", "Probes", "Recording", "ReplaceKV", "ReplaceQ", "ReplaceResid",
+    "ReplaceZ",
     "SteeringConflictError",
     "instrumented", "shared_trunk", "span_tensor",
     # heads and result arrays

@@ -27,6 +27,7 @@ __all__ = [
     "DropResidGrad",
     "QueryScale",
     "ReplaceKV",
+    "ReplaceQ",
     "ReplaceResid",
     "ReplaceZ",
     "ScoreZero",
@@ -318,6 +319,43 @@ class ReplaceKV(Edit):
 
 
 @dataclass(eq=False)
+class ReplaceQ(Edit):
+    """Replace the queries of ``heads`` on ``rows`` at ``positions`` with ``values`` before attention (path
+    patching into a head's query input).
+
+    The fields of :class:`ReplaceZ`: ``heads`` explicit ``(layer, head)`` query heads; ``values``
+    broadcastable to (rows, heads, positions, head_dim); ``positions`` absolute query positions (``None`` =
+    ``0..P-1``). The queries are the ones attention reads (after the rotary embedding and any query norm;
+    a :class:`QueryScale` still multiplies them). On every path.
+    """
+
+    kind: ClassVar[str] = "q_replace"
+    description: ClassVar[str] = "query replacement"
+    heads: list[Head]
+    values: Tensor
+    rows: list[int] | None = None
+    positions: list[int] | None = None
+    owner: str | None = field(default=None, kw_only=True)
+    instance: Any = field(default=None, kw_only=True, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if any(h is None for _, h in self.heads):
+            raise ValueError("ReplaceQ needs explicit (layer, head) pairs")
+        if not isinstance(self.values, Tensor):
+            self.values = torch.as_tensor(self.values)
+        if self.values.dim() == 0:
+            raise ValueError("ReplaceQ: values must have at least a head_dim axis")
+        if self.positions is not None:
+            self.positions = [int(p) for p in self.positions]
+            if any(p < 0 for p in self.positions):
+                raise ValueError(f"ReplaceQ: positions must be >= 0, got {self.positions}")
+
+    n_positions = ReplaceZ.n_positions
+    full_values = ReplaceZ.full_values
+
+
+@dataclass(eq=False)
 class ReplaceResid(Edit):
     """Replace the residual stream entering decoder layer ``layer`` (its input hidden states) on ``rows`` at
     ``positions`` with ``values`` (activation patching of the residual stream; layer 0's input is the
@@ -392,8 +430,8 @@ class DropResidGrad(Edit):
             raise ValueError(f"DropResidGrad: layer must be >= 0, got {self.layer}")
 
 
-_EDIT_TYPES = (QueryScale, ScoreZero, OutputScale, KeyBias, LayerCallback, ReplaceZ, ReplaceKV, ReplaceResid,
-               DropResidGrad)
+_EDIT_TYPES = (QueryScale, ScoreZero, OutputScale, KeyBias, LayerCallback, ReplaceZ, ReplaceKV, ReplaceQ,
+               ReplaceResid, DropResidGrad)
 
 
 @dataclass
@@ -412,6 +450,8 @@ class Plan:
       patching), after the other edits; :class:`AddZ` (the same fields): add to it;
     - :class:`ReplaceKV` ``(heads, keys, values, rows, positions)``: replace the keys / values of key/value
       heads before attention;
+    - :class:`ReplaceQ` ``(heads, values, rows, positions)``: replace the queries of query heads before
+      attention;
     - :class:`ReplaceResid` ``(layer, values, rows, positions)``: replace the residual stream entering a
       decoder layer; :class:`DropResidGrad` ``(layer, rows)``: drop the gradient through a layer's residual
       write (both per layer, not per head).
@@ -518,6 +558,12 @@ class Plan:
         ``positions`` (a :class:`ReplaceKV`)."""
         return self.add(ReplaceKV(heads, keys, values, rows, positions, owner=owner))
 
+    def patch_q(self, heads: HeadSpec, values: Tensor, rows: Sequence[int] | None = None,
+                positions: Sequence[int] | None = None, *, owner: Any = None) -> Plan:
+        """Replace the queries of these heads on ``rows`` at absolute ``positions`` with ``values``
+        (broadcastable to (rows, heads, positions, head_dim); a :class:`ReplaceQ`)."""
+        return self.add(ReplaceQ(heads, values, rows, positions, owner=owner))
+
     def patch_resid(self, layer: int, values: Tensor, rows: Sequence[int] | None = None,
                     positions: Sequence[int] | None = None, *, owner: Any = None) -> Plan:
         """Replace the residual stream entering decoder layer ``layer`` on ``rows`` at absolute ``positions``
@@ -585,6 +631,10 @@ class Plan:
                 parts = {name: None if (t := e.full(name, len(src))) is None else t[which.to(t.device)]
                          for name in ("keys", "values")}
                 out.edits.append(dataclasses.replace(e, **parts, rows=new_rows))
+            elif isinstance(e, ReplaceQ):
+                which = torch.tensor([i for i, r in enumerate(src) for _ in rows_for(r)], dtype=torch.long)
+                values = e.full_values(len(src))
+                out.edits.append(dataclasses.replace(e, values=values[which.to(values.device)], rows=new_rows))
             elif isinstance(e, ReplaceResid):
                 which = torch.tensor([i for i, r in enumerate(src) for _ in rows_for(r)], dtype=torch.long)
                 values = e.full_values(len(src))
