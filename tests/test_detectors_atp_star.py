@@ -1,4 +1,4 @@
-"""attribution_patching with ``method: atp_star`` (docs/methods.md#atp-kramar-et-al-2024) against references
+"""attribution_patching with ``method: atp_star`` (docs/methods.md#atp-the-qk-fix-and-graddrop) against references
 written here on an eager copy of the model, one unpadded prompt at a time:
 
 - the QK fix: an attention function of the test's own records each layer's queries, keys and values and

@@ -411,7 +411,7 @@ class ReplaceResid(Edit):
 @dataclass(eq=False)
 class DropResidGrad(Edit):
     """Drop the gradient through decoder layer ``layer``'s write to the residual stream on ``rows`` (GradDrop,
-    docs/methods.md#atp-kramar-et-al-2024): the forward is unchanged; in the backward pass the gradient
+    docs/methods.md#atp-the-qk-fix-and-graddrop): the forward is unchanged; in the backward pass the gradient
     reaches the layers below only through the residual skip around ``layer``, and nothing inside ``layer``
     gets a gradient from those rows."""
 

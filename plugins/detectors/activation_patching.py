@@ -12,8 +12,8 @@ the head's ``z`` at every position (``(layer, head)``); ``z_position`` at one to
 the keys (as attention reads them, after the rotary embedding) and values of one key/value head at every
 position (:class:`headlab.ReplaceKV`; ``(layer, kv_head)``, the coordinate ``serves (kv_head, head)`` marks
 the query heads each one serves under grouped-query attention); ``resid`` replaces the residual stream entering
-one decoder layer at one token (:class:`headlab.ReplaceResid`; ``(layer, token)``; layer 0's input is the
-embedding).
+one decoder layer at one token (:class:`headlab.ReplaceResid`, docs/methods.md#residual-stream-patching;
+``(layer, token)``; layer 0's input is the embedding).
 
 The metric is read at the last position: ``logit_diff = logit[answer] - logit[wrong]`` or ``logprob`` =
 the log-probability of the answer. ``score = (mean patched - mean corrupt) / (mean clean - mean corrupt)``

@@ -19,8 +19,8 @@ direction); the attrs then hold ``spearman`` (the Spearman rank correlation of t
 unit) and ``top_k_recall`` (the fraction of the reference's ``top_k`` units with the largest effect
 ``|score - s0|``, ``s0`` = 0 to denoise and 1 to noise, that are among AtP's ``top_k``).
 
-``method: atp_star`` (docs/methods.md#atp-kramar-et-al-2024; Kramár et al. 2024) adds the paper's two
-changes, each with its switch:
+``method: atp_star`` (docs/methods.md#atp-the-qk-fix-and-graddrop; Kramár et al. 2024) adds the paper's
+two changes, each with its switch:
 
 - ``grad_drop`` (GradDrop): the gradient is taken ``L`` more times, the ``l``-th time with the gradient through
   decoder layer ``l``'s write to the residual stream dropped (:class:`headlab.DropResidGrad`; one forward and
@@ -374,7 +374,7 @@ def detect(config: AttributionPatching, ctx: StepContext) -> xr.Dataset:
                     position="last", reference="docs/methods.md#attribution-patching")
     if star:
         ds.attrs.update(qk_fix=int(config.qk_fix), grad_drop=int(config.grad_drop),
-                        reference="docs/methods.md#atp-kramar-et-al-2024")
+                        reference="docs/methods.md#atp-the-qk-fix-and-graddrop")
     if config.reference is not None:
         ds.attrs.update(_compare(config, ctx, ds["score"].values))
     return ds
