@@ -105,8 +105,12 @@ class AttributionPatching(ComponentConfig):
     top_k: PositiveInt = Field(10, description="the units compared by top_k_recall")
 
     def estimate(self, ctx: EstimateContext) -> list[Estimate]:
-        """Hidden states of the forward over the clean and corrupted prompts of a chunk, kept for the backward."""
-        return [ctx.activations(ctx.task.tokens, ctx.rows(2 * self.pair_batch_size))]
+        """Hidden states of the forward over the clean and corrupted prompts of a chunk, kept for the backward
+        (under GradDrop: of the ``L + 1`` copies of the target prompts)."""
+        rows = ctx.rows(2 * self.pair_batch_size)
+        if self.method == "atp_star" and self.grad_drop:
+            rows = max(rows, (ctx.geometry.n_layers + 1) * ctx.rows(self.pair_batch_size))
+        return [ctx.activations(ctx.task.tokens, rows)]
 
 
 def target_gradients(lm, runs: PairRuns, metric: str, direction: str = "denoise",
