@@ -51,8 +51,10 @@ def _softmax(logits):
     return torch.softmax(logits, dim=-1)
 
 
-def qk_reference(model, tok, examples, L: int, H: int, K: int, metric: str, direction: str):
-    """{query, key}: (L, H | K, E) and per token (L, H | K, T, E) QK-fix estimates ``sum (A' - A) dm/dA``."""
+def qk_reference(model, tok, examples, L: int, H: int, K: int, metric: str, direction: str, drop=None,
+                 layers=None):
+    """{query, key}: (L, H | K, E) and per token (L, H | K, T, E) QK-fix estimates ``sum (A' - A) dm/dA``;
+    ``drop``: ``dm/dA`` with that decoder layer's write detached (``layers``: the decoder layers)."""
     store: dict = {}
     _register_capture(store)
     model.set_attn_implementation(CAPTURE)
@@ -68,9 +70,20 @@ def qk_reference(model, tok, examples, L: int, H: int, K: int, metric: str, dire
         with torch.no_grad():
             model(input_ids=torch.tensor([source]))
         src = {ly: tuple(t.detach() for t in store[ly][:2]) for ly in range(L)}
-        m = _metric(model(input_ids=torch.tensor([target])).logits[0, -1], a, w, metric)
+        handles = []
+        if drop is not None:
+            def post(module, args, kwargs, out):
+                inp = args[0] if args else kwargs["hidden_states"]
+                return inp + (out - inp).detach()
+            handles.append(layers[drop].register_forward_hook(post, with_kwargs=True))
+        try:
+            m = _metric(model(input_ids=torch.tensor([target])).logits[0, -1], a, w, metric)
+        finally:
+            for handle in handles:
+                handle.remove()
         tgt = {ly: store[ly] for ly in range(L)}
-        grads = torch.autograd.grad(m, [tgt[ly][3] for ly in range(L)])
+        grads = torch.autograd.grad(m, [tgt[ly][3] for ly in range(L)], allow_unused=True)
+        grads = [torch.zeros_like(tgt[ly][3]) if g is None else g for ly, g in enumerate(grads)]
         T = len(target)
         causal = torch.full((T, T), float("-inf")).triu(1)
         for ly in range(L):
@@ -236,3 +249,28 @@ def test_graddrop_combination_and_its_errors():
         detect(AttributionPatching(method="atp_star"), ctx)
     ds = detect(AttributionPatching(method="atp_star", grad_drop=False), ctx)
     assert set(ds.data_vars) >= {"score", "atp", "query", "query_score", "key", "key_score"}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_qk_fix_under_graddrop_combines_the_exact_estimates_of_every_dropped_gradient(arch):
+    tok, lm, eager = _three_layers(arch)
+    lm.model.double()
+    ref_model = eager["eager"].double()
+    examples = pair_examples(tok)
+    geo = lm.geometry
+    L, H, K = geo.n_layers, geo.n_heads, geo.n_kv_heads
+    ctx = StepContext(model=lm, examples=examples, results={}, seed=0)
+    ds = detect(AttributionPatching(method="atp_star"), ctx)
+    per_token = detect(AttributionPatching(method="atp_star", unit="z_position"), ctx)
+    layers = _decoder_layers(ref_model, arch)
+    variants = [qk_reference(ref_model, tok, examples, L, H, K, "logit_diff", "denoise", drop, layers)
+                for drop in [None, *range(L)]]
+    for name, got in (("query", ds["query"]), ("key", ds["key"]),
+                      ("query_token", per_token["query"]), ("key_token", per_token["key"])):
+        plain = variants[0][name]
+        dropped = np.stack([v[name] for v in variants[1:]])
+        want = np.sign(plain) * np.abs(dropped).sum(0) / (L - 1)
+        scale = np.nanmax(np.abs(want))
+        assert scale > 1e-3, name
+        np.testing.assert_allclose(got.values, want, rtol=1e-4, atol=1e-5 * scale, err_msg=name)
+        assert np.nanmax(np.abs(want - plain)) > 1e-4, name  # the dropped gradients change the estimate
