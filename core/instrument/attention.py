@@ -165,7 +165,8 @@ def _request(call: _Call) -> _Request:
         request.probes = ProbeRequest(p.argmax, p.entropy, sess.probe_spans(B, pos, device),
                                       sess.probe_offsets(B, pos, device), p.pattern,
                                       None if request.pair_pos is None else pos.pairs(request.pair_pos))
-        request.reads_z = request.reads_z or p.z_positions is not None or p.kv_positions is not None or p.q_positions is not None
+        request.reads_z = (request.reads_z or p.z_positions is not None or p.kv_positions is not None
+                           or p.q_positions is not None)
     return request
 
 

@@ -115,7 +115,7 @@ class Session:
         spans_l: list[Tensor] = []
         bias_l: list[Tensor] = []
         for e in self.plan.edits:
-            if isinstance(e, (LayerCallback, ReplaceZ, ReplaceKV, ReplaceQ)) or e.heads is None:  # heads None: per-layer edits
+            if isinstance(e, (LayerCallback, ReplaceZ, ReplaceKV, ReplaceQ)) or e.heads is None:  # None: per layer
                 continue
             hit = _selection(e, layer, B, H, device)
             if hit is None:
@@ -251,9 +251,10 @@ def _selection(e: Edit, layer: int, B: int, H: int, device: Any) -> tuple[Tensor
     return rows, sel
 
 
-def _replaced(e: ReplaceZ | ReplaceQ, layer: int, z: Tensor, pos: CallPositions, B: int, H: int, Nq: int, D: int) -> Tensor:
-    """``z`` with the values of one :class:`ReplaceZ` (or added, :class:`AddZ`) at its heads of ``layer`` and the
-    call's queries."""
+def _replaced(e: ReplaceZ | ReplaceQ, layer: int, z: Tensor, pos: CallPositions, B: int, H: int, Nq: int,
+              D: int) -> Tensor:
+    """``z`` with the values of one :class:`ReplaceZ` (or added, :class:`AddZ`; or the queries of a
+    :class:`ReplaceQ`) at its heads of ``layer`` and the call's queries."""
     device = z.device
     rows = list(range(B)) if e.rows is None else e.rows
     if rows and max(rows) >= B:

@@ -195,9 +195,9 @@ def _shared_prefix(runs: PairRuns, e: int) -> int:
 def _patches(runs: PairRuns, unit: str, L: int, H: int, K: int) -> Iterator[Patch | tuple[tuple[int, ...], int]]:
     """``(unit index, example, edit(row))`` for every patch of a chunk: the source run's ``z`` of one head at
     every position or at one token of the example, the keys and values of one key/value head at every
-    position, or the residual stream entering one layer at one token. A token before the first one where the pair's prompts differ has the same ``z`` in both runs,
-    so its patch changes nothing: it comes as ``(unit index, example)`` alone, its patched metric the
-    target's."""
+    position, or the residual stream entering one layer at one token. A token before the first one where the
+    pair's prompts differ has the same ``z`` (and residual stream) in both runs, so its patch changes nothing:
+    it comes as ``(unit index, example)`` alone, its patched metric the target's."""
     source = runs.rows("clean")
     T = runs.ids.shape[1]
     if unit == "kv":
