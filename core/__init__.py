@@ -20,11 +20,14 @@ from .hookspecs import hookimpl
 from .image_attention import attention_preview
 from .instrument import (
     AddZ,
+    DropResidGrad,
     KeyBias,
     Plan,
     Probes,
     Recording,
     ReplaceKV,
+    ReplaceQ,
+    ReplaceResid,
     ReplaceZ,
     SteeringConflictError,
     shared_trunk,
@@ -51,7 +54,9 @@ __all__ = [
     "Batch", "Geometry", "LoadedModel", "forward", "from_config", "from_pretrained", "load_model",
     "positions_from_mask", "token_runs", "tokenize",
     # steering plans and recordings
-    "AddZ", "KeyBias", "Plan", "Probes", "Recording", "ReplaceKV", "ReplaceZ", "SteeringConflictError",
+    "AddZ", "DropResidGrad", "KeyBias", "Plan", "Probes", "Recording", "ReplaceKV", "ReplaceQ", "ReplaceResid",
+    "ReplaceZ",
+    "SteeringConflictError",
     "instrumented", "shared_trunk", "span_tensor",
     # heads and result arrays
     "DIMENSIONS", "attention_preview", "draw_like", "from_pasta_json", "from_retrieval_json", "to_pasta_json",

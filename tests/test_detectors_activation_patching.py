@@ -218,3 +218,69 @@ def test_equal_clean_and_corrupt_metrics_and_non_pairs_are_refused():
     no_corrupt = [Example(prompt=ex.prompt, meta={"answer_id": 5, "wrong_id": 6}) for ex in same]
     with pytest.raises(ValueError, match=r"example 0 has no corrupted prompt"):
         detect(ActivationPatching(), StepContext(model=lm, examples=no_corrupt, results={}, seed=0))
+
+
+def _decoder_layers(model, arch: str):
+    return model.transformer.h if arch == "gpt2" else model.model.layers
+
+
+def resid_reference(model, arch: str, tok, examples, L: int, metric: str, direction: str) -> np.ndarray:
+    """(layer, token, example) metrics of the target prompt (corrupted to denoise) with the input of one decoder
+    layer at one token overwritten by the source prompt's, by a forward pre-hook on that layer."""
+    T = max(len(tok(ex.prompt).input_ids) for ex in examples)
+    patched = np.full((L, T, len(examples)), np.nan)
+    layers = _decoder_layers(model, arch)
+
+    def run(ids, layer=None, position=None, value=None):
+        seen: dict = {}
+        handles = []
+        for ly in range(L):
+            def pre(module, args, kwargs, ly=ly):
+                hidden = args[0] if args else kwargs["hidden_states"]
+                if ly == layer:
+                    hidden = hidden.clone()
+                    hidden[0, position] = value
+                seen[ly] = hidden[0].detach()
+                return ((hidden, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hidden})
+            handles.append(layers[ly].register_forward_pre_hook(pre, with_kwargs=True))
+        try:
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
+        finally:
+            for h in handles:
+                h.remove()
+        return logits, seen
+
+    for e, ex in enumerate(examples):
+        a, w = ex.meta["answer_id"], ex.meta["wrong_id"]
+        ids_clean, ids_corrupt = tok(ex.prompt).input_ids, tok(ex.meta["corrupt_prompt"]).input_ids
+        source, target = (ids_clean, ids_corrupt) if direction == "denoise" else (ids_corrupt, ids_clean)
+        _, seen = run(source)
+        for layer in range(L):
+            for p in range(len(target)):
+                logits, _ = run(target, layer, p, seen[layer][p])
+                patched[layer, p, e] = _metric(logits, a, w, metric)
+    return patched
+
+
+@pytest.mark.parametrize(("arch", "metric", "direction"),
+                         [(arch, "logit_diff", "denoise") for arch in ARCHS] + [("qwen2", "logprob", "noise")])
+def test_resid_patching_equals_the_decoder_layer_pre_hook_reference(arch, metric, direction):
+    tok, lm, eager = models(arch)
+    examples = pair_examples(tok)  # three lengths: one left-padded chunk
+    L = lm.geometry.n_layers
+    ctx = StepContext(model=lm, examples=examples, results={}, seed=0)
+    ds = detect(ActivationPatching(unit="resid", metric=metric, direction=direction, batch_size=7,
+                                   pair_batch_size=3), ctx)
+    want = resid_reference(eager["eager"], arch, tok, examples, L, metric, direction)
+    assert ds["patched"].dims == ("layer", "token", "example") and ds["score"].dims == ("layer", "token")
+    assert np.array_equal(np.isnan(ds["patched"].values), np.isnan(want))
+    np.testing.assert_allclose(ds["patched"].values, want, atol=1e-5, rtol=0)
+    clean, corrupt = ds["clean"].values, ds["corrupt"].values
+    np.testing.assert_allclose(ds["score"].values, _score(clean, corrupt, want), atol=1e-4, rtol=1e-4)
+    # entering layer 0 the residual stream is the token's embedding: a token both prompts share changes nothing
+    target = corrupt if direction == "denoise" else clean
+    for e, ex in enumerate(examples):
+        same = np.array(tok(ex.prompt).input_ids) == np.array(tok(ex.meta["corrupt_prompt"]).input_ids)
+        np.testing.assert_allclose(ds["patched"].values[0, :len(same), e][same], target[e], atol=1e-5)
+        assert np.abs(ds["patched"].values[0, :len(same), e][~same] - target[e]).max() > 1e-3

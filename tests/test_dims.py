@@ -27,6 +27,7 @@ NIAH = {"kind": "niah", "context_lengths": [48], "depths": [0.5], "needles": 2}
 COUNTERFACT = {"kind": "counterfact", "n": 2}
 KV_SWAP = {"kind": "kv_swap", "n": 2}
 EMPHASIS = {"kind": "emphasis", "n": 2}
+REPEATED_PAIRS = {"kind": "repeated_pairs", "n": 2, "length": 4}
 
 DETECT = {
     "previous_token": ({}, REPEATED),
@@ -45,6 +46,7 @@ DETECT = {
     "activation_patching": ({"unit": "z_position"}, KV_SWAP),
     "attribution_patching": ({"unit": "z_position"}, KV_SWAP),
     "edge_attribution": ({"method": "eap_ig", "ig_steps": 2, "circuit": {"top": 20}}, KV_SWAP),
+    "path_patching": ({"receivers": {"heads": [[1, 0]], "input": "q"}}, REPEATED_PAIRS),
 }
 DECODE = {
     "greedy": {},

@@ -47,7 +47,7 @@ def test_every_array_keeps_its_values_under_its_dims(model):
     spans = [[(0, 2), (4, 7)], [(PAD, PAD + 1)]]
     probes = ins.Probes(argmax=True, entropy=True, spans=spans, offsets=[1, 0, 3], z_positions=[2, N - 1],
                         pattern=True, layers=[0, 2], pairs=[[(5, 3), (2, 2)], [(N - 1, PAD)]],
-                        kv_positions=[2, N - 1])
+                        kv_positions=[2, N - 1], q_positions=[2, N - 1])
     rec = record(model, probes, ids, am)
     assert set(rec.as_dict()) == set(ins.DIMS)
     for name, tensor in rec.as_dict().items():

@@ -11,7 +11,16 @@ import pytest
 from headlab import TaskContext, load_spec
 from headlab.model import load_model_by_name_tokenizer
 from headlab.plugins.tasks.files import TaskDataError
-from headlab.plugins.tasks.pairs import IoiPairs, KvSwap, PairTask, build_ioi, build_kv_swap, build_pairs
+from headlab.plugins.tasks.pairs import (
+    IoiPairs,
+    KvSwap,
+    PairTask,
+    RepeatedPairs,
+    build_ioi,
+    build_kv_swap,
+    build_pairs,
+    build_repeated_pairs,
+)
 
 from fixtures.detectors import word_tokenizer
 from fixtures.specs import spec_text
@@ -132,3 +141,37 @@ def test_ioi_templates_are_checked_when_the_spec_is_validated():
         load_spec(spec_text("  - id: d\n    detect: {kind: direct_logit_attribution}\n",
                             task='{kind: ioi_pairs, templates: ["{B} and {A} went, {B} to"]}'))
     load_spec(spec_text("  - id: d\n    detect: {kind: direct_logit_attribution}\n", task="{kind: kv_swap, n: 2}"))
+
+
+def test_repeated_pairs_corrupt_the_word_after_the_repeat_in_the_first_copy(tiny_tok):
+    examples = build_repeated_pairs(RepeatedPairs(n=8, length=7), ctx(tiny_tok))
+    assert len(examples) == 8 and len({e.prompt for e in examples}) == 8
+    for ex in examples:
+        words, corrupt = ex.prompt.split(), ex.meta["corrupt_prompt"].split()
+        j = ex.meta["repeat_index"]
+        first, second = words[:7], words[7:]
+        assert len(set(first)) == 7 and second == first[:j + 1]  # the prompt ends at a repeat of first[j]
+        assert ex.meta["answer"] == first[j + 1]  # what the first copy says comes next
+        differ = [i for i, (a, b) in enumerate(zip(words, corrupt, strict=True)) if a != b]
+        assert differ == [j + 1] == [ex.meta["corrupt_index"]]
+        assert corrupt[j + 1] == ex.meta["wrong"] and ex.meta["wrong"] not in first
+        assert ex.meta["answer_id"] == tiny_tok.convert_tokens_to_ids(first[j + 1])
+        assert ex.meta["wrong_id"] == tiny_tok.convert_tokens_to_ids(ex.meta["wrong"])
+        assert len(tiny_tok(ex.prompt).input_ids) == len(tiny_tok(ex.meta["corrupt_prompt"]).input_ids) == 1 + 8 + j
+    assert {e.meta["repeat_index"] for e in examples} != {examples[0].meta["repeat_index"]}  # positions vary
+
+
+def test_repeated_pairs_from_given_words_and_their_errors(tok):
+    examples = build_repeated_pairs(RepeatedPairs(n=3, length=4, words=WORDS[:5]), ctx(tok))
+    for ex in examples:
+        assert set(ex.prompt.split()) | {ex.meta["wrong"]} == set(WORDS[:5])
+    with pytest.raises(TaskDataError, match=r"repeated_pairs task: 5 single-token words for sequences of 5 "
+                                            r"distinct words and a replacement"):
+        build_repeated_pairs(RepeatedPairs(n=1, length=5, words=WORDS[:5]), ctx(tok))
+    with pytest.raises(TaskDataError, match=r"repeated_pairs task: word 'zebra': the word ' zebra' is the "
+                                            r"tokenizer's unknown token"):
+        build_repeated_pairs(RepeatedPairs(n=1, length=3, words=[*WORDS, "zebra"]), ctx(tok))
+    with pytest.raises(Exception, match=r"length must be at least 2"):
+        RepeatedPairs(length=1)
+    with pytest.raises(Exception, match=r"each must be one word without spaces"):
+        RepeatedPairs(words=["ant bee", "cat"])

@@ -31,7 +31,8 @@ Modules: ``plan`` (the typed edits and :class:`Plan`), ``probes`` (:class:`Probe
 arguments as tensors), ``recording`` (:class:`Recording`), ``positions`` (absolute positions <-> the
 query rows and key slots of one attention call), ``session`` (the state of one context and the plan's
 tensors for one layer call), ``attention`` (the registered :func:`attention_forward`), ``masks``,
-``trunk`` (:func:`shared_trunk`, :func:`expand_cache`), ``layers`` (a model's attention layers and the
+``trunk`` (:func:`shared_trunk`, :func:`expand_cache`), ``residual`` (the per-layer residual edits as
+decoder-layer hooks), ``layers`` (a model's attention layers and the
 models refused) and ``context`` (:func:`register`, :func:`instrument`).
 """
 
@@ -42,6 +43,7 @@ from .context import active_plan, instrument, register
 from .layers import ATTN_IMPLEMENTATION, UnsupportedModelError, attention_layers, decoder_layers
 from .plan import (
     AddZ,
+    DropResidGrad,
     Edit,
     Head,
     HeadSpec,
@@ -53,6 +55,8 @@ from .plan import (
     Plan,
     QueryScale,
     ReplaceKV,
+    ReplaceQ,
+    ReplaceResid,
     ReplaceZ,
     ScoreZero,
     SteeringConflictError,
@@ -65,6 +69,7 @@ __all__ = [
     "ATTN_IMPLEMENTATION",
     "AddZ",
     "DIMS",
+    "DropResidGrad",
     "Edit",
     "Head",
     "HeadSpec",
@@ -78,6 +83,8 @@ __all__ = [
     "QueryScale",
     "Recording",
     "ReplaceKV",
+    "ReplaceQ",
+    "ReplaceResid",
     "ReplaceZ",
     "ScoreZero",
     "SteeringConflictError",

@@ -106,6 +106,7 @@ def attention_forward(
     if call.plan is not None:  # key/value replacements, before any path reads them
         key, value = call.session.replace_kv(call.layer, key, value, call.pos)
         call.key, call.value = key[:, :, :call.key.shape[2]], value[:, :, :call.value.shape[2]]
+        query = call.query = call.session.replace_q(call.layer, query, call.pos)
     request = _request(call)
     backend, reason = choose_backend("auto" if call.plan is None else call.plan.backend, edits=request.edits,
                                      probes=request.probes, softcap=call.softcap, device=query.device,
@@ -176,7 +177,8 @@ def _request(call: _Call) -> _Request:
         request.probes = ProbeRequest(p.argmax, p.entropy, sess.probe_spans(B, pos, device),
                                       sess.probe_offsets(B, pos, device), p.pattern,
                                       None if request.pair_pos is None else pos.pairs(request.pair_pos))
-        request.reads_z = request.reads_z or p.z_positions is not None or p.kv_positions is not None
+        request.reads_z = (request.reads_z or p.z_positions is not None or p.kv_positions is not None
+                           or p.q_positions is not None)
     return request
 
 
@@ -258,6 +260,13 @@ def _record(call: _Call, request: _Request, stats: Any, z: Tensor) -> None:
             keep = torch.isin(qpos, torch.as_tensor(list(zp), device=z.device))
         rec._add("z", layer, z[:, :, keep])
         rec._add_z_positions(layer, qpos[keep].cpu())
+    qp = call.plan.probes.q_positions
+    if qp is not None:  # the queries as attention read them
+        qpos = pos.query_positions(call.query.device)
+        keep = torch.ones_like(qpos, dtype=torch.bool) if qp == "all" else \
+            torch.isin(qpos, torch.as_tensor(list(qp), device=qpos.device))
+        rec._add("q", layer, call.query[:, :, keep])
+        rec._add_q_positions(layer, qpos[keep].cpu())
     kvp = call.plan.probes.kv_positions
     if kvp is not None:  # the keys and values of the call's own queries
         qpos = pos.query_positions(call.key.device)

@@ -11,6 +11,7 @@ from .layers import ATTN_IMPLEMENTATION, attention_layers, text_config
 from .masks import mask_function
 from .plan import Plan
 from .recording import Recording
+from .residual import residual_hooks
 from .session import Session, activated, active_session
 
 __all__ = ["active_plan", "instrument", "register"]
@@ -54,7 +55,7 @@ def instrument(model: Any, plan: Plan | None = None) -> Iterator[Recording]:
         bad = [ly for ly, _ in (e.heads or []) if not 0 <= ly < n_layers]
         if bad:
             raise ValueError(f"edit layers {bad} out of range (model has {n_layers})")
-    with activated(Session(plan, layer_of, n_layers)) as sess:
+    with activated(Session(plan, layer_of, n_layers)) as sess, residual_hooks(model, sess):
         yield sess.rec
 
 

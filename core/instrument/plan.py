@@ -24,8 +24,11 @@ __all__ = [
     "OutputScale",
     "Plan",
     "AddZ",
+    "DropResidGrad",
     "QueryScale",
     "ReplaceKV",
+    "ReplaceQ",
+    "ReplaceResid",
     "ReplaceZ",
     "ScoreZero",
     "SteeringConflictError",
@@ -315,7 +318,120 @@ class ReplaceKV(Edit):
                              f"positions, head_dim) = {shape}") from None
 
 
-_EDIT_TYPES = (QueryScale, ScoreZero, OutputScale, KeyBias, LayerCallback, ReplaceZ, ReplaceKV)
+@dataclass(eq=False)
+class ReplaceQ(Edit):
+    """Replace the queries of ``heads`` on ``rows`` at ``positions`` with ``values`` before attention (path
+    patching into a head's query input).
+
+    The fields of :class:`ReplaceZ`: ``heads`` explicit ``(layer, head)`` query heads; ``values``
+    broadcastable to (rows, heads, positions, head_dim); ``positions`` absolute query positions (``None`` =
+    ``0..P-1``). The queries are the ones attention reads (after the rotary embedding and any query norm;
+    a :class:`QueryScale` still multiplies them). On every path.
+    """
+
+    kind: ClassVar[str] = "q_replace"
+    description: ClassVar[str] = "query replacement"
+    heads: list[Head]
+    values: Tensor
+    rows: list[int] | None = None
+    positions: list[int] | None = None
+    owner: str | None = field(default=None, kw_only=True)
+    instance: Any = field(default=None, kw_only=True, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if any(h is None for _, h in self.heads):
+            raise ValueError("ReplaceQ needs explicit (layer, head) pairs")
+        if not isinstance(self.values, Tensor):
+            self.values = torch.as_tensor(self.values)
+        if self.values.dim() == 0:
+            raise ValueError("ReplaceQ: values must have at least a head_dim axis")
+        if self.positions is not None:
+            self.positions = [int(p) for p in self.positions]
+            if any(p < 0 for p in self.positions):
+                raise ValueError(f"ReplaceQ: positions must be >= 0, got {self.positions}")
+
+    n_positions = ReplaceZ.n_positions
+    full_values = ReplaceZ.full_values
+
+
+@dataclass(eq=False)
+class ReplaceResid(Edit):
+    """Replace the residual stream entering decoder layer ``layer`` (its input hidden states) on ``rows`` at
+    ``positions`` with ``values`` (activation patching of the residual stream; layer 0's input is the
+    embedding).
+
+    ``values``: a tensor broadcastable to (rows, positions, hidden) in the order of ``rows`` (every batch row
+    when ``rows`` is None) and ``positions``. ``positions``: absolute positions; ``None`` = ``0..P-1`` with
+    ``P`` the size of the positions axis of ``values``. Each call of the layer replaces the positions among
+    its queries. Differentiable in ``values``. Not under a :func:`~headlab.instrument.shared_trunk`.
+    """
+
+    kind: ClassVar[str] = "resid_replace"
+    description: ClassVar[str] = "residual stream replacement"
+    layer: int
+    values: Tensor
+    rows: list[int] | None = None
+    positions: list[int] | None = None
+    owner: str | None = field(default=None, kw_only=True)
+    instance: Any = field(default=None, kw_only=True, repr=False, compare=False)
+    heads: list[Head] | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.layer = int(self.layer)
+        if self.layer < 0:
+            raise ValueError(f"ReplaceResid: layer must be >= 0, got {self.layer}")
+        if not isinstance(self.values, Tensor):
+            self.values = torch.as_tensor(self.values)
+        if self.values.dim() == 0:
+            raise ValueError("ReplaceResid: values must have at least a hidden axis")
+        if self.positions is not None:
+            self.positions = [int(p) for p in self.positions]
+            if any(p < 0 for p in self.positions):
+                raise ValueError(f"ReplaceResid: positions must be >= 0, got {self.positions}")
+
+    def n_positions(self) -> int:
+        """The number of replaced positions (``len(positions)``, or the positions axis of ``values``)."""
+        if self.positions is not None:
+            return len(self.positions)
+        return int(self.values.shape[-2]) if self.values.dim() >= 2 else 1
+
+    def full_values(self, n_rows: int) -> Tensor:
+        """``values`` broadcast to (``n_rows``, positions, hidden); a ValueError naming the shapes when they do
+        not broadcast."""
+        shape = (n_rows, self.n_positions(), int(self.values.shape[-1]))
+        try:
+            return torch.broadcast_to(self.values, shape)
+        except RuntimeError:
+            raise ValueError(f"ReplaceResid: values of shape {tuple(self.values.shape)} do not broadcast to "
+                             f"(rows, positions, hidden) = {shape}") from None
+
+
+@dataclass(eq=False)
+class DropResidGrad(Edit):
+    """Drop the gradient through decoder layer ``layer``'s write to the residual stream on ``rows`` (GradDrop,
+    docs/methods.md#atp-the-qk-fix-and-graddrop): the forward is unchanged; in the backward pass the gradient
+    reaches the layers below only through the residual skip around ``layer``, and nothing inside ``layer``
+    gets a gradient from those rows."""
+
+    kind: ClassVar[str] = "grad_drop"
+    description: ClassVar[str] = "residual gradient drop"
+    layer: int
+    rows: list[int] | None = None
+    owner: str | None = field(default=None, kw_only=True)
+    instance: Any = field(default=None, kw_only=True, repr=False, compare=False)
+    heads: list[Head] | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.layer = int(self.layer)
+        if self.layer < 0:
+            raise ValueError(f"DropResidGrad: layer must be >= 0, got {self.layer}")
+
+
+_EDIT_TYPES = (QueryScale, ScoreZero, OutputScale, KeyBias, LayerCallback, ReplaceZ, ReplaceKV, ReplaceQ,
+               ReplaceResid, DropResidGrad)
 
 
 @dataclass
@@ -333,7 +449,12 @@ class Plan:
     - :class:`ReplaceZ` ``(heads, values, rows, positions)``: replace the head output ``z`` (activation
       patching), after the other edits; :class:`AddZ` (the same fields): add to it;
     - :class:`ReplaceKV` ``(heads, keys, values, rows, positions)``: replace the keys / values of key/value
-      heads before attention.
+      heads before attention;
+    - :class:`ReplaceQ` ``(heads, values, rows, positions)``: replace the queries of query heads before
+      attention;
+    - :class:`ReplaceResid` ``(layer, values, rows, positions)``: replace the residual stream entering a
+      decoder layer; :class:`DropResidGrad` ``(layer, rows)``: drop the gradient through a layer's residual
+      write (both per layer, not per head).
 
     Heads are ``(layer, head)`` pairs; ``(layer, None)`` means every head of the layer. ``rows`` are the
     batch rows an edit applies to (``None`` = all). Add edits with :meth:`add` or the builders
@@ -437,6 +558,23 @@ class Plan:
         ``positions`` (a :class:`ReplaceKV`)."""
         return self.add(ReplaceKV(heads, keys, values, rows, positions, owner=owner))
 
+    def patch_q(self, heads: HeadSpec, values: Tensor, rows: Sequence[int] | None = None,
+                positions: Sequence[int] | None = None, *, owner: Any = None) -> Plan:
+        """Replace the queries of these heads on ``rows`` at absolute ``positions`` with ``values``
+        (broadcastable to (rows, heads, positions, head_dim); a :class:`ReplaceQ`)."""
+        return self.add(ReplaceQ(heads, values, rows, positions, owner=owner))
+
+    def patch_resid(self, layer: int, values: Tensor, rows: Sequence[int] | None = None,
+                    positions: Sequence[int] | None = None, *, owner: Any = None) -> Plan:
+        """Replace the residual stream entering decoder layer ``layer`` on ``rows`` at absolute ``positions``
+        with ``values`` (broadcastable to (rows, positions, hidden); a :class:`ReplaceResid`)."""
+        return self.add(ReplaceResid(layer, values, rows, positions, owner=owner))
+
+    def drop_resid_grad(self, layer: int, rows: Sequence[int] | None = None, *, owner: Any = None) -> Plan:
+        """Drop the gradient through decoder layer ``layer``'s residual write on ``rows`` (a
+        :class:`DropResidGrad`)."""
+        return self.add(DropResidGrad(layer, rows, owner=owner))
+
     # ---- queries
     @property
     def callbacks(self) -> tuple[LayerFunction, ...]:
@@ -493,6 +631,14 @@ class Plan:
                 parts = {name: None if (t := e.full(name, len(src))) is None else t[which.to(t.device)]
                          for name in ("keys", "values")}
                 out.edits.append(dataclasses.replace(e, **parts, rows=new_rows))
+            elif isinstance(e, ReplaceQ):
+                which = torch.tensor([i for i, r in enumerate(src) for _ in rows_for(r)], dtype=torch.long)
+                values = e.full_values(len(src))
+                out.edits.append(dataclasses.replace(e, values=values[which.to(values.device)], rows=new_rows))
+            elif isinstance(e, ReplaceResid):
+                which = torch.tensor([i for i, r in enumerate(src) for _ in rows_for(r)], dtype=torch.long)
+                values = e.full_values(len(src))
+                out.edits.append(dataclasses.replace(e, values=values[which.to(values.device)], rows=new_rows))
             elif isinstance(e, ReplaceZ):
                 which = torch.tensor([i for i, r in enumerate(src) for _ in rows_for(r)], dtype=torch.long)
                 values = e.full_values(len(src))

@@ -37,6 +37,9 @@ class Probes:
     - ``kv_positions``: the keys and values each call adds (after the rotary embedding and any key norm; the
       call's own query positions) to keep, per key/value head: ``None``, ``"all"`` or a list of absolute
       positions (``Recording.k``, ``.v``).
+    - ``q_positions``: the queries each call runs (as attention reads them: after the rotary embedding and any
+      query norm) to keep, per query head: ``None``, ``"all"`` or a list of absolute positions
+      (``Recording.q``).
     - ``pattern``: the full attention (only for small inputs).
     - ``pairs``: (query, key) absolute position pairs whose attention ``A[query, key]`` is recorded
       (``Recording.pair_mass``; a sparse probe: any set of cells of the pattern, memory O(pairs)): a list of
@@ -57,12 +60,13 @@ class Probes:
     offsets: Any = None
     pairs: Any = None
     kv_positions: Literal["all"] | Sequence[int] | None = None
+    q_positions: Literal["all"] | Sequence[int] | None = None
 
     def any(self) -> bool:
         """Whether anything is recorded."""
         return bool(self.argmax or self.entropy or self.spans is not None or self.z_positions is not None
                     or self.pattern or self.offsets is not None or self.pairs is not None
-                    or self.kv_positions is not None)
+                    or self.kv_positions is not None or self.q_positions is not None)
 
     def covers(self, layer: int) -> bool:
         """Whether something is recorded on ``layer``."""

@@ -26,6 +26,7 @@ DIMS: dict[str, tuple[str, ...]] = {
     "pattern": ("example", "layer", "head", "query", "key"),
     "k": ("example", "layer", "kv_head", "position", "head_dim"),
     "v": ("example", "layer", "kv_head", "position", "head_dim"),
+    "q": ("example", "layer", "head", "position", "head_dim"),
 }
 
 
@@ -44,7 +45,9 @@ class Recording:
     - ``z`` (example, layer, head, position, head_dim) in the model dtype, at ``z_positions``;
     - ``pattern`` (example, layer, head, query, key) float32 (keys beyond a call's cache are 0);
     - ``k``, ``v`` (example, layer, kv_head, position, head_dim) in the model dtype, the keys (as attention
-      reads them) and values at ``kv_positions``; ``rec.kv_positions`` lists the positions of their axis.
+      reads them) and values at ``kv_positions``; ``rec.kv_positions`` lists the positions of their axis;
+    - ``q`` (example, layer, head, position, head_dim) in the model dtype, the queries at ``q_positions``
+      (``rec.q_positions``).
 
     The ``example`` axis is the batch row; the layer axis lists ``rec.layers``; the query axis is the
     absolute position (the calls of a ``generate`` are concatenated: prefill, then one query per step).
@@ -66,6 +69,7 @@ class Recording:
         self._zpos: dict[int, list[Tensor]] = {ly: [] for ly in layers}
         self._pairpos: dict[int, list[Tensor]] = {ly: [] for ly in layers}
         self._kvpos: dict[int, list[Tensor]] = {ly: [] for ly in layers}
+        self._qpos: dict[int, list[Tensor]] = {ly: [] for ly in layers}
         self._cache: dict[str, Tensor | None] = {}
         self.calls = 0
         self.backends: dict[int, tuple[str, str]] = {}
@@ -80,6 +84,9 @@ class Recording:
 
     def _add_kv_positions(self, layer: int, positions: Tensor) -> None:
         self._kvpos[layer].append(positions)
+
+    def _add_q_positions(self, layer: int, positions: Tensor) -> None:
+        self._qpos[layer].append(positions)
 
     def _add_pair_positions(self, layer: int, positions: Tensor) -> None:
         self._pairpos[layer].append(positions)
@@ -109,6 +116,7 @@ class Recording:
     pattern = property(lambda self: self._get("pattern"))
     k = property(lambda self: self._get("k"))
     v = property(lambda self: self._get("v"))
+    q = property(lambda self: self._get("q"))
 
     @property
     def pairs(self) -> Tensor | None:
@@ -131,6 +139,13 @@ class Recording:
         if not self.layers or not self._kvpos[self.layers[0]]:
             return None
         return torch.cat(self._kvpos[self.layers[0]]).tolist()
+
+    @property
+    def q_positions(self) -> list[int] | None:
+        """The absolute positions of the ``position`` axis of ``q``."""
+        if not self.layers or not self._qpos[self.layers[0]]:
+            return None
+        return torch.cat(self._qpos[self.layers[0]]).tolist()
 
     def as_dict(self) -> dict[str, Tensor]:
         """The recorded arrays by name (only those recorded)."""
@@ -168,6 +183,8 @@ class Recording:
             coords["position"] = np.asarray(self.z_positions, dtype=np.int64)
         if name in ("k", "v"):
             coords["position"] = np.asarray(self.kv_positions, dtype=np.int64)
+        if name == "q":
+            coords["position"] = np.asarray(self.q_positions, dtype=np.int64)
         if name == "span_mass":
             coords["span"] = np.arange(t.shape[4])
             if self.probes is not None and self.probes.spans is not None:

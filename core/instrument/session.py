@@ -25,6 +25,7 @@ from .plan import (
     Plan,
     QueryScale,
     ReplaceKV,
+    ReplaceQ,
     ReplaceZ,
     ScoreZero,
 )
@@ -114,7 +115,7 @@ class Session:
         spans_l: list[Tensor] = []
         bias_l: list[Tensor] = []
         for e in self.plan.edits:
-            if isinstance(e, (LayerCallback, ReplaceZ, ReplaceKV)):
+            if isinstance(e, (LayerCallback, ReplaceZ, ReplaceKV, ReplaceQ)) or e.heads is None:  # None: per layer
                 continue
             hit = _selection(e, layer, B, H, device)
             if hit is None:
@@ -154,6 +155,21 @@ class Session:
         for e in edits:
             z = _replaced(e, layer, z, pos, B, H, Nq, D)
         return z
+
+    def replace_q(self, layer: int, query: Tensor, pos: CallPositions) -> Tensor:
+        """``query`` (B, H, Nq, D) of a call of ``layer`` with the plan's :class:`ReplaceQ` edits applied in order
+        (out of place); ``query`` itself when none has a head on the layer."""
+        edits = [e for e in self.plan.edits if isinstance(e, ReplaceQ) and any(ly == layer for ly, _ in e.heads)]
+        if not edits:
+            return query
+        trunk = active_trunk()
+        if trunk is not None and layer < trunk.layer:
+            raise ValueError(f"shared_trunk: layer {layer} runs once for {trunk.copies} copies of the batch, "
+                             "so its queries cannot be replaced")
+        B, H, Nq, D = query.shape
+        for e in edits:
+            query = _replaced(e, layer, query, pos, B, H, Nq, D)
+        return query
 
     def replace_kv(self, layer: int, key: Tensor, value: Tensor, pos: CallPositions) -> tuple[Tensor, Tensor]:
         """``key`` / ``value`` (B, Hkv, Nk, D) of a call of ``layer`` with the plan's :class:`ReplaceKV` edits
@@ -235,9 +251,10 @@ def _selection(e: Edit, layer: int, B: int, H: int, device: Any) -> tuple[Tensor
     return rows, sel
 
 
-def _replaced(e: ReplaceZ, layer: int, z: Tensor, pos: CallPositions, B: int, H: int, Nq: int, D: int) -> Tensor:
-    """``z`` with the values of one :class:`ReplaceZ` (or added, :class:`AddZ`) at its heads of ``layer`` and the
-    call's queries."""
+def _replaced(e: ReplaceZ | ReplaceQ, layer: int, z: Tensor, pos: CallPositions, B: int, H: int, Nq: int,
+              D: int) -> Tensor:
+    """``z`` with the values of one :class:`ReplaceZ` (or added, :class:`AddZ`; or the queries of a
+    :class:`ReplaceQ`) at its heads of ``layer`` and the call's queries."""
     device = z.device
     rows = list(range(B)) if e.rows is None else e.rows
     if rows and max(rows) >= B:

@@ -11,7 +11,9 @@ the head's ``z`` at every position (``(layer, head)``); ``z_position`` at one to
 (``(layer, head, token)``; ``token`` counts from the prompt's first token, left padding skipped); ``kv`` replaces
 the keys (as attention reads them, after the rotary embedding) and values of one key/value head at every
 position (:class:`headlab.ReplaceKV`; ``(layer, kv_head)``, the coordinate ``serves (kv_head, head)`` marks
-the query heads each one serves under grouped-query attention).
+the query heads each one serves under grouped-query attention); ``resid`` replaces the residual stream entering
+one decoder layer at one token (:class:`headlab.ReplaceResid`, docs/methods.md#residual-stream-patching;
+``(layer, token)``; layer 0's input is the embedding).
 
 The metric is read at the last position: ``logit_diff = logit[answer] - logit[wrong]`` or ``logprob`` =
 the log-probability of the answer. ``score = (mean patched - mean corrupt) / (mean clean - mean corrupt)``
@@ -21,10 +23,11 @@ patched run behaves like the clean one, 0 = like the corrupted one, in both dire
 One forward over the clean and the corrupted prompts of a chunk of pairs records every head's ``z`` at
 every position (``Probes(z_positions="all")``); the patched runs are then rows of batched forwards, one
 patch per row (:class:`headlab.ReplaceZ`), ``batch_size`` rows at a time. Per token, the tokens before the
-first one where a pair's prompts differ are not run: their ``z`` is the same in both runs, so their patched
-metric is the unpatched target's.
+first one where a pair's prompts differ are not run: their ``z`` (and residual stream) is the same in both
+runs, so their patched metric is the unpatched target's.
 
-Outputs: ``score (layer, head[, token])`` (``(layer, kv_head)`` for ``kv``), ``patched (..., example)`` (the raw metric;
+Outputs: ``score (layer, head[, token])`` (``(layer, kv_head)`` for ``kv``, ``(layer, token)`` for ``resid``),
+``patched (..., example)`` (the raw metric;
 NaN at a token an example does not have), ``clean (example)``, ``corrupt (example)`` (not ``clean`` /
 ``corrupt``: a pair task's examples have a field ``corrupt``, the corrupted prompt).
 """
@@ -46,6 +49,7 @@ from headlab import (
     Plan,
     Probes,
     ReplaceKV,
+    ReplaceResid,
     ReplaceZ,
     StepContext,
     forward,
@@ -73,8 +77,9 @@ class ActivationPatching(ComponentConfig):
     kind: Literal["activation_patching"] = "activation_patching"
     metric: Metric = Field("logit_diff", description="logit[answer] - logit[wrong], or the answer's log-probability")
     direction: Direction = Field("denoise", description="denoise: clean z into the corrupted run; noise: the reverse")
-    unit: Literal["z", "z_position", "kv"] = Field(
-        "z", description="a head's z at every position, at one token, or a key/value head's keys and values")
+    unit: Literal["z", "z_position", "kv", "resid"] = Field(
+        "z", description="a head's z at every position, at one token, a key/value head's keys and values, or the "
+        "residual stream entering a layer at one token")
     normalise: Normalise = Field("means", description="the score's ratio of example means, or the mean of ratios")
     batch_size: PositiveInt = Field(32, description="rows (one patch each) per patched forward")
     pair_batch_size: PositiveInt = Field(8, description="pairs whose clean and corrupted runs share a forward")
@@ -101,7 +106,8 @@ class PairRuns:
     rows ``0..n-1`` and the corrupted ones in ``n..2n-1`` (the same padding: a pair has one token length),
     ``z`` (2n, layer, head, T, head_dim) every head's output, ``metric`` (2n,) float64, ``answer`` /
     ``wrong`` (n,) token ids, ``pad`` (n,) left padding of each pair; ``k`` / ``v`` (2n, layer, kv_head, T,
-    head_dim) the keys and values when recorded (``kv=True``)."""
+    head_dim) the keys and values when recorded (``kv=True``); ``resid`` (2n, layer, T, hidden) the residual
+    stream entering every decoder layer when recorded (``resid=True``)."""
 
     ids: torch.Tensor
     mask: torch.Tensor
@@ -112,6 +118,7 @@ class PairRuns:
     pad: list[int]
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
+    resid: torch.Tensor | None = None
 
     @property
     def n(self) -> int:
@@ -123,9 +130,10 @@ class PairRuns:
 
 
 def pair_runs(lm, examples: list[Example], answer: list[int], wrong: list[int], metric: str,
-              kv: bool = False) -> PairRuns:
+              kv: bool = False, resid: bool = False) -> PairRuns:
     """One forward over the clean and corrupted prompts of ``examples`` (pair-task examples), recording every
-    head's ``z`` at every position (and every key/value head's keys and values with ``kv``)."""
+    head's ``z`` at every position (and every key/value head's keys and values with ``kv``, the residual
+    stream entering every decoder layer with ``resid``)."""
     corrupt = [Example(prompt=str(ex.meta["corrupt_prompt"])) for ex in examples]
     batch = tokenize(lm, list(examples) + corrupt)
     n = len(examples)
@@ -133,14 +141,17 @@ def pair_runs(lm, examples: list[Example], answer: list[int], wrong: list[int], 
         row = next(i for i in range(n) if batch.pad[i] != batch.pad[n + i])
         raise ValueError(f"example {row}: the clean and corrupted prompts have different token lengths")
     probes = Probes(z_positions="all", kv_positions="all" if kv else None)
+    extra = {"output_hidden_states": True} if resid else {}
     out, rec = forward(lm, batch.input_ids, Plan(probes=probes), attention_mask=batch.attention_mask,
-                       logits_to_keep=1)
+                       logits_to_keep=1, **extra)
+    # hidden_states[l] is the input of decoder layer l (0: the embeddings; the last one is normed, unused)
+    hidden = torch.stack(out.hidden_states[:lm.geometry.n_layers], dim=1) if resid else None
     device = out.logits.device
     a = torch.tensor(answer, device=device)
     w = torch.tensor(wrong, device=device)
     m = metric_of(out.logits[:, -1], a.repeat(2), w.repeat(2), metric)
     return PairRuns(batch.input_ids, batch.attention_mask, rec.z, m, a, w, [int(p) for p in batch.pad[:n]],
-                    rec.k, rec.v)
+                    rec.k, rec.v, hidden)
 
 
 def normalised_score(patched: np.ndarray, clean: np.ndarray, corrupt: np.ndarray, normalise: str,
@@ -172,7 +183,7 @@ def normalised_score(patched: np.ndarray, clean: np.ndarray, corrupt: np.ndarray
         return np.where(count > 0, (mean_p - mean_k) / gap, np.nan)
 
 
-Patch = tuple[tuple[int, ...], int, Callable[[int], "ReplaceZ | ReplaceKV"]]
+Patch = tuple[tuple[int, ...], int, Callable[[int], "ReplaceZ | ReplaceKV | ReplaceResid"]]
 
 
 def _shared_prefix(runs: PairRuns, e: int) -> int:
@@ -183,10 +194,10 @@ def _shared_prefix(runs: PairRuns, e: int) -> int:
 
 def _patches(runs: PairRuns, unit: str, L: int, H: int, K: int) -> Iterator[Patch | tuple[tuple[int, ...], int]]:
     """``(unit index, example, edit(row))`` for every patch of a chunk: the source run's ``z`` of one head at
-    every position or at one token of the example, or the keys and values of one key/value head at every
-    position. A token before the first one where the pair's prompts differ has the same ``z`` in both runs,
-    so its patch changes nothing: it comes as ``(unit index, example)`` alone, its patched metric the
-    target's."""
+    every position or at one token of the example, the keys and values of one key/value head at every
+    position, or the residual stream entering one layer at one token. A token before the first one where the
+    pair's prompts differ has the same ``z`` (and residual stream) in both runs, so its patch changes nothing:
+    it comes as ``(unit index, example)`` alone, its patched metric the target's."""
     source = runs.rows("clean")
     T = runs.ids.shape[1]
     if unit == "kv":
@@ -198,8 +209,22 @@ def _patches(runs: PairRuns, unit: str, L: int, H: int, K: int) -> Iterator[Patc
                     yield (layer, kvh), e, (lambda r, ly=layer, j=kvh, k=k, v=v:
                                             ReplaceKV([(ly, j)], k[None, None], v[None, None], rows=[r]))
         return
-    z_source = runs.z[source]
     shared = [_shared_prefix(runs, e) for e in range(runs.n)]
+    if unit == "resid":
+        r_source = runs.resid[source]
+        for layer in range(L):
+            for e in range(runs.n):
+                pad = runs.pad[e]
+                for token in range(T - pad):
+                    p = pad + token
+                    if p < shared[e]:
+                        yield (layer, token), e
+                    else:
+                        x = r_source[e, layer, p:p + 1]
+                        yield (layer, token), e, (lambda r, ly=layer, x=x, p=p:
+                                                  ReplaceResid(ly, x[None], rows=[r], positions=[p]))
+        return
+    z_source = runs.z[source]
     for layer in range(L):
         for head in range(H):
             for e in range(runs.n):
@@ -226,7 +251,8 @@ def _swap(runs: PairRuns, direction: str) -> PairRuns:
     order = torch.cat([torch.arange(n, 2 * n), torch.arange(n)]).to(runs.z.device)
     return PairRuns(runs.ids[order.to(runs.ids.device)], runs.mask[order.to(runs.mask.device)], runs.z[order],
                     runs.metric[order.to(runs.metric.device)], runs.answer, runs.wrong, runs.pad,
-                    None if runs.k is None else runs.k[order], None if runs.v is None else runs.v[order])
+                    None if runs.k is None else runs.k[order], None if runs.v is None else runs.v[order],
+                    None if runs.resid is None else runs.resid[order])
 
 
 def patch_chunk(lm, runs: PairRuns, unit: str, metric: str, batch_size: int, direction: str = "denoise"
@@ -291,7 +317,8 @@ def detect(config: ActivationPatching, ctx: StepContext) -> xr.Dataset:
     n_tokens = 0
     for idx in ctx.progress(chunks, "activation patching"):
         runs = pair_runs(ctx.model, [ctx.examples[i] for i in idx], [answer[i] for i in idx],
-                         [wrong[i] for i in idx], config.metric, kv=config.unit == "kv")
+                         [wrong[i] for i in idx], config.metric, kv=config.unit == "kv",
+                         resid=config.unit == "resid")
         m = runs.metric.detach().cpu().numpy()
         clean[idx], corrupt[idx] = m[:len(idx)], m[len(idx):]
         n_tokens = max(n_tokens, max(runs.ids.shape[1] - p for p in runs.pad))
@@ -309,6 +336,10 @@ def detect(config: ActivationPatching, ctx: StepContext) -> xr.Dataset:
         group = H // K
         coords["kv_head"] = np.arange(K)
         coords["serves"] = (("kv_head", "head"), np.arange(H)[None, :] // group == np.arange(K)[:, None])
+    elif config.unit == "resid":
+        patched = np.full((L, n_tokens, n), np.nan)
+        dims = ("layer", "token", "example")
+        coords = {"layer": np.arange(L), "token": np.arange(n_tokens)}
     else:
         patched = np.full((L, H, n_tokens, n), np.nan)
         dims = ("layer", "head", "token", "example")

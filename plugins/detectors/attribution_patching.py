@@ -19,12 +19,33 @@ direction); the attrs then hold ``spearman`` (the Spearman rank correlation of t
 unit) and ``top_k_recall`` (the fraction of the reference's ``top_k`` units with the largest effect
 ``|score - s0|``, ``s0`` = 0 to denoise and 1 to noise, that are among AtP's ``top_k``).
 
+``method: atp_star`` (docs/methods.md#atp-the-qk-fix-and-graddrop; Kramár et al. 2024) adds the paper's
+two changes, each with its switch:
+
+- ``grad_drop`` (GradDrop): the gradient is taken ``L`` more times, the ``l``-th time with the gradient through
+  decoder layer ``l``'s write to the residual stream dropped (:class:`headlab.DropResidGrad`; one forward and
+  one backward over ``L + 1`` copies of the target prompts); each unit's estimate is
+  ``sign(AtP) * sum over l of |estimate with layer l dropped| / (L - 1)`` (the paper's estimate is the
+  unsigned ``sum / (L - 1)``, its absolute value);
+- ``qk_fix`` (the QK fix): the head's queries (``query``, per ``(layer, head)``) and the key/value head's keys
+  (``key``, per ``(layer, kv_head)``) patched from the source run, with the attention probabilities computed
+  exactly and only their downstream effect linearised: ``sum over queries t and keys s of (A'[t,s] - A[t,s]) *
+  d metric / d A[t,s]``, which is ``sum over t of (z'[t] - z[t]) . d metric / d z[t]`` with ``z' = A' V``
+  the head output under the patched probabilities (``d metric / d A[t,s] = d metric / d z[t] . v[s]``).
+  ``z'`` comes from forwards with the keys and values of one layer replaced (:class:`headlab.ReplaceKV`):
+  the source prompt with the target's keys and values (patched queries), the target prompt with the
+  source's keys (patched keys; ``unit: z_position``: at one key position per row). Under GradDrop the same
+  combination applies.
+
 Outputs: ``score (layer, head[, token])``, ``atp (layer, head[, token], example)`` (NaN at a token an
-example does not have), ``clean (example)``, ``corrupt (example)``.
+example does not have), ``clean (example)``, ``corrupt (example)``; with the QK fix also ``query`` /
+``query_score`` ``(layer, head[, token][, example])`` and ``key`` / ``key_score`` ``(layer, kv_head[, token][,
+example])``, normalised like ``score``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 import numpy as np
@@ -32,7 +53,17 @@ import torch
 import xarray as xr
 from pydantic import Field
 
-from headlab import AddZ, ComponentConfig, Plan, StepContext, forward, hookimpl
+from headlab import (
+    AddZ,
+    ComponentConfig,
+    DropResidGrad,
+    Plan,
+    Probes,
+    ReplaceKV,
+    StepContext,
+    forward,
+    hookimpl,
+)
 from headlab.plugins.detectors.activation_patching import (
     CONVENTION,
     PER_EXAMPLE,
@@ -49,7 +80,8 @@ from headlab.plugins.detectors.activation_patching import (
 from headlab.resources import Estimate, EstimateContext
 from headlab.spec import PositiveInt
 
-__all__ = ["AttributionPatching", "attribution", "detect", "spearman", "top_k_recall"]
+__all__ = ["AttributionPatching", "attribution", "detect", "grad_drop", "key_patched_z", "query_patched_z",
+           "spearman", "target_gradients", "top_k_recall"]
 
 
 class AttributionPatching(ComponentConfig):
@@ -59,36 +91,145 @@ class AttributionPatching(ComponentConfig):
     metric: Metric = Field("logit_diff", description="logit[answer] - logit[wrong], or the answer's log-probability")
     direction: Direction = Field("denoise", description="denoise: clean z into the corrupted run; noise: the reverse")
     unit: Literal["z", "z_position"] = Field("z", description="a head's z at every position, or at one token")
-    method: Literal["atp"] = Field("atp", description="the estimate: atp (first order in z)")
+    method: Literal["atp", "atp_star"] = Field(
+        "atp", description="the estimate: atp (first order in z) or atp_star (Kramár et al. 2024: QK fix, GradDrop)")
+    qk_fix: bool = Field(True, description="atp_star: estimate query and key patches with exact attention "
+                         "probabilities (outputs query, key)")
+    grad_drop: bool = Field(True, description="atp_star: combine L gradients, each with one layer's residual "
+                            "write dropped")
+    batch_size: PositiveInt = Field(32, description="atp_star, unit z_position: rows per forward of the "
+                                    "per-token key patches")
     normalise: Normalise = Field("means", description="the score's ratio of example means, or the mean of ratios")
     pair_batch_size: PositiveInt = Field(8, description="pairs per forward and backward")
     reference: str | None = Field(None, description="the id of an activation_patching step to compare with")
     top_k: PositiveInt = Field(10, description="the units compared by top_k_recall")
 
     def estimate(self, ctx: EstimateContext) -> list[Estimate]:
-        """Hidden states of the forward over the clean and corrupted prompts of a chunk, kept for the backward."""
-        return [ctx.activations(ctx.task.tokens, ctx.rows(2 * self.pair_batch_size))]
+        """Hidden states of the forward over the clean and corrupted prompts of a chunk, kept for the backward
+        (under GradDrop: of the ``L + 1`` copies of the target prompts)."""
+        rows = ctx.rows(2 * self.pair_batch_size)
+        if self.method == "atp_star" and self.grad_drop:
+            rows = max(rows, (ctx.geometry.n_layers + 1) * ctx.rows(self.pair_batch_size))
+        return [ctx.activations(ctx.task.tokens, rows)]
+
+
+def target_gradients(lm, runs: PairRuns, metric: str, direction: str = "denoise",
+                     drops: Sequence[int | None] = (None,)) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d metric / d z (variant, pair, layer, head, position, head_dim), target metric (pair,))`` on the target
+    run of a chunk of pairs, one variant per entry of ``drops``: ``None`` the plain gradient, a layer index the
+    gradient with that layer's residual write dropped (:class:`headlab.DropResidGrad`); every variant is a
+    copy of the target rows in one forward and one backward."""
+    L, H = lm.geometry.n_layers, lm.geometry.n_heads
+    target = "corrupt" if direction == "denoise" else "clean"
+    rows = runs.rows(target)
+    z_target = runs.z[rows].detach()
+    n, k = runs.n, len(drops)
+    # zeros added to every head's z: the gradient on them is d metric / d z through every later layer
+    leaves = [torch.zeros((k * n, *z_target.shape[2:]), dtype=z_target.dtype, device=z_target.device,
+                          requires_grad=True) for _ in range(L)]
+    plan = Plan().add(*(AddZ([(layer, h) for h in range(H)], leaves[layer]) for layer in range(L)))
+    for c, layer in enumerate(drops):
+        if layer is not None:
+            plan.add(DropResidGrad(layer, rows=range(c * n, (c + 1) * n)))
+    out, _ = forward(lm, runs.ids[rows], plan, copies=k, attention_mask=runs.mask[rows], grad=True,
+                     logits_to_keep=1)
+    m = metric_of(out.logits[:, -1], runs.answer.repeat(k), runs.wrong.repeat(k), metric)
+    grads = torch.autograd.grad(m.sum(), leaves)
+    g = torch.stack(grads, dim=1).detach()  # (k * n, L, H, T, D)
+    return g.view(k, n, *g.shape[1:]), m[:n].detach()
+
+
+def _terms(runs: PairRuns, direction: str, patched: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
+    """(variant, pair, layer, head, position) float64 ``(patched - z_target) . grad`` (0 at padding) for
+    ``patched`` (pair, layer, head, position, head_dim) head outputs and ``grads`` from :func:`target_gradients`."""
+    target = "corrupt" if direction == "denoise" else "clean"
+    rows = runs.rows(target)
+    delta = (patched - runs.z[rows]).double()
+    real = runs.mask[rows].to(delta.device).bool()[:, None, None, :]  # (pair, 1, 1, position)
+    return torch.where(real, (delta[None] * grads.double()).sum(-1), 0.0)
 
 
 def attribution(lm, runs: PairRuns, metric: str, direction: str = "denoise") -> tuple[torch.Tensor, torch.Tensor]:
     """``(atp (pair, layer, head, position), target metric (pair,))`` in float64 for a chunk of pairs run by
     :func:`~headlab.plugins.detectors.activation_patching.pair_runs` (positions of the padded batch; 0 at
     padding)."""
-    L, H = lm.geometry.n_layers, lm.geometry.n_heads
+    source = "clean" if direction == "denoise" else "corrupt"
+    grads, m = target_gradients(lm, runs, metric, direction)
+    return _terms(runs, direction, runs.z[runs.rows(source)], grads)[0], m
+
+
+def grad_drop(plain: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:
+    """GradDrop's estimate from the plain estimate (...) and the ``L`` estimates with one layer's residual write
+    dropped (L, ...): ``sign(plain) * sum over l of |dropped[l]| / (L - 1)``."""
+    L = dropped.shape[0]
+    return torch.sign(plain) * dropped.abs().sum(0) / (L - 1)
+
+
+def _layer_z(lm, ids: torch.Tensor, mask: torch.Tensor, layer: int, edits: list) -> torch.Tensor:
+    """(rows, head, position, head_dim) head outputs of ``layer`` in a forward of ``ids`` under ``edits``."""
+    plan = Plan(probes=Probes(z_positions="all", layers=[layer])).add(*edits)
+    _, rec = forward(lm, ids, plan, attention_mask=mask, logits_to_keep=1)
+    return rec.z[:, 0]
+
+
+def query_patched_z(lm, runs: PairRuns, direction: str = "denoise") -> torch.Tensor:
+    """(pair, layer, head, position, head_dim): each head's output with its queries from the source run and its
+    keys and values from the target run (the source prompt with one layer's keys and values replaced by the
+    target's; the queries of a layer depend only on the layers below). ``runs`` must hold the keys and
+    values."""
     source, target = ("clean", "corrupt") if direction == "denoise" else ("corrupt", "clean")
-    z_target = runs.z[runs.rows(target)].detach()
-    # zeros added to every head's z: the gradient on them is d metric / d z through every later layer
-    leaves = [torch.zeros_like(z_target[:, layer], requires_grad=True) for layer in range(L)]
-    plan = Plan().add(*(AddZ([(layer, h) for h in range(H)], leaves[layer]) for layer in range(L)))
+    L, K = lm.geometry.n_layers, lm.geometry.n_kv_heads
+    k_t, v_t = runs.k[runs.rows(target)], runs.v[runs.rows(target)]
+    rows = runs.rows(source)
+    return torch.stack([_layer_z(lm, runs.ids[rows], runs.mask[rows], layer,
+                                 [ReplaceKV([(layer, j) for j in range(K)], k_t[:, layer], v_t[:, layer])])
+                        for layer in range(L)], dim=1)
+
+
+def key_patched_z(lm, runs: PairRuns, direction: str = "denoise") -> torch.Tensor:
+    """(pair, layer, head, position, head_dim): each head's output on the target run with its key/value head's
+    keys at every position from the source run (values and queries the target's)."""
+    source, target = ("clean", "corrupt") if direction == "denoise" else ("corrupt", "clean")
+    L, K = lm.geometry.n_layers, lm.geometry.n_kv_heads
+    k_s = runs.k[runs.rows(source)]
     rows = runs.rows(target)
-    out, _ = forward(lm, runs.ids[rows], plan, attention_mask=runs.mask[rows], grad=True, logits_to_keep=1)
-    m = metric_of(out.logits[:, -1], runs.answer, runs.wrong, metric)
-    grads = torch.autograd.grad(m.sum(), leaves)
-    delta = (runs.z[runs.rows(source)] - z_target).double()
-    real = runs.mask[rows].to(delta.device).bool()[:, None, :]  # (pair, 1, position)
-    atp = torch.stack([torch.where(real, (delta[:, layer] * grads[layer].double()).sum(-1), 0.0)
-                       for layer in range(L)], dim=1)
-    return atp.detach(), m.detach()
+    return torch.stack([_layer_z(lm, runs.ids[rows], runs.mask[rows], layer,
+                                 [ReplaceKV([(layer, j) for j in range(K)], k_s[:, layer], None)])
+                        for layer in range(L)], dim=1)
+
+
+def _key_terms_per_token(lm, runs: PairRuns, direction: str, grads: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """(variant, pair, layer, kv_head, position) float64: the QK-fix estimate of patching one key position of a
+    key/value head (summed over the query heads it serves and every query); 0 before the first position where
+    the pair's prompts differ (the keys are the same there) and at padding."""
+    source, target = ("clean", "corrupt") if direction == "denoise" else ("corrupt", "clean")
+    L, H, K = lm.geometry.n_layers, lm.geometry.n_heads, lm.geometry.n_kv_heads
+    k_s = runs.k[runs.rows(source)]
+    z_t = runs.z[runs.rows(target)]
+    ids, mask = runs.ids[runs.rows(target)], runs.mask[runs.rows(target)]
+    n, T = runs.n, ids.shape[1]
+    out = torch.zeros(grads.shape[0], n, L, K, T, dtype=torch.float64)
+    group = torch.arange(H) // (H // K)
+    jobs = []
+    for e in range(n):
+        differ = (runs.ids[e] != runs.ids[n + e]).nonzero()
+        first = int(differ[0, 0]) if differ.numel() else T
+        jobs += [(e, s) for s in range(max(first, runs.pad[e]), T)]
+    for layer in range(L):
+        for start in range(0, len(jobs), batch_size):
+            chunk = jobs[start:start + batch_size]
+            edits = [ReplaceKV([(layer, j) for j in range(K)], k_s[e, layer, :, s:s + 1][None], None, rows=[r],
+                               positions=[s]) for r, (e, s) in enumerate(chunk)]
+            which = torch.tensor([e for e, _ in chunk])
+            z = _layer_z(lm, ids[which.to(ids.device)], mask[which.to(mask.device)], layer, edits)
+            delta = (z - z_t[which.to(z_t.device), layer]).double()  # (rows, H, T, D)
+            real = mask[which.to(mask.device)].to(delta.device).bool()[:, None, :, None]
+            per_head = (torch.where(real, delta, 0.0)[None] * grads[:, which.to(grads.device), layer].double()
+                        ).sum((-1, -2)).cpu()  # (variant, rows, H)
+            per_kv = torch.zeros(per_head.shape[0], len(chunk), K, dtype=torch.float64).index_add_(2, group, per_head)
+            for r, (e, s) in enumerate(chunk):
+                out[:, e, layer, :, s] = per_kv[:, r]
+    return out
 
 
 def _ranks(x: np.ndarray) -> np.ndarray:
@@ -140,51 +281,106 @@ def _compare(config: AttributionPatching, ctx: StepContext, score: np.ndarray) -
             "top_k_recall": top_k_recall(np.abs(ref_score - s0), np.abs(score - s0), config.top_k)}
 
 
+def _chunk_estimates(config: AttributionPatching, lm, runs: PairRuns) -> dict[str, torch.Tensor]:
+    """The per-pair estimates of a chunk as (pair, layer, head | kv_head, position) float64 (every position of
+    the padded batch; ``unit: z`` sums them over positions before GradDrop's absolute values, so these are
+    combined per unit by :func:`_combine`): ``atp`` always, ``query`` and ``key`` with the QK fix; each with
+    a leading variant axis (plain gradient, then one per dropped layer)."""
+    L, H, K = lm.geometry.n_layers, lm.geometry.n_heads, lm.geometry.n_kv_heads
+    star = config.method == "atp_star"
+    drops: list[int | None] = [None] + (list(range(L)) if star and config.grad_drop else [])
+    grads, _ = target_gradients(lm, runs, config.metric, config.direction, drops)
+    source = "clean" if config.direction == "denoise" else "corrupt"
+    out = {"atp": _terms(runs, config.direction, runs.z[runs.rows(source)], grads)}
+    if star and config.qk_fix:
+        out["query"] = _terms(runs, config.direction, query_patched_z(lm, runs, config.direction), grads)
+        if config.unit == "z":
+            per_head = _terms(runs, config.direction, key_patched_z(lm, runs, config.direction), grads)
+            group = (torch.arange(H) // (H // K)).to(per_head.device)
+            out["key"] = torch.zeros(*per_head.shape[:2], L, K, per_head.shape[-1], dtype=torch.float64,
+                                     device=per_head.device).index_add_(3, group, per_head)
+        else:
+            out["key"] = _key_terms_per_token(lm, runs, config.direction, grads, config.batch_size)
+    return out
+
+
+def _combine(config: AttributionPatching, terms: torch.Tensor) -> torch.Tensor:
+    """One estimate per unit (pair, layer, head[, position]) from the per-position terms of every gradient
+    variant: summed over positions for ``unit: z``, then GradDrop's combination when it ran."""
+    node = terms.sum(-1) if config.unit == "z" else terms
+    if node.shape[0] == 1:
+        return node[0]
+    return grad_drop(node[0], node[1:])
+
+
+def _unit_array(config: AttributionPatching, chunks: list[tuple[list[int], np.ndarray, list[int]]], n: int,
+                units: int) -> np.ndarray:
+    """(layer, unit[, token], example) from the chunks' (pair, layer, unit[, position]) estimates, tokens counted
+    from each prompt's first one (NaN at a token an example does not have)."""
+    L = chunks[0][1].shape[1]
+    if config.unit == "z":
+        full = np.zeros((L, units, n))
+        for idx, est, _ in chunks:
+            full[:, :, idx] = est.transpose(1, 2, 0)
+        return full
+    n_tokens = max(a.shape[-1] - p for _, a, pads in chunks for p in pads)
+    full = np.full((L, units, n_tokens, n), np.nan)
+    for idx, est, pads in chunks:
+        for j, (i, pad) in enumerate(zip(idx, pads, strict=True)):
+            full[:, :, :est.shape[-1] - pad, i] = est[j, :, :, pad:]
+    return full
+
+
 def detect(config: AttributionPatching, ctx: StepContext) -> xr.Dataset:
     """The ``attribution_patching`` detector over a pair task."""
     geo = ctx.model.geometry
-    L, H = geo.n_layers, geo.n_heads
+    L, H, K = geo.n_layers, geo.n_heads, geo.n_kv_heads
+    star = config.method == "atp_star"
+    if star and config.grad_drop and L < 2:
+        raise ValueError(f"{config.kind}: GradDrop divides by the number of layers minus one; this model has "
+                         f"{L} layer (set grad_drop: false)")
     answer, wrong = pair_inputs(ctx.examples, config.kind)
     n = len(ctx.examples)
     clean, corrupt = np.zeros(n), np.zeros(n)
-    per_position: list[tuple[list[int], np.ndarray, list[int]]] = []
+    chunks: dict[str, list] = {}
     for idx in ctx.progress(pair_chunks(n, config.pair_batch_size), "attribution patching"):
         runs = pair_runs(ctx.model, [ctx.examples[i] for i in idx], [answer[i] for i in idx],
-                         [wrong[i] for i in idx], config.metric)
+                         [wrong[i] for i in idx], config.metric, kv=star and config.qk_fix)
         m = runs.metric.detach().cpu().numpy()
         clean[idx], corrupt[idx] = m[:len(idx)], m[len(idx):]
-        atp, _ = attribution(ctx.model, runs, config.metric, config.direction)
-        per_position.append((idx, atp.cpu().numpy(), runs.pad))
-    coords = {"layer": np.arange(L), "head": np.arange(H)}
-    if config.unit == "z":
-        atp_all = np.zeros((L, H, n))
-        for idx, atp, _ in per_position:
-            atp_all[:, :, idx] = atp.sum(-1).transpose(1, 2, 0)
-        dims: tuple[str, ...] = ("layer", "head", "example")
-    else:
-        n_tokens = max(a.shape[-1] - p for _, a, pads in per_position for p in pads)
-        atp_all = np.full((L, H, n_tokens, n), np.nan)
-        for idx, atp, pads in per_position:
-            for j, (i, pad) in enumerate(zip(idx, pads, strict=True)):
-                atp_all[:, :, :atp.shape[-1] - pad, i] = atp[j, :, :, pad:]
-        dims = ("layer", "head", "token", "example")
-        coords["token"] = np.arange(n_tokens)
+        for name, terms in _chunk_estimates(config, ctx.model, runs).items():
+            chunks.setdefault(name, []).append((idx, _combine(config, terms).cpu().numpy(), runs.pad))
+    coords: dict = {"layer": np.arange(L), "head": np.arange(H)}
+    token = () if config.unit == "z" else ("token",)
     target = corrupt if config.direction == "denoise" else clean
-    score = normalised_score(target + atp_all, clean, corrupt, config.normalise, config.kind)
-    ds = xr.Dataset({
-        "score": xr.DataArray(score, dims=dims[:-1], coords=coords),
-        "atp": xr.DataArray(atp_all, dims=dims, coords=coords),
-        "clean": xr.DataArray(clean, dims=("example",)),
-        "corrupt": xr.DataArray(corrupt, dims=("example",)),
-    })
+    data: dict = {}
+    for name, unit_dim, units in (("atp", "head", H), ("query", "head", H), ("key", "kv_head", K)):
+        if name not in chunks:
+            continue
+        est = _unit_array(config, chunks[name], n, units)
+        dims = ("layer", unit_dim, *token, "example")
+        data["score" if name == "atp" else f"{name}_score"] = xr.DataArray(
+            normalised_score(target + est, clean, corrupt, config.normalise, config.kind), dims=dims[:-1])
+        data[name] = xr.DataArray(est, dims=dims)
+        if token:
+            coords["token"] = np.arange(est.shape[2])
+    if "key" in chunks:
+        coords["kv_head"] = np.arange(K)
+        coords["serves"] = (("kv_head", "head"), np.arange(H)[None, :] // (H // K) == np.arange(K)[:, None])
+    data["clean"] = xr.DataArray(clean, dims=("example",))
+    data["corrupt"] = xr.DataArray(corrupt, dims=("example",))
+    ds = xr.Dataset(data).assign_coords(coords)
     ds.attrs.update(method="attribution_patching", estimator=config.method, model=ctx.model.name,
                     metric=config.metric, direction=config.direction, unit=config.unit,
                     normalise=config.normalise, estimates="patched - target (target: corrupt to denoise, clean "
                     "to noise); score of target + atp",
                     convention=CONVENTION if config.normalise == "means" else PER_EXAMPLE,
                     position="last", reference="docs/methods.md#attribution-patching")
+    if star:
+        ds.attrs.update(qk_fix=int(config.qk_fix), grad_drop=int(config.grad_drop),
+                        reference="docs/methods.md#atp-the-qk-fix-and-graddrop")
     if config.reference is not None:
-        ds.attrs.update(_compare(config, ctx, score))
+        ds.attrs.update(_compare(config, ctx, ds["score"].values))
     return ds
 
 

@@ -13,6 +13,10 @@ Kinds:
   ``wrong``;
 - ``kv_swap``: the key-value retrieval prompts of ``kv_retrieval`` (one-number values), corrupted by
   querying another key of the same context; the wrong answer is that key's value;
+- ``repeated_pairs``: a random sequence of distinct words followed by the start of its repeat (the induction
+  probe of ``repeated_tokens``), the clean prompt ending at a word of the second copy; the answer is the word
+  that followed it in the first copy; the corrupted prompt replaces that word of the first copy by another
+  word (outside the sequence), which is the wrong answer;
 - ``ioi_pairs``: indirect-object identification from templates (Wang et al. 2022): "When A and B went to
   the place, B gave an object to" -> " A"; the corrupted prompt swaps the names in the second clause
   (" B" is then the answer), the wrong answer is " B".
@@ -36,8 +40,8 @@ from headlab.resources import TaskSize
 from headlab.spec import PositiveInt, Seed
 
 __all__ = [
-    "FIELDS", "IOI_TEMPLATES", "IoiPairs", "KvSwap", "PairTask", "answer_token", "build_ioi", "build_kv_swap",
-    "build_pairs", "pair_example",
+    "FIELDS", "IOI_TEMPLATES", "IoiPairs", "KvSwap", "PairTask", "RepeatedPairs", "answer_token", "build_ioi",
+    "build_kv_swap", "build_pairs", "build_repeated_pairs", "pair_example",
 ]
 
 #: the fields of a record of a ``pairs`` file
@@ -164,6 +168,77 @@ def build_kv_swap(config: KvSwap, ctx: TaskContext) -> list[Example]:
     return examples
 
 
+# --- repeated tokens with the first copy corrupted --------------------------------------------------------
+
+class RepeatedPairs(ComponentConfig):
+    """Repeated random words: the clean prompt repeats a word of the sequence, the corrupted one changes the word
+    that followed it in the first copy."""
+
+    kind: Literal["repeated_pairs"] = "repeated_pairs"
+    n: PositiveInt = Field(8, description="number of pairs")
+    length: PositiveInt = Field(12, description="words in the random sequence (the first copy), at least 2")
+    words: list[str] | None = Field(
+        None, description="words to draw from (each must be one token after a space); default: the nouns of the "
+        "embedded model's grammar that are one token for the model's tokenizer")
+    seed: Seed = Field(0, description="offset added to the run seed")
+
+    @field_validator("length")
+    @classmethod
+    def _length(cls, v: int) -> int:
+        if v < 2:
+            raise ValueError("length must be at least 2 (a repeated word and the word after it)")
+        return v
+
+    @field_validator("words")
+    @classmethod
+    def _words(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and any(not w or w != w.strip() or " " in w for w in v):
+            raise ValueError("words: each must be one word without spaces")
+        return v
+
+    def size(self) -> TaskSize:
+        """``n`` examples of at most ``2 x length`` words (and a BOS token)."""
+        return TaskSize(self.n, 1 + 2 * self.length)
+
+
+def _single_token_words(tok: Any, words: Sequence[str], strict: bool, kind: str) -> list[str]:
+    """The distinct ``words`` that are one token after ``"The "``; ``strict``: a word that is not is an error."""
+    out = []
+    for word in dict.fromkeys(words):
+        try:
+            answer_token(tok, "The", " " + word, f"{kind} task: word {word!r}", "word")
+        except TaskDataError:
+            if strict:
+                raise
+            continue
+        out.append(word)
+    return out
+
+
+def build_repeated_pairs(config: RepeatedPairs, ctx: TaskContext) -> list[Example]:
+    """``n`` pairs ``"s_0 ... s_{L-1} s_0 ... s_j"`` -> ``s_{j+1}`` (clean) / the same with ``s_{j+1}`` of the
+    first copy replaced by a word ``c`` outside the sequence -> ``c`` (corrupted; the wrong answer); ``j``
+    drawn in ``0..L-2``."""
+    tok = ctx.require_tokenizer(config.kind)
+    pool = _single_token_words(tok, config.words or S.NOUNS, config.words is not None, config.kind)
+    if len(pool) < config.length + 1:
+        raise TaskDataError(f"{config.kind} task: {len(pool)} single-token words for sequences of {config.length} "
+                            f"distinct words and a replacement; give more `words:` or a smaller `length:`")
+    rng = random.Random(ctx.seed + config.seed)
+    examples = []
+    for i in range(config.n):
+        seq = rng.sample(pool, config.length + 1)
+        first, replacement = seq[:-1], seq[-1]
+        j = rng.randrange(config.length - 1)
+        corrupted = first[:j + 1] + [replacement] + first[j + 2:]
+        clean = " ".join(first + first[:j + 1])
+        corrupt = " ".join(corrupted + first[:j + 1])
+        examples.append(pair_example(tok, clean, corrupt, first[j + 1], replacement,
+                                     f"{config.kind} task: example {i}",
+                                     meta={"length": config.length, "repeat_index": j, "corrupt_index": j + 1}))
+    return examples
+
+
 # --- indirect object identification ----------------------------------------------------------------------
 
 class IoiPairs(ComponentConfig):
@@ -246,4 +321,5 @@ def build_ioi(config: IoiPairs, ctx: TaskContext) -> list[Example]:
 def headlab_register_tasks(register):
     register(PairTask, build_pairs)
     register(KvSwap, build_kv_swap)
+    register(RepeatedPairs, build_repeated_pairs)
     register(IoiPairs, build_ioi)
