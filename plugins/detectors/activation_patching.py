@@ -32,7 +32,7 @@ NaN at a token an example does not have), ``clean (example)``, ``corrupt (exampl
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -192,14 +192,19 @@ def normalised_score(patched: np.ndarray, clean: np.ndarray, corrupt: np.ndarray
 @dataclass(frozen=True)
 class _Patch:
     """One patched row: ``key`` the unit index, ``e`` the example, ``layer`` the layer it edits, ``start``
-    the positions before which the patched run equals the target run (nothing before them changes), and
-    ``edit(r, s)`` the edit on batch row ``r`` of a forward whose queries start at position ``s``."""
+    the positions before which the patched run equals the target run (nothing before them changes),
+    ``head`` the head (key/value head for ``kv``), ``position`` the patched position (``None``: every
+    position) and ``values`` the source run's ``z`` there ((T, head_dim), or (1, head_dim) at ``position``;
+    the keys for ``kv``, ``kv_values`` its values)."""
 
     key: tuple[int, ...]
     e: int
     layer: int
     start: int
-    edit: Callable[[int, int], ReplaceZ | ReplaceKV]
+    head: int
+    position: int | None
+    values: torch.Tensor
+    kv_values: torch.Tensor | None = None
 
 
 def _shared_prefix(runs: PairRuns, e: int) -> int:
@@ -220,18 +225,15 @@ def _patches(runs: PairRuns, unit: str, layer: int, H: int, K: int) -> Iterator[
         k_source, v_source = runs.k[source], runs.v[source]
         for kvh in range(K):
             for e in range(runs.n):
-                k, v = k_source[e, layer, kvh], v_source[e, layer, kvh]
-                yield _Patch((layer, kvh), e, layer, shared[e],
-                             lambda r, s, j=kvh, k=k, v=v: ReplaceKV([(layer, j)], k[None, None], v[None, None],
-                                                                     rows=[r]))
+                yield _Patch((layer, kvh), e, layer, shared[e], kvh, None, k_source[e, layer, kvh],
+                             v_source[e, layer, kvh])
         return
     z_source = runs.z[source]
     for head in range(H):
         for e in range(runs.n):
             z = z_source[e, layer, head]
             if unit == "z":
-                yield _Patch((layer, head), e, layer, shared[e],
-                             lambda r, s, h=head, z=z: ReplaceZ([(layer, h)], z[None, None, s:], rows=[r]))
+                yield _Patch((layer, head), e, layer, shared[e], head, None, z)
                 continue
             pad = runs.pad[e]
             for token in range(T - pad):
@@ -239,9 +241,28 @@ def _patches(runs: PairRuns, unit: str, layer: int, H: int, K: int) -> Iterator[
                 if p < shared[e]:
                     yield (layer, head, token), e
                 else:  # the positions before p are those of the target run
-                    yield _Patch((layer, head, token), e, layer, p,
-                                 lambda r, s, h=head, z=z[p:p + 1], p=p: ReplaceZ([(layer, h)], z[None, None], rows=[r],
-                                                                                  positions=[p - s]))
+                    yield _Patch((layer, head, token), e, layer, p, head, p, z[p:p + 1])
+
+
+def _edits(batch: list[_Patch], unit: str, layer: int, s: int) -> list[ReplaceZ | ReplaceKV]:
+    """The edits of a forward whose row ``r`` carries ``batch[r]`` and whose queries start at position ``s``:
+    one per (head, position) over the rows that patch it."""
+    groups: dict[tuple[int, int | None], list[int]] = {}
+    for r, p in enumerate(batch):
+        groups.setdefault((p.head, p.position), []).append(r)
+    edits: list[ReplaceZ | ReplaceKV] = []
+    for (head, position), rows in groups.items():
+        if unit == "kv":  # key slots are absolute positions: the cached prefix's keys are replaced too
+            keys = torch.stack([batch[r].values for r in rows])[:, None]
+            values = torch.stack([batch[r].kv_values for r in rows])[:, None]
+            edits.append(ReplaceKV([(layer, head)], keys, values, rows=rows))
+        elif position is None:
+            z = torch.stack([batch[r].values[s:] for r in rows])[:, None]
+            edits.append(ReplaceZ([(layer, head)], z, rows=rows))
+        else:
+            z = torch.stack([batch[r].values for r in rows])[:, None]
+            edits.append(ReplaceZ([(layer, head)], z, rows=rows, positions=[position - s]))
+    return edits
 
 
 def _swap(runs: PairRuns, direction: str) -> PairRuns:
@@ -299,7 +320,7 @@ def patch_chunk(lm, runs: PairRuns, unit: str, metric: str, batch_size: int, dir
 
     def run(batch: list[_Patch], layer: int) -> None:
         s = min(p.start for p in batch) if prefix else 0
-        plan = Plan().add(*(p.edit(r, s) for r, p in enumerate(batch)))
+        plan = Plan().add(*_edits(batch, unit, layer, s))
         rows = torch.tensor([p.e for p in batch], device=ids.device)
         kwargs: dict = {"position_ids": positions_from_mask(mask[rows])[:, s:]}
         if s:
