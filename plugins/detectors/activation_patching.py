@@ -20,9 +20,18 @@ patched run behaves like the clean one, 0 = like the corrupted one, in both dire
 
 One forward over the clean and the corrupted prompts of a chunk of pairs records every head's ``z`` at
 every position (``Probes(z_positions="all")``); the patched runs are then rows of batched forwards, one
-patch per row (:class:`headlab.ReplaceZ`), ``batch_size`` rows at a time. Per token, the tokens before the
-first one where a pair's prompts differ are not run: their ``z`` is the same in both runs, so their patched
-metric is the unpatched target's.
+patch per row (:class:`headlab.ReplaceZ`), ``batch_size`` rows at a time, the rows of a forward patching one
+layer. Per token, the tokens before the first one where a pair's prompts differ are not run: their ``z`` is
+the same in both runs, so their patched metric is the unpatched target's.
+
+``resume: true`` (the default) skips, exactly, what a patch cannot change: that forward also records the
+residual stream at the input of every layer and every key and value, and a patched forward starts at the
+patched layer from the target run's residual stream (:func:`headlab.start_at_layer`); it runs only the
+positions from the first one a row's patch can change (the first differing token of the pair, or the patched
+token), the keys and values before them the target run's (a KV cache; on a model whose cache has sliding
+window layers every position is run). Only the last position's logits are computed. ``attrs["start"]``
+(``patched_layer`` / ``embeddings``) and ``attrs["prefix"]`` (``target_cache`` / ``recomputed``) say which
+path ran.
 
 Outputs: ``score (layer, head[, token])`` (``(layer, kv_head)`` for ``kv``), ``patched (..., example)`` (the raw metric;
 NaN at a token an example does not have), ``clean (example)``, ``corrupt (example)`` (not ``clean`` /
