@@ -95,8 +95,16 @@ class ActivationPatching(ComponentConfig):
                          "patched forward runs the whole model")
 
     def estimate(self, ctx: EstimateContext) -> list[Estimate]:
-        """Hidden states of a patched forward over the longest prompt (resource guard)."""
-        return [ctx.activations(ctx.task.tokens, ctx.rows(max(self.batch_size, 2 * self.pair_batch_size)))]
+        """Hidden states of a patched forward over the longest prompt (resource guard); with ``resume``, the
+        residual stream and the keys and values recorded for a chunk of pairs and a patched forward's KV cache."""
+        out = [ctx.activations(ctx.task.tokens, ctx.rows(max(self.batch_size, 2 * self.pair_batch_size)))]
+        if self.resume:
+            pairs = ctx.rows(2 * self.pair_batch_size)
+            out += [ctx.activations(ctx.task.tokens * ctx.geometry.n_layers, pairs,
+                                    "residual stream of every layer (resume)"),
+                    ctx.kv_cache(ctx.task.tokens, pairs, "keys and values of every layer (resume)"),
+                    ctx.kv_cache(ctx.task.tokens, ctx.rows(self.batch_size), "KV cache of a patched forward (resume)")]
+        return out
 
 
 def metric_of(logits_last: torch.Tensor, answer: torch.Tensor, wrong: torch.Tensor, metric: str) -> torch.Tensor:
