@@ -53,6 +53,7 @@ from pydantic import Field
 from headlab import (
     ComponentConfig,
     Example,
+    LoadedModel,
     Plan,
     Probes,
     ReplaceKV,
@@ -296,13 +297,13 @@ def _swap(runs: PairRuns, direction: str) -> PairRuns:
                     runs.pad, rows(runs.k), rows(runs.v), rows(runs.resid))
 
 
-def prefix_reusable(lm) -> bool:
+def prefix_reusable(lm: LoadedModel | torch.nn.Module) -> bool:
     """Whether the patched forwards can take the keys and values of the prompts' shared prefix from the
     target run: the model's KV cache is made of plain growing layers (no sliding window)."""
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
-    model = lm.model if hasattr(lm, "model") else lm
+    model = lm.model if isinstance(lm, LoadedModel) else lm
     return all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)
 
 
@@ -320,7 +321,7 @@ def _prefix_cache(model, runs: PairRuns, rows: torch.Tensor, s: int, layer: int,
     return cache
 
 
-def patch_chunk(lm, runs: PairRuns, unit: str, metric: str, batch_size: int, direction: str = "denoise",
+def patch_chunk(lm: LoadedModel, runs: PairRuns, unit: str, metric: str, batch_size: int, direction: str = "denoise",
                 resume: bool = False, prefix: bool = False) -> dict[tuple[tuple[int, ...], int], float]:
     """The patched metric of every (unit, example) of a chunk of pairs, ``batch_size`` patches per forward
     (the rows of a forward edit one layer). ``resume``: each forward starts at the patched layer from the
@@ -328,7 +329,8 @@ def patch_chunk(lm, runs: PairRuns, unit: str, metric: str, batch_size: int, dir
     from the first one a row's patch can change, the keys and values before them the target run's
     (``runs.k`` / ``runs.v``). Both are exact: what they skip is the target run's own values."""
     geo = lm.geometry
-    model = lm.model if hasattr(lm, "model") else lm
+    model = lm.model
+    prefix = prefix and resume
     oriented = _swap(runs, direction)
     target = oriented.rows("corrupt")
     ids, mask = oriented.ids[target], oriented.mask[target]
