@@ -32,6 +32,7 @@ from .instrument import (
     SteeringConflictError,
     shared_trunk,
     span_tensor,
+    start_at_layer,
 )
 from .model import Geometry, LoadedModel, from_config, from_pretrained, load_model
 from .plugin_manager import PluginError, component, register_plugin, unregister_plugin
@@ -57,7 +58,7 @@ __all__ = [
     "AddZ", "DropResidGrad", "KeyBias", "Plan", "Probes", "Recording", "ReplaceKV", "ReplaceQ", "ReplaceResid",
     "ReplaceZ",
     "SteeringConflictError",
-    "instrumented", "shared_trunk", "span_tensor",
+    "instrumented", "shared_trunk", "span_tensor", "start_at_layer",
     # heads and result arrays
     "DIMENSIONS", "attention_preview", "draw_like", "from_pasta_json", "from_retrieval_json", "to_pasta_json",
     "to_retrieval_json",

@@ -284,3 +284,68 @@ def test_resid_patching_equals_the_decoder_layer_pre_hook_reference(arch, metric
         same = np.array(tok(ex.prompt).input_ids) == np.array(tok(ex.meta["corrupt_prompt"]).input_ids)
         np.testing.assert_allclose(ds["patched"].values[0, :len(same), e][same], target[e], atol=1e-5)
         assert np.abs(ds["patched"].values[0, :len(same), e][~same] - target[e]).max() > 1e-3
+
+
+def _attention_queries(lm) -> tuple[dict[int, int], list]:
+    """Per layer, the (row, query) positions its attention runs (forward pre-hooks), and the hook handles."""
+    seen: dict[int, int] = {}
+
+    def count(layer):
+        def hook(module, args, kwargs):
+            h = args[0] if args else kwargs["hidden_states"]
+            seen[layer] = seen.get(layer, 0) + int(h.shape[0] * h.shape[1])
+        return hook
+    handles = []
+    for layer, module in enumerate(lm.decoder_layers):
+        attn = module.self_attn if hasattr(module, "self_attn") else module.attn
+        handles.append(attn.register_forward_pre_hook(count(layer), with_kwargs=True))
+    return seen, handles
+
+
+@pytest.mark.parametrize(("arch", "unit", "direction"), [("llama", "z", "denoise"), ("llama", "z_position", "noise"),
+                                                         ("llama", "kv", "denoise"), ("gpt2", "z", "noise"),
+                                                         ("gpt2", "kv", "noise"), ("llama", "resid", "denoise")])
+def test_patched_forwards_started_at_the_patched_layer_equal_the_whole_model(arch, unit, direction):
+    """``resume``: each patched forward runs the layers from the patched one over the positions from the first
+    one the pair's prompts differ at; the metrics equal those of forwards of the whole model."""
+    tok, lm, _ = models(arch)
+    examples = pair_examples(tok)
+    ctx = StepContext(model=lm, examples=examples, results={}, seed=0)
+    geo = lm.geometry
+    L, n = geo.n_layers, len(examples)
+    queries, results = {}, {}
+    for resume in (True, False):
+        seen, handles = _attention_queries(lm)
+        try:
+            results[resume] = detect(ActivationPatching(unit=unit, direction=direction, resume=resume, batch_size=64,
+                                                        pair_batch_size=n), ctx)
+        finally:
+            for h in handles:
+                h.remove()
+        queries[resume] = seen
+    fast, full = results[True], results[False]
+    np.testing.assert_allclose(fast["patched"].values, full["patched"].values, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(fast["score"].values, full["score"].values, atol=1e-4, rtol=1e-4)
+    assert (fast.attrs["start"], fast.attrs["prefix"]) == ("patched_layer", "target_cache")
+    assert (full.attrs["start"], full.attrs["prefix"]) == ("embeddings", "recomputed")
+    if unit in ("z_position", "resid"):
+        assert all(queries[True][ly] < queries[False][ly] for ly in range(L))
+        return
+    # one forward per layer (batch_size covers a layer's rows): the shared prefix of the chunk is not run
+    runs = pair_runs(lm, examples, [0] * n, [1] * n, "logit_diff")
+    T = runs.ids.shape[1]
+    shared = min(int((runs.ids[e] != runs.ids[n + e]).nonzero()[0, 0]) for e in range(n))
+    per_layer = n * (geo.n_heads if unit == "z" else geo.n_kv_heads)
+    assert 0 < shared < T
+    for ly in range(L):
+        assert queries[False][ly] == 2 * n * T + L * per_layer * T
+        assert queries[True][ly] == 2 * n * T + (ly + 1) * per_layer * (T - shared)
+
+
+def test_a_sliding_window_model_starts_at_the_patched_layer_and_recomputes_the_prefix():
+    tok, lm, _ = models("gemma2")
+    ctx = StepContext(model=lm, examples=pair_examples(tok), results={}, seed=0)
+    fast = detect(ActivationPatching(batch_size=64, pair_batch_size=3), ctx)
+    full = detect(ActivationPatching(batch_size=64, pair_batch_size=3, resume=False), ctx)
+    np.testing.assert_allclose(fast["patched"].values, full["patched"].values, atol=1e-5, rtol=0)
+    assert (fast.attrs["start"], fast.attrs["prefix"]) == ("patched_layer", "recomputed")

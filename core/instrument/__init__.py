@@ -31,7 +31,7 @@ Modules: ``plan`` (the typed edits and :class:`Plan`), ``probes`` (:class:`Probe
 arguments as tensors), ``recording`` (:class:`Recording`), ``positions`` (absolute positions <-> the
 query rows and key slots of one attention call), ``session`` (the state of one context and the plan's
 tensors for one layer call), ``attention`` (the registered :func:`attention_forward`), ``masks``,
-``trunk`` (:func:`shared_trunk`, :func:`expand_cache`), ``residual`` (the per-layer residual edits as
+``trunk`` (:func:`shared_trunk`, :func:`expand_cache`, :func:`start_at_layer`), ``residual`` (the per-layer residual edits as
 decoder-layer hooks), ``layers`` (a model's attention layers and the
 models refused) and ``context`` (:func:`register`, :func:`instrument`).
 """
@@ -63,7 +63,7 @@ from .plan import (
 )
 from .probes import Probes, per_row_spans, span_tensor
 from .recording import DIMS, Recording
-from .trunk import expand_cache, shared_trunk
+from .trunk import expand_cache, shared_trunk, start_at_layer
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -99,4 +99,5 @@ __all__ = [
     "register",
     "shared_trunk",
     "span_tensor",
+    "start_at_layer",
 ]

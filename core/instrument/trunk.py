@@ -1,5 +1,6 @@
 """Copies of a batch that share their lower layers: :func:`shared_trunk` runs them once below a layer,
-:func:`expand_cache` repeats a cache prefilled once."""
+:func:`expand_cache` repeats a cache prefilled once; a forward that resumes at a layer from hidden states
+recorded there: :func:`start_at_layer`."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from torch import Tensor
 
 from .layers import decoder_layers
 
-__all__ = ["Trunk", "active_trunk", "expand_cache", "shared_trunk"]
+__all__ = ["Trunk", "active_trunk", "expand_cache", "shared_trunk", "start_at_layer"]
 
 
 @dataclass(frozen=True)
@@ -101,3 +102,52 @@ def expand_cache(cache: Any, layer: int, copies: int) -> None:
             raise ValueError(f"expand_cache: cannot repeat the rows of a {type(cl).__name__}")
         n = int(cl.keys.shape[0])
         cl.batch_select_indices(torch.arange(n, device=cl.keys.device).repeat(copies))
+
+
+def _hidden_arg(args: tuple, kwargs: dict) -> Tensor:
+    return args[0] if args else kwargs["hidden_states"]
+
+
+@contextlib.contextmanager
+def start_at_layer(model: Any, layer: int, hidden: Tensor) -> Iterator[None]:
+    """Run the model's forwards inside the block from decoder layer ``layer`` on: layers ``0..layer-1`` are
+    skipped and ``layer`` receives ``hidden`` (B, N, d_model) as its input hidden states.
+
+    With ``hidden`` the residual stream a run of the same rows recorded at the input of ``layer`` (and the
+    same attention mask, positions and KV cache), the outputs are those of the whole forward wherever
+    nothing below ``layer`` would change them: an edit or a probe below ``layer`` does not run. The model
+    is called as usual (input ids of ``N`` positions per row: its embeddings, masks and position
+    embeddings are computed and the embeddings discarded); ``layer`` 0 replaces the embeddings' output.
+    Inside the block the skipped layers' ``forward`` is replaced on the modules, so the model must not run
+    other forwards concurrently.
+    """
+    layers = decoder_layers(model)
+    if not 0 <= layer < len(layers):
+        raise ValueError(f"start_at_layer: layer must be in 0..{len(layers) - 1}, got {layer}")
+
+    def enter(module, args, kwargs):
+        h = _hidden_arg(args, kwargs)
+        if tuple(h.shape) != tuple(hidden.shape):
+            raise ValueError(f"start_at_layer: hidden states of shape {tuple(hidden.shape)} for a forward whose "
+                             f"layer {layer} input has shape {tuple(h.shape)}")
+        value = hidden.to(device=h.device, dtype=h.dtype)
+        if args:
+            return (value, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": value}
+
+    def skip(*args, **kwargs):
+        return _hidden_arg(args, kwargs)
+
+    saved = [m.__dict__.get("forward") for m in layers[:layer]]
+    handle = layers[layer].register_forward_pre_hook(enter, with_kwargs=True)
+    for m in layers[:layer]:
+        m.forward = skip
+    try:
+        yield
+    finally:
+        handle.remove()
+        for m, old in zip(layers[:layer], saved, strict=True):
+            if old is None:
+                del m.forward
+            else:
+                m.forward = old

@@ -22,9 +22,18 @@ patched run behaves like the clean one, 0 = like the corrupted one, in both dire
 
 One forward over the clean and the corrupted prompts of a chunk of pairs records every head's ``z`` at
 every position (``Probes(z_positions="all")``); the patched runs are then rows of batched forwards, one
-patch per row (:class:`headlab.ReplaceZ`), ``batch_size`` rows at a time. Per token, the tokens before the
-first one where a pair's prompts differ are not run: their ``z`` (and residual stream) is the same in both
-runs, so their patched metric is the unpatched target's.
+patch per row (:class:`headlab.ReplaceZ`), ``batch_size`` rows at a time, the rows of a forward patching one
+layer. Per token, the tokens before the first one where a pair's prompts differ are not run: their ``z`` is
+the same in both runs, so their patched metric is the unpatched target's.
+
+``resume: true`` (the default) skips, exactly, what a patch cannot change: that forward also records the
+residual stream at the input of every layer and every key and value, and a patched forward starts at the
+patched layer from the target run's residual stream (:func:`headlab.start_at_layer`); it runs only the
+positions from the first one a row's patch can change (the first differing token of the pair, or the patched
+token), the keys and values before them the target run's (a KV cache; on a model whose cache has sliding
+window layers every position is run). Only the last position's logits are computed. ``attrs["start"]``
+(``patched_layer`` / ``embeddings``) and ``attrs["prefix"]`` (``target_cache`` / ``recomputed``) say which
+path ran.
 
 Outputs: ``score (layer, head[, token])`` (``(layer, kv_head)`` for ``kv``, ``(layer, token)`` for ``resid``),
 ``patched (..., example)`` (the raw metric;
@@ -34,7 +43,8 @@ NaN at a token an example does not have), ``clean (example)``, ``corrupt (exampl
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -46,6 +56,7 @@ from pydantic import Field
 from headlab import (
     ComponentConfig,
     Example,
+    LoadedModel,
     Plan,
     Probes,
     ReplaceKV,
@@ -54,6 +65,8 @@ from headlab import (
     StepContext,
     forward,
     hookimpl,
+    positions_from_mask,
+    start_at_layer,
 )
 from headlab.generation import tokenize
 from headlab.plugins.detectors.direct_logit_attribution import answer_ids
@@ -83,10 +96,21 @@ class ActivationPatching(ComponentConfig):
     normalise: Normalise = Field("means", description="the score's ratio of example means, or the mean of ratios")
     batch_size: PositiveInt = Field(32, description="rows (one patch each) per patched forward")
     pair_batch_size: PositiveInt = Field(8, description="pairs whose clean and corrupted runs share a forward")
+    resume: bool = Field(True, description="start each patched forward at the patched layer from the target run's "
+                         "residual stream and run only the positions the patch can change (exact); false: every "
+                         "patched forward runs the whole model")
 
     def estimate(self, ctx: EstimateContext) -> list[Estimate]:
-        """Hidden states of a patched forward over the longest prompt (resource guard)."""
-        return [ctx.activations(ctx.task.tokens, ctx.rows(max(self.batch_size, 2 * self.pair_batch_size)))]
+        """Hidden states of a patched forward over the longest prompt (resource guard); with ``resume``, the
+        residual stream and the keys and values recorded for a chunk of pairs and a patched forward's KV cache."""
+        out = [ctx.activations(ctx.task.tokens, ctx.rows(max(self.batch_size, 2 * self.pair_batch_size)))]
+        if self.resume:
+            pairs = ctx.rows(2 * self.pair_batch_size)
+            out += [ctx.activations(ctx.task.tokens * ctx.geometry.n_layers, pairs,
+                                    "residual stream of every layer (resume)"),
+                    ctx.kv_cache(ctx.task.tokens, pairs, "keys and values of every layer (resume)"),
+                    ctx.kv_cache(ctx.task.tokens, ctx.rows(self.batch_size), "KV cache of a patched forward (resume)")]
+        return out
 
 
 def metric_of(logits_last: torch.Tensor, answer: torch.Tensor, wrong: torch.Tensor, metric: str) -> torch.Tensor:
@@ -106,8 +130,8 @@ class PairRuns:
     rows ``0..n-1`` and the corrupted ones in ``n..2n-1`` (the same padding: a pair has one token length),
     ``z`` (2n, layer, head, T, head_dim) every head's output, ``metric`` (2n,) float64, ``answer`` /
     ``wrong`` (n,) token ids, ``pad`` (n,) left padding of each pair; ``k`` / ``v`` (2n, layer, kv_head, T,
-    head_dim) the keys and values when recorded (``kv=True``); ``resid`` (2n, layer, T, hidden) the residual
-    stream entering every decoder layer when recorded (``resid=True``)."""
+    head_dim) the keys and values when recorded (``kv=True``); ``resid`` (2n, layer, T, d_model) the residual
+    stream at the input of each layer when recorded (``resid=True``)."""
 
     ids: torch.Tensor
     mask: torch.Tensor
@@ -133,7 +157,7 @@ def pair_runs(lm, examples: list[Example], answer: list[int], wrong: list[int], 
               kv: bool = False, resid: bool = False) -> PairRuns:
     """One forward over the clean and corrupted prompts of ``examples`` (pair-task examples), recording every
     head's ``z`` at every position (and every key/value head's keys and values with ``kv``, the residual
-    stream entering every decoder layer with ``resid``)."""
+    stream at the input of every decoder layer with ``resid``)."""
     corrupt = [Example(prompt=str(ex.meta["corrupt_prompt"])) for ex in examples]
     batch = tokenize(lm, list(examples) + corrupt)
     n = len(examples)
@@ -141,17 +165,22 @@ def pair_runs(lm, examples: list[Example], answer: list[int], wrong: list[int], 
         row = next(i for i in range(n) if batch.pad[i] != batch.pad[n + i])
         raise ValueError(f"example {row}: the clean and corrupted prompts have different token lengths")
     probes = Probes(z_positions="all", kv_positions="all" if kv else None)
-    extra = {"output_hidden_states": True} if resid else {}
-    out, rec = forward(lm, batch.input_ids, Plan(probes=probes), attention_mask=batch.attention_mask,
-                       logits_to_keep=1, **extra)
-    # hidden_states[l] is the input of decoder layer l (0: the embeddings; the last one is normed, unused)
-    hidden = torch.stack(out.hidden_states[:lm.geometry.n_layers], dim=1) if resid else None
+    inputs: list[torch.Tensor] = []
+    handles = [layer.register_forward_pre_hook(
+        lambda module, args, kwargs: inputs.append((args[0] if args else kwargs["hidden_states"]).detach()),
+        with_kwargs=True) for layer in lm.decoder_layers] if resid else []
+    try:
+        out, rec = forward(lm, batch.input_ids, Plan(probes=probes), attention_mask=batch.attention_mask,
+                           logits_to_keep=1)
+    finally:
+        for h in handles:
+            h.remove()
     device = out.logits.device
     a = torch.tensor(answer, device=device)
     w = torch.tensor(wrong, device=device)
     m = metric_of(out.logits[:, -1], a.repeat(2), w.repeat(2), metric)
     return PairRuns(batch.input_ids, batch.attention_mask, rec.z, m, a, w, [int(p) for p in batch.pad[:n]],
-                    rec.k, rec.v, hidden)
+                    rec.k, rec.v, torch.stack(inputs, dim=1) if resid else None)
 
 
 def normalised_score(patched: np.ndarray, clean: np.ndarray, corrupt: np.ndarray, normalise: str,
@@ -183,7 +212,22 @@ def normalised_score(patched: np.ndarray, clean: np.ndarray, corrupt: np.ndarray
         return np.where(count > 0, (mean_p - mean_k) / gap, np.nan)
 
 
-Patch = tuple[tuple[int, ...], int, Callable[[int], "ReplaceZ | ReplaceKV | ReplaceResid"]]
+@dataclass(frozen=True)
+class _Patch:
+    """One patched row: ``key`` the unit index, ``e`` the example, ``layer`` the layer it edits, ``start``
+    the positions before which the patched run equals the target run (nothing before them changes),
+    ``head`` the head (key/value head for ``kv``), ``position`` the patched position (``None``: every
+    position) and ``values`` the source run's ``z`` there ((T, head_dim), or (1, head_dim) at ``position``;
+    the keys for ``kv``, ``kv_values`` its values; the residual stream (1, d_model) for ``resid``, ``head`` -1)."""
+
+    key: tuple[int, ...]
+    e: int
+    layer: int
+    start: int
+    head: int
+    position: int | None
+    values: torch.Tensor
+    kv_values: torch.Tensor | None = None
 
 
 def _shared_prefix(runs: PairRuns, e: int) -> int:
@@ -192,55 +236,70 @@ def _shared_prefix(runs: PairRuns, e: int) -> int:
     return int(differ[0, 0]) if differ.numel() else int(runs.ids.shape[1])
 
 
-def _patches(runs: PairRuns, unit: str, L: int, H: int, K: int) -> Iterator[Patch | tuple[tuple[int, ...], int]]:
-    """``(unit index, example, edit(row))`` for every patch of a chunk: the source run's ``z`` of one head at
-    every position or at one token of the example, the keys and values of one key/value head at every
-    position, or the residual stream entering one layer at one token. A token before the first one where the
-    pair's prompts differ has the same ``z`` (and residual stream) in both runs, so its patch changes nothing:
-    it comes as ``(unit index, example)`` alone, its patched metric the target's."""
+def _patches(runs: PairRuns, unit: str, layer: int, H: int, K: int) -> Iterator[_Patch | tuple[tuple[int, ...], int]]:
+    """Every patch of a chunk on ``layer``: the source run's ``z`` of one head at every position or at one
+    token of the example, or the keys and values of one key/value head at every position. A token before
+    the first one where the pair's prompts differ has the same ``z`` in both runs, so its patch changes
+    nothing: it comes as ``(unit index, example)`` alone, its patched metric the target's."""
     source = runs.rows("clean")
     T = runs.ids.shape[1]
+    shared = [min(_shared_prefix(runs, e), T - 1) for e in range(runs.n)]
     if unit == "kv":
         k_source, v_source = runs.k[source], runs.v[source]
-        for layer in range(L):
-            for kvh in range(K):
-                for e in range(runs.n):
-                    k, v = k_source[e, layer, kvh], v_source[e, layer, kvh]
-                    yield (layer, kvh), e, (lambda r, ly=layer, j=kvh, k=k, v=v:
-                                            ReplaceKV([(ly, j)], k[None, None], v[None, None], rows=[r]))
+        for kvh in range(K):
+            for e in range(runs.n):
+                yield _Patch((layer, kvh), e, layer, shared[e], kvh, None, k_source[e, layer, kvh],
+                             v_source[e, layer, kvh])
         return
-    shared = [_shared_prefix(runs, e) for e in range(runs.n)]
     if unit == "resid":
         r_source = runs.resid[source]
-        for layer in range(L):
-            for e in range(runs.n):
-                pad = runs.pad[e]
-                for token in range(T - pad):
-                    p = pad + token
-                    if p < shared[e]:
-                        yield (layer, token), e
-                    else:
-                        x = r_source[e, layer, p:p + 1]
-                        yield (layer, token), e, (lambda r, ly=layer, x=x, p=p:
-                                                  ReplaceResid(ly, x[None], rows=[r], positions=[p]))
+        for e in range(runs.n):
+            pad = runs.pad[e]
+            for token in range(T - pad):
+                p = pad + token
+                if p < shared[e]:
+                    yield (layer, token), e
+                else:
+                    yield _Patch((layer, token), e, layer, p, -1, p, r_source[e, layer, p:p + 1])
         return
     z_source = runs.z[source]
-    for layer in range(L):
-        for head in range(H):
-            for e in range(runs.n):
-                z = z_source[e, layer, head]
-                if unit == "z":
-                    yield (layer, head), e, (lambda r, ly=layer, h=head, z=z: ReplaceZ([(ly, h)], z[None, None],
-                                                                                        rows=[r]))
-                    continue
-                pad = runs.pad[e]
-                for token in range(T - pad):
-                    p = pad + token
-                    if p < shared[e]:
-                        yield (layer, head, token), e
-                    else:
-                        yield (layer, head, token), e, (lambda r, ly=layer, h=head, z=z[p:p + 1], p=p:
-                                                        ReplaceZ([(ly, h)], z[None, None], rows=[r], positions=[p]))
+    for head in range(H):
+        for e in range(runs.n):
+            z = z_source[e, layer, head]
+            if unit == "z":
+                yield _Patch((layer, head), e, layer, shared[e], head, None, z)
+                continue
+            pad = runs.pad[e]
+            for token in range(T - pad):
+                p = pad + token
+                if p < shared[e]:
+                    yield (layer, head, token), e
+                else:  # the positions before p are those of the target run
+                    yield _Patch((layer, head, token), e, layer, p, head, p, z[p:p + 1])
+
+
+def _edits(batch: list[_Patch], unit: str, layer: int, s: int) -> list[ReplaceZ | ReplaceKV | ReplaceResid]:
+    """The edits of a forward whose row ``r`` carries ``batch[r]`` and whose queries start at position ``s``:
+    one per (head, position) over the rows that patch it."""
+    groups: dict[tuple[int, int | None], list[int]] = {}
+    for r, p in enumerate(batch):
+        groups.setdefault((p.head, p.position), []).append(r)
+    edits: list[ReplaceZ | ReplaceKV | ReplaceResid] = []
+    for (head, position), rows in groups.items():
+        if unit == "resid":
+            x = torch.stack([batch[r].values for r in rows])
+            edits.append(ReplaceResid(layer, x, rows=rows, positions=[position - s]))
+        elif unit == "kv":  # key slots are absolute positions: the cached prefix's keys are replaced too
+            keys = torch.stack([batch[r].values for r in rows])[:, None]
+            values = torch.stack([batch[r].kv_values for r in rows])[:, None]
+            edits.append(ReplaceKV([(layer, head)], keys, values, rows=rows))
+        elif position is None:
+            z = torch.stack([batch[r].values[s:] for r in rows])[:, None]
+            edits.append(ReplaceZ([(layer, head)], z, rows=rows))
+        else:
+            z = torch.stack([batch[r].values for r in rows])[:, None]
+            edits.append(ReplaceZ([(layer, head)], z, rows=rows, positions=[position - s]))
+    return edits
 
 
 def _swap(runs: PairRuns, direction: str) -> PairRuns:
@@ -248,44 +307,82 @@ def _swap(runs: PairRuns, direction: str) -> PairRuns:
     if direction == "denoise":
         return runs
     n = runs.n
-    order = torch.cat([torch.arange(n, 2 * n), torch.arange(n)]).to(runs.z.device)
-    return PairRuns(runs.ids[order.to(runs.ids.device)], runs.mask[order.to(runs.mask.device)], runs.z[order],
-                    runs.metric[order.to(runs.metric.device)], runs.answer, runs.wrong, runs.pad,
-                    None if runs.k is None else runs.k[order], None if runs.v is None else runs.v[order],
-                    None if runs.resid is None else runs.resid[order])
+    order = torch.cat([torch.arange(n, 2 * n), torch.arange(n)])
+
+    def rows(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[order.to(t.device)]
+
+    return PairRuns(rows(runs.ids), rows(runs.mask), rows(runs.z), rows(runs.metric), runs.answer, runs.wrong,
+                    runs.pad, rows(runs.k), rows(runs.v), rows(runs.resid))
 
 
-def patch_chunk(lm, runs: PairRuns, unit: str, metric: str, batch_size: int, direction: str = "denoise"
-                ) -> dict[tuple[tuple[int, ...], int], float]:
-    """The patched metric of every (unit, example) of a chunk of pairs, ``batch_size`` patches per forward."""
+def prefix_reusable(lm: LoadedModel | torch.nn.Module) -> bool:
+    """Whether the patched forwards can take the keys and values of the prompts' shared prefix from the
+    target run: the model's KV cache is made of plain growing layers (no sliding window)."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    model = lm.model if isinstance(lm, LoadedModel) else lm
+    return all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)
+
+
+def _prefix_cache(model, runs: PairRuns, rows: torch.Tensor, s: int, layer: int, n_layers: int):
+    """A KV cache holding the target run's keys and values of positions ``0..s-1`` for ``rows`` (example
+    indices of the target rows) at layers ``layer..`` (and layer 0, which sizes the mask)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    target = runs.rows("corrupt")
+    k, v = runs.k[target], runs.v[target]
+    idx = rows.to(k.device)
+    for ly in sorted({0, *range(layer, n_layers)}):
+        cache.update(k[idx, ly, :, :s], v[idx, ly, :, :s], ly)
+    return cache
+
+
+def patch_chunk(lm: LoadedModel, runs: PairRuns, unit: str, metric: str, batch_size: int, direction: str = "denoise",
+                resume: bool = False, prefix: bool = False) -> dict[tuple[tuple[int, ...], int], float]:
+    """The patched metric of every (unit, example) of a chunk of pairs, ``batch_size`` patches per forward
+    (the rows of a forward edit one layer). ``resume``: each forward starts at the patched layer from the
+    target run's residual stream (``runs.resid``); ``prefix`` (with ``resume``): it runs only the positions
+    from the first one a row's patch can change, the keys and values before them the target run's
+    (``runs.k`` / ``runs.v``). Both are exact: what they skip is the target run's own values."""
     geo = lm.geometry
+    model = lm.model
+    prefix = prefix and resume
     oriented = _swap(runs, direction)
     target = oriented.rows("corrupt")
     ids, mask = oriented.ids[target], oriented.mask[target]
+    resid = None if oriented.resid is None else oriented.resid[target]
     out: dict[tuple[tuple[int, ...], int], float] = {}
-    pending: list[Patch] = []
 
-    def flush() -> None:
-        if not pending:
-            return
-        plan = Plan().add(*(build(r) for r, (_, _, build) in enumerate(pending)))
-        rows = torch.tensor([e for _, e, _ in pending], device=ids.device)
-        res, _ = forward(lm, ids[rows], plan, attention_mask=mask[rows], logits_to_keep=1)
+    def run(batch: list[_Patch], layer: int) -> None:
+        s = min(p.start for p in batch) if prefix else 0
+        plan = Plan().add(*_edits(batch, unit, layer, s))
+        rows = torch.tensor([p.e for p in batch], device=ids.device)
+        kwargs: dict = {"position_ids": positions_from_mask(mask[rows])[:, s:]}
+        if s:
+            kwargs.update(cache=_prefix_cache(model, oriented, rows, s, layer, geo.n_layers), use_cache=True)
+        with contextlib.ExitStack() as stack:
+            if resume and layer > 0:
+                stack.enter_context(start_at_layer(model, layer, resid[rows.to(resid.device), layer, s:]))
+            res, _ = forward(lm, ids[rows, s:], plan, attention_mask=mask[rows], logits_to_keep=1, **kwargs)
         rr = rows.to(oriented.answer.device)
         m = metric_of(res.logits[:, -1], oriented.answer[rr], oriented.wrong[rr], metric)
-        for (key, e, _), value in zip(pending, m.tolist(), strict=True):
-            out[(key, e)] = value
-        pending.clear()
+        for p, value in zip(batch, m.tolist(), strict=True):
+            out[(p.key, p.e)] = value
 
     target_metric = oriented.metric[target].tolist()
-    for item in _patches(oriented, unit, geo.n_layers, geo.n_heads, geo.n_kv_heads):
-        if len(item) == 2:
-            out[item] = target_metric[item[1]]
-            continue
-        pending.append(item)
-        if len(pending) == batch_size:
-            flush()
-    flush()
+    for layer in range(geo.n_layers):
+        pending: list[_Patch] = []
+        for item in _patches(oriented, unit, layer, geo.n_heads, geo.n_kv_heads):
+            if isinstance(item, tuple):
+                out[item] = target_metric[item[1]]
+            else:
+                pending.append(item)
+        pending.sort(key=lambda p: p.start)  # rows whose runs start at the same position share a forward
+        for j in range(0, len(pending), batch_size):
+            run(pending[j:j + batch_size], layer)
     return out
 
 
@@ -315,15 +412,16 @@ def detect(config: ActivationPatching, ctx: StepContext) -> xr.Dataset:
     chunks = pair_chunks(n, config.pair_batch_size)
     results: dict = {}
     n_tokens = 0
+    prefix = config.resume and prefix_reusable(ctx.model)
     for idx in ctx.progress(chunks, "activation patching"):
         runs = pair_runs(ctx.model, [ctx.examples[i] for i in idx], [answer[i] for i in idx],
-                         [wrong[i] for i in idx], config.metric, kv=config.unit == "kv",
-                         resid=config.unit == "resid")
+                         [wrong[i] for i in idx], config.metric, kv=config.unit == "kv" or prefix,
+                         resid=config.resume or config.unit == "resid")
         m = runs.metric.detach().cpu().numpy()
         clean[idx], corrupt[idx] = m[:len(idx)], m[len(idx):]
         n_tokens = max(n_tokens, max(runs.ids.shape[1] - p for p in runs.pad))
         for (key, e), value in patch_chunk(ctx.model, runs, config.unit, config.metric, config.batch_size,
-                                           config.direction).items():
+                                           config.direction, resume=config.resume, prefix=prefix).items():
             results[(key, idx[e])] = value
     coords: dict = {"layer": np.arange(L), "head": np.arange(H)}
     if config.unit == "z":
@@ -357,7 +455,9 @@ def detect(config: ActivationPatching, ctx: StepContext) -> xr.Dataset:
     ds.attrs.update(method="activation_patching", model=ctx.model.name, metric=config.metric,
                     direction=config.direction, unit=config.unit, normalise=config.normalise,
                     convention=CONVENTION if config.normalise == "means" else PER_EXAMPLE,
-                    position="last", reference="docs/methods.md#activation-patching")
+                    position="last", reference="docs/methods.md#activation-patching",
+                    start="patched_layer" if config.resume else "embeddings",
+                    prefix="target_cache" if prefix else "recomputed")
     return ds
 
 
