@@ -394,7 +394,8 @@ def kv_head_scores(source: ScoresFrom | ScoresFile, results: Mapping[str, xr.Dat
 def _kv_scores(source: Any, results: Mapping[str, xr.Dataset], geometry: Geometry, gqa: GqaRule) -> np.ndarray:
     """KV-head scores of a source for ranking (``gqa`` over each KV head's query heads; no score: -inf)."""
     scores = head_scores(source, results, geometry)
-    values = np.nan_to_num(scores.values.astype(float), nan=-np.inf)
+    values = scores.values.astype(float)
+    values = np.where(np.isnan(values), -np.inf, values)
     return _aggregate(values, geometry, gqa) if "head" in scores.dims else values
 
 
@@ -603,7 +604,8 @@ class HeadMap:
                                 f"{least}")
         fits = total if bounded >= length else min(total, math.floor((allowed - total * bounded)
                                                                        / (length - bounded) + _EPS))
-        priority = np.nan_to_num(self.priority.values.astype(float), nan=-np.inf)
+        priority = self.priority.values.astype(float)
+        priority = np.where(np.isnan(priority), -np.inf, priority)
         candidates = int((priority > -np.inf).sum())
         n = min(fits, candidates)
         attrs = {**self.attrs, "budget_length": int(length), "budget_fraction": allowed / (total * length),

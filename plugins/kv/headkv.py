@@ -63,7 +63,7 @@ def compile_headkv(config: HeadKV, ctx: StepContext) -> HeadBudgetMap:
     """HeadKV's per-KV-head budgets from the scores (pending for a fraction budget without a length)."""
     geometry = ctx.model.geometry
     scores = kv_head_scores(config.scores, ctx.results, geometry, gqa=config.gqa)
-    size = token_bytes(geometry, model_dtype(ctx)) if config.budget.bytes is not None else None
+    size = token_bytes(geometry, model_dtype(ctx))
     return HeadBudgetMap.allocate(scores, config.budget, beta=config.beta, temp=config.temp,
                                   observation_window=config.observation_window, kernel_size=config.kernel_size,
                                   pooling=config.pooling, token_bytes=size,

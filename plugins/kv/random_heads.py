@@ -55,7 +55,7 @@ def compile_random(config: RandomKV, ctx: StepContext) -> HeadMap:
         order = rng.permutation(geometry.n_layers * geometry.n_kv_heads).reshape(geometry.n_layers,
                                                                                    geometry.n_kv_heads)
         priority = xr.DataArray(-order.astype(float), dims=("layer", "kv_head"), name="kv_priority")
-        size = token_bytes(geometry, model_dtype(ctx)) if config.budget.bytes is not None else None
+        size = token_bytes(geometry, model_dtype(ctx))
         return HeadMap.budgeted(priority, config.budget, sink=config.sink, window=config.window, token_bytes=size,
                                 attrs=attrs)
     if config.like is None:

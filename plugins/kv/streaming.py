@@ -66,7 +66,7 @@ def compile_streaming(config: StreamingKV, ctx: StepContext) -> HeadMap:
     if config.budget is not None:
         priority = kv_priority(config.full_heads, ctx.results, geometry, gqa=config.gqa,
                                rng=np.random.default_rng(ctx.seed))
-        size = token_bytes(geometry, model_dtype(ctx)) if config.budget.bytes is not None else None
+        size = token_bytes(geometry, model_dtype(ctx))
         return HeadMap.budgeted(priority, config.budget, sink=config.sink, window=config.window, token_bytes=size,
                                 attrs=attrs)
     full = kv_heads(config.full_heads, ctx.results, geometry, gqa=config.gqa, rng=np.random.default_rng(ctx.seed))
