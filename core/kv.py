@@ -832,7 +832,8 @@ def snapkv_keep(keys: torch.Tensor, queries: torch.Tensor, budget: Sequence[int]
     ``pad[b]`` padding tokens, default none) and ``queries`` ``[batch, n_heads, W, head_dim]`` its last ``W``
     queries (both after the rotary embedding); KV head ``j`` serves query heads ``j*g .. (j+1)*g - 1``. A
     key's score is the attention (softmax of ``scaling * q.k``, default ``1/sqrt(head_dim)``, over the row's
-    keys causally) it receives, averaged over the window's queries of the row and the KV head's query heads,
+    keys causally) it receives, averaged over the window's queries (of the row's own tokens) and the KV head's
+    query heads,
     then pooled over neighbouring positions (``pooling`` max or avg, width ``kernel_size``, over the keys
     before the window); ties go to the earlier position. A row with at most ``budget[j]`` tokens keeps them
     all. Returns, per KV head, the kept positions ``[batch, k]`` as indices into ``seq``, ascending, with
@@ -863,9 +864,8 @@ def snapkv_keep(keys: torch.Tensor, queries: torch.Tensor, budget: Sequence[int]
     kv = keys.float().repeat_interleave(group, dim=1)
     logits = torch.einsum("bhqd,bhkd->bhqk", queries.float(), kv) * scale
     attn = torch.softmax(logits.masked_fill(~visible[:, None], float("-inf")), dim=-1)
-    real_q = (query_pos[None, :] >= pads[:, None]).float()  # (batch, W)
-    weight = real_q / real_q.sum(dim=1, keepdim=True)
-    score = torch.einsum("bhqk,bq->bhk", attn.nan_to_num(0.0), weight)
+    # a padding query sees no key (its row is NaN): it adds nothing; a row's mean and sum rank alike
+    score = attn.nan_to_num(0.0).mean(dim=2)
     score = score.view(batch, n_kv, group, seq).mean(dim=2)[..., : seq - window]
     if seq > window:
         flat = score.reshape(batch * n_kv, 1, seq - window)
