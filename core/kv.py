@@ -861,12 +861,12 @@ def snapkv_keep(keys: torch.Tensor, queries: torch.Tensor, budget: Sequence[int]
     query_pos = torch.arange(seq - window, seq, device=device)
     visible = (positions[None, None, :] <= query_pos[None, :, None]) & (positions[None, None, :] >= pads[:, None, None])
     scale = dim**-0.5 if scaling is None else scaling
-    kv = keys.float().repeat_interleave(group, dim=1)
-    logits = torch.einsum("bhqd,bhkd->bhqk", queries.float(), kv) * scale
-    attn = torch.softmax(logits.masked_fill(~visible[:, None], float("-inf")), dim=-1)
+    # the query heads of a KV head against its keys, without repeating the keys per query head
+    grouped = queries.float().reshape(batch, n_kv, group * window, dim)
+    logits = torch.matmul(grouped, keys.float().transpose(-1, -2)).view(batch, n_kv, group, window, seq) * scale
+    attn = torch.softmax(logits.masked_fill(~visible[:, None, None], float("-inf")), dim=-1)
     # a padding query sees no key (its row is NaN): it adds nothing; a row's mean and sum rank alike
-    score = attn.nan_to_num(0.0).mean(dim=2)
-    score = score.view(batch, n_kv, group, seq).mean(dim=2)[..., : seq - window]
+    score = attn.nan_to_num(0.0).mean(dim=(2, 3))[..., : seq - window]
     if seq > window:
         flat = score.reshape(batch * n_kv, 1, seq - window)
         if pooling == "max":

@@ -162,6 +162,8 @@ def test_budget_configs_are_checked():
         streaming.model_validate({"kind": "streaming", "full_heads": {"from": "ret"}, "window": 8})
     with pytest.raises(ValidationError, match="a `budget` ranks KV heads by `full_heads`"):
         streaming.model_validate({"kind": "streaming", "window": 8, "budget": {"fraction": 0.3}})
+    with pytest.raises(ValidationError, match=r"like \{from: step\} without `top` or `threshold`"):
+        component("kv", "random").config.model_validate({"kind": "random", "like": {"from": "ret"}, "window": 8})
     with pytest.raises(ValidationError, match="exactly one of `fraction`, `bytes` and `tokens_per_head`"):
         KvBudget.model_validate({"fraction": 0.3, "bytes": 100})
     with pytest.raises(ValidationError, match="exactly one of"):

@@ -16,7 +16,16 @@ import xarray as xr
 from pydantic import Field, model_validator
 
 from headlab import ComponentConfig, StepContext, hookimpl
-from headlab.kv import GqaRule, HeadMap, KvBudget, KvHeadSelection, kv_heads, random_kv_heads, token_bytes
+from headlab.kv import (
+    GqaRule,
+    HeadMap,
+    KvBudget,
+    KvHeadSelection,
+    ScoresFrom,
+    kv_heads,
+    random_kv_heads,
+    token_bytes,
+)
 from headlab.spec import NonNegativeInt, PositiveInt, Seed
 
 from .common import BUDGET_FIELD, GQA_FIELD, SINK_FIELD, WINDOW_FIELD, model_dtype
@@ -42,6 +51,9 @@ class RandomKV(ComponentConfig):
             raise ValueError("give exactly one of `like` (a head selection to match), `n_full` and `budget`")
         if self.like is None and (self.match_layers or self.exclude):
             raise ValueError("`match_layers` and `exclude` refer to `like`: give `like`")
+        if isinstance(self.like, ScoresFrom):
+            raise ValueError("like {from: step} without `top` or `threshold` selects no count of heads: give `top` "
+                             "or `threshold`, or a `budget` instead of `like`")
         return self
 
 
