@@ -4,7 +4,9 @@ kvpress 0.5 pins transformers < 5.3, so these tests run only where kvpress is im
 environment of its own (docs/kv.md says how to make one) they check that the press's streaming mask, sink and
 recent sizes are the head map's, and that after a prefill through kvpress's own hooks the keys kvpress hides
 from the first generated token are exactly those the head map drops. Without kvpress they are skipped, and
-one test checks that the export then says how to install it."""
+one test checks that the export then says how to install it. A ``headkv`` map becomes a press that keeps
+each KV head's SnapKV selection; its first generated token is checked against the same kind of dense
+reference."""
 
 from __future__ import annotations
 
@@ -44,15 +46,16 @@ def test_without_kvpress_the_export_says_how_to_install_it():
 
 
 def test_maps_kvpress_cannot_express_are_refused_first():
-    with pytest.raises(KvPolicyError, match="headkv map"):
-        to_kvpress(HeadBudgetMap(xr.DataArray(np.zeros((1, 2), dtype=bool), dims=("layer", "kv_head")),
-                                 kv_budget=xr.DataArray(np.array([[9, 9]]), dims=("layer", "kv_head"))))
     with pytest.raises(KvPolicyError, match="window 1: kvpress keeps `window - 1`"):
         to_kvpress(_map([[True, False]], window=1))
     pending = HeadMap.budgeted(xr.DataArray(np.array([[1.0, 0.0]]), dims=("layer", "kv_head")),
                                KvBudget(fraction=0.9), sink=2, window=5)
     with pytest.raises(KvPolicyError, match="give the context length"):
         to_kvpress(pending)
+    pending_headkv = HeadBudgetMap.allocate(xr.DataArray(np.ones((1, 2)), dims=("layer", "kv_head")),
+                                            KvBudget(fraction=0.5))
+    with pytest.raises(KvPolicyError, match="give the context length"):
+        to_kvpress(pending_headkv)
 
 
 @needs_kvpress
@@ -138,6 +141,70 @@ def test_the_first_generated_token_equals_a_dense_head_mask_reference():
         expected = dense(input_ids=torch.cat([ids, token], dim=1)).logits[:, -1]
     torch.testing.assert_close(step, expected, atol=1e-5, rtol=1e-5)
     # the reference differs from the unmasked model: the mask matters here
+    with torch.no_grad():
+        unmasked = _tiny_llama()(input_ids=torch.cat([ids, token], dim=1)).logits[:, -1]
+    assert (unmasked - expected).abs().max() > 1e-4
+
+
+def _headkv_map(budgets: list[list[int]], window: int = 4, kernel: int = 3) -> HeadBudgetMap:
+    arr = np.array(budgets)
+    return HeadBudgetMap(xr.DataArray(np.zeros(arr.shape, dtype=bool), dims=("layer", "kv_head")),
+                         kv_budget=xr.DataArray(arr, dims=("layer", "kv_head")), observation_window=window,
+                         kernel_size=kernel, attrs={"policy": "headkv"})
+
+
+@needs_kvpress
+def test_a_headkv_press_keeps_the_selection_of_each_kv_head():
+    from transformers import AttentionInterface, DynamicCache
+
+    from headlab.kv import snapkv_keep
+
+    budgets, window, seq = [[10, 13], [12, 6]], 4, 20
+    hm = _headkv_map(budgets, window=window)
+    press = to_kvpress(hm)
+    assert type(press).__name__ == "HeadKVPress" and press.kv_budget.tolist() == budgets
+    kept_by_layer: dict[int, list[torch.Tensor]] = {}
+
+    def reference(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        # full causal attention, except that the query at position `seq` sees, per KV head, the keys that
+        # snapkv_keep selects from the prompt's keys and last `window` queries (and itself)
+        group = query.shape[1] // key.shape[1]
+        n_q, n_k = query.shape[2], key.shape[2]
+        q_pos, k_pos = torch.arange(n_k - n_q, n_k)[:, None], torch.arange(n_k)[None, :]
+        allowed = (k_pos <= q_pos).expand(query.shape[1], n_q, n_k).clone()
+        if n_k == seq + 1:
+            kept = snapkv_keep(key[:, :, :seq], query[:, :, seq - window: seq], budgets[module.layer_idx],
+                               kernel_size=3, scaling=scaling)
+            kept_by_layer[module.layer_idx] = kept
+            for head in range(query.shape[1]):
+                row = torch.zeros(n_k, dtype=torch.bool)
+                row[kept[head // group][0]] = True
+                row[seq] = True
+                allowed[head, -1] &= row
+        k, v = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+        scores = (query @ k.transpose(-1, -2)) * (scaling or query.shape[-1] ** -0.5)
+        weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+        return (weights @ v).transpose(1, 2).contiguous(), weights
+
+    AttentionInterface.register("headlab_headkv_reference", reference)
+    model, dense = _tiny_llama(), _tiny_llama()
+    dense.set_attn_implementation("headlab_headkv_reference")
+    ids = torch.randint(0, 64, (1, seq), generator=torch.Generator().manual_seed(3))
+    cache = DynamicCache()
+    with torch.no_grad():
+        with press(model):
+            prefill = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        token = prefill.logits[:, -1:].argmax(-1)
+        step = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1]
+        expected = dense(input_ids=torch.cat([ids, token], dim=1)).logits[:, -1]
+    # kvpress hides, per KV head, every prompt key but the selection
+    for layer, attn in enumerate(model.model.layers):
+        _, heads, positions = attn.self_attn.masked_key_indices
+        for head in range(2):
+            hidden = set(positions[heads == head].tolist())
+            assert hidden == set(range(seq)) - set(kept_by_layer[layer][head][0].tolist())
+            assert len(hidden) == seq - budgets[layer][head]
+    torch.testing.assert_close(step, expected, atol=1e-5, rtol=1e-5)
     with torch.no_grad():
         unmasked = _tiny_llama()(input_ids=torch.cat([ids, token], dim=1)).logits[:, -1]
     assert (unmasked - expected).abs().max() > 1e-4
