@@ -13,6 +13,12 @@ retrieval-head or PASTA JSON file, or DuoAttention's ``full_attention_heads.tsv`
 The ``kv`` component category (:func:`headlab.hookspecs.headlab_register_kv_policies`) turns a policy
 config into a :class:`HeadMap`.
 
+Budgets (:class:`KvBudget`: a kept fraction, a byte size or a mean of tokens per KV head) make as many KV
+heads full as fit at a context length, in the order :func:`kv_priority` gives (:meth:`HeadMap.budgeted`).
+HeadKV's per-KV-head budgets are a :class:`HeadBudgetMap` (:func:`headkv_allocation`), and
+:func:`snapkv_keep` picks the keys each KV head keeps after a prefill. :func:`to_kvpress` exports a map as
+a press of kvpress (an optional dependency).
+
 :class:`HeadwiseCache` is a transformers :class:`~transformers.Cache` that stores, per layer, a *full group*
 (the full KV heads, every position) and a *bounded group* (the compressed KV heads: ``sink`` slots plus a
 ring buffer of ``window`` slots), batched with left padding: positions are counted in each row's own
@@ -47,7 +53,8 @@ from .spec.heads import HeadsFile, HeadsFrom
 __all__ = ["DuoHeadsFile", "GqaRule", "HeadMap", "HeadwiseCache", "HeadwiseLayer", "KvHeadSelection",
            "KvPolicyError", "kv_heads", "random_kv_heads", "read_duo_heads",
            "HeadBudgetMap", "HeadScoreSource", "KvBudget", "ScoresFile", "ScoresFrom", "head_scores",
-           "headkv_allocation", "kv_head_scores", "kv_priority", "read_head_scores", "snapkv_keep", "to_kvpress", "token_bytes"]
+           "headkv_allocation", "kv_head_scores", "kv_priority", "read_head_scores", "snapkv_keep", "to_kvpress",
+           "token_bytes"]
 
 GqaRule = Literal["any", "all", "mean"]
 """How the query heads of a KV head decide it is full: ``any`` (one selected query head suffices; with
