@@ -635,10 +635,11 @@ class HeadMap:
             raise KvPolicyError(f"length {length}: a kept fraction needs at least one token")
         return float(self.kept_tokens(length).sum()) / (self.n_layers * self.n_kv_heads * length)
 
-    def for_length(self, length: int) -> HeadMap:
-        """This map for rows of at most ``length`` tokens: a pending budget met at ``length``, and every head
-        full, said in ``attrs["note"]``, when ``sink + window`` covers the whole context (no compressed head
-        would drop a token)."""
+    def for_length(self, length: int, new_tokens: int = 0) -> HeadMap:
+        """This map for rows of at most ``length`` tokens (``length + new_tokens`` with a generation's new
+        tokens: what the cache holds at the end): a pending budget met there, and every head full, said in
+        ``attrs["note"]``, when ``sink + window`` covers it (no compressed head would drop a token)."""
+        length = length + new_tokens
         if self.pending:
             return self._resolve(length).for_length(length)
         if self.is_full or self.window is None or self.sink + self.window < length:
@@ -773,9 +774,11 @@ class HeadBudgetMap(HeadMap):
         return float(self.kept_tokens(length, new_tokens).sum()) / (self.n_layers * self.n_kv_heads
                                                                      * (length + new_tokens))
 
-    def for_length(self, length: int) -> HeadMap:
-        """This map for prompts of at most ``length`` tokens: a pending budget met at ``length``; KV heads whose
-        budget covers the prompt are full; when all are, the plain full map with a ``note``."""
+    def for_length(self, length: int, new_tokens: int = 0) -> HeadMap:
+        """This map for prompts of at most ``length`` tokens: a pending budget met at ``length``, the prompt
+        (HeadKV compresses the prompt; ``new_tokens`` generated later join every head and change nothing
+        here); KV heads whose budget covers the prompt are full; when all are, the plain full map with a
+        ``note``."""
         resolved = self._resolve(length) if self.pending else self
         full = resolved.kv_full.values | (resolved.kv_budget.values >= length)
         if full.all():

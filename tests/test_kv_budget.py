@@ -80,6 +80,16 @@ def test_bytes_and_tokens_per_head_budgets():
         token_bytes(GEO, "float7")
 
 
+def test_a_generation_meets_the_budget_at_its_end():
+    # a 60-token prompt and 40 new tokens: the cache holds 100 tokens at the end, where 0.58 fits two heads
+    hm = _compile("streaming", full_heads={"from": "ret"}, budget={"fraction": 0.58})
+    assert hm.for_length(60, new_tokens=40).kv_full.equals(hm.for_length(100).kv_full)
+    assert hm.for_length(60).n_full == 1  # the prompt alone: 139.2 tokens of 240 fit one (60 + 3 * 16 = 108)
+    # sink + window covering the prompt but not the generation: not full
+    plain = _compile("streaming", full_heads={"from": "ret", "top": 1})
+    assert plain.for_length(10).is_full and not plain.for_length(10, new_tokens=10).is_full
+
+
 def test_a_budget_with_a_length_is_resolved_at_compile_time():
     hm = _compile("streaming", full_heads={"from": "ret"}, budget={"fraction": 0.58, "length": 100})
     assert not hm.pending and _on(hm.kv_full) == [(0, 0), (1, 0)]

@@ -70,6 +70,7 @@ def test_the_policy_carries_per_kv_head_budgets():
     # a prompt of 44 tokens: the two KV heads with 45 keep everything and are full
     short = hm.for_length(44)
     assert short.kv_full.values.tolist() == [[False, True], [True, False]]
+    assert hm.for_length(44, new_tokens=100).kv_full.equals(short.kv_full)  # HeadKV compresses the prompt
     assert short.kept_tokens(44).values.tolist() == [[43, 44], [44, 27]]
     da = hm.to_dataarray(100)
     assert da.attrs["observation_window"] == 8 and da.attrs["kernel_size"] == 7 and da.attrs["pooling"] == "max"
