@@ -13,6 +13,12 @@ retrieval-head or PASTA JSON file, or DuoAttention's ``full_attention_heads.tsv`
 The ``kv`` component category (:func:`headlab.hookspecs.headlab_register_kv_policies`) turns a policy
 config into a :class:`HeadMap`.
 
+Budgets (:class:`KvBudget`: a kept fraction, a byte size or a mean of tokens per KV head) make as many KV
+heads full as fit at a context length, in the order :func:`kv_priority` gives (:meth:`HeadMap.budgeted`).
+HeadKV's per-KV-head budgets are a :class:`HeadBudgetMap` (:func:`headkv_allocation`), and
+:func:`snapkv_keep` picks the keys each KV head keeps after a prefill. :func:`to_kvpress` exports a map as
+a press of kvpress (an optional dependency).
+
 :class:`HeadwiseCache` is a transformers :class:`~transformers.Cache` that stores, per layer, a *full group*
 (the full KV heads, every position) and a *bounded group* (the compressed KV heads: ``sink`` slots plus a
 ring buffer of ``window`` slots), batched with left padding: positions are counted in each row's own
@@ -25,29 +31,34 @@ such caches and measures them (:class:`KvUsage`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 import xarray as xr
-from pydantic import Discriminator, Field, Tag
+from pydantic import Discriminator, Field, Tag, model_validator
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .config import StrictModel
 from .geometry import Geometry
 from .heads import from_retrieval_json, read_heads_file, select_heads
-from .spec.fields import FiniteFloat, NonEmptyStr, NonNegativeInt, PositiveInt
+from .spec.fields import MAX_FLOAT, FiniteFloat, NonEmptyStr, NonNegativeInt, PositiveInt
 from .spec.heads import HeadsFile, HeadsFrom
 
 __all__ = ["DuoHeadsFile", "GqaRule", "HeadMap", "HeadwiseCache", "HeadwiseLayer", "KvHeadSelection",
            "KvPolicyError", "KvUsage", "SplitCall", "kv_heads", "kv_policy", "random_kv_heads", "read_duo_heads",
-           "split_call"]
+           "split_call",
+           "HeadBudgetMap", "HeadScoreSource", "KvBudget", "ScoresFile", "ScoresFrom", "head_scores",
+           "headkv_allocation", "kv_head_scores", "kv_priority", "read_head_scores", "snapkv_keep", "to_kvpress",
+           "token_bytes"]
 
 GqaRule = Literal["any", "all", "mean"]
 """How the query heads of a KV head decide it is full: ``any`` (one selected query head suffices; with
@@ -69,19 +80,42 @@ class DuoHeadsFile(StrictModel):
     threshold: FiniteFloat = Field(0.5, description="a KV head is full when its value is >= threshold")
 
 
+class ScoresFrom(StrictModel):
+    """Every head, ranked by (or weighted with) an earlier step's ``score``: no cut of its own (a budget
+    decides how many KV heads are full; ``headkv`` weighs every head)."""
+
+    from_: str = Field(alias="from", description="id of an earlier step whose result has a `score`")
+
+
+class ScoresFile(StrictModel):
+    """A head-score file: the retrieval-head / HeadKV JSON ``{"<layer>-<head>": [scores]}`` (query heads, the
+    mean of each list) or DuoAttention's ``.tsv`` (KV heads). As a ``full_heads`` selection, ``threshold``
+    keeps the KV heads whose aggregated score is >= it."""
+
+    file: NonEmptyStr = Field(description="path of a .json (layer-head scores) or .tsv (layers x KV heads) file")
+    threshold: FiniteFloat | None = Field(None, description="full_heads: KV heads whose score is >= threshold")
+
+
 def _selection_form(value: Any) -> str:
-    """Which form of KV head selection ``value`` is (a ``.tsv`` file is DuoAttention's format)."""
+    """Which form of KV head selection ``value`` is (a ``.tsv`` file is DuoAttention's format; a bare
+    ``{from: step}`` ranks every head for a budget; a ``.json`` file with a ``threshold`` is a score file)."""
     if isinstance(value, DuoHeadsFile):
         return "heads[tsv]"
+    if isinstance(value, ScoresFile):
+        return "heads[scores]"
+    if isinstance(value, ScoresFrom):
+        return "heads[rank]"
     if isinstance(value, HeadsFile):
         return "heads[file]"
     if isinstance(value, HeadsFrom):
         return "heads[from]"
     if isinstance(value, Mapping):
         if "from" in value or "from_" in value:
-            return "heads[from]"
+            return "heads[rank]" if set(value) <= {"from", "from_"} else "heads[from]"
         if "file" in value:
-            return "heads[tsv]" if str(value["file"]).lower().endswith(".tsv") else "heads[file]"
+            if str(value["file"]).lower().endswith(".tsv"):
+                return "heads[tsv]"
+            return "heads[scores]" if "threshold" in value else "heads[file]"
         return "heads[layers]"
     return "heads[pairs]"
 
@@ -89,12 +123,28 @@ def _selection_form(value: Any) -> str:
 KvHeadSelection = Annotated[
     Union[  # noqa: UP007
         Annotated[HeadsFrom, Tag("heads[from]")], Annotated[HeadsFile, Tag("heads[file]")],
-        Annotated[DuoHeadsFile, Tag("heads[tsv]")],
+        Annotated[DuoHeadsFile, Tag("heads[tsv]")], Annotated[ScoresFrom, Tag("heads[rank]")],
+        Annotated[ScoresFile, Tag("heads[scores]")],
         Annotated[list[tuple[NonNegativeInt, NonNegativeInt]], Tag("heads[pairs]")],
         Annotated[dict[str, list[NonNegativeInt]], Tag("heads[layers]")]],
     Discriminator(_selection_form)]
 """The heads a KV policy keeps in full: any spec head selection (:data:`headlab.HeadSelection`, query heads
-mapped to KV heads by a :data:`GqaRule`) or a DuoAttention ``{file: full_attention_heads.tsv}`` (KV heads)."""
+mapped to KV heads by a :data:`GqaRule`), a DuoAttention ``{file: full_attention_heads.tsv}`` (KV heads), a
+score file with a ``threshold`` (:class:`ScoresFile`), or, under a budget, every head ranked by a step's
+scores (``{from: step}``, :class:`ScoresFrom`)."""
+
+
+def _score_form(value: Any) -> str:
+    if isinstance(value, ScoresFile) or (isinstance(value, Mapping) and "file" in value):
+        return "scores[file]"
+    return "scores[from]"
+
+
+HeadScoreSource = Annotated[
+    Union[Annotated[ScoresFrom, Tag("scores[from]")], Annotated[ScoresFile, Tag("scores[file]")]],  # noqa: UP007
+    Discriminator(_score_form)]
+"""Where per-head scores come from: ``{from: step}`` (the step's ``score``) or ``{file: heads.json}`` (the
+retrieval-head / HeadKV format) / ``{file: full_attention_heads.tsv}`` (DuoAttention's, KV heads)."""
 
 
 # --- head maps -----------------------------------------------------------------------------------------
@@ -181,14 +231,18 @@ def _from_set(heads: Sequence[tuple[int, int]], geometry: Geometry, rule: GqaRul
     return agg >= 0.5 if rule == "mean" else agg >= 1.0
 
 
-def _scores(score: xr.DataArray, geometry: Geometry, where: str) -> np.ndarray:
+def _raw_scores(score: xr.DataArray, geometry: Geometry, where: str) -> np.ndarray:
     if set(score.dims) != {"layer", "head"}:
         raise KvPolicyError(f"{where}: `score` has dims {tuple(score.dims)}, not (layer, head)")
     values = score.transpose("layer", "head").values.astype(float)
     if values.shape != (geometry.n_layers, geometry.n_heads):
         raise KvPolicyError(f"{where}: `score` is {values.shape[0]} layers x {values.shape[1]} heads, this model has "
                             f"{geometry.n_layers} x {geometry.n_heads}")
-    return np.nan_to_num(values, nan=-np.inf)
+    return values
+
+
+def _scores(score: xr.DataArray, geometry: Geometry, where: str) -> np.ndarray:
+    return np.nan_to_num(_raw_scores(score, geometry, where), nan=-np.inf)
 
 
 def random_kv_heads(n_full: int, geometry: Geometry, rng: np.random.Generator, *,
@@ -261,11 +315,202 @@ def kv_heads(selection: Any, results: Mapping[str, xr.Dataset], geometry: Geomet
             raise KvPolicyError(f"heads file '{selection.file}': `top` needs scores (the retrieval-head format "
                                 "{\"<layer>-<head>\": [scores]}); a PASTA list has none")
         return _kv_array(_from_set(heads, geometry, gqa))
+    if isinstance(selection, ScoresFrom):
+        raise KvPolicyError(f"heads from step '{selection.from_}': {{from: ...}} without `top` or `threshold` ranks "
+                            "every head for a budget; give `top`, `threshold` or a `budget`")
+    if isinstance(selection, ScoresFile):
+        if selection.threshold is None:
+            raise KvPolicyError(f"heads file '{selection.file}': give `threshold` (or a `budget` to rank its heads)")
+        return _kv_array(_kv_scores(selection, results, geometry, gqa) >= selection.threshold)
     try:
         heads = select_heads(selection, {}, geometry)
     except ValueError as e:
         raise KvPolicyError(str(e)) from None
     return _kv_array(_from_set(heads, geometry, gqa))
+
+
+# --- head scores and budget rankings -------------------------------------------------------------------
+
+
+def read_head_scores(path: str | Path, geometry: Geometry | None = None) -> xr.DataArray:
+    """The per-head scores of a retrieval-head / HeadKV JSON file ``{"<layer>-<head>": [scores]}`` (keys in any
+    order; a list or a single number per head) as a float ``(layer, head)`` array ``score``: the mean of each
+    head's list, NaN for a head the file does not name. With ``geometry`` every head must lie inside the model.
+    Any problem is a :class:`KvPolicyError` naming the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise KvPolicyError(f"heads file '{path}' does not exist")
+    try:
+        data = json.loads(p.read_bytes().decode("utf-8-sig"))
+    except UnicodeDecodeError as e:
+        raise KvPolicyError(f"heads file '{path}': not UTF-8 text (byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise KvPolicyError(f"heads file '{path}' line {e.lineno} column {e.colno}: not JSON: {e.msg}") from None
+    if not (isinstance(data, Mapping) and data and all("-" in str(k) for k in data)):
+        raise KvPolicyError(f"heads file '{path}': not a head-score file {{\"<layer>-<head>\": [scores]}} (a PASTA "
+                            "head list has no scores)")
+    try:
+        scores = from_retrieval_json(data)
+    except (ValueError, TypeError) as e:
+        raise KvPolicyError(f"heads file '{path}': a key is not \"<layer>-<head>\" or a value not a list of "
+                            f"numbers ({e})") from None
+    if any(layer < 0 or head < 0 for layer, head in scores):
+        raise KvPolicyError(f"heads file '{path}': a negative layer or head index")
+    shape = (max(layer for layer, _ in scores) + 1, max(head for _, head in scores) + 1)
+    if geometry is not None:
+        outside = [lh for lh in scores if lh[0] >= geometry.n_layers or lh[1] >= geometry.n_heads]
+        if outside:
+            raise KvPolicyError(f"heads file '{path}': head {outside[0][0]}-{outside[0][1]} is outside this model "
+                                f"({geometry.n_layers} layers x {geometry.n_heads} heads)")
+        shape = (geometry.n_layers, geometry.n_heads)
+    out = np.full(shape, np.nan)
+    for (layer, head), value in scores.items():
+        if not math.isfinite(value):
+            raise KvPolicyError(f"heads file '{path}': the score of head {layer}-{head} is not finite")
+        out[layer, head] = value
+    return xr.DataArray(out, dims=("layer", "head"), name="score",
+                        coords={"layer": np.arange(shape[0]), "head": np.arange(shape[1])})
+
+
+def head_scores(source: ScoresFrom | ScoresFile | HeadsFrom, results: Mapping[str, xr.Dataset],
+                geometry: Geometry) -> xr.DataArray:
+    """The scores a :data:`HeadScoreSource` gives: a ``(layer, head)`` array for a step's ``score`` or a JSON
+    file (NaN where a head has none), a ``(layer, kv_head)`` one for a DuoAttention ``.tsv``."""
+    if isinstance(source, (ScoresFrom, HeadsFrom)):
+        where = f"heads from step '{source.from_}'"
+        if source.from_ not in results:
+            raise KvPolicyError(f"{where}: the step has no result in this cell")
+        if "score" not in results[source.from_]:
+            raise KvPolicyError(f"{where}: the step produced no `score` to rank heads by")
+        values = _raw_scores(results[source.from_]["score"], geometry, where)
+        return xr.DataArray(values, dims=("layer", "head"), name="score",
+                            coords={"layer": np.arange(values.shape[0]), "head": np.arange(values.shape[1])})
+    if str(source.file).lower().endswith(".tsv"):
+        return read_duo_heads(source.file, geometry)
+    return read_head_scores(source.file, geometry)
+
+
+def kv_head_scores(source: ScoresFrom | ScoresFile, results: Mapping[str, xr.Dataset], geometry: Geometry, *,
+                   gqa: GqaRule = "any") -> xr.DataArray:
+    """A :data:`HeadScoreSource`'s scores per KV head, a float ``(layer, kv_head)`` array ``kv_score``: query
+    heads aggregated by ``gqa`` (max, min or mean over each KV head's group; NaN where one has no score); a
+    DuoAttention file's values as they are."""
+    scores = head_scores(source, results, geometry)
+    values = scores.values.astype(float)
+    if "head" in scores.dims:
+        values = _aggregate(values, geometry, gqa)
+    return _kv_array(values, "kv_score")
+
+
+def _kv_scores(source: Any, results: Mapping[str, xr.Dataset], geometry: Geometry, gqa: GqaRule) -> np.ndarray:
+    """KV-head scores of a source for ranking (``gqa`` over each KV head's query heads; no score: -inf)."""
+    scores = head_scores(source, results, geometry)
+    values = scores.values.astype(float)
+    values = np.where(np.isnan(values), -np.inf, values)
+    return _aggregate(values, geometry, gqa) if "head" in scores.dims else values
+
+
+def _is_scored_file(path: str) -> bool:
+    data = json.loads(Path(path).read_bytes().decode("utf-8-sig"))
+    return bool(isinstance(data, Mapping) and data and all("-" in str(k) for k in data))
+
+
+def kv_priority(selection: Any, results: Mapping[str, xr.Dataset], geometry: Geometry, *, gqa: GqaRule = "any",
+                rng: np.random.Generator | None = None) -> xr.DataArray:
+    """The order in which a budget makes KV heads full: a float ``(layer, kv_head)`` array ``kv_priority``,
+    higher first (ties by layer, then KV head), ``-inf`` for a KV head the selection never makes full.
+
+    Scored selections rank by their KV-head scores (query heads aggregated by ``gqa``), and their cut
+    (``top``, ``threshold``), when they have one, bounds the candidates; ``{from: step}``, a head-score file
+    without ``top`` and a DuoAttention file without an explicit ``top`` or ``threshold`` rank every KV head.
+    Lists of heads and random draws are candidates of equal priority."""
+    _group(geometry)
+    if selection is None:
+        raise KvPolicyError("a budget ranks KV heads by `full_heads`: give a head selection with scores "
+                            "({from: step} ranks every head)")
+    if isinstance(selection, ScoresFrom):
+        return _kv_array(_kv_scores(selection, results, geometry, gqa), "kv_priority")
+    if isinstance(selection, ScoresFile):
+        scores = _kv_scores(selection, results, geometry, gqa)
+        if selection.threshold is not None:
+            scores = np.where(scores >= selection.threshold, scores, -np.inf)
+        return _kv_array(scores, "kv_priority")
+    if isinstance(selection, DuoHeadsFile):
+        values = read_duo_heads(selection.file, geometry).values.astype(float)
+        if {"top", "threshold"} & selection.model_fields_set:
+            values = np.where(kv_heads(selection, results, geometry).values, values, -np.inf)
+        return _kv_array(values, "kv_priority")
+    if isinstance(selection, HeadsFrom) and not selection.random:
+        chosen = kv_heads(selection, results, geometry, gqa=gqa)
+        return _kv_array(np.where(chosen.values, _kv_scores(selection, results, geometry, gqa), -np.inf),
+                         "kv_priority")
+    if isinstance(selection, HeadsFile):
+        chosen = kv_heads(selection, results, geometry, gqa=gqa)  # checks the file
+        if _is_scored_file(selection.file):
+            scores = _kv_scores(ScoresFile(file=selection.file), results, geometry, gqa)
+            return _kv_array(np.where(chosen.values if selection.top is not None else np.isfinite(scores), scores,
+                                      -np.inf), "kv_priority")
+        return _kv_array(np.where(chosen.values, 0.0, -np.inf), "kv_priority")
+    chosen = kv_heads(selection, results, geometry, gqa=gqa, rng=rng)
+    return _kv_array(np.where(chosen.values, 0.0, -np.inf), "kv_priority")
+
+
+def token_bytes(geometry: Geometry, dtype: str | torch.dtype) -> int:
+    """Bytes one token's key and value take in one KV head: ``2 * head_dim * itemsize`` of ``dtype`` (a torch
+    dtype or its name, ``"bfloat16"``)."""
+    resolved = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(resolved, torch.dtype):
+        raise KvPolicyError(f"dtype {dtype!r} is not a torch dtype")
+    return 2 * geometry.head_dim * torch.empty((), dtype=resolved).element_size()
+
+
+_BYTES_MAX = 2**53
+
+
+class KvBudget(StrictModel):
+    """How much KV cache a policy keeps per row (one sequence of the batch): a ``fraction`` of what the full
+    cache holds, a number of ``bytes`` (keys and values of every layer), or a mean number of tokens per KV head
+    (``tokens_per_head``), met at a context of ``length`` tokens per row (by default the length the step
+    resolves the map at: its longest row at the end of the step)."""
+
+    fraction: Annotated[float, Field(gt=0, le=1)] | None = Field(
+        None, description="kept fraction of the full cache's keys and values (sinks, windows, GQA included)")
+    bytes: Annotated[int, Field(ge=1, le=_BYTES_MAX)] | None = Field(
+        None, description="bytes of keys and values kept per row, over all layers (the model's dtype)")
+    tokens_per_head: Annotated[float, Field(gt=0, le=MAX_FLOAT)] | None = Field(
+        None, description="mean tokens a KV head keeps per row (HeadKV's 'KV size')")
+    length: PositiveInt | None = Field(
+        None, description="tokens per row at which the budget is met (default: the step's context length)")
+
+    @model_validator(mode="after")
+    def _one_size(self) -> KvBudget:
+        given = [name for name in ("fraction", "bytes", "tokens_per_head") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of `fraction`, `bytes` and `tokens_per_head`"
+                             + (f" (got {', '.join(given)})" if given else ""))
+        return self
+
+    def describe(self) -> str:
+        """The budget in words, ``"fraction 0.3"``, ``"4096 bytes"``, ``"128 tokens per KV head"``."""
+        if self.fraction is not None:
+            return f"fraction {self.fraction:g}"
+        if self.bytes is not None:
+            return f"{self.bytes} bytes"
+        return f"{self.tokens_per_head:g} tokens per KV head"
+
+    def tokens(self, n_kv_heads: int, length: int, bytes_per_token: int | None = None) -> float:
+        """Tokens the budget lets a row keep over all ``n_kv_heads`` KV heads of the model at ``length`` tokens
+        per row (``bytes_per_token``: :func:`token_bytes`, needed for a ``bytes`` budget)."""
+        if self.fraction is not None:
+            return self.fraction * n_kv_heads * length
+        if self.bytes is not None:
+            if not bytes_per_token:
+                raise KvPolicyError("a `bytes` budget needs the bytes of one token's key and value (the dtype)")
+            return self.bytes / bytes_per_token
+        return float(self.tokens_per_head) * n_kv_heads
+
+
+_EPS = 1e-9
 
 
 @dataclass(frozen=True)
@@ -274,31 +519,63 @@ class HeadMap:
     token; every other KV head keeps its row's ``sink`` first tokens and ``window`` most recent tokens (the
     window includes the current query's token). ``window`` is None only when every head is full. With
     ``compensate`` a compressed KV head also keeps one compensation token, the mean of the keys and values it
-    dropped (RazorAttention). ``attrs`` describe the policy (stored with :meth:`to_dataarray`)."""
+    dropped (RazorAttention). ``attrs`` describe the policy (stored with :meth:`to_dataarray`).
+
+    A *budgeted* map (:meth:`budgeted`) is pending until a context length is known: ``budget`` and
+    ``priority`` (the order in which KV heads become full) are set, ``kv_full`` is all False, and
+    :meth:`for_length` (which :meth:`kept_tokens`, :meth:`kept_fraction` and :meth:`to_dataarray` call) makes
+    the largest number of KV heads full that the budget fits at that length."""
 
     kv_full: xr.DataArray
     sink: int = 0
     window: int | None = None
     attrs: Mapping[str, Any] = field(default_factory=dict)
     compensate: bool = False
+    budget: KvBudget | None = None
+    priority: xr.DataArray | None = None
+    token_bytes: int | None = None
 
-    def __post_init__(self) -> None:
+    def _check_kv_full(self) -> None:
         if tuple(self.kv_full.dims) != ("layer", "kv_head"):
             raise KvPolicyError(f"a head map has dims (layer, kv_head), not {tuple(self.kv_full.dims)}")
         if self.kv_full.dtype != bool:
             raise KvPolicyError(f"a head map is boolean, not {self.kv_full.dtype}")
+        if self.budget is not None and self.budget.bytes is not None and not self.token_bytes:
+            raise KvPolicyError("a `bytes` budget needs `token_bytes` (the bytes of one token's key and value)")
+
+    def __post_init__(self) -> None:
+        self._check_kv_full()
         if self.sink < 0:
             raise KvPolicyError(f"sink {self.sink} is negative")
         if self.window is None and not bool(self.kv_full.all()):
             raise KvPolicyError("a head map with compressed heads needs a window")
         if self.window is not None and self.window < 1:
             raise KvPolicyError(f"window {self.window}: a window holds at least the query's own token")
+        if self.budget is not None and (self.priority is None or self.priority.shape != self.kv_full.shape):
+            raise KvPolicyError("a budgeted head map needs a (layer, kv_head) priority")
 
     @classmethod
     def full(cls, geometry: Geometry, **attrs: Any) -> HeadMap:
         """Every KV head keeps every token (today's cache)."""
         return cls(_kv_array(np.ones((geometry.n_layers, geometry.n_kv_heads), dtype=bool)),
                    attrs={"policy": "full", **attrs})
+
+    @classmethod
+    def budgeted(cls, priority: xr.DataArray, budget: KvBudget, *, sink: int, window: int,
+                 token_bytes: int | None = None, attrs: Mapping[str, Any] | None = None) -> HeadMap:
+        """The map that keeps the most full KV heads (in ``priority`` order, see :func:`kv_priority`) whose
+        cache fits ``budget``, every other KV head keeping ``sink`` + ``window`` tokens; resolved now when the
+        budget has a ``length``, else pending until :meth:`for_length`."""
+        shape = priority.transpose("layer", "kv_head").shape
+        pending = cls(_kv_array(np.zeros(shape, dtype=bool)), sink=sink, window=window,
+                      attrs={**(attrs or {}), "budget": budget.describe()}, budget=budget,
+                      priority=priority.transpose("layer", "kv_head"), token_bytes=token_bytes)
+        return pending._resolve(budget.length) if budget.length is not None else pending
+
+    @property
+    def pending(self) -> bool:
+        """Whether a budget still waits for a context length (:meth:`for_length`)."""
+        return self.budget is not None
 
     @property
     def n_layers(self) -> int:
@@ -320,8 +597,41 @@ class HeadMap:
         """Whether every KV head keeps every token."""
         return bool(self.kv_full.all())
 
+    def _budget_tokens(self, length: int) -> float:
+        return self.budget.tokens(self.n_layers * self.n_kv_heads, length, self.token_bytes)
+
+    def _resolve(self, length: int) -> HeadMap:
+        """The pending budget met at ``length`` tokens per row (see :meth:`budgeted`)."""
+        if length <= 0:
+            raise KvPolicyError(f"length {length}: a budget is met at a context of at least one token")
+        total = self.n_layers * self.n_kv_heads
+        bounded = min(length, self.sink + self.window)
+        allowed = self._budget_tokens(length)
+        where = f"budget {self.budget.describe()} at {length} tokens per row"
+        if allowed < total * bounded * (1 - _EPS):
+            least = f"fraction {bounded / length:.4g}"
+            if self.token_bytes:
+                least += f", {total * bounded * self.token_bytes} bytes"
+            raise KvPolicyError(f"{where}: {allowed / total:.4g} tokens per KV head, below sink {self.sink} + window "
+                                f"{self.window} ({bounded} tokens at this length); the least this policy keeps is "
+                                f"{least}")
+        fits = total if bounded >= length else min(total, math.floor((allowed - total * bounded)
+                                                                       / (length - bounded) + _EPS))
+        priority = self.priority.values.astype(float)
+        priority = np.where(np.isnan(priority), -np.inf, priority)
+        candidates = int((priority > -np.inf).sum())
+        n = min(fits, candidates)
+        attrs = {**self.attrs, "budget_length": int(length), "budget_fraction": allowed / (total * length),
+                 "budget_full_kv_heads": int(fits)}
+        if n < fits:
+            attrs["note"] = f"the budget fits {fits} full KV heads, the selection ranks only {candidates}"
+        return type(self)(_kv_array(_top(priority, n, "budget")), sink=self.sink, window=self.window, attrs=attrs,
+                          compensate=self.compensate)
+
     def kept_tokens(self, length: int) -> xr.DataArray:
         """Tokens each KV head holds after a row of ``length`` tokens, ``(layer, kv_head)``."""
+        if self.pending:
+            return self.for_length(length).kept_tokens(length)
         bounded = length if self.window is None else min(length, self.sink + self.window)
         if self.compensate and self.window is not None and length > self.sink + self.window:
             bounded += 1  # the compensation token
@@ -334,9 +644,13 @@ class HeadMap:
             raise KvPolicyError(f"length {length}: a kept fraction needs at least one token")
         return float(self.kept_tokens(length).sum()) / (self.n_layers * self.n_kv_heads * length)
 
-    def for_length(self, length: int) -> HeadMap:
-        """This map for rows of at most ``length`` tokens: every head full, said in ``attrs["note"]``, when
-        ``sink + window`` covers the whole context (no compressed head would drop a token)."""
+    def for_length(self, length: int, new_tokens: int = 0) -> HeadMap:
+        """This map for rows of at most ``length`` tokens (``length + new_tokens`` with a generation's new
+        tokens: what the cache holds at the end): a pending budget met there, and every head full, said in
+        ``attrs["note"]``, when ``sink + window`` covers it (no compressed head would drop a token)."""
+        length = length + new_tokens
+        if self.pending:
+            return self._resolve(length).for_length(length)
         if self.is_full or self.window is None or self.sink + self.window < length:
             return self
         note = (f"sink {self.sink} + window {self.window} >= context {length}: no token is dropped, every head "
@@ -346,7 +660,13 @@ class HeadMap:
 
     def to_dataarray(self, length: int | None = None) -> xr.DataArray:
         """``kv_full`` with attributes: the policy's, ``sink``, ``window`` (absent when every head is full),
-        ``full_kv_heads``, and with ``length`` the ``kept_fraction`` at that length."""
+        ``full_kv_heads``, and with ``length`` the ``kept_fraction`` at that length (a pending budget is met
+        there first; it needs the length)."""
+        if self.pending:
+            if length is None:
+                raise KvPolicyError(f"budget {self.budget.describe()}: the head map is known at a context length; "
+                                    "give the length")
+            return self.for_length(length).to_dataarray(length)
         out = self.kv_full.copy().rename("kv_full")
         attrs: dict[str, Any] = {k: v for k, v in self.attrs.items() if v is not None}
         attrs.update(sink=self.sink, full_kv_heads=self.n_full)
@@ -358,6 +678,359 @@ class HeadMap:
             attrs.update(length=int(length), kept_fraction=self.kept_fraction(length))
         out.attrs = attrs
         return out
+
+
+def headkv_allocation(scores: np.ndarray | xr.DataArray, base: int, beta: float = 1.5,
+                      temp: float = 1.0) -> np.ndarray:
+    """HeadKV's split of a per-head budget (Fu et al. 2024): every head gives ``floor(base / beta)`` of its
+    ``base`` tokens to a shared pool and keeps the rest; the pool (that share times the number of heads) is
+    handed out in proportion to the normalised scores (``s / sum(s)``, raised to ``temp`` and normalised
+    again): head ``i`` gets ``round(share_i * pool + base - floor(base / beta))`` tokens (half to even).
+
+    ``scores`` are non-negative with a positive sum, one per head (any shape: the result has it); ``base``
+    excludes the observation window."""
+    values = np.asarray(scores, dtype=float)
+    if base < 0:
+        raise KvPolicyError(f"base budget {base} is negative")
+    if beta < 1:
+        raise KvPolicyError(f"beta {beta} < 1 would give a head a negative minimum")
+    share = _shares(values, temp)
+    per_head_pool = base // beta
+    pool = per_head_pool * values.size
+    return np.round(share * pool + (base - per_head_pool)).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class HeadBudgetMap(HeadMap):
+    """HeadKV's layout: every KV head keeps its own number of tokens, ``kv_budget`` (int, ``(layer,
+    kv_head)``): after the prefill, its ``kv_budget - observation_window`` keys with the highest pooled
+    attention from the last ``observation_window`` queries plus those queries' own tokens
+    (:func:`snapkv_keep`); tokens generated later are appended to every head. ``kv_full`` marks the KV heads
+    whose budget covers the whole prompt (set by :meth:`for_length`). ``sink`` and ``window`` do not apply.
+
+    ``importance`` holds each KV head's share of the pool (it sums to 1); with a ``fraction`` budget and no
+    ``length``, the map is pending (``kv_budget`` None) until :meth:`for_length`."""
+
+    kv_budget: xr.DataArray | None = None
+    importance: xr.DataArray | None = None
+    beta: float = 1.5
+    observation_window: int = 8
+    kernel_size: int = 7
+    pooling: Literal["max", "avg"] = "max"
+
+    def __post_init__(self) -> None:
+        self._check_kv_full()
+        if self.observation_window < 1:
+            raise KvPolicyError(f"observation window {self.observation_window}: at least one query is needed")
+        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
+            raise KvPolicyError(f"kernel size {self.kernel_size}: an odd pooling width is needed")
+        if self.kv_budget is None and (self.budget is None or self.importance is None):
+            raise KvPolicyError("a HeadKV map needs per-KV-head budgets, or a budget and importances")
+        if self.kv_budget is not None and (tuple(self.kv_budget.dims) != ("layer", "kv_head")
+                                           or self.kv_budget.shape != self.kv_full.shape):
+            raise KvPolicyError("`kv_budget` is a (layer, kv_head) array of the head map's shape")
+
+    @classmethod
+    def allocate(cls, scores: xr.DataArray, budget: KvBudget, *, beta: float = 1.5, temp: float = 1.0,
+                 observation_window: int = 8, kernel_size: int = 7, pooling: Literal["max", "avg"] = "max",
+                 token_bytes: int | None = None, attrs: Mapping[str, Any] | None = None) -> HeadBudgetMap:
+        """HeadKV's map from non-negative KV-head ``scores`` (``(layer, kv_head)``) and a total ``budget``:
+        ``B = floor(budget tokens / KV heads)`` is the mean tokens per KV head, the observation window
+        included, and :func:`headkv_allocation` splits ``B - observation_window`` by the scores. Pending only
+        for a ``fraction`` budget without ``length``."""
+        values = scores.transpose("layer", "kv_head")
+        try:
+            share = _shares(values.values, temp)
+        except KvPolicyError as e:
+            raise KvPolicyError(f"headkv scores: {e}") from None
+        pending = cls(_kv_array(np.zeros(values.shape, dtype=bool)), attrs={**(attrs or {}), "budget": budget.describe()},
+                      budget=budget, token_bytes=token_bytes, importance=_kv_array(share, "kv_importance"), beta=beta,
+                      observation_window=observation_window, kernel_size=kernel_size, pooling=pooling)
+        if budget.length is not None:
+            return pending._resolve(budget.length)
+        if budget.fraction is None:
+            return pending._resolve(1)
+        return pending
+
+    def _resolve(self, length: int) -> HeadBudgetMap:
+        total = self.n_layers * self.n_kv_heads
+        allowed = self._budget_tokens(length)
+        mean = math.floor(allowed / total + _EPS)
+        where = f"budget {self.budget.describe()}" + (f" at {length} tokens per row" if self.budget.fraction else "")
+        if mean < self.observation_window:
+            raise KvPolicyError(f"{where}: {mean} tokens per KV head, below the observation window "
+                                f"{self.observation_window} every head keeps")
+        kept = headkv_allocation(self.importance.values, mean - self.observation_window, self.beta)
+        attrs = {**self.attrs, "budget_tokens_per_head": mean}
+        if self.budget.fraction is not None:
+            attrs["budget_length"] = int(length)
+        return replace(self, budget=None, attrs=attrs,
+                       kv_budget=_kv_array(kept + self.observation_window, "kv_budget"))
+
+    def kept_tokens(self, length: int, new_tokens: int = 0) -> xr.DataArray:
+        """Tokens each KV head holds after a prompt of ``length`` tokens and ``new_tokens`` generated ones:
+        ``min(length, kv_budget) + new_tokens`` (``length + new_tokens`` for a full head)."""
+        resolved = self.for_length(length)
+        if not isinstance(resolved, HeadBudgetMap):
+            return resolved.kept_tokens(length + new_tokens)
+        budget = np.minimum(resolved.kv_budget.values, length)
+        return _kv_array((np.where(resolved.kv_full.values, length, budget) + new_tokens).astype(np.int64),
+                         "kv_kept_tokens")
+
+    def kept_fraction(self, length: int, new_tokens: int = 0) -> float:
+        """The fraction of a full cache's keys (and bytes) held after a prompt of ``length`` tokens and
+        ``new_tokens`` generated ones."""
+        if length <= 0:
+            raise KvPolicyError(f"length {length}: a kept fraction needs at least one token")
+        return float(self.kept_tokens(length, new_tokens).sum()) / (self.n_layers * self.n_kv_heads
+                                                                     * (length + new_tokens))
+
+    def for_length(self, length: int, new_tokens: int = 0) -> HeadMap:
+        """This map for prompts of at most ``length`` tokens: a pending budget met at ``length``, the prompt
+        (HeadKV compresses the prompt; ``new_tokens`` generated later join every head and change nothing
+        here); KV heads whose budget covers the prompt are full; when all are, the plain full map with a
+        ``note``."""
+        resolved = self._resolve(length) if self.pending else self
+        full = resolved.kv_full.values | (resolved.kv_budget.values >= length)
+        if full.all():
+            note = (f"every KV head's budget covers the context of {length} tokens: no token is dropped, every head "
+                    "keeps its full cache")
+            return HeadMap(xr.ones_like(self.kv_full, dtype=bool), attrs={**resolved.attrs, "effective": "full",
+                                                                          "note": note})
+        return replace(resolved, kv_full=_kv_array(full))
+
+    def to_dataarray(self, length: int | None = None) -> xr.DataArray:
+        """``kv_full`` with attributes: the policy's, ``observation_window``, ``kernel_size``, ``pooling``,
+        ``beta``, ``full_kv_heads``, and with ``length`` the ``kept_fraction`` of the prompt (a pending budget
+        is met there first; it needs the length). :meth:`budget_dataarray` gives the budgets."""
+        if self.pending and length is None:
+            raise KvPolicyError(f"budget {self.budget.describe()}: the head map is known at a context length; give "
+                                "the length")
+        resolved = self if length is None else self.for_length(length)
+        if not isinstance(resolved, HeadBudgetMap):
+            return resolved.to_dataarray(length)
+        out = resolved.kv_full.copy().rename("kv_full")
+        attrs: dict[str, Any] = {k: v for k, v in resolved.attrs.items() if v is not None}
+        attrs.update(full_kv_heads=resolved.n_full, observation_window=self.observation_window,
+                     kernel_size=self.kernel_size, pooling=self.pooling, beta=self.beta)
+        if length is not None:
+            attrs.update(length=int(length), kept_fraction=resolved.kept_fraction(length))
+        out.attrs = attrs
+        return out
+
+    def budget_dataarray(self, length: int | None = None) -> xr.DataArray:
+        """``kv_budget``: the tokens each KV head keeps after the prefill, ``(layer, kv_head)`` (a pending budget
+        is met at ``length`` first)."""
+        if self.pending:
+            if length is None:
+                raise KvPolicyError(f"budget {self.budget.describe()}: the budgets are known at a context length; "
+                                    "give the length")
+            return self._resolve(length).kv_budget.copy()
+        return self.kv_budget.copy()
+
+
+def _shares(values: np.ndarray, temp: float) -> np.ndarray:
+    """HeadKV's normalised scores: ``s / sum(s)`` raised to ``temp``, normalised again."""
+    if temp <= 0 or not math.isfinite(temp):
+        raise KvPolicyError(f"temp {temp} must be positive and finite")
+    if not np.isfinite(values).all() or (values < 0).any() or values.sum() <= 0:
+        bad = "a score is missing or not finite" if not np.isfinite(values).all() else \
+            ("a score is negative" if (values < 0).any() else "every score is 0")
+        raise KvPolicyError(f"HeadKV's allocation needs finite, non-negative head scores with a positive sum ({bad})")
+    share = values / values.sum()
+    share = share**temp
+    return share / share.sum()
+
+
+def snapkv_keep(keys: torch.Tensor, queries: torch.Tensor, budget: Sequence[int] | torch.Tensor, *,
+                kernel_size: int = 7, pooling: Literal["max", "avg"] = "max", pad: Sequence[int] | torch.Tensor | None = None,
+                scaling: float | None = None) -> list[torch.Tensor]:
+    """The keys each KV head of one layer keeps after the prefill, SnapKV-style (Li et al. 2024, as HeadKV
+    uses it): the positions of its ``budget[j] - W`` highest-scoring keys before the observation window plus
+    the window's ``W`` own tokens.
+
+    ``keys`` ``[batch, n_kv_heads, seq, head_dim]`` are the layer's keys after prefill (left-padded rows;
+    ``pad[b]`` padding tokens, default none) and ``queries`` ``[batch, n_heads, W, head_dim]`` its last ``W``
+    queries (both after the rotary embedding); KV head ``j`` serves query heads ``j*g .. (j+1)*g - 1``. A
+    key's score is the attention (softmax of ``scaling * q.k``, default ``1/sqrt(head_dim)``, over the row's
+    keys causally) it receives, averaged over the window's queries (of the row's own tokens) and the KV head's
+    query heads,
+    then pooled over neighbouring positions (``pooling`` max or avg, width ``kernel_size``, over the keys
+    before the window); ties go to the earlier position. A row with at most ``budget[j]`` tokens keeps them
+    all. Returns, per KV head, the kept positions ``[batch, k]`` as indices into ``seq``, ascending, with
+    -1 first where a row keeps fewer than the longest row."""
+    if keys.dim() != 4 or queries.dim() != 4:
+        raise KvPolicyError("keys are [batch, n_kv_heads, seq, head_dim] and queries [batch, n_heads, W, head_dim]")
+    batch, n_kv, seq, dim = keys.shape
+    n_heads, window = queries.shape[1], queries.shape[2]
+    if queries.shape[0] != batch or queries.shape[-1] != dim or n_heads % n_kv:
+        raise KvPolicyError(f"queries {tuple(queries.shape)} do not fit keys {tuple(keys.shape)}")
+    if window > seq:
+        raise KvPolicyError(f"an observation window of {window} queries over {seq} keys")
+    if kernel_size < 1 or kernel_size % 2 == 0:
+        raise KvPolicyError(f"kernel size {kernel_size}: an odd pooling width is needed")
+    budgets = [int(b) for b in (budget.tolist() if isinstance(budget, torch.Tensor) else budget)]
+    if len(budgets) != n_kv:
+        raise KvPolicyError(f"{len(budgets)} budgets for {n_kv} KV heads")
+    if any(b < window for b in budgets):
+        raise KvPolicyError(f"a budget of {min(budgets)} tokens is below the observation window of {window}")
+    device = keys.device
+    pads = torch.zeros(batch, dtype=torch.long, device=device) if pad is None \
+        else torch.as_tensor(pad, dtype=torch.long, device=device)
+    group = n_heads // n_kv
+    positions = torch.arange(seq, device=device)
+    query_pos = torch.arange(seq - window, seq, device=device)
+    visible = (positions[None, None, :] <= query_pos[None, :, None]) & (positions[None, None, :] >= pads[:, None, None])
+    scale = dim**-0.5 if scaling is None else scaling
+    # the query heads of a KV head against its keys, without repeating the keys per query head
+    grouped = queries.float().reshape(batch, n_kv, group * window, dim)
+    logits = torch.matmul(grouped, keys.float().transpose(-1, -2)).view(batch, n_kv, group, window, seq) * scale
+    attn = torch.softmax(logits.masked_fill(~visible[:, None, None], float("-inf")), dim=-1)
+    # a padding query sees no key (its row is NaN): it adds nothing; a row's mean and sum rank alike
+    score = attn.nan_to_num(0.0).mean(dim=(2, 3))[..., : seq - window]
+    if seq > window:
+        flat = score.reshape(batch * n_kv, 1, seq - window)
+        if pooling == "max":
+            pooled = F.max_pool1d(flat, kernel_size, stride=1, padding=kernel_size // 2)
+        else:
+            pooled = F.avg_pool1d(flat, kernel_size, stride=1, padding=kernel_size // 2)
+        score = pooled.view(batch, n_kv, seq - window)
+    real_key = positions[None, : seq - window] >= pads[:, None]  # (batch, seq - W)
+    score = score.masked_fill(~real_key[:, None], float("-inf"))
+    in_window = (positions[None, :] >= seq - window) & (positions[None, :] >= pads[:, None])
+    out = []
+    for head, head_budget in enumerate(budgets):
+        keep = in_window.clone()
+        picks = min(head_budget - window, seq - window)
+        if picks > 0:
+            order = torch.sort(score[:, head], dim=-1, descending=True, stable=True).indices[:, :picks]
+            chosen = torch.zeros_like(keep)
+            chosen.scatter_(1, order, True)
+            keep |= chosen & torch.cat([real_key, torch.zeros_like(in_window[:, seq - window:])], dim=1)
+        count = int(keep.sum(dim=1).max())
+        ranked = torch.sort(torch.where(keep, positions[None, :], -1), dim=1).values
+        out.append(ranked[:, seq - count:])
+    return out
+
+
+# --- kvpress interoperability ------------------------------------------------------------------------
+
+
+@functools.cache
+def _press_class(base: type) -> type:
+    """A subclass of kvpress's ``DuoAttentionPress`` that takes its streaming heads from a head map instead of
+    DuoAttention's published patterns (built once, on first use, so kvpress stays optional)."""
+
+    @dataclass
+    class HeadMapPress(base):  # type: ignore[misc, valid-type]
+        """kvpress's DuoAttention press with headlab's head map: ``full_heads`` (bool, layers x KV heads) keep
+        every key; every other KV head keeps ``sink`` first and ``recent`` last prompt keys."""
+
+        full_heads: torch.Tensor | None = None
+        sink: int = 0
+        recent: int = 0
+
+        def post_init_from_model(self, model: Any) -> None:
+            shape = _model_kv_shape(model)
+            if tuple(self.full_heads.shape) != shape:
+                raise KvPolicyError(f"the head map has {tuple(self.full_heads.shape)[0]} layers x "
+                                    f"{tuple(self.full_heads.shape)[1]} KV heads, this model {shape[0]} x {shape[1]}")
+            self.sink_size, self.recent_size = self.sink, self.recent
+            self.streaming_mask = ~self.full_heads.to(model.device)
+
+    HeadMapPress.__qualname__ = HeadMapPress.__name__ = "HeadMapPress"
+    return HeadMapPress
+
+
+def _model_kv_shape(model: Any) -> tuple[int, int]:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return (int(config.num_hidden_layers),
+            int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads))
+
+
+@functools.cache
+def _headkv_press_class(base: type) -> type:
+    """A kvpress press (subclass of its ``BasePress``) that keeps, per KV head, the keys :func:`snapkv_keep`
+    selects for a HeadKV map's budgets, and hides the others from later queries the way kvpress's head-wise
+    presses do (``masked_key_indices``)."""
+    from kvpress.utils import get_prerope_query_states
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    @dataclass
+    class HeadKVPress(base):  # type: ignore[misc, valid-type]
+        """HeadKV's per-KV-head budgets (``kv_budget``, layers x KV heads) with SnapKV-style selection over the
+        last ``observation_window`` prompt queries."""
+
+        kv_budget: torch.Tensor | None = None
+        observation_window: int = 8
+        kernel_size: int = 7
+        pooling: str = "max"
+
+        def post_init_from_model(self, model: Any) -> None:
+            shape = _model_kv_shape(model)
+            if tuple(self.kv_budget.shape) != shape:
+                raise KvPolicyError(f"the head map has {tuple(self.kv_budget.shape)[0]} layers x "
+                                    f"{tuple(self.kv_budget.shape)[1]} KV heads, this model {shape[0]} x {shape[1]}")
+
+        def compress(self, module: Any, hidden_states: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     attentions: Any, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+            window = self.observation_window
+            if keys.shape[2] <= window:
+                return keys, values
+            queries = get_prerope_query_states(module, hidden_states[:, -window:])
+            cos, sin = kwargs["position_embeddings"]
+            cos, sin = cos[:, -window:].unsqueeze(1), sin[:, -window:].unsqueeze(1)
+            queries = queries * cos + rotate_half(queries) * sin
+            kept = snapkv_keep(keys, queries, self.kv_budget[module.layer_idx].tolist(), kernel_size=self.kernel_size,
+                               pooling=self.pooling, scaling=getattr(module, "scaling", None))
+            hidden = torch.ones(keys.shape[:3], dtype=torch.bool, device=keys.device)
+            for head, positions in enumerate(kept):
+                rows, cols = torch.nonzero(positions >= 0, as_tuple=True)
+                hidden[rows, head, positions[rows, cols]] = False
+            module.masked_key_indices = torch.nonzero(hidden, as_tuple=True)
+            return keys, values
+
+    HeadKVPress.__qualname__ = HeadKVPress.__name__ = "HeadKVPress"
+    return HeadKVPress
+
+
+def to_kvpress(head_map: HeadMap, length: int | None = None) -> Any:
+    """The head map as a kvpress press (kvpress 0.5, the ``kvpress`` extra), to run in kvpress's own pipeline.
+
+    A ``streaming`` or ``random`` map becomes a ``DuoAttentionPress`` whose streaming heads
+    (``streaming_mask``, layers x KV heads) are the map's compressed KV heads, with ``sink_size = sink`` and
+    ``recent_size = window - 1`` (kvpress keeps the last ``recent_size`` prompt keys and every generated one,
+    so the first generated token sees exactly the keys it sees under headlab). A ``headkv`` map
+    (:class:`HeadBudgetMap`) becomes a press that keeps each KV head's :func:`snapkv_keep` selection after
+    the prefill and hides its other keys. A pending budget needs ``length``. docs/kv.md says where kvpress
+    differs."""
+    if head_map.pending and length is None:
+        raise KvPolicyError(f"budget {head_map.budget.describe()}: give the context length to export the map at")
+    if isinstance(head_map, HeadBudgetMap):
+        resolved = head_map._resolve(length) if head_map.pending else head_map
+        budget = torch.as_tensor(resolved.kv_budget.transpose("layer", "kv_head").values, dtype=torch.long)
+        return _headkv_press_class(_kvpress("BasePress"))(
+            kv_budget=budget, observation_window=resolved.observation_window, kernel_size=resolved.kernel_size,
+            pooling=resolved.pooling)
+    if length is not None:
+        head_map = head_map.for_length(length)
+    if not head_map.is_full and head_map.window < 2:
+        raise KvPolicyError(f"window {head_map.window}: kvpress keeps `window - 1` recent prompt keys and cannot "
+                            "keep none (its DuoAttention press reads 0 as 'all')")
+    full = torch.as_tensor(head_map.kv_full.transpose("layer", "kv_head").values, dtype=torch.bool)
+    return _press_class(_kvpress("DuoAttentionPress"))(
+        head_compression_ratio=float((~full).float().mean()), full_heads=full, sink=head_map.sink,
+        recent=0 if head_map.is_full else head_map.window - 1)
+
+
+def _kvpress(name: str) -> type:
+    """A class of kvpress, or the error that says how to install it."""
+    try:
+        import kvpress
+    except ImportError as e:
+        raise KvPolicyError(f"kvpress is not importable ({e}): pip install 'headlab[kvpress]' (kvpress 0.5 needs "
+                            "transformers < 5.3; docs/kv.md)") from None
+    return getattr(kvpress, name)
 
 
 # --- the cache -----------------------------------------------------------------------------------------
@@ -681,6 +1354,8 @@ class HeadwiseCache(Cache):
     each group over its own keys (:func:`kv_policy` checks it)."""
 
     def __init__(self, head_map: HeadMap, pad: Sequence[int] | torch.Tensor | None = None) -> None:
+        if head_map.pending:
+            raise KvPolicyError("a budgeted head map is known at a context length: call for_length() first")
         self.head_map = head_map
         pad_t = None if pad is None else torch.as_tensor(pad, dtype=torch.long)
         if pad_t is not None and bool((pad_t < 0).any()):

@@ -82,6 +82,9 @@ def compile_kv(config: Any, ctx: Any, length: int | None) -> KvRun | None:
     if (head_map.n_layers, head_map.n_kv_heads) != (geometry.n_layers, geometry.n_kv_heads):
         raise KvPolicyError(f"kv '{config.kind}': a head map of {head_map.n_layers} layers x {head_map.n_kv_heads} KV "
                             f"heads, this model has {geometry.n_layers} x {geometry.n_kv_heads}")
+    if length is None and head_map.pending:
+        raise KvPolicyError(f"kv '{config.kind}': a budget is met at a context length, which this step does not know "
+                            "before it runs; give the budget's `length` (budget: {fraction: ..., length: N})")
     effective = head_map if length is None else head_map.for_length(length)
     return KvRun(config.kind, head_map, effective, length)
 

@@ -1,13 +1,30 @@
-"""What the built-in KV policies share: the fields of the compressed heads' bounded cache and of the GQA rule."""
+"""What the built-in KV policies share: the fields of the compressed heads' bounded cache, of the GQA rule and
+of a budget, and the dtype a ``bytes`` budget counts in."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from pydantic import Field
 
-__all__ = ["GQA_FIELD", "SINK_FIELD", "WINDOW_FIELD"]
+__all__ = ["BUDGET_FIELD", "GQA_FIELD", "SINK_FIELD", "WINDOW_FIELD", "model_dtype"]
 
 #: StreamingLLM keeps 4 attention-sink tokens (Xiao et al. 2023)
 SINK_FIELD = Field(4, description="first tokens of each row a compressed KV head keeps (attention sinks)")
 WINDOW_FIELD = Field(description="most recent tokens a compressed KV head keeps, the query's own token included")
 GQA_FIELD = Field("any", description="when a KV head is full from its query heads: any of them selected (ranked by "
                                      "their highest score), all of them (lowest score), or mean (mean score)")
+BUDGET_FIELD = Field(None, description="keep as many full KV heads as fit: {fraction: f} of the full cache, "
+                                       "{bytes: n} or {tokens_per_head: t} per row, at `length` tokens per row "
+                                       "(default: the step's context length)")
+
+
+def model_dtype(ctx: Any) -> torch.dtype | str:
+    """The dtype the model's keys and values are stored in: the loaded module's, else the name it was loaded
+    with (float32 when neither says)."""
+    dtype = getattr(getattr(ctx.model, "model", None), "dtype", None)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = getattr(ctx.model, "dtype", None)
+    return name if isinstance(name, str) and name and name != "auto" else "float32"

@@ -5,18 +5,33 @@ Heads", arXiv:2410.10819. The KV heads of ``full_heads`` keep their whole cache;
 row's ``sink`` first tokens and ``window`` most recent tokens. ``full_heads`` is any head selection (from a
 detect step, pairs, layers, a JSON file; query heads mapped to KV heads by ``gqa``, ``top`` counting KV heads)
 or DuoAttention's own ``full_attention_heads.tsv``; without it no head is full (StreamingLLM's cache).
+
+With a ``budget`` the number of full KV heads is the largest whose cache fits it at the context length, taken
+in the order of ``full_heads``'s scores (``{from: step}`` ranks every head; a ``top`` or ``threshold`` bounds
+the candidates).
 """
+
+from __future__ import annotations
 
 from typing import Literal
 
 import numpy as np
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from headlab import ComponentConfig, StepContext, hookimpl
-from headlab.kv import GqaRule, HeadMap, KvHeadSelection, kv_heads
+from headlab.kv import (
+    GqaRule,
+    HeadMap,
+    KvBudget,
+    KvHeadSelection,
+    ScoresFrom,
+    kv_heads,
+    kv_priority,
+    token_bytes,
+)
 from headlab.spec import NonNegativeInt, PositiveInt
 
-from .common import GQA_FIELD, SINK_FIELD, WINDOW_FIELD
+from .common import BUDGET_FIELD, GQA_FIELD, SINK_FIELD, WINDOW_FIELD, model_dtype
 
 
 class StreamingKV(ComponentConfig):
@@ -26,17 +41,36 @@ class StreamingKV(ComponentConfig):
     full_heads: KvHeadSelection | None = Field(
         None, description="KV heads that keep their whole cache: {from: step, top: k} (k KV heads), a threshold, "
                           "[[layer, head], ...], {layer: [heads]}, {file: heads.json} or {file: "
-                          "full_attention_heads.tsv}; none: every head is compressed")
+                          "full_attention_heads.tsv}; with a budget, {from: step} ranks every head; none: every "
+                          "head is compressed")
     sink: NonNegativeInt = SINK_FIELD
     window: PositiveInt = WINDOW_FIELD
     gqa: GqaRule = GQA_FIELD
+    budget: KvBudget | None = BUDGET_FIELD
+
+    @model_validator(mode="after")
+    def _ranked(self) -> StreamingKV:
+        if self.budget is None and isinstance(self.full_heads, ScoresFrom):
+            raise ValueError("full_heads {from: step} without `top` or `threshold` ranks heads for a `budget`: give "
+                             "`top`, `threshold` or a `budget`")
+        if self.budget is not None and self.full_heads is None:
+            raise ValueError("a `budget` ranks KV heads by `full_heads`: give one ({from: step} ranks every head)")
+        return self
 
 
 def compile_streaming(config: StreamingKV, ctx: StepContext) -> HeadMap:
-    """The head map of ``full_heads`` with the bounded cache of the other KV heads."""
-    full = kv_heads(config.full_heads, ctx.results, ctx.model.geometry, gqa=config.gqa,
-                    rng=np.random.default_rng(ctx.seed))
-    return HeadMap(full, sink=config.sink, window=config.window, attrs={"policy": "streaming", "gqa": config.gqa})
+    """The head map of ``full_heads`` with the bounded cache of the other KV heads (under a budget: as many
+    of its KV heads as fit, pending until the context length is known when the budget has none)."""
+    geometry = ctx.model.geometry
+    attrs = {"policy": "streaming", "gqa": config.gqa}
+    if config.budget is not None:
+        priority = kv_priority(config.full_heads, ctx.results, geometry, gqa=config.gqa,
+                               rng=np.random.default_rng(ctx.seed))
+        size = token_bytes(geometry, model_dtype(ctx))
+        return HeadMap.budgeted(priority, config.budget, sink=config.sink, window=config.window, token_bytes=size,
+                                attrs=attrs)
+    full = kv_heads(config.full_heads, ctx.results, geometry, gqa=config.gqa, rng=np.random.default_rng(ctx.seed))
+    return HeadMap(full, sink=config.sink, window=config.window, attrs=attrs)
 
 
 @hookimpl
