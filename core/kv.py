@@ -25,7 +25,10 @@ ring buffer of ``window`` slots), batched with left padding: positions are count
 tokens, so the sinks of a left-padded row are its first real tokens. Its ``nbytes`` are the bytes of the
 keys and values it actually holds. Its ``update`` leaves a :class:`SplitCall` that headlab's attention
 (:mod:`headlab.instrument.kv_split`) reads each group from; :func:`kv_policy` runs a model's forwards with
-such caches and measures them (:class:`KvUsage`).
+such caches and measures them (:class:`KvUsage`). Under a :class:`HeadBudgetMap` its layers are
+:class:`HeadBudgetLayer`: the prefill attends every head, then each compressed KV head keeps only the keys
+:func:`snapkv_keep` selects for it (its own buffers, no padding to another head's budget) and every later
+token.
 """
 
 from __future__ import annotations

@@ -198,7 +198,6 @@ def test_headkv_equals_the_dense_mask_reference(kind):
     torch.testing.assert_close(p[mask.bool()], rp[mask.bool()], atol=1e-5, rtol=1e-5)  # the prefill: full
     torch.testing.assert_close(s, rs, atol=1e-5, rtol=1e-5)
     assert torch.equal(tok, rtok)
-    pad = (mask == 0).sum(-1)
     for layer_idx, layer in enumerate(cache.layers):
         assert isinstance(layer, HeadBudgetLayer)
         for i, head in enumerate(layer.compressed_heads.tolist()):
@@ -213,7 +212,6 @@ def test_headkv_equals_the_dense_mask_reference(kind):
     # the selection really dropped keys the window attends to less, and not the same ones for every head
     assert kept[0][0, 0] != kept[0][0, 1] and len(kept[0][0, 0]) == 6 and len(kept[0][1, 3]) == 9
     assert usage.nbytes == cache.nbytes() < usage.full_nbytes
-    del pad
 
 
 def test_the_cache_holds_exactly_the_budgeted_keys_and_its_bytes_the_formula():
