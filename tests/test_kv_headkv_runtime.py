@@ -214,19 +214,20 @@ def test_headkv_equals_the_dense_mask_reference(kind):
     assert usage.nbytes == cache.nbytes() < usage.full_nbytes
 
 
-def test_the_cache_holds_exactly_the_budgeted_keys_and_its_bytes_the_formula():
+@pytest.mark.parametrize("budgets", [BUDGETS, [[6, 5, 7, 8], [5, 6, 9, 4]]], ids=["mixed", "all-compressed"])
+def test_the_cache_holds_exactly_the_budgeted_keys_and_its_bytes_the_formula(budgets):
     ours, _ = _models("llama")
     ids, mask = _batch(LENGTHS)
-    head_map = _map()
+    head_map = _map(budgets)
     steps = 3
     *_, cache, usage = _decode(ours, ids, mask, steps, head_map)
     real = torch.tensor(LENGTHS)
     item = 4 * 2 * 8  # float32 key and value of head_dim 8
     total = 0
     for layer_idx, layer in enumerate(cache.layers):
-        budgets = torch.tensor(BUDGETS[layer_idx])
+        budget = torch.tensor(budgets[layer_idx])
         full = torch.tensor(head_map.kv_full.values[layer_idx])
-        expected = torch.where(full[None, :], real[:, None], torch.minimum(budgets[None, :], real[:, None])) + steps
+        expected = torch.where(full[None, :], real[:, None], torch.minimum(budget[None, :], real[:, None])) + steps
         counted = layer.kept_keys_per_head()
         assert torch.equal(counted.cpu(), expected)
         for i, head in enumerate(layer.compressed_heads.tolist()):  # the slots are exactly the kept keys
@@ -235,7 +236,7 @@ def test_the_cache_holds_exactly_the_budgeted_keys_and_its_bytes_the_formula():
             assert k.shape[2] == int(expected[:, head].max())
         # bytes: the full heads' every padded position; each compressed head its longest row's keys
         n_full = int(full.sum())
-        comp = [int(min(BUDGETS[layer_idx][j], max(LENGTHS))) + steps for j in range(4) if not full[j]]
+        comp = [int(min(budgets[layer_idx][j], max(LENGTHS))) + steps for j in range(4) if not full[j]]
         layer_bytes = len(LENGTHS) * (n_full * (max(LENGTHS) + steps) + sum(comp)) * item
         assert layer.nbytes() == cache.nbytes(layer_idx) == layer_bytes
         assert layer.full_nbytes() == len(LENGTHS) * 4 * (max(LENGTHS) + steps) * item
@@ -243,6 +244,41 @@ def test_the_cache_holds_exactly_the_budgeted_keys_and_its_bytes_the_formula():
     assert cache.nbytes() == usage.nbytes == total
     assert cache.layer_nbytes().values.tolist() == usage.to_dataarray().values.tolist()
     assert usage.kept_fraction() == pytest.approx(total / usage.full_nbytes)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_per_head_edits_on_the_kernel_paths(backend):
+    """A plan's per-head edits apply in the prefill and on each compressed head after it; the torch and Triton
+    kernels (interpreted on a CPU) agree with SDPA's result of the same edits, and the path is recorded."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    from headlab.instrument import OutputScale, Plan, QueryScale, instrument
+
+    ours, _ = _models("llama")
+    ids, mask = _batch([12, 9])
+    head_map = _map(length=12)
+    edits = [OutputScale(heads=[(0, 1), (0, 2), (1, 4)], factor=0.5), QueryScale(heads=[(0, 0), (1, 5)], factor=0.0)]
+
+    def run(requested: str | None):
+        plan = Plan(edits=edits, backend=requested) if requested else None
+        with torch.no_grad(), kv_policy(ours, head_map) as usage:
+            ctx = instrument(ours, plan) if plan is not None else contextlib.nullcontext()
+            with ctx as rec:
+                out = ours(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=True)
+                mask2 = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+                nxt = ours(input_ids=out.logits[:, -1:].argmax(-1), attention_mask=mask2, cache=out.cache,
+                           position_ids=_positions(mask2)[:, -1:], use_cache=True)
+        return torch.cat([out.logits, nxt.logits], 1), rec, usage
+
+    base, _, _ = run(None)
+    sdpa, _, _ = run("auto")
+    got, rec, usage = run(backend)
+    torch.testing.assert_close(got[:, -1], sdpa[:, -1], rtol=0, atol=1e-5)
+    torch.testing.assert_close(got[:, :-1][mask.bool()], sdpa[:, :-1][mask.bool()], rtol=0, atol=1e-5)
+    assert (got[:, -1] - base[:, -1]).abs().max() > 1e-3  # the edits changed the outputs
+    assert rec.backends[0][0] == backend and "kv split cache" in rec.backends[0][1]
+    assert any(f"compressed group: {backend}" in p for p in usage.paths)
+    assert any(f"every head: {backend}" in p for p in usage.paths)
 
 
 def test_a_batch_equals_its_rows_one_by_one():
