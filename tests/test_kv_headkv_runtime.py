@@ -9,6 +9,8 @@ generate step with ``kv: {kind: headkv}`` through the runner stores what its cac
 from __future__ import annotations
 
 import contextlib
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -331,6 +333,21 @@ def test_a_chunk_after_the_prefill_keeps_every_new_token():
     assert torch.equal(chunk.cache.layers[0].kept_keys_per_head(), cache.layers[0].kept_keys_per_head())
 
 
+def test_rows_can_be_selected_and_reordered():
+    ours, _ = _models("llama")
+    ids, mask = _batch(LENGTHS)
+    *_, cache, _ = _decode(ours, ids, mask, 2, _map())
+    before = [(layer.kept_keys_per_head().clone(), [layer.head_cache(i) for i in range(layer.n_compressed)])
+              for layer in cache.layers]
+    cache.batch_select_indices(torch.tensor([2, 0]))
+    for layer, (kept, heads) in zip(cache.layers, before, strict=True):
+        assert torch.equal(layer.kept_keys_per_head(), kept[[2, 0]])
+        for i, (k, v, pos) in enumerate(heads):
+            nk, nv, npos = layer.head_cache(i)
+            assert torch.equal(nk, k[[2, 0]]) and torch.equal(nv, v[[2, 0]]) and torch.equal(npos, pos[[2, 0]])
+    assert cache.layers[0].pad.tolist() == [0, 6]
+
+
 def test_headwise_cache_takes_a_budget_map():
     cache = HeadwiseCache(_map(), pad=[0, 1])
     assert all(isinstance(layer, HeadBudgetLayer) for layer in cache.layers)
@@ -367,3 +384,25 @@ def test_a_generate_step_with_headkv_stores_what_its_caches_held(tmp_path):
     assert ds.attrs["kv_kept_fraction"] == pytest.approx(kept) and kept < 1
     assert float(ds["kv_kept_fraction"]) == pytest.approx(kept)
     assert ds["kv_full"].values.tolist() == (budgets >= prompt + 4).tolist()
+
+
+CHECKPOINT = Path(__file__).parent.parent / "plugins" / "models" / "tiny" / "headlab-tiny" / "model.safetensors"
+
+
+@pytest.mark.skipif(not CHECKPOINT.is_file(), reason="the embedded model headlab-tiny is not built")
+def test_a_score_step_under_headkv_scores_as_full(tmp_path):
+    # a score step is one prefill per batch: headkv attends every head in full there, so the scores are full's
+    heads = tmp_path / "heads.json"
+    heads.write_text(json.dumps({f"{layer}-{head}": [0.1 + layer + 0.3 * head] for layer in range(4)
+                                 for head in range(8)}))  # headlab-tiny: 4 layers x 8 heads
+
+    def run(score: dict, out: str):
+        spec = {"name": "kv", "model": "headlab-tiny", "task": {"kind": "kv_swap", "n": 2},
+                "steps": [{"id": "s", "score": score}]}
+        return headlab.run(spec, out=tmp_path / out).results["s"]
+
+    kv = {"kind": "headkv", "scores": {"file": str(heads)}, "budget": {"tokens_per_head": 4},
+          "observation_window": 2}
+    ds, plain = run({"kv": kv}, "a"), run({}, "b")
+    np.testing.assert_allclose(ds["logprob"].values, plain["logprob"].values, rtol=0, atol=1e-5)
+    assert 0 < ds.attrs["kv_kept_fraction"] < 1 and "headkv prefill" in ds.attrs["kv_attention"]
