@@ -1568,7 +1568,8 @@ class HeadwiseCache(Cache):
         return layer.keys, layer.values
 
     def compressed(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A layer's bounded group: keys, values and slot positions (see :meth:`HeadwiseLayer.compressed`)."""
+        """A layer's bounded group: keys, values and slot positions (see :meth:`HeadwiseLayer.compressed`; a
+        :class:`HeadBudgetLayer` gives one tensor per compressed head, :meth:`HeadBudgetLayer.compressed`)."""
         return self._layer(layer_idx).compressed()
 
     def nbytes(self, layer_idx: int | None = None) -> int:
