@@ -25,7 +25,10 @@ ring buffer of ``window`` slots), batched with left padding: positions are count
 tokens, so the sinks of a left-padded row are its first real tokens. Its ``nbytes`` are the bytes of the
 keys and values it actually holds. Its ``update`` leaves a :class:`SplitCall` that headlab's attention
 (:mod:`headlab.instrument.kv_split`) reads each group from; :func:`kv_policy` runs a model's forwards with
-such caches and measures them (:class:`KvUsage`).
+such caches and measures them (:class:`KvUsage`). Under a :class:`HeadBudgetMap` its layers are
+:class:`HeadBudgetLayer`: the prefill attends every head, then each compressed KV head keeps only the keys
+:func:`snapkv_keep` selects for it (its own buffers, no padding to another head's budget) and every later
+token.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from .heads import from_retrieval_json, read_heads_file, select_heads
 from .spec.fields import MAX_FLOAT, FiniteFloat, NonEmptyStr, NonNegativeInt, PositiveInt
 from .spec.heads import HeadsFile, HeadsFrom
 
-__all__ = ["DuoHeadsFile", "GqaRule", "HeadMap", "HeadwiseCache", "HeadwiseLayer", "KvHeadSelection",
+__all__ = ["DuoHeadsFile", "GqaRule", "HeadBudgetLayer", "HeadMap", "HeadwiseCache", "HeadwiseLayer", "KvHeadSelection",
            "KvPolicyError", "KvUsage", "SplitCall", "kv_heads", "kv_policy", "random_kv_heads", "read_duo_heads",
            "split_call",
            "HeadBudgetMap", "HeadScoreSource", "KvBudget", "ScoresFile", "ScoresFrom", "head_scores",
@@ -1053,7 +1056,11 @@ class SplitCall:
     included: the chunk's first token is at padded position ``start``) and, for a chunk of several tokens
     after earlier ones, ``prior``: the bounded group's keys, values and slot positions before the chunk was
     stored (the update overwrites ring slots the chunk's first queries still see). A one-token chunk reads
-    the bounded group after the update, which holds exactly the keys its query sees."""
+    the bounded group after the update, which holds exactly the keys its query sees.
+
+    On a :class:`HeadBudgetLayer`, ``prefill`` marks the layer's first call: the update returned every KV
+    head's keys, the attention attends them all causally and then calls :meth:`HeadBudgetLayer.compress`
+    with its last queries; a later call reads each compressed head's kept keys and new tokens."""
 
     layer: HeadwiseLayer
     chunk_keys: torch.Tensor
@@ -1061,6 +1068,7 @@ class SplitCall:
     start: int
     prior: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     path: str | None = None
+    prefill: bool = False
 
 
 _SPLIT = threading.local()
@@ -1341,6 +1349,158 @@ class HeadwiseLayer(CacheLayerMixin):
             self._select_rows(lambda t: t.to(self.device, non_blocking=True))
 
 
+class HeadBudgetLayer(HeadwiseLayer):
+    """One layer of a :class:`HeadwiseCache` under a :class:`HeadBudgetMap` (HeadKV): the full group as in
+    :class:`HeadwiseLayer`, and for each compressed KV head ``i`` (in ``compressed_heads`` order) its own
+    buffers, so that no head holds more than it keeps: ``kept_keys[i]``/``kept_values[i]`` ``[batch, 1, k_i,
+    head_dim]``, the prompt keys :func:`snapkv_keep` selected for it (``k_i``: the most any row keeps, at most
+    its budget), with their padded indices ``kept_pos[i]`` ``[batch, k_i]`` (ascending; -1 fills the front of a
+    row that keeps fewer), and ``new_keys``/``new_values`` ``[batch, n_compressed, n, head_dim]``, the ``n``
+    tokens stored after the prefill (every head keeps them all), at padded indices ``prefill_length + t``.
+
+    The first update (the prefill) stores and returns every KV head's keys; the attention attends them all
+    causally and then calls :meth:`compress`, which keeps each compressed head's selection and drops the rest."""
+
+    def __init__(self, full: Sequence[bool], budgets: Sequence[int], pad: torch.Tensor | None = None, *,
+                 observation_window: int = 8, kernel_size: int = 7, pooling: Literal["max", "avg"] = "max") -> None:
+        super().__init__(full, 0, 1, pad)
+        if len(budgets) != len(full):
+            raise KvPolicyError(f"{len(budgets)} budgets for {len(full)} KV heads")
+        self.window = None
+        self.budgets = [int(b) for b in budgets]
+        self.observation_window, self.kernel_size, self.pooling = int(observation_window), int(kernel_size), pooling
+        self.kept_keys: list[torch.Tensor] | None = None
+        self.kept_values: list[torch.Tensor] | None = None
+        self.kept_pos: list[torch.Tensor] | None = None
+        self.new_keys = self.new_values = None
+        self.prefill_length = 0
+
+    @property
+    def compressed_budgets(self) -> list[int]:
+        """The budgets of the compressed KV heads, in ``compressed_heads`` order."""
+        return [self.budgets[int(i)] for i in self.compressed_heads]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the states of the next tokens; returns the keys and values the attention reads causally: on
+        the first call (the prefill) every KV head's, later the full group's. With compressed heads it leaves a
+        :class:`SplitCall` (``prefill`` on the first call) for the attention (:func:`split_call`)."""
+        if not len(self.compressed_heads):
+            return super().update(key_states, value_states, *args, **kwargs)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        q = key_states.shape[-2]
+        if self.kept_keys is None:
+            if self.seen:
+                raise KvPolicyError("headkv: the prefill's attention did not compress this layer")
+            self.keys, self.values = key_states, value_states
+            self.pending = SplitCall(self, key_states, value_states, 0, prefill=True)
+            _SPLIT.last = (key_states, self.pending)
+            self.seen = q
+            return key_states, value_states
+        if len(self.full_heads):
+            self.keys = torch.cat([self.keys, key_states.index_select(1, self.full_heads)], dim=-2)
+            self.values = torch.cat([self.values, value_states.index_select(1, self.full_heads)], dim=-2)
+        else:  # a new (empty) tensor, so that split_call recognises this call's keys
+            self.keys = torch.cat([self.keys, key_states[:, :0]], dim=-2)
+            self.values = torch.cat([self.values, value_states[:, :0]], dim=-2)
+        ck = key_states.index_select(1, self.compressed_heads)
+        cv = value_states.index_select(1, self.compressed_heads)
+        self.new_keys = torch.cat([self.new_keys, ck], dim=-2)
+        self.new_values = torch.cat([self.new_values, cv], dim=-2)
+        self.pending = SplitCall(self, ck, cv, self.seen)
+        _SPLIT.last = (self.keys, self.pending)
+        self.seen += q
+        return self.keys, self.values
+
+    def compress(self, queries: torch.Tensor, scaling: float | None = None) -> None:
+        """After the prefill's attention: keep, per compressed KV head, the prompt keys :func:`snapkv_keep`
+        selects from the last ``observation_window`` ``queries`` (``[batch, n_heads, >= W, head_dim]``, after
+        the rotary embedding) within its budget, and only the full heads' keys in the full group. A compressed
+        head whose budget covers the prompt keeps every token of its rows."""
+        if self.kept_keys is not None or self.keys is None:
+            raise KvPolicyError("headkv: a layer is compressed once, after its prefill")
+        keys, values = self.keys, self.values
+        batch, _, seq, dim = keys.shape
+        group = queries.shape[1] // self.n_kv_heads
+        comp = self.compressed_heads
+        budgets = self.compressed_budgets
+        real = torch.arange(seq, device=keys.device)[None, :] >= self.pad[:, None]  # (batch, seq)
+        every = torch.where(real, torch.arange(seq, device=keys.device)[None, :], -1)[:, self.min_pad:]
+        select = [i for i, b in enumerate(budgets) if b < seq]  # (a budget is never below the window)
+        chosen: dict[int, torch.Tensor] = {}
+        if select:
+            heads = comp[select]
+            qh = (heads[:, None] * group + torch.arange(group, device=keys.device)[None, :]).reshape(-1)
+            window = queries[:, :, -self.observation_window:]
+            picked = snapkv_keep(keys.index_select(1, heads), window.index_select(1, qh),
+                                 [budgets[i] for i in select], kernel_size=self.kernel_size, pooling=self.pooling,
+                                 pad=self.pad, scaling=scaling)
+            chosen = dict(zip(select, picked, strict=True))
+        self.kept_keys, self.kept_values, self.kept_pos = [], [], []
+        for i, head in enumerate(comp.tolist()):
+            pos = chosen.get(i, every)
+            index = pos.clamp(min=0)[:, None, :, None]
+            valid = (pos >= 0)[:, None, :, None]
+            for out, src in ((self.kept_keys, keys), (self.kept_values, values)):
+                taken = src[:, head:head + 1].gather(2, index.expand(-1, -1, -1, src.shape[-1]))
+                out.append(torch.where(valid, taken, torch.zeros((), dtype=src.dtype, device=src.device)))
+            self.kept_pos.append(pos)
+        self.new_keys = keys.new_zeros((batch, len(comp), 0, dim))
+        self.new_values = values.new_zeros((batch, len(comp), 0, values.shape[-1]))
+        self.keys = keys.index_select(1, self.full_heads)
+        self.values = values.index_select(1, self.full_heads)
+        self.prefill_length = seq
+
+    def head_cache(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Compressed head ``i``'s keys and values ``[batch, 1, n, head_dim]`` (its kept prompt keys, then the
+        tokens stored since) and their padded indices ``[batch, n]`` (-1: an empty slot, to be masked)."""
+        if self.kept_keys is None:
+            raise KvPolicyError("headkv: the layer keeps nothing until its prefill was compressed")
+        n_new = self.new_keys.shape[2]
+        new_pos = (self.prefill_length + torch.arange(n_new, device=self.device))[None, :].expand(
+            self.kept_pos[i].shape[0], -1)
+        return (torch.cat([self.kept_keys[i], self.new_keys[:, i:i + 1]], dim=2),
+                torch.cat([self.kept_values[i], self.new_values[:, i:i + 1]], dim=2),
+                torch.cat([self.kept_pos[i], new_pos], dim=1))
+
+    def compressed(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """Every compressed head's :meth:`head_cache`, as three lists (keys, values, padded indices)."""
+        parts = [self.head_cache(i) for i in range(len(self.compressed_heads))]
+        return [p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts]
+
+    def kept_keys_per_head(self) -> torch.Tensor:
+        """Keys each ``(row, kv_head)`` holds, ``[batch, n_kv_heads]``: every real token of the row for a full
+        head, its valid kept slots plus the new tokens for a compressed one."""
+        if not self.is_initialized:
+            raise KvPolicyError("the cache holds nothing yet")
+        out = (self.seen - self.pad)[:, None].repeat(1, self.n_kv_heads)
+        if self.kept_pos is not None:
+            for i, head in enumerate(self.compressed_heads.tolist()):
+                out[:, head] = (self.kept_pos[i] >= 0).sum(1) + self.new_keys.shape[2]
+        return out
+
+    def _tensors(self) -> list[torch.Tensor]:
+        kept = [*(self.kept_keys or []), *(self.kept_values or [])]
+        return [t for t in (self.keys, self.values, self.new_keys, self.new_values, *kept) if t is not None]
+
+    def reset(self) -> None:
+        """Drop every stored token."""
+        super().reset()
+        self.kept_keys = self.kept_values = self.kept_pos = None
+        self.new_keys = self.new_values = None
+        self.prefill_length = 0
+
+    def _select_rows(self, pick: Any) -> None:
+        super()._select_rows(pick)
+        for name in ("new_keys", "new_values"):
+            if isinstance(getattr(self, name), torch.Tensor):
+                setattr(self, name, pick(getattr(self, name)))
+        for name in ("kept_keys", "kept_values", "kept_pos"):
+            if getattr(self, name) is not None:
+                setattr(self, name, [pick(t) for t in getattr(self, name)])
+
+
 class HeadwiseCache(Cache):
     """A transformers :class:`~transformers.Cache` laid out by a :class:`HeadMap`: per layer, the full KV
     heads keep every token and the compressed ones only their row's ``sink`` first and ``window`` most recent
@@ -1351,7 +1511,10 @@ class HeadwiseCache(Cache):
     :class:`~transformers.DynamicCache`'s when the map is full; an attention reads the compressed group with
     :meth:`compressed` (or the :class:`SplitCall` the update leaves). With compressed heads, transformers' own
     attention functions do not read the bounded group: a model runs with headlab's attention, which attends
-    each group over its own keys (:func:`kv_policy` checks it)."""
+    each group over its own keys (:func:`kv_policy` checks it).
+
+    Under a :class:`HeadBudgetMap` (HeadKV) the layers are :class:`HeadBudgetLayer`: the prefill attends
+    every head in full, then each compressed KV head keeps its SnapKV selection and every later token."""
 
     def __init__(self, head_map: HeadMap, pad: Sequence[int] | torch.Tensor | None = None) -> None:
         if head_map.pending:
@@ -1361,6 +1524,13 @@ class HeadwiseCache(Cache):
         if pad_t is not None and bool((pad_t < 0).any()):
             raise KvPolicyError("a padding length is negative")
         full = head_map.kv_full.transpose("layer", "kv_head").values
+        if isinstance(head_map, HeadBudgetMap):
+            budgets = head_map.kv_budget.transpose("layer", "kv_head").values
+            super().__init__(layers=[HeadBudgetLayer(
+                row.tolist(), budget.tolist(), pad_t, observation_window=head_map.observation_window,
+                kernel_size=head_map.kernel_size, pooling=head_map.pooling)
+                for row, budget in zip(full, budgets, strict=True)])
+            return
         super().__init__(layers=[HeadwiseLayer(row.tolist(), head_map.sink, head_map.window, pad_t,
                                                compensate=head_map.compensate) for row in full])
 
@@ -1398,7 +1568,8 @@ class HeadwiseCache(Cache):
         return layer.keys, layer.values
 
     def compressed(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A layer's bounded group: keys, values and slot positions (see :meth:`HeadwiseLayer.compressed`)."""
+        """A layer's bounded group: keys, values and slot positions (see :meth:`HeadwiseLayer.compressed`; a
+        :class:`HeadBudgetLayer` gives one tensor per compressed head, :meth:`HeadBudgetLayer.compressed`)."""
         return self._layer(layer_idx).compressed()
 
     def nbytes(self, layer_idx: int | None = None) -> int:

@@ -24,6 +24,12 @@ key and value of the tokens the query no longer sees (own positions ``sink <= k 
 step appends the layer's running mean (:meth:`headlab.kv.HeadwiseLayer.compensation`) to the bounded
 group; a prefill computes each query's own token exactly from prefix sums over the chunk, and attends in
 plain torch (one float32 softmax over the block's keys and that token, ``compensated`` in the path).
+
+Under ``headkv`` (a :class:`headlab.kv.HeadBudgetLayer`) the prefill attends every head causally over the
+whole prompt, as SnapKV and HeadKV do, and hands the call's queries (after the rotary embedding) to the
+layer, which keeps each compressed KV head's selection (only the last ``observation_window`` queries are
+scored, never the full attention matrix); later calls attend each compressed KV head's query heads over its
+kept keys and the tokens stored since, one head at a time (each head holds a different number of keys).
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from torch import Tensor
 
 from headlab.kernels import HeadEdits, choose_backend
 from headlab.kernels import attention as kernel_attention
-from headlab.kv import KvPolicyError, SplitCall
+from headlab.kv import HeadBudgetLayer, KvPolicyError, SplitCall
 
 from .layers import REFUSED_KWARGS, UnsupportedModelError
 from .masks import kernel_mask_args
@@ -91,6 +97,14 @@ def split_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: 
         if edits.key_spans is not None:
             raise KvPolicyError(f"layer {layer}: key-span biases (PASTA) cannot run with a KV policy that compresses "
                                 "heads (they name key positions a compressed head no longer holds)")
+    if split.prefill:  # headkv's prefill: every head attends causally, then the layer keeps its selection
+        backend, reason = choose_backend(requested, edits=edits, softcap=softcap, device=query.device)
+        margs = kernel_mask_args(attention_mask, Nq, key.shape[2], True, model_window)
+        out = kernel_attention(query, key, value, edits=edits, scale=scale, softcap=softcap, **margs,
+                               backend=backend)[0]
+        cache.compress(query, scale)
+        paths = [f"every head: {backend} ({reason}; headkv prefill, then SnapKV selection per KV head)"]
+        return _recorded(out, paths, cache, session, layer, plan, Nq, key.shape[2], backend)
     out = query.new_empty(B, H, Nq, value.shape[-1])
     paths = []
     if len(cache.full_heads):
@@ -104,17 +118,48 @@ def split_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: 
     cq = _query_heads(cache.compressed_heads, group)
     sub = _heads_of(edits, cq)
     backend, reason = choose_backend(requested, edits=sub, softcap=softcap, device=query.device)
-    out[:, cq] = _bounded(query.index_select(1, cq), split, scale, softcap, sub, backend, model_window)
-    how = "sinks + ring buffer" if Nq == 1 else "sinks + window by query blocks"
+    if isinstance(cache, HeadBudgetLayer):
+        out[:, cq] = _budgeted(query.index_select(1, cq), split, scale, softcap, sub, backend, model_window)
+        how = "each KV head's kept keys + new tokens"
+    else:
+        out[:, cq] = _bounded(query.index_select(1, cq), split, scale, softcap, sub, backend, model_window)
+        how = "sinks + ring buffer" if Nq == 1 else "sinks + window by query blocks"
     if cache.compensate:
         how += ", compensation token" + ("" if Nq == 1 else " (compensated prefill in torch)")
     paths.append(f"compressed group: {backend} ({reason}; {how})")
+    return _recorded(out, paths, cache, session, layer, plan, Nq, key.shape[2], backend)
+
+
+def _recorded(out: Tensor, paths: list[str], cache: Any, session: Session | None, layer: int | None, plan: Any,
+              Nq: int, Nk: int, backend: str) -> Tensor:
+    """``out`` after the session's output replacements, the paths recorded on the cache layer and session."""
     cache.attention_paths.add("; ".join(paths))
     if session is not None and layer is not None:
         session.rec.backends[layer] = (backend, "kv split cache: " + "; ".join(paths))
         if plan is not None:
-            out = session.replace_z(layer, out, session.positions(layer, Nq, key.shape[2]))
+            out = session.replace_z(layer, out, session.positions(layer, Nq, Nk))
         session.advance(layer, Nq)
+    return out
+
+
+def _budgeted(q: Tensor, split: SplitCall, scale: float, softcap: float | None, edits: HeadEdits | None,
+              backend: str, model_window: int | None) -> Tensor:
+    """headkv after the prefill: the compressed query heads' outputs (B, Hc*g, Nq, Dv), each KV head's query
+    heads over its kept prompt keys and the tokens stored since (causally among those)."""
+    layer = split.layer
+    B, Hq, Nq, _ = q.shape
+    g = Hq // layer.n_compressed
+    at = split.start + torch.arange(Nq, device=q.device)  # padded indices of the queries
+    out = q.new_empty(B, Hq, Nq, split.chunk_values.shape[-1])
+    for i in range(layer.n_compressed):
+        k, v, pos = layer.head_cache(i)
+        d = at[None, :, None] - pos[:, None, :]
+        vis = (pos[:, None, :] >= 0) & (d >= 0)
+        if model_window is not None:
+            vis &= d < model_window
+        heads = torch.arange(i * g, (i + 1) * g, device=q.device)
+        out[:, i * g:(i + 1) * g] = _attend(q[:, i * g:(i + 1) * g], k, v, vis, scale, softcap,
+                                            _heads_of(edits, heads), backend)
     return out
 
 

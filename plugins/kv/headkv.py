@@ -9,6 +9,8 @@ observation-window attention plus the window (:func:`headlab.kv.snapkv_keep`). C
 authors' scripts: an observation window of 8 queries, max pooling of width 7, ``temp`` 1, ``beta`` 1.5 (their
 default; they sweep 1.005 to 10). Under GQA the unit is the KV head: a KV head's score aggregates its query
 heads' by ``gqa`` (``mean`` by default, so that its share of the pool is its query heads' total share).
+A step runs it on :class:`headlab.kv.HeadBudgetLayer` caches: the prefill attends every head in full, then
+each compressed KV head holds only its kept keys and the tokens generated since.
 """
 
 from __future__ import annotations
