@@ -41,6 +41,7 @@ from . import resources
 from .context import Example, Reporter, StepContext
 from .dims import DIMENSIONS
 from .errors import StepError, step_error
+from .inputs import check_resume, input_digests
 from .model import LoadedModel, ModelLoadError, load_model
 from .plugin_manager import get_manager, plugins_for_workers, register_worker_plugins
 from .results import Run, RunWriter, is_url, now, open_run, store_location
@@ -532,11 +533,15 @@ class Job:
 def run(spec: str | Path | Mapping[str, Any] | LoadedSpec | None, *, out: str | Path | None = None,
         overrides: Mapping[str, Any] | None = None, resume: str | Path | None = None,
         reporter: Reporter | None = None, cancel: Callable[[], bool] | None = None,
-        on_cell: Callable[[Cell], None] | None = None, execution: Mapping[str, Any] | None = None) -> Run:
+        on_cell: Callable[[Cell], None] | None = None, execution: Mapping[str, Any] | None = None,
+        recompute: bool = False) -> Run:
     """Run a spec (path, YAML text, mapping or loaded spec) and return the finished :class:`Run`.
 
     ``resume`` completes an interrupted or failed run store (its own spec is used): cells that are
-    missing, unfinished, failed or damaged are computed, intact ones are kept. A local store is created
+    missing, unfinished, failed or damaged are computed, intact ones are kept, provided nothing they were
+    computed from changed (the resolved spec, a data file, the weights: else
+    :class:`headlab.inputs.InputChanged`); ``recompute=True`` computes every cell again from the current
+    inputs and records them. A local store is created
     atomically, then each finished cell is written as it completes; ``on_cell`` is called after each.
     ``execution`` updates the spec's ``execution`` (``{"executor": "ray", "address": "auto"}``): which
     executor runs the cells never changes their results. A cell that fails under the ``local``
@@ -545,6 +550,9 @@ def run(spec: str | Path | Mapping[str, Any] | LoadedSpec | None, *, out: str | 
     """
     reporter = reporter or Reporter()
     writer: RunWriter | None = None
+    previous: Run | None = None
+    if recompute and resume is None:
+        raise ValueError("recompute=True recomputes a stored run: give resume=RUN")
     if resume is not None:
         previous = open_run(resume)
         loaded = load_spec(previous.spec_data)
@@ -558,14 +566,23 @@ def run(spec: str | Path | Mapping[str, Any] | LoadedSpec | None, *, out: str | 
     if execution:
         loaded = loaded.with_execution(execution)
     cells = loaded.cells
-    done = writer.done_cells() if writer is not None else set()
-    todo = [c for c in cells if c.name not in done]
     config = loaded.spec.execution
     comp = get_manager().get("executors", config.kind) if config is not None else get_manager().registry.default(
         "executors")
     if comp is None:
         raise ValueError("no executor is installed")
     models = ModelCache(loaded.spec.seed, limits=loaded.spec.limits)
+    if previous is not None and writer is not None:
+        first = models.get(loaded.for_cell(cells[0]).model) if comp.kind == "local" and len(cells) else None
+        if recompute:
+            writer.forget_cells()
+            writer.set_attrs(resolved=loaded.spec.model_dump_json(by_alias=True),
+                             input_digests=input_digests(loaded.spec), recomputed=now(),
+                             **(provenance(first) if first is not None else {}))
+        else:
+            check_resume(previous.attrs, loaded.spec, str(resume), model_digest=first.digest if first else None)
+    done = writer.done_cells() if writer is not None else set()
+    todo = [c for c in cells if c.name not in done]
     if comp.kind == "local":  # refuse before a store is created; every cell is checked again as it runs
         for cell in todo[:PREFLIGHT_CELLS]:
             cell_spec = loaded.for_cell(cell)
@@ -577,7 +594,7 @@ def run(spec: str | Path | Mapping[str, Any] | LoadedSpec | None, *, out: str | 
             "spec_source": loaded.source, "spec_data": json.dumps(loaded.data),
             "resolved": loaded.spec.model_dump_json(by_alias=True), "sweep": loaded.spec.sweep,
             "steps": [s.id for s in loaded.spec.steps], "cells_total": len(cells), "seed": loaded.spec.seed,
-            "model": loaded.spec.model.name, **prov,
+            "model": loaded.spec.model.name, "input_digests": input_digests(loaded.spec), **prov,
         }
         return RunWriter.create(_run_dir(str(out or loaded.spec.output), loaded.spec.name), attrs)
 
