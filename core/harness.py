@@ -25,10 +25,11 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import shutil
 import sys
-from collections.abc import Mapping, Sequence
-from contextlib import nullcontext
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +51,8 @@ except ImportError:  # pragma: no cover - exercised without the extra
     _Base = object  # type: ignore[assignment,misc]
     HAVE_LM_EVAL = False
 
-__all__ = ["EXTRA", "HAVE_LM_EVAL", "HeadlabLM", "evaluate", "local_task", "main", "require_lm_eval", "results_dataset",
-           "task_manager"]
+__all__ = ["CACHE_ENV", "EXTRA", "HAVE_LM_EVAL", "HeadlabLM", "cache_directory", "datasets_cache", "evaluate",
+           "local_task", "main", "require_lm_eval", "results_dataset", "task_manager"]
 
 log = logging.getLogger(__name__)
 EMPHASIS = {"emphasis": "em"}
@@ -214,7 +215,7 @@ class HeadlabLM(_Base):  # type: ignore[misc,valid-type]
             return None
         return StepContext(model=self.lm, examples=[], results={**self.ctx.results, **self.results},
                            seed=self.ctx.seed, step_id=self.ctx.step_id, reporter=self.ctx.reporter,
-                           cancel=self.ctx.cancel)
+                           cancel=self.ctx.cancel, store=self.ctx.store)
 
     def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         """``(log p(continuation | context), is_greedy)`` per request, under the decoder's scorer."""
@@ -619,6 +620,49 @@ def evaluate(model: Any, tasks: Sequence[str | Mapping[str, Any]], *, decode: An
     ds.attrs["task_code"] = "trusted" if trust_task_code else "sandboxed" if sandboxed else "lm-eval registry"
     ds.attrs["task_files"] = sources.files
     return ds
+
+
+CACHE_ENV = ("HF_DATASETS_CACHE", "HF_HOME", "XDG_CACHE_HOME")
+"""Environment variables that name the ``datasets`` cache; when one is set, :func:`datasets_cache` leaves it."""
+
+
+def cache_directory(store: str | Path) -> Path | None:
+    """Where the ``evaluate`` steps of a run store cache datasets: ``.cache`` in the directory holding the store
+    (the run's ``--out``), shared by its runs; None for a store that is not a local directory (a URL)."""
+    from .results import is_url, store_location
+
+    location = store_location(store) if str(store) else ""
+    if not location or is_url(location):
+        return None
+    return Path(location).parent / ".cache"
+
+
+@contextmanager
+def datasets_cache(directory: str | Path | None) -> Iterator[Path | None]:
+    """While the block runs, the ``datasets`` library keeps what it prepares, downloads and extracts under
+    ``directory/datasets`` (yielded) instead of ``~/.cache/huggingface/datasets``. Nothing changes (None is
+    yielded) when ``directory`` is None or the environment names a cache (:data:`CACHE_ENV`)."""
+    if directory is None or any(os.environ.get(name) for name in CACHE_ENV):
+        yield None
+        return
+    try:
+        import datasets.config as config
+    except ImportError:  # pragma: no cover - lm-eval requires datasets
+        yield None
+        return
+    root = Path(directory).expanduser() / "datasets"
+    paths = {"HF_DATASETS_CACHE": root, "DOWNLOADED_DATASETS_PATH": root / "downloads",
+             "EXTRACTED_DATASETS_PATH": root / "downloads" / "extracted"}
+    saved = {name: getattr(config, name) for name in paths}
+    for name, path in paths.items():
+        setattr(config, name, path)
+    os.environ["HF_DATASETS_CACHE"] = str(root)  # for anything that reads the variable itself
+    try:
+        yield root
+    finally:
+        for name, value in saved.items():
+            setattr(config, name, value)
+        os.environ.pop("HF_DATASETS_CACHE", None)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -167,10 +167,11 @@ def examples_dataset(examples: list[Example], lm: LoadedModel) -> xr.Dataset:
 
 def run_cell(loaded: LoadedSpec, cell: Cell, models: ModelCache, reporter: Reporter | None = None,
              cancel: Callable[[], bool] | None = None, on_step: Callable[[str], None] | None = None,
-             ) -> dict[str, xr.Dataset]:
+             store: str = "") -> dict[str, xr.Dataset]:
     """Run every step of one sweep cell in this process; returns step id -> Dataset.
 
-    ``on_step(step_id)`` is called as each step starts (an executor reports which step failed).
+    ``on_step(step_id)`` is called as each step starts (an executor reports which step failed); ``store``
+    is the run store the cell is written to (:attr:`StepContext.store`).
     """
     spec = loaded.for_cell(cell)
     reporter = reporter or Reporter()
@@ -197,7 +198,7 @@ def run_cell(loaded: LoadedSpec, cell: Cell, models: ModelCache, reporter: Repor
             except ValueError as e:
                 raise step_error(e, step=step, config=None, task=task, cell=cell) from e
         ctx = StepContext(model=lm, examples=examples, results=results, seed=spec.seed, step_id=step.id,
-                          reporter=reporter, cancel=cancel or (lambda: False))
+                          reporter=reporter, cancel=cancel or (lambda: False), store=store)
         _seed(spec.seed)
         config = getattr(step, step.action)
         try:
@@ -401,7 +402,8 @@ def execute_cell(task: CellTask, models: ModelCache, reporter: Reporter | None =
             register_worker_plugins(task.plugins)
             _PLUGINS_TOKEN[0] = task.plugins_token
         loaded = task.load()
-        results = run_cell(loaded, cell, models, reporter, cancel, on_step=lambda s: step.__setitem__(0, s))
+        results = run_cell(loaded, cell, models, reporter, cancel, on_step=lambda s: step.__setitem__(0, s),
+                           store=task.store)
         lm = models.get(loaded.for_cell(cell).model, seed=loaded.spec.seed)
         seconds = time.time() - started
         step[0] = None
@@ -491,7 +493,7 @@ class Job:
         started = time.time()
         try:
             results = run_cell(self.spec, cell, self.models, self.reporter, self._cancel,
-                               on_step=lambda s: step.__setitem__(0, s))
+                               on_step=lambda s: step.__setitem__(0, s), store=writer.location)
             step[0] = None
             writer.write_cell(cell.name, cell.as_dict(), results,
                               {"started": started, "seconds": time.time() - started})

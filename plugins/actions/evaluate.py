@@ -80,13 +80,15 @@ def evaluate_config(types: SpecTypes) -> type[StrictModel]:
 
 def evaluate(config: Any, ctx: StepContext) -> xr.Dataset:
     """Run the tasks; per-task metrics over ``task``, per-sample records over ``example``."""
+    from headlab.harness import cache_directory, datasets_cache
     from headlab.harness import evaluate as run_tasks
 
-    ds = run_tasks(ctx.model, config.tasks, decode=config.decode, steer=config.steer, limit=config.limit,
-                   num_fewshot=config.num_fewshot, include_path=config.include_path,
-                   include_defaults=config.include_defaults, batch_size=config.batch_size,
-                   max_gen_toks=config.max_gen_toks, gen_kwargs=config.gen_kwargs, seed=ctx.seed, ctx=ctx,
-                   bootstrap_iters=config.bootstrap_iters, trust_task_code=config.trust_task_code)
+    with datasets_cache(cache_directory(ctx.store) if ctx.store else None):
+        ds = run_tasks(ctx.model, config.tasks, decode=config.decode, steer=config.steer, limit=config.limit,
+                       num_fewshot=config.num_fewshot, include_path=config.include_path,
+                       include_defaults=config.include_defaults, batch_size=config.batch_size,
+                       max_gen_toks=config.max_gen_toks, gen_kwargs=config.gen_kwargs, seed=ctx.seed, ctx=ctx,
+                       bootstrap_iters=config.bootstrap_iters, trust_task_code=config.trust_task_code)
     ds.attrs.update(decode=config.decode.kind, steer=[c.kind for c in config.steer],
                     tasks=[t if isinstance(t, str) else str(t.get("task", t)) for t in config.tasks],
                     example_source="lm-eval")
