@@ -207,10 +207,12 @@ def _print_failures(result: Any) -> None:
 @app.command()
 def validate(specs: Annotated[list[Path], typer.Argument(help="spec files")]) -> None:
     """Check specs without running them."""
+    from .runner import check_steps
     from .spec import load_spec
 
     for path in specs:
         loaded = load_spec(path)
+        check_steps(loaded)
         console.print(f"{path}: ok ({len(loaded.spec.steps)} steps, {len(loaded.cells)} cells)")
 
 

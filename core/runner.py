@@ -243,6 +243,40 @@ def preflight(loaded: LoadedSpec, spec: Any, lm: LoadedModel, cell: Cell | None 
     resources.check(spec, lm, swept)
 
 
+def check_steps(loaded: LoadedSpec, cells: list[Cell] | None = None) -> None:
+    """Run the ``preflight()`` check of every step config that has one (an ``evaluate`` step's lm-eval tasks)
+    for ``cells`` (default: the first :data:`PREFLIGHT_CELLS`), each distinct config once: before a run's store
+    is created, and in ``headlab validate``. A failure is a :class:`SpecError` located at the step's key (the
+    check's ``ValueError`` may carry a ``path`` within the config)."""
+    from .spec import SpecError, _position, format_path
+
+    if not any(callable(getattr(getattr(step, step.action), "preflight", None)) for step in loaded.spec.steps):
+        return
+    seen: set[str] = set()
+    if cells is None:
+        cells = [cell for _, cell in zip(range(PREFLIGHT_CELLS), loaded.cells, strict=False)]
+    for cell in cells:
+        spec = loaded.for_cell(cell)
+        for i, step in enumerate(spec.steps):
+            config = getattr(step, step.action)
+            check = getattr(config, "preflight", None)
+            if not callable(check):
+                continue
+            key = f"{step.id}:{_jsonable(config)}"
+            if key in seen:
+                continue
+            seen.add(key)
+            try:
+                check()
+            except ValueError as e:
+                where = ["steps", i, step.action, *getattr(e, "path", ())]
+                line, col = _position(loaded.tree, where) if loaded.tree is not None else (None, None)
+                swept = f" in cell {cell.name} ({', '.join(f'{k}={v!r}' for k, v in cell.values)})" \
+                    if cell.values else ""
+                raise SpecError(f"{e}{swept}", source=loaded.source, line=line, col=col,
+                                path=format_path(where)) from None
+
+
 def _selections(node: Any, path: list[Any]) -> Any:
     """(path, mapping) of every head selection with a ``top`` in a dumped spec."""
     if isinstance(node, Mapping):
@@ -573,6 +607,7 @@ def run(spec: str | Path | Mapping[str, Any] | LoadedSpec | None, *, out: str | 
         "executors")
     if comp is None:
         raise ValueError("no executor is installed")
+    check_steps(loaded)
     models = ModelCache(loaded.spec.seed, limits=loaded.spec.limits)
     if previous is not None and writer is not None:
         first = models.get(loaded.for_cell(cells[0]).model) if comp.kind == "local" and len(cells) else None

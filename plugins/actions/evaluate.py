@@ -75,6 +75,14 @@ def evaluate_config(types: SpecTypes) -> type[StrictModel]:
             check_tasks(self.tasks, self.include_path, trust=self.trust_task_code)
             return self
 
+        def preflight(self) -> None:
+            """Check the tasks against lm-eval before a run starts and in ``headlab validate``: names, the fields
+            and metrics of each task, ``num_fewshot`` (:func:`headlab.harness.check_task_configs`)."""
+            from headlab.harness import check_task_configs
+
+            check_task_configs(self.tasks, include_path=self.include_path, include_defaults=self.include_defaults,
+                               num_fewshot=self.num_fewshot)
+
     return Evaluate
 
 
