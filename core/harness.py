@@ -717,11 +717,11 @@ def _check_config(cfg: Mapping[str, Any], label: str, at: tuple[Any, ...], num_f
             raise TaskConfigError(f"lm-eval task {label}: a {output_type} task needs {', '.join(lacking)} "
                                   f"(each document's prompt, answer and choices); add "
                                   f"{'it' if len(lacking) == 1 else 'them'} to the task", at)
-    known = metric_output_types()
+    known = metric_output_types() if cfg.get("process_results") is None else {}  # else the task scores itself
     for j, entry in enumerate(cfg.get("metric_list") or []):
         metric = entry.get("metric") if isinstance(entry, Mapping) else None
-        if _own_aggregation(entry):  # the task aggregates this metric its own way, for its own outputs
-            continue
+        if _own_aggregation(entry) or (isinstance(entry, Mapping) and entry.get("hf_evaluate")):
+            continue  # the task aggregates this metric its own way, or it is HF evaluate's metric of that name
         if isinstance(metric, str) and metric in known and output_type not in known[metric]:
             raise TaskConfigError(f"lm-eval task {label}: metric_list[{j}]: metric {metric!r} scores "
                                   f"{' or '.join(known[metric])} tasks, and this task's output_type is "
