@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 import xarray as xr
-from fixtures.specs import TINY_LLAMA, spec_text
 
 import headlab
 from headlab.model import ModelLoadError, load_model
 from headlab.spec import ModelSpec, SpecError
+
+from fixtures.specs import TINY_LLAMA, spec_text
 
 STEPS = "  - id: ind\n    detect: {kind: induction}\n"
 TASK = "{kind: repeated_tokens, n: 2, length: 4}"
