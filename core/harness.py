@@ -651,7 +651,8 @@ def _task_index(include_path: tuple[str, ...], include_defaults: bool) -> dict[s
 @functools.lru_cache(maxsize=1)
 def metric_output_types() -> dict[str, tuple[str, ...]]:
     """The output types each of lm-eval's own metrics is registered for (read from the ``output_type`` of its
-    ``register_metric`` in lm-eval's source, which its registry does not keep)."""
+    ``register_metric`` in lm-eval's source, which its registry does not keep), with ``multiple_choice`` added
+    for the metrics lm-eval's ``ConfigurableTask.process_results`` computes from the choices itself."""
     import ast
     import importlib.util
 
@@ -668,6 +669,17 @@ def metric_output_types() -> dict[str, tuple[str, ...]]:
             except (KeyError, ValueError):
                 continue
             out[str(name)] = (types,) if isinstance(types, str) else tuple(types)
+    try:  # the metrics a multiple_choice task's own process_results computes from the choices' scores
+        import inspect
+        import re
+
+        from lm_eval.api.task import ConfigurableTask
+
+        for name in re.findall(r"[\"'](\w+)[\"'] in use_metric", inspect.getsource(ConfigurableTask.process_results)):
+            if "multiple_choice" not in out.get(name, ("multiple_choice",)):
+                out[name] = (*out[name], "multiple_choice")
+    except (ImportError, OSError, TypeError):  # pragma: no cover - no source to read
+        pass
     return out
 
 
