@@ -609,21 +609,21 @@ def run(spec: str | Path | Mapping[str, Any] | LoadedSpec | None, *, out: str | 
         raise ValueError("no executor is installed")
     check_steps(loaded)
     models = ModelCache(loaded.spec.seed, limits=loaded.spec.limits)
-    if previous is not None and writer is not None:
-        first = models.get(loaded.for_cell(cells[0]).model) if comp.kind == "local" and len(cells) else None
-        if recompute:
-            writer.forget_cells()
-            writer.set_attrs(resolved=loaded.spec.model_dump_json(by_alias=True),
-                             input_digests=input_digests(loaded.spec), recomputed=now(),
-                             **(provenance(first) if first is not None else {}))
-        else:
-            check_resume(previous.attrs, loaded.spec, str(resume), model_digest=first.digest if first else None)
-    done = writer.done_cells() if writer is not None else set()
+    first = None
+    if previous is not None and comp.kind == "local" and len(cells):
+        first = models.get(loaded.for_cell(cells[0]).model)  # the model whose digest the run recorded
+    if previous is not None and not recompute:
+        check_resume(previous.attrs, loaded.spec, str(resume), model_digest=first.digest if first else None)
+    done = writer.done_cells() if writer is not None and not recompute else set()
     todo = [c for c in cells if c.name not in done]
     if comp.kind == "local":  # refuse before a store is created; every cell is checked again as it runs
         for cell in todo[:PREFLIGHT_CELLS]:
             cell_spec = loaded.for_cell(cell)
             preflight(loaded, cell_spec, models.get(cell_spec.model), cell)
+    if recompute and writer is not None:  # every stored cell is computed again from the current inputs
+        writer.forget_cells()
+        writer.set_attrs(resolved=loaded.spec.model_dump_json(by_alias=True), input_digests=input_digests(loaded.spec),
+                         recomputed=now(), **(provenance(first) if first is not None else {}))
 
     def create(prov: dict[str, Any]) -> RunWriter:
         attrs = {

@@ -351,3 +351,22 @@ def test_a_cells_group_that_is_a_link_is_refused_in_one_line(tmp_path):
     (run / "cells").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
     line = one_line(cli("run", "--resume", str(run), cwd=tmp_path))
     assert "cells is a symbolic link" in line and "never writes through a link" in line
+
+
+def test_input_digests_cover_swept_files_and_name_the_one_that_changed(tmp_path, monkeypatch):
+    from headlab.inputs import InputChanged, check_resume, file_digest, input_digests
+
+    monkeypatch.chdir(tmp_path)
+    for name, n in (("a.jsonl", 2), ("b.jsonl", 3)):
+        _qa(tmp_path / name, n)
+    loaded = headlab.load_spec(QA_SPEC.replace("path: qa.jsonl", "path: a.jsonl") +
+                               "sweep:\n  task.path: [a.jsonl, b.jsonl, not-a-file.jsonl]\n")
+    digests = input_digests(loaded.spec)
+    assert digests == {"task.path": {"path": "a.jsonl", "sha256": file_digest(tmp_path / "a.jsonl")},
+                       "sweep.task.path[0]": {"path": "a.jsonl", "sha256": file_digest(tmp_path / "a.jsonl")},
+                       "sweep.task.path[1]": {"path": "b.jsonl", "sha256": file_digest(tmp_path / "b.jsonl")}}
+    attrs = {"resolved": loaded.spec.model_dump_json(by_alias=True), "input_digests": digests}
+    check_resume(attrs, loaded.spec, "RUN")  # nothing changed
+    _qa(tmp_path / "b.jsonl", 4)
+    with pytest.raises(InputChanged, match=r"cannot resume RUN: sweep.task.path\[1\] file 'b.jsonl' changed"):
+        check_resume(attrs, loaded.spec, "RUN")
