@@ -171,5 +171,13 @@ def test_kv_compression_as_typed(workdir):
         assert int(stream["kv_full"].sum()) == int(rand["kv_full"].sum()) == 4
         assert stream.attrs["kv_kept_fraction"] == pytest.approx(rand.attrs["kv_kept_fraction"], rel=1e-3)
     assert float(res["streaming_top4_w128"]["needle_recall"].mean()) > float(res["random_top4_w128"]["needle_recall"].mean())
+    # the figures the README quotes (greedy decoding: deterministic on a CPU)
+    def recall(step: str, length: int) -> float:
+        ds = res[step]
+        return float(ds["needle_recall"].where(ds["context_length"] == length, drop=True).mean())
+    assert res["streaming_top4_w128"].attrs["kv_kept_fraction"] == pytest.approx(0.28, abs=0.005)
+    assert (recall("streaming_top4_w128", 1024), recall("streaming_top4_w128", 2048)) == pytest.approx((0.93, 0.80), abs=0.01)
+    assert (recall("full", 1024), recall("full", 2048)) == pytest.approx((1.00, 0.93), abs=0.01)
+    assert float(res["random_top4_w128"]["needle_recall"].mean()) == pytest.approx(0.20, abs=0.01)
     html = (workdir / "kv_compression.html").read_text()
     assert 'id="kv"' in html and "needle_recall vs kept fraction of the full KV cache" in html
