@@ -59,7 +59,7 @@ from .heads import from_retrieval_json, read_heads_file, select_heads
 from .spec.fields import MAX_FLOAT, FiniteFloat, NonEmptyStr, NonNegativeInt, PositiveInt
 from .spec.heads import HeadsFile, HeadsFrom
 
-__all__ = ["CPU_PEAK", "CUDA_PEAK", "DuoHeadsFile", "GqaRule", "HeadBudgetLayer", "HeadMap", "HeadwiseCache", "HeadwiseLayer", "KvHeadSelection",
+__all__ = ["DuoHeadsFile", "GqaRule", "HeadBudgetLayer", "HeadMap", "HeadwiseCache", "HeadwiseLayer", "KvHeadSelection",
            "KvPolicyError", "KvUsage", "SplitCall", "kv_heads", "kv_policy", "random_kv_heads", "read_duo_heads",
            "split_call",
            "HeadBudgetMap", "HeadScoreSource", "KvBudget", "ScoresFile", "ScoresFrom", "head_scores",
@@ -1663,10 +1663,10 @@ class KvUsage:
     each cache at its last forward, summed over the caches (one per prefill: a batch decoded, or a batch of
     rows scored) and so over their rows; what full caches would have held; the attention paths that read
     the split caches; and the peak memory of the context in bytes (``peak_memory``, None when not measured)
-    with what it measured (``peak_memory_measure``): on CUDA the allocator's peak
-    (``torch.cuda.max_memory_allocated``, weights included); on a CPU the peak bytes of tensors created
-    inside the context and alive at once (weights and anything allocated before excluded; operators'
-    internal scratch buffers unseen)."""
+    with what it measured (``peak_memory_measure``): ``"cuda max_memory_allocated"``, the CUDA allocator's
+    peak (weights included); ``"cpu peak live tensor bytes"``, the peak bytes of tensors created inside the
+    context and alive at once (weights and anything allocated before excluded; operators' internal scratch
+    buffers unseen)."""
 
     head_map: HeadMap
     layer_bytes: np.ndarray
@@ -1723,8 +1723,8 @@ def _decoder(model: Any) -> Any:
     return inner if isinstance(inner, torch.nn.Module) else model
 
 
-CUDA_PEAK = "cuda max_memory_allocated"
-CPU_PEAK = "cpu peak live tensor bytes"
+_CUDA_PEAK = "cuda max_memory_allocated"
+_CPU_PEAK = "cpu peak live tensor bytes"
 #: forward arguments :func:`kv_policy`'s ``prefill_chunk`` splits along the sequence, besides the cache
 _CHUNKED = ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "cache_position")
 
@@ -1871,10 +1871,10 @@ def kv_policy(model: torch.nn.Module, head_map: HeadMap, *, prefill_chunk: int |
         usage._fold()
         if cuda is not None:
             usage.peak_memory = int(torch.cuda.max_memory_allocated(cuda))
-            usage.peak_memory_measure = CUDA_PEAK
+            usage.peak_memory_measure = _CUDA_PEAK
         elif tracker is not None:
             usage.peak_memory = int(tracker.peak)
-            usage.peak_memory_measure = CPU_PEAK
+            usage.peak_memory_measure = _CPU_PEAK
 
 
 class _ChunkHandle:

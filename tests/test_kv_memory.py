@@ -14,11 +14,15 @@ import torch
 import transformers
 import xarray as xr
 
+import headlab
 from headlab import component
 from headlab.instrument import ATTN_IMPLEMENTATION, register
-from headlab.kv import CPU_PEAK, HeadBudgetMap, HeadMap, HeadwiseLayer, KvPolicyError, kv_policy
+from headlab.kv import HeadBudgetMap, HeadMap, HeadwiseLayer, KvPolicyError, kv_policy
+
+from fixtures.specs import spec_error, spec_text
 
 VOCAB = 97
+CPU_PEAK = "cpu peak live tensor bytes"  # KvUsage.peak_memory_measure on a CPU
 LAYERS, KV_HEADS, HEAD_DIM, ITEM = 4, 4, 16, 4  # float32
 SINK, WINDOW = 2, 8
 
@@ -230,3 +234,25 @@ def test_chunked_prefill_refusals():
     assert component("kv", "full").config.model_validate({"kind": "full", "prefill_chunk": 3}).prefill_chunk == 3
     with pytest.raises(ValueError, match="prefill_chunk"):
         component("kv", "razor").config.model_validate({"kind": "razor", "window": 8, "prefill_chunk": 16})
+
+
+def test_a_generate_step_prefilled_by_chunks(tmp_path):
+    """A step's ``prefill_chunk`` changes neither its tokens nor its cache bytes; a step on a CPU reports its
+    peak memory; razor and headkv specs refuse the option in one located line."""
+    task = "{kind: repeated_tokens, n: 3, length: 8}"
+    detect = "  - id: ind\n    detect: {kind: induction}\n"
+
+    def gen(extra: str) -> str:
+        kv = "{kind: streaming, full_heads: {from: ind, top: 1}, sink: 1, window: 3" + extra + "}"
+        return detect + f"  - id: gen\n    generate:\n      max_new_tokens: 4\n      kv: {kv}\n"
+
+    chunked = headlab.run(spec_text(gen(", prefill_chunk: 5"), task=task), out=tmp_path / "a").results["gen"]
+    plain = headlab.run(spec_text(gen(""), task=task), out=tmp_path / "b").results["gen"]
+    assert np.array_equal(chunked["output_ids"].values, plain["output_ids"].values)
+    assert np.array_equal(chunked["kv_bytes"].values, plain["kv_bytes"].values)
+    for ds in (chunked, plain):
+        assert ds.attrs["kv_peak_memory_measure"] == CPU_PEAK
+        assert ds.attrs["kv_peak_memory"] >= int(ds["kv_bytes"].sum()) > 0
+    error = spec_error(spec_text(detect + "  - id: gen\n    generate:\n      kv: {kind: razor, window: 3, "
+                                          "prefill_chunk: 5}\n", task=task))
+    assert "prefill_chunk" in error
