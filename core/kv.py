@@ -1752,15 +1752,17 @@ def _chunked_forward(forward: Any, chunk: int, kwargs: dict[str, Any], new_cache
     for name in ("output_attentions", "labels"):
         if kwargs.get(name):
             raise KvPolicyError(f"prefill_chunk: a forward with `{name}` cannot be chunked")
-    for name, value in kwargs.items():
-        if name not in _CHUNKED and isinstance(value, torch.Tensor) and value.dim() > 1 and value.shape[1] == n:
-            raise KvPolicyError(f"prefill_chunk: the forward argument `{name}` cannot be split by tokens")
+    for name, value in kwargs.items():  # e.g. an image's pixels, which belong to one chunk
+        if name not in _CHUNKED and isinstance(value, torch.Tensor):
+            raise KvPolicyError(f"prefill_chunk: a forward with the tensor argument `{name}` cannot be chunked")
     keep = kwargs.pop("logits_to_keep", 0)
     if not isinstance(keep, int):
         raise KvPolicyError("prefill_chunk: `logits_to_keep` must be a number of positions")
     cache_key = "cache" if "cache" in kwargs or "past_key_values" not in kwargs else "past_key_values"
     cache = kwargs.pop(cache_key, None)
     mask = kwargs.get("attention_mask")
+    if mask is not None and mask.dim() != 2:
+        raise KvPolicyError(f"prefill_chunk: a forward needs a 2-D attention mask, not one of {mask.dim()} dims")
     before = 0 if mask is None else mask.shape[1] - n  # tokens the mask covers ahead of this forward's
     if cache is None:
         cache = new_cache(mask if mask is not None else torch.ones(seq.shape[:2], dtype=torch.long,
@@ -1772,8 +1774,7 @@ def _chunked_forward(forward: Any, chunk: int, kwargs: dict[str, Any], new_cache
         for name in ("input_ids", "inputs_embeds", "position_ids", "cache_position"):
             value = kwargs.get(name)
             if value is not None:
-                part[name] = value[..., a:b] if name in ("position_ids", "cache_position") or value.dim() == 2 \
-                    else value[:, a:b]
+                part[name] = value[:, a:b] if name in ("input_ids", "inputs_embeds") else value[..., a:b]
         if mask is not None:
             part["attention_mask"] = mask[:, : before + b]
         part[cache_key] = cache

@@ -224,6 +224,13 @@ def test_chunked_prefill_refusals():
     with pytest.raises(KvPolicyError, match="headkv: a chunked prefill is not supported"):
         with kv_policy(model, headkv, prefill_chunk=4):
             pass
+    ids = torch.randint(1, VOCAB, (1, 9))
+    with pytest.raises(KvPolicyError, match="the tensor argument `pixel_values` cannot be chunked"), \
+            torch.no_grad(), kv_policy(model, _map("streaming", layers=2), prefill_chunk=4):
+        model(input_ids=ids, pixel_values=torch.zeros(1, 3, 4, 4))
+    assert "forward" not in model.__dict__  # the model's own forward again after the block
+    with torch.no_grad(), kv_policy(model, _map("streaming", layers=2), prefill_chunk=4):
+        assert model(input_ids=ids[:, :4]).logits.shape == (1, 4, VOCAB)  # no longer than a chunk: one forward
     with pytest.raises(KvPolicyError, match="positive number of tokens"):
         with kv_policy(model, _map("full", layers=2), prefill_chunk=0):
             pass
