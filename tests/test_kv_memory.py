@@ -7,6 +7,7 @@ CPU is the peak of live tensor bytes (:class:`headlab.kv.KvUsage`), deterministi
 from __future__ import annotations
 
 import weakref
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -263,3 +264,20 @@ def test_a_generate_step_prefilled_by_chunks(tmp_path):
     error = spec_error(spec_text(detect + "  - id: gen\n    generate:\n      kv: {kind: razor, window: 3, "
                                           "prefill_chunk: 5}\n", task=task))
     assert "prefill_chunk" in error
+
+
+CHECKPOINT = Path(__file__).parent.parent / "plugins" / "models" / "tiny" / "headlab-tiny" / "model.safetensors"
+
+
+@pytest.mark.skipif(not CHECKPOINT.is_file(), reason="the embedded model headlab-tiny is not built")
+def test_a_score_step_prefilled_by_chunks(tmp_path):
+    """A scored row (prompt + choice, every position's logits read) fed by chunks scores as one forward."""
+    def run(kv: dict, out: str):
+        spec = {"name": "kv", "model": "headlab-tiny", "task": {"kind": "kv_swap", "n": 2},
+                "steps": [{"id": "s", "score": {"kv": kv}}]}
+        return headlab.run(spec, out=tmp_path / out).results["s"]
+
+    kv = {"kind": "streaming", "sink": 1, "window": 2}
+    plain, chunked = run(kv, "a"), run({**kv, "prefill_chunk": 3}, "b")
+    np.testing.assert_allclose(chunked["logprob"].values, plain["logprob"].values, rtol=0, atol=1e-5)
+    assert np.array_equal(chunked["kv_bytes"].values, plain["kv_bytes"].values)
