@@ -1,7 +1,7 @@
 """The ``headlab`` command: a thin layer over the Python API.
 
     headlab run SPEC [--set path=value ...] [--out DIR] [--executor KIND [--address ADDR]]
-    headlab run --resume RUN [--executor KIND [--address ADDR]]
+    headlab run --resume RUN [--recompute] [--executor KIND [--address ADDR]]
     headlab validate SPEC [SPEC ...]
     headlab schema [-o FILE]
     headlab plugins [--json]
@@ -122,6 +122,9 @@ def run(
                                                                     "(local, ray, ...; default: the spec's `execution`)")] = None,
     address: Annotated[str | None, typer.Option("--address", help="the executor's cluster address (ray: auto, "
                                                                   "ray://host:port)")] = None,
+    recompute: Annotated[bool, typer.Option("--recompute", help="with --resume: compute every cell again from "
+                                                              "the current inputs (the spec as resolved now, data "
+                                                              "files, weights) when they changed")] = False,
     memory_limit: Annotated[str | None, typer.Option(
         "--memory-limit", help="resource budget of a cell, e.g. 8GiB (none: no check); overrides "
         "HEADLAB_MEMORY_LIMIT and the spec's limits.memory; default: 80% of this machine's memory")] = None,
@@ -135,6 +138,8 @@ def run(
 
     if spec is None and resume is None:
         raise SpecError("give a spec file, or --resume RUN", source="command line")
+    if recompute and resume is None:
+        raise SpecError("--recompute recomputes a stored run: use it with --resume RUN", source="command line")
     if resume is not None:
         ignored = [name for name, given in (("SPEC", spec is not None), ("--set", bool(set_)), ("--out", out is not None))
                    if given]
@@ -164,7 +169,8 @@ def run(
             warnings.filterwarnings("ignore", message=r".* cells of run .* failed")
             result = runner.run(spec, out=out, overrides=_parse_set(set_ or []), reporter=RichReporter(progress),
                                 execution=execution) if resume is None else \
-                runner.run(None, resume=resume, reporter=RichReporter(progress), execution=execution)
+                runner.run(None, resume=resume, reporter=RichReporter(progress), execution=execution,
+                           recompute=recompute)
     except KeyboardInterrupt as e:
         store = next((n.removeprefix("run store: ") for n in getattr(e, "__notes__", [])
                       if n.startswith("run store: ")), None)
@@ -201,10 +207,12 @@ def _print_failures(result: Any) -> None:
 @app.command()
 def validate(specs: Annotated[list[Path], typer.Argument(help="spec files")]) -> None:
     """Check specs without running them."""
+    from .runner import check_steps
     from .spec import load_spec
 
     for path in specs:
         loaded = load_spec(path)
+        check_steps(loaded)
         console.print(f"{path}: ok ({len(loaded.spec.steps)} steps, {len(loaded.cells)} cells)")
 
 

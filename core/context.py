@@ -96,7 +96,8 @@ class Reporter:
 class StepContext:
     """What a step's plugin receives.
 
-    ``results`` are the datasets of earlier steps of the same cell, by step id.
+    ``results`` are the datasets of earlier steps of the same cell, by step id. ``store`` is the location of
+    the run store the step's results go to (a local path or an fsspec URL; ``""`` outside a run).
     """
 
     model: LoadedModel
@@ -106,6 +107,7 @@ class StepContext:
     step_id: str = ""
     reporter: Reporter = field(default_factory=Reporter)
     cancel: Callable[[], bool] = field(default=lambda: False)
+    store: str = ""
 
     def heads(self, selection: Any) -> list[Head]:
         """Resolve a spec head selection against earlier results and the model's geometry."""

@@ -214,8 +214,9 @@ def headlab_register_kv_policies(register: Register) -> None:
     """Register KV-cache policy kinds: ``register(ConfigModel, compile)``.
 
     ``compile(config, ctx: headlab.StepContext) -> headlab.kv.HeadMap`` decides, per ``(layer, kv_head)``,
-    which key/value heads keep their whole cache and how many sink and recent tokens the others keep (the
-    built-ins ``full``, ``streaming`` and ``random`` live in ``headlab.plugins.kv``). Heads come from
+    which key/value heads keep their whole cache and how many sink and recent tokens the others keep, and
+    whether they also keep a compensation token (the built-ins ``full``, ``streaming``, ``razor`` and
+    ``random`` live in ``headlab.plugins.kv``). Heads come from
     ``ctx.results`` and the model's geometry (``headlab.kv.kv_heads`` resolves any head selection into KV
     heads); a :class:`headlab.kv.HeadwiseCache` holds a cache laid out by the map.
     """

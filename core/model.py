@@ -21,9 +21,9 @@ from .geometry import Geometry, ModelLoadError, geometry_of
 from .spec import ModelSpec
 from .vision import image_token_id, processor_for_config, vision_tokens_for_config
 
-__all__ = ["DTYPES", "Geometry", "LoadedModel", "ModelLoadError", "from_config", "from_pretrained", "geometry_of",
-           "is_vision_checkpoint", "load_model", "load_model_by_name_tokenizer", "resolve_device", "state_digest",
-           "weights_digest"]
+__all__ = ["DTYPES", "HUB_PROBE_SECONDS", "Geometry", "LoadedModel", "ModelLoadError", "check_architecture",
+           "check_vocabulary", "from_config", "from_pretrained", "geometry_of", "is_vision_checkpoint", "load_model",
+           "load_model_by_name_tokenizer", "resolve_device", "state_digest", "weights_digest"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -201,24 +201,34 @@ def from_pretrained(path_or_id: str, spec: ModelSpec, *, name: str | None = None
     device = resolve_device(spec.device)
     register()
     kwargs: dict[str, Any] = {"trust_remote_code": spec.trust_remote_code, "revision": spec.revision}
+    if not Path(path_or_id).expanduser().is_dir():
+        kwargs["local_files_only"] = _hub_source(path_or_id, spec.revision)
     dtype = "auto" if spec.dtype == "auto" else DTYPES[spec.dtype]
     from transformers.utils import logging as hf_logging
 
+    config = _read_config(path_or_id, kwargs)
+    if config is not None:
+        check_architecture(config, path_or_id)
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # headlab shows its own progress; a per-load bar is noise
     processor = None
     try:
-        if is_vision_checkpoint(path_or_id, kwargs):
+        if config is not None and getattr(config, "vision_config", None) is not None:
             from transformers import AutoModelForImageTextToText, AutoProcessor
 
             processor = AutoProcessor.from_pretrained(path_or_id, **kwargs)
             tokenizer = processor.tokenizer
+            check_vocabulary(tokenizer, config, path_or_id)
             model = AutoModelForImageTextToText.from_pretrained(path_or_id, dtype=dtype,
                                                                 attn_implementation=ATTN_IMPLEMENTATION, **kwargs)
         else:
             tokenizer = AutoTokenizer.from_pretrained(path_or_id, **kwargs)
+            if config is not None:
+                check_vocabulary(tokenizer, config, path_or_id)
             model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=dtype,
                                                          attn_implementation=ATTN_IMPLEMENTATION, **kwargs)
+    except ModelLoadError:
+        raise
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelLoadError(f"cannot load model '{path_or_id}': {first.rstrip('.')}. Give a local checkpoint directory, "
@@ -236,6 +246,116 @@ def from_pretrained(path_or_id: str, spec: ModelSpec, *, name: str | None = None
     return LoadedModel(model=model, tokenizer=tokenizer, name=name or path_or_id, geometry=geometry_of(model),
                        revision=spec.revision or _hub_commit(model), digest=digest, device=device,
                        dtype=str(model.dtype).removeprefix("torch."), processor=processor)
+
+
+HUB_PROBE_SECONDS = 5.0
+"""How long loading a hub id that is not in the local cache waits to reach the hub before it gives up."""
+
+
+def _hub_source(repo_id: str, revision: str | None) -> bool:
+    """Whether hub id ``repo_id`` must load from the local cache only (``local_files_only``): when the hub is
+    offline (``HF_HUB_OFFLINE``) or cannot be reached within :data:`HUB_PROBE_SECONDS`. Not cached and not
+    reachable is one :class:`ModelLoadError` line, at once, instead of the hub client's retries."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if repo_id.startswith(("/", "./", "../", "~")) or repo_id.count("/") > 1:
+        raise ModelLoadError(f"model '{repo_id}': no such checkpoint directory (and not a hub id, which is "
+                             "`name` or `owner/name`)")
+    try:
+        cached = isinstance(try_to_load_from_cache(repo_id, "config.json", revision=revision), str)
+    except ValueError:  # not a valid repository id
+        raise ModelLoadError(f"model '{repo_id}': no such checkpoint directory, registered name or hub id (see "
+                             "`headlab plugins` for registered names)") from None
+    if constants.HF_HUB_OFFLINE:
+        if not cached:
+            raise ModelLoadError(f"model '{repo_id}' is not a checkpoint directory and is not in the local Hugging "
+                                 "Face cache, and HF_HUB_OFFLINE is set: download it first (`hf download "
+                                 f"{repo_id}`) or give a checkpoint directory")
+        return True
+    problem = _unreachable(constants.ENDPOINT)
+    if problem is None:
+        return False
+    if cached:
+        return True
+    raise ModelLoadError(f"model '{repo_id}' is not a checkpoint directory and is not in the local Hugging Face "
+                         f"cache, and the hub cannot be reached ({problem}): connect, download it first "
+                         f"(`hf download {repo_id}`), or give a checkpoint directory")
+
+
+def _unreachable(endpoint: str) -> str | None:
+    """Why a TCP connection to ``endpoint`` (or the HTTPS proxy in the environment) fails within
+    :data:`HUB_PROBE_SECONDS`, or None when it connects."""
+    import os
+    import socket
+    from urllib.parse import urlsplit
+
+    proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
+    target = urlsplit(proxy if proxy and endpoint.startswith("https") else endpoint)
+    host = target.hostname or ""
+    port = target.port or (443 if target.scheme == "https" else 80)
+    try:
+        with socket.create_connection((host, port), timeout=HUB_PROBE_SECONDS):
+            return None
+    except TimeoutError:
+        return f"{host}:{port}: no answer within {HUB_PROBE_SECONDS:g} s"
+    except OSError as e:
+        return f"{host}:{port}: {e.strerror or type(e).__name__}"
+
+
+def _read_config(path_or_id: str, kwargs: dict[str, Any]) -> Any:
+    """The checkpoint's transformers config, or None when it does not read (loading the model says why)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path_or_id, **kwargs)
+    except (OSError, ValueError):
+        return None
+
+
+def _text_config(config: Any) -> Any:
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def check_architecture(config: Any, name: str) -> None:
+    """Refuse a model headlab cannot study, from its config alone (before any weight is read): an encoder
+    or encoder-decoder (headlab needs a decoder-only language model) and a key/value head count that does not
+    divide the query heads. A :class:`ModelLoadError` naming the model and the fix."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    text = _text_config(config)
+    model_type = str(getattr(text, "model_type", "") or getattr(config, "model_type", ""))
+    if getattr(config, "is_encoder_decoder", False) or getattr(text, "is_encoder_decoder", False):
+        raise ModelLoadError(f"model '{name}' ({model_type}) is an encoder-decoder model; headlab needs a "
+                             "decoder-only language model (llama, mistral, qwen2, gemma2, gpt2, olmo2, phi3, ...)")
+    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        raise ModelLoadError(f"model '{name}' is a {model_type} model, an encoder whose attention reads both "
+                             "directions (its scores as a causal model would be meaningless); headlab needs a "
+                             "decoder-only language model (llama, mistral, qwen2, gemma2, gpt2, olmo2, phi3, ...)")
+    heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head", None)
+    kv = getattr(text, "num_key_value_heads", None)
+    if isinstance(heads, int) and isinstance(kv, int) and (kv < 1 or heads % kv):
+        raise ModelLoadError(f"model '{name}': {heads} attention heads cannot share {kv} key/value heads "
+                             f"(num_key_value_heads must divide num_attention_heads); use a divisor of {heads}, "
+                             f"e.g. {max(d for d in range(1, min(max(kv, 1), heads) + 1) if heads % d == 0)}")
+
+
+def check_vocabulary(tokenizer: Any, config: Any, name: str, rows: int | None = None) -> None:
+    """Refuse a tokenizer whose token ids do not all have a row in the model's input embedding (``rows``, else
+    the config's ``vocab_size``): the first prompt holding such a token would fail inside the forward. A
+    :class:`ModelLoadError` naming the model, both sizes and the fix."""
+    if tokenizer is None:
+        return
+    if rows is None:
+        rows = getattr(_text_config(config), "vocab_size", None)
+    try:
+        tokens = len(tokenizer)
+    except TypeError:
+        return
+    if isinstance(rows, int) and rows > 0 and tokens > rows:
+        raise ModelLoadError(f"model '{name}': its tokenizer has {tokens:,} tokens (ids up to {tokens - 1:,}) but "
+                             f"its input embedding has {rows:,} rows, so a prompt with a token id from {rows:,} up "
+                             f"would fail in the forward; give the tokenizer the model was trained with, or a model "
+                             f"with vocab_size of at least {tokens:,}")
 
 
 def is_vision_checkpoint(path_or_id: str, kwargs: dict[str, Any]) -> bool:
@@ -293,6 +413,8 @@ def from_config(spec: ModelSpec, seed: int = 0) -> LoadedModel:
         config = AutoConfig.for_model(model_type, **cfg)
     except (ValueError, KeyError, TypeError) as e:
         raise ModelLoadError(f"model.config: {e}") from None
+    check_architecture(config, spec.name)
+    check_vocabulary(tokenizer, config, spec.name)
     torch.manual_seed(seed)
     dtype = DTYPES.get(spec.dtype, torch.float32)
     if vision:
@@ -335,7 +457,14 @@ def load_model(spec: ModelSpec, seed: int = 0) -> LoadedModel:
     assert ref is not None
     comp = get_manager().components["models"].get(ref)
     if comp is not None:
-        return comp.impl(spec)
-    if spec.path is not None and not Path(spec.path).exists():
+        lm = comp.impl(spec)
+        check_architecture(lm.model.config, lm.name)
+        embedding = lm.model.get_input_embeddings() if hasattr(lm.model, "get_input_embeddings") else None
+        weight = getattr(embedding, "weight", None)
+        check_vocabulary(lm.tokenizer, lm.model.config, lm.name,
+                         rows=int(weight.shape[0]) if isinstance(weight, torch.Tensor) else None)
+        return lm
+    if spec.path is not None and not Path(spec.path).expanduser().exists():
         raise ModelLoadError(f"model path '{spec.path}' does not exist")
-    return from_pretrained(ref, spec)
+    local = Path(ref).expanduser()
+    return from_pretrained(str(local) if local.exists() else ref, spec)

@@ -5,7 +5,9 @@ spec, a (layer x head) heatmap of every detect step's scores (averaged over swee
 cell when there is a sweep), top-head tables, metric tables per sweep cell, line plots of metrics and
 top-head scores against numeric sweep keys, sample generations, per-task metrics with sample records
 (``evaluate`` steps), the circuit analyses (:mod:`headlab.circuit_view`: patching maps with the top heads'
-scores per token, direct logit attribution as signed bars, edge attribution as a graph of the circuit), and,
+scores per token, direct logit attribution as signed bars, edge attribution as a graph of the circuit), the
+KV-cache trade-off of the steps with a ``kv`` policy (:mod:`headlab.kv_view`: each metric against the kept
+fraction and the KV bytes, one point per step and sweep cell, with a table of the bytes), and,
 for steps on examples with images that stored a preview
 (:func:`headlab.image_attention.attention_preview`), the first image with the top heads' attention over its patches. Everything is inline (CSS and
 SVG); the file loads nothing from the network and needs no JavaScript.
@@ -36,6 +38,7 @@ from .circuit_view import (
     position_grid_svg,
 )
 from .image_attention import PREVIEW_ATTENTION, image_attention_svg, preview_of
+from .kv_view import kv_metrics, kv_points, kv_table_rows, kv_tradeoff_svg
 from .results import Run, open_run
 from .svg import (
     NAN_COLOR,
@@ -48,12 +51,13 @@ from .svg import (
     grid_svg,
     heatmap_svg,
     line_plot_svg,
+    scatter_svg,
     sign_color,
     text_color,
 )
 
 __all__ = ["CSS", "NAN_COLOR", "PALETTE", "SIGN_COLORS", "bar_chart_svg", "color", "colour_bar_svg", "grid_svg",
-           "heatmap_svg", "line_plot_svg", "render_report", "sign_color", "text_color", "write_report"]
+           "heatmap_svg", "line_plot_svg", "render_report", "scatter_svg", "sign_color", "text_color", "write_report"]
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[Any]], cls: str = "") -> str:
@@ -377,6 +381,21 @@ th{background:#fafafa}.row{display:flex;flex-wrap:wrap;gap:12px;align-items:flex
 """
 
 
+def _kv_section(run: Run) -> str:
+    """Metric vs KV cache across the steps with a ``kv`` policy and the sweep cells (empty without one)."""
+    points = kv_points(run)
+    if not points:
+        return ""
+    metrics = kv_metrics(points)
+    out = ['<section class="kv" id="kv"><h2>KV cache: metrics vs kept KV</h2>']
+    if metrics:
+        out.append('<div class="row">' + "".join(kv_tradeoff_svg(points, m, x=x) for m in metrics
+                                                 for x in ("kept_fraction", "kv_bytes")) + "</div>")
+    header, rows = kv_table_rows(points, metrics)
+    out.append(_table(header, rows, "kv") + "</section>")
+    return "".join(out)
+
+
 def render_report(run: Run | str | Path, *, n_examples: int = 8) -> str:
     """The report of ``run`` as one self-contained HTML document."""
     run = run if isinstance(run, Run) else open_run(run)
@@ -413,6 +432,7 @@ def render_report(run: Run | str | Path, *, n_examples: int = 8) -> str:
         if figure:
             section = section.removesuffix("</section>") + figure + "</section>"
         parts.append(section)
+    parts.append(_kv_section(run))
     parts.append(f"<h2>spec</h2><pre>{escape(run.spec_text)}</pre>")
     parts.append(f'<p style="color:#888;font-size:11px">{escape(str(run.path))}</p></body></html>')
     return "\n".join(parts)

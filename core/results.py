@@ -196,6 +196,17 @@ def coord_value(value: Any) -> Any:
     return value
 
 
+def _clear_cell(store: Path, cell_name: str) -> None:
+    """Remove what a local store holds at ``cells/<cell_name>`` before the cell is written again, without
+    following a symbolic link: a link there is removed (its target is left alone). (A ``cells`` that is a link
+    is refused when the writer is made.)"""
+    target = store / "cells" / cell_name
+    if target.is_symlink():
+        target.unlink()
+    else:
+        shutil.rmtree(target, ignore_errors=True)
+
+
 @dataclass
 class RunWriter:
     """Writes the cells of one run into its store (a local path, a ``file://`` URL or an fsspec URL)."""
@@ -206,6 +217,11 @@ class RunWriter:
         self.location = store_location(self.path)
         if not is_url(self.location):
             self.path = Path(self.location)
+            cells = self.path / "cells"
+            if cells.is_symlink():
+                raise RunDamaged(f"{cells} is a symbolic link (to {os.readlink(cells)}); headlab never writes "
+                                 "through a link inside a run store: replace it with the directory it points to, "
+                                 "then resume")
 
     @classmethod
     def create(cls, path: Path | str, attrs: Mapping[str, Any]) -> RunWriter:
@@ -260,7 +276,7 @@ class RunWriter:
             if cell_name in cells:
                 del cells[cell_name]
         else:
-            shutil.rmtree(Path(self.location) / "cells" / cell_name, ignore_errors=True)
+            _clear_cell(Path(self.location), cell_name)
         group = cells.create_group(cell_name)
         group.attrs.update(_json_attr({"values": dict(values), "done": False, "steps": list(results)}))
         with warnings.catch_warnings():
@@ -271,6 +287,12 @@ class RunWriter:
         arrays = {} if is_url(self.location) else {
             step_id: step_manifest(Path(self.location) / "cells" / cell_name / step_id) for step_id in results}
         group.attrs.update(_json_attr({"done": done, "arrays": arrays, **timing}))
+
+    def forget_cells(self) -> None:
+        """Mark every stored cell not done, so each is computed (and written) again."""
+        for _, group in self.root()["cells"].groups():
+            if group.attrs.get("done"):
+                group.attrs.update({"done": False})
 
     def mark_done(self, cell_name: str, **attrs: Any) -> None:
         """Record that a written cell is complete (with attributes such as its timing)."""

@@ -41,6 +41,7 @@ from . import resources
 from .context import Example, Reporter, StepContext
 from .dims import DIMENSIONS
 from .errors import StepError, step_error
+from .inputs import check_resume, input_digests
 from .model import LoadedModel, ModelLoadError, load_model
 from .plugin_manager import get_manager, plugins_for_workers, register_worker_plugins
 from .results import Run, RunWriter, is_url, now, open_run, store_location
@@ -166,10 +167,11 @@ def examples_dataset(examples: list[Example], lm: LoadedModel) -> xr.Dataset:
 
 def run_cell(loaded: LoadedSpec, cell: Cell, models: ModelCache, reporter: Reporter | None = None,
              cancel: Callable[[], bool] | None = None, on_step: Callable[[str], None] | None = None,
-             ) -> dict[str, xr.Dataset]:
+             store: str = "") -> dict[str, xr.Dataset]:
     """Run every step of one sweep cell in this process; returns step id -> Dataset.
 
-    ``on_step(step_id)`` is called as each step starts (an executor reports which step failed).
+    ``on_step(step_id)`` is called as each step starts (an executor reports which step failed); ``store``
+    is the run store the cell is written to (:attr:`StepContext.store`).
     """
     spec = loaded.for_cell(cell)
     reporter = reporter or Reporter()
@@ -196,7 +198,7 @@ def run_cell(loaded: LoadedSpec, cell: Cell, models: ModelCache, reporter: Repor
             except ValueError as e:
                 raise step_error(e, step=step, config=None, task=task, cell=cell) from e
         ctx = StepContext(model=lm, examples=examples, results=results, seed=spec.seed, step_id=step.id,
-                          reporter=reporter, cancel=cancel or (lambda: False))
+                          reporter=reporter, cancel=cancel or (lambda: False), store=store)
         _seed(spec.seed)
         config = getattr(step, step.action)
         try:
@@ -239,6 +241,40 @@ def preflight(loaded: LoadedSpec, spec: Any, lm: LoadedModel, cell: Cell | None 
             raise SpecError(f"{e}" + (f" in {swept}" if swept else ""), source=loaded.source, line=line, col=col,
                             path=format_path(where)) from None
     resources.check(spec, lm, swept)
+
+
+def check_steps(loaded: LoadedSpec, cells: list[Cell] | None = None) -> None:
+    """Run the ``preflight()`` check of every step config that has one (an ``evaluate`` step's lm-eval tasks)
+    for ``cells`` (default: the first :data:`PREFLIGHT_CELLS`), each distinct config once: before a run's store
+    is created, and in ``headlab validate``. A failure is a :class:`SpecError` located at the step's key (the
+    check's ``ValueError`` may carry a ``path`` within the config)."""
+    from .spec import SpecError, _position, format_path
+
+    if not any(callable(getattr(getattr(step, step.action), "preflight", None)) for step in loaded.spec.steps):
+        return
+    seen: set[str] = set()
+    if cells is None:
+        cells = [cell for _, cell in zip(range(PREFLIGHT_CELLS), loaded.cells, strict=False)]
+    for cell in cells:
+        spec = loaded.for_cell(cell)
+        for i, step in enumerate(spec.steps):
+            config = getattr(step, step.action)
+            check = getattr(config, "preflight", None)
+            if not callable(check):
+                continue
+            key = f"{step.id}:{_jsonable(config)}"
+            if key in seen:
+                continue
+            seen.add(key)
+            try:
+                check()
+            except ValueError as e:
+                where = ["steps", i, step.action, *getattr(e, "path", ())]
+                line, col = _position(loaded.tree, where) if loaded.tree is not None else (None, None)
+                swept = f" in cell {cell.name} ({', '.join(f'{k}={v!r}' for k, v in cell.values)})" \
+                    if cell.values else ""
+                raise SpecError(f"{e}{swept}", source=loaded.source, line=line, col=col,
+                                path=format_path(where)) from None
 
 
 def _selections(node: Any, path: list[Any]) -> Any:
@@ -400,7 +436,8 @@ def execute_cell(task: CellTask, models: ModelCache, reporter: Reporter | None =
             register_worker_plugins(task.plugins)
             _PLUGINS_TOKEN[0] = task.plugins_token
         loaded = task.load()
-        results = run_cell(loaded, cell, models, reporter, cancel, on_step=lambda s: step.__setitem__(0, s))
+        results = run_cell(loaded, cell, models, reporter, cancel, on_step=lambda s: step.__setitem__(0, s),
+                           store=task.store)
         lm = models.get(loaded.for_cell(cell).model, seed=loaded.spec.seed)
         seconds = time.time() - started
         step[0] = None
@@ -490,7 +527,7 @@ class Job:
         started = time.time()
         try:
             results = run_cell(self.spec, cell, self.models, self.reporter, self._cancel,
-                               on_step=lambda s: step.__setitem__(0, s))
+                               on_step=lambda s: step.__setitem__(0, s), store=writer.location)
             step[0] = None
             writer.write_cell(cell.name, cell.as_dict(), results,
                               {"started": started, "seconds": time.time() - started})
@@ -532,11 +569,15 @@ class Job:
 def run(spec: str | Path | Mapping[str, Any] | LoadedSpec | None, *, out: str | Path | None = None,
         overrides: Mapping[str, Any] | None = None, resume: str | Path | None = None,
         reporter: Reporter | None = None, cancel: Callable[[], bool] | None = None,
-        on_cell: Callable[[Cell], None] | None = None, execution: Mapping[str, Any] | None = None) -> Run:
+        on_cell: Callable[[Cell], None] | None = None, execution: Mapping[str, Any] | None = None,
+        recompute: bool = False) -> Run:
     """Run a spec (path, YAML text, mapping or loaded spec) and return the finished :class:`Run`.
 
     ``resume`` completes an interrupted or failed run store (its own spec is used): cells that are
-    missing, unfinished, failed or damaged are computed, intact ones are kept. A local store is created
+    missing, unfinished, failed or damaged are computed, intact ones are kept, provided nothing they were
+    computed from changed (the resolved spec, a data file, the weights: else
+    :class:`headlab.inputs.InputChanged`); ``recompute=True`` computes every cell again from the current
+    inputs and records them. A local store is created
     atomically, then each finished cell is written as it completes; ``on_cell`` is called after each.
     ``execution`` updates the spec's ``execution`` (``{"executor": "ray", "address": "auto"}``): which
     executor runs the cells never changes their results. A cell that fails under the ``local``
@@ -545,6 +586,9 @@ def run(spec: str | Path | Mapping[str, Any] | LoadedSpec | None, *, out: str | 
     """
     reporter = reporter or Reporter()
     writer: RunWriter | None = None
+    previous: Run | None = None
+    if recompute and resume is None:
+        raise ValueError("recompute=True recomputes a stored run: give resume=RUN")
     if resume is not None:
         previous = open_run(resume)
         loaded = load_spec(previous.spec_data)
@@ -558,18 +602,28 @@ def run(spec: str | Path | Mapping[str, Any] | LoadedSpec | None, *, out: str | 
     if execution:
         loaded = loaded.with_execution(execution)
     cells = loaded.cells
-    done = writer.done_cells() if writer is not None else set()
-    todo = [c for c in cells if c.name not in done]
     config = loaded.spec.execution
     comp = get_manager().get("executors", config.kind) if config is not None else get_manager().registry.default(
         "executors")
     if comp is None:
         raise ValueError("no executor is installed")
+    check_steps(loaded)
     models = ModelCache(loaded.spec.seed, limits=loaded.spec.limits)
+    first = None
+    if previous is not None and comp.kind == "local" and len(cells):
+        first = models.get(loaded.for_cell(cells[0]).model)  # the model whose digest the run recorded
+    if previous is not None and not recompute:
+        check_resume(previous.attrs, loaded.spec, str(resume), model_digest=first.digest if first else None)
+    done = writer.done_cells() if writer is not None and not recompute else set()
+    todo = [c for c in cells if c.name not in done]
     if comp.kind == "local":  # refuse before a store is created; every cell is checked again as it runs
         for cell in todo[:PREFLIGHT_CELLS]:
             cell_spec = loaded.for_cell(cell)
             preflight(loaded, cell_spec, models.get(cell_spec.model), cell)
+    if recompute and writer is not None:  # every stored cell is computed again from the current inputs
+        writer.forget_cells()
+        writer.set_attrs(resolved=loaded.spec.model_dump_json(by_alias=True), input_digests=input_digests(loaded.spec),
+                         recomputed=now(), **(provenance(first) if first is not None else {}))
 
     def create(prov: dict[str, Any]) -> RunWriter:
         attrs = {
@@ -577,7 +631,7 @@ def run(spec: str | Path | Mapping[str, Any] | LoadedSpec | None, *, out: str | 
             "spec_source": loaded.source, "spec_data": json.dumps(loaded.data),
             "resolved": loaded.spec.model_dump_json(by_alias=True), "sweep": loaded.spec.sweep,
             "steps": [s.id for s in loaded.spec.steps], "cells_total": len(cells), "seed": loaded.spec.seed,
-            "model": loaded.spec.model.name, **prov,
+            "model": loaded.spec.model.name, "input_digests": input_digests(loaded.spec), **prov,
         }
         return RunWriter.create(_run_dir(str(out or loaded.spec.output), loaded.spec.name), attrs)
 

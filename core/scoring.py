@@ -80,7 +80,8 @@ def component(category: str, value: Any) -> Any:
 
 def build_examples(task: Any, lm: LoadedModel, seed: int) -> list[Example]:
     """The examples of a task config (``task.kind`` a registered task), built by its plugin for ``lm``'s
-    tokenizer and vocabulary as a run builds a step's task; an empty task is a ``ValueError``."""
+    tokenizer and vocabulary as a run builds a step's task; an empty task, or an example whose prompt is empty
+    (no text but whitespace, no token ids, no image), is a ``ValueError`` naming the example."""
     from .plugin_manager import get_manager
 
     comp = get_manager().get("tasks", task.kind)
@@ -88,6 +89,13 @@ def build_examples(task: Any, lm: LoadedModel, seed: int) -> list[Example]:
     examples = comp.impl(task, TaskContext(tokenizer=lm.tokenizer, seed=seed, vocab_size=vocab))
     if not examples:
         raise ValueError(f"task '{task.kind}' produced no examples")
+    for i, ex in enumerate(examples):
+        if not ex.images and (len(ex.input_ids) == 0 if ex.input_ids is not None else not ex.prompt.strip()):
+            row = ex.meta.get("row") if isinstance(ex.meta, dict) else None
+            where = f"example {i}" + (f" (data row {row})" if row is not None else "")
+            raise ValueError(f"task '{task.kind}' {where} has an empty prompt: a score or a generation would be "
+                             "conditioned on nothing and averaged in with the others; fix the row (or the template "
+                             "that renders it empty)")
     return examples
 
 

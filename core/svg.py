@@ -1,5 +1,5 @@
 """Inline SVG figures on one colour scale: the viridis palette (:func:`color`), a colour bar, a
-(layer x head) heatmap, a labelled grid (:func:`grid_svg`), a line plot, and a bar chart of signed values
+(layer x head) heatmap, a labelled grid (:func:`grid_svg`), a line plot, a scatter plot of labelled points (:func:`scatter_svg`), and a bar chart of signed values
 (:func:`bar_chart_svg`, coloured by sign: :data:`SIGN_COLORS`).
 
 A leaf: it imports nothing of headlab, so the static reports (:mod:`headlab.report`), the pictures of
@@ -19,7 +19,7 @@ import numpy as np
 import xarray as xr
 
 __all__ = ["NAN_COLOR", "PALETTE", "SIGN_COLORS", "bar_chart_svg", "color", "colour_bar_svg", "finite_range",
-           "grid_svg", "heatmap_svg", "line_plot_svg", "sign_color", "text_color"]
+           "grid_svg", "heatmap_svg", "line_plot_svg", "scatter_svg", "sign_color", "text_color"]
 
 # viridis at 9 stops (matplotlib's data, rounded): low -> high
 PALETTE: tuple[tuple[int, int, int], ...] = (
@@ -179,6 +179,77 @@ def line_plot_svg(xs: Sequence[Any], series: Mapping[str, Sequence[float]], *, x
                          f'data-y="{float(y):.6g}"><title>{escape(name)}: {float(y):.4g}</title></circle>')
         ly = height + 4 + 16 * k
         parts.append(f'<line x1="{ml}" x2="{ml + 18}" y1="{ly}" y2="{ly}" stroke="{c}" stroke-width="2"/>')
+        parts.append(f'<text x="{ml + 24}" y="{ly + 3}">{escape(name)}</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+_SERIES_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
+
+
+def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
+    return [lo + (hi - lo) * i / (n - 1) for i in range(n)]
+
+
+def scatter_svg(series: Mapping[str, Sequence[tuple[float, float, str]]], *, xlabel: str = "", ylabel: str = "",
+                title: str = "", xlim: tuple[float, float] | None = None, ylim: tuple[float, float] | None = None,
+                width: int = 460, height: int = 280) -> str:
+    """Labelled points on two numeric axes as inline SVG, one colour and legend entry per series; the points of
+    a series are joined in order of x. Each point is ``(x, y, label)`` and carries ``data-series``,
+    ``data-label``, ``data-x``, ``data-y`` and a ``<title>``; points with a non-finite coordinate are left out.
+
+    ``xlim`` / ``ylim`` fix an axis's range (by default the points' range, padded by 8%).
+    """
+    points = {name: sorted(((float(x), float(y), str(label)) for x, y, label in pts
+                            if math.isfinite(float(x)) and math.isfinite(float(y))), key=lambda p: p[0])
+              for name, pts in series.items()}
+
+    def limits(values: list[float], fixed: tuple[float, float] | None) -> tuple[float, float]:
+        if fixed is not None:
+            lo, hi = float(fixed[0]), float(fixed[1])
+        else:
+            lo, hi = (min(values), max(values)) if values else (0.0, 1.0)
+            pad = (hi - lo) * 0.08
+            lo, hi = lo - pad, hi + pad
+        return (lo - 0.5, hi + 0.5) if hi == lo else (lo, hi)
+
+    x0, x1 = limits([p[0] for pts in points.values() for p in pts], xlim)
+    y0, y1 = limits([p[1] for pts in points.values() for p in pts], ylim)
+    ml, mr, mt, mb = 52, 12, 24 if title else 10, 40
+    pw, ph = width - ml - mr, height - mt - mb
+
+    def sx(v: float) -> float:
+        return ml + (v - x0) / (x1 - x0) * pw
+
+    def sy(v: float) -> float:
+        return mt + (1 - (v - y0) / (y1 - y0)) * ph
+
+    total = height + 16 * len(points)
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="scatter" width="{width}" height="{total}" '
+             f'viewBox="0 0 {width} {total}" font-family="sans-serif" font-size="10">']
+    if title:
+        parts.append(f'<text x="{ml}" y="14" font-size="12" font-weight="bold">{escape(title)}</text>')
+    parts.append(f'<rect x="{ml}" y="{mt}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>')
+    for v in _ticks(y0, y1):
+        parts.append(f'<text x="{ml - 4}" y="{sy(v) + 3:.1f}" text-anchor="end">{v:.3g}</text>')
+        parts.append(f'<line x1="{ml}" x2="{ml + pw}" y1="{sy(v):.1f}" y2="{sy(v):.1f}" stroke="#eee"/>')
+    for v in _ticks(x0, x1):
+        parts.append(f'<text x="{sx(v):.1f}" y="{mt + ph + 13}" text-anchor="middle">{v:.3g}</text>')
+        parts.append(f'<line x1="{sx(v):.1f}" x2="{sx(v):.1f}" y1="{mt}" y2="{mt + ph}" stroke="#eee"/>')
+    parts.append(f'<text x="{ml + pw / 2}" y="{mt + ph + 28}" text-anchor="middle">{escape(xlabel)}</text>')
+    parts.append(f'<text x="12" y="{mt + ph / 2}" text-anchor="middle" transform="rotate(-90 12 {mt + ph / 2})">'
+                 f'{escape(ylabel)}</text>')
+    for k, (name, pts) in enumerate(points.items()):
+        c = _SERIES_COLORS[k % len(_SERIES_COLORS)]
+        if len(pts) > 1:
+            parts.append(f'<polyline fill="none" stroke="{c}" stroke-width="1.5" stroke-opacity="0.7" points="'
+                         + " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y, _ in pts) + '"/>')
+        for x, y, label in pts:
+            parts.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="4" fill="{c}" data-series="{escape(name)}" '
+                         f'data-label="{escape(label)}" data-x="{x:.6g}" data-y="{y:.6g}">'
+                         f'<title>{escape(label)}: {x:.4g}, {y:.4g}</title></circle>')
+        ly = height + 4 + 16 * k
+        parts.append(f'<circle cx="{ml + 9}" cy="{ly}" r="4" fill="{c}"/>')
         parts.append(f'<text x="{ml + 24}" y="{ly + 3}">{escape(name)}</text>')
     parts.append("</svg>")
     return "".join(parts)

@@ -23,7 +23,7 @@ ROOT = Path(__file__).parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 HEADLAB = Path(sys.executable).parent / "headlab"  # the console script the README's commands call
 FAST = ["quickstart", "retrieval_heads", "pasta_emphasis", "decoding_counterfact"]
-SLOW = ["vhr_shapes"]
+SLOW = ["vhr_shapes", "kv_compression"]
 
 
 def test_every_example_spec_is_covered():
@@ -151,3 +151,25 @@ def test_vhr_shapes_as_typed(workdir):
     pope = re.search(r"POPE accuracy \(([0-9.]+) -> ([0-9.]+)\)", row).groups()
     acc = tuple(round(float(run.results[s]["pope"].mean()), 2) for s in ("pope_greedy", "pope_vhr"))  # accuracy
     assert acc == tuple(float(x) for x in pope)
+
+
+@pytest.mark.slow
+def test_kv_compression_as_typed(workdir):
+    """Every step with a KV policy is measured and shown; the random control holds the same bytes as the
+    streaming step it matches and recalls less (docs/kv.md)."""
+    run = run_spec("kv_compression", workdir)
+    res = run.results
+    steps = [s for s in res if s != "retrieval"]
+    assert len(steps) == 9 and all("kv_kept_fraction" in res[s] for s in steps)
+    shown = typed(f"headlab show {run.path}", workdir).stdout
+    for s in steps:
+        assert f"{s}: kv {res[s].attrs['kv_policy']} kept fraction {res[s].attrs['kv_kept_fraction']:.4f}" in shown
+    assert res["full"].attrs["kv_kept_fraction"] == 1.0
+    assert res["full"]["needle_recall"].size == 60  # 4 lengths x 5 depths x 3 needles
+    for window in (128, 256):
+        stream, rand = res[f"streaming_top4_w{window}"], res[f"random_top4_w{window}"]
+        assert int(stream["kv_full"].sum()) == int(rand["kv_full"].sum()) == 4
+        assert stream.attrs["kv_kept_fraction"] == pytest.approx(rand.attrs["kv_kept_fraction"], rel=1e-3)
+    assert float(res["streaming_top4_w128"]["needle_recall"].mean()) > float(res["random_top4_w128"]["needle_recall"].mean())
+    html = (workdir / "kv_compression.html").read_text()
+    assert 'id="kv"' in html and "needle_recall vs kept fraction of the full KV cache" in html

@@ -10,6 +10,8 @@
   cancel into a resumable run, result tables.
 - :class:`PatchingMap`, :class:`DLABars`, :class:`CircuitGraph`: circuit analyses (patching per head and, on
   a click, per token; direct logit attribution as signed bars; an edge attribution's circuit as a graph).
+- :class:`KvTradeoff`: a metric of the steps with a ``kv`` policy against the kept KV fraction or bytes, one
+  point per step and sweep cell.
 - :class:`RunBrowser` / :class:`Compare`: runs of a store, metric tables across sweep cells and runs,
   generations side by side with differences highlighted.
 
@@ -38,10 +40,11 @@ from .browser import (
 from .circuits import CircuitGraph, DLABars, PatchingMap
 from .headmap import HeadMap, as_head_scores, spec_fragment
 from .image import ImagePatchView
+from .kv import KvTradeoff
 from .runner import SpecRunner, WidgetReporter, error_html
 
 __all__ = [
-    "AttentionView", "CircuitGraph", "Compare", "DLABars", "HeadMap", "ImagePatchView", "PatchingMap", "RunBrowser",
+    "AttentionView", "CircuitGraph", "Compare", "DLABars", "HeadMap", "ImagePatchView", "KvTradeoff", "PatchingMap", "RunBrowser",
     "SpecRunner", "TokenView", "WidgetReporter",
     "as_head_scores", "diff_html", "error_html", "generation_table", "generations_html", "metric_table",
     "side_by_side", "spec_fragment", "top_heads_table",

@@ -75,15 +75,24 @@ def evaluate_config(types: SpecTypes) -> type[StrictModel]:
             check_tasks(self.tasks, self.include_path, trust=self.trust_task_code)
             return self
 
+        def preflight(self) -> None:
+            """Check the tasks against lm-eval before a run starts and in ``headlab validate``: names, the fields
+            and metrics of each task, ``num_fewshot`` (:func:`headlab.harness.check_task_configs`)."""
+            from headlab.harness import check_task_configs
+
+            check_task_configs(self.tasks, include_path=self.include_path, include_defaults=self.include_defaults,
+                               num_fewshot=self.num_fewshot)
+
     return Evaluate
 
 
 def evaluate(config: Any, ctx: StepContext) -> xr.Dataset:
     """Run the tasks; per-task metrics over ``task``, per-sample records over ``example``."""
+    from headlab.harness import cache_directory, datasets_cache
     from headlab.harness import evaluate as run_tasks
 
     kv = compile_kv(config.kv, ctx, None)  # lm-eval's requests are not known in advance: no context length
-    with kv_running(kv, ctx):
+    with kv_running(kv, ctx), datasets_cache(cache_directory(ctx.store) if ctx.store else None):
         ds = run_tasks(ctx.model, config.tasks, decode=config.decode, steer=config.steer, limit=config.limit,
                        num_fewshot=config.num_fewshot, include_path=config.include_path,
                        include_defaults=config.include_defaults, batch_size=config.batch_size,
