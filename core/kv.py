@@ -1899,14 +1899,12 @@ def _chunking(model: torch.nn.Module, chunk: int, new_cache: Any) -> _ChunkHandl
 
     @functools.wraps(plain)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        if args:
-            kwargs = {"input_ids": args[0], **kwargs}
-            args = args[1:]
-        seq = kwargs.get("input_ids")
-        seq = seq if seq is not None else kwargs.get("inputs_embeds")
-        if args or seq is None or seq.shape[1] <= chunk:
+        named = {"input_ids": args[0], **kwargs} if len(args) == 1 else kwargs
+        seq = named.get("input_ids")
+        seq = seq if seq is not None else named.get("inputs_embeds")
+        if len(args) > 1 or seq is None or seq.shape[1] <= chunk:
             return plain(*args, **kwargs)
-        return _chunked_forward(plain, chunk, kwargs, new_cache)
+        return _chunked_forward(plain, chunk, named, new_cache)
 
     model.forward = forward
     return _ChunkHandle(model, previous)

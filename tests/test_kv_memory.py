@@ -211,6 +211,9 @@ def test_logits_to_keep_under_a_chunked_prefill():
             got = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=True,
                         logits_to_keep=keep).logits
         torch.testing.assert_close(got, one[:, -keep:], rtol=0, atol=1e-5)
+    with torch.no_grad(), kv_policy(model, _map("streaming", layers=2), prefill_chunk=6):  # input_ids by position
+        got = model(ids, attention_mask=mask, position_ids=_positions(mask), use_cache=True).logits
+    torch.testing.assert_close(got, one, rtol=0, atol=1e-5)
 
 
 def test_chunked_prefill_refusals():
