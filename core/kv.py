@@ -38,6 +38,7 @@ import functools
 import json
 import math
 import threading
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -48,6 +49,8 @@ import torch
 import torch.nn.functional as F
 import xarray as xr
 from pydantic import Discriminator, Field, Tag, model_validator
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .config import StrictModel
@@ -1594,6 +1597,54 @@ class HeadwiseCache(Cache):
 
 
 
+# --- peak memory on a CPU ----------------------------------------------------------------------------------
+
+
+class _LiveBytes(TorchDispatchMode):
+    """While active: the peak number of bytes of tensor storage created inside it and alive at the same time
+    (``peak``). Every tensor an operator returns on new storage (not a view of, or written into, one of its
+    inputs) counts from its creation until its storage is freed; storage that existed before (weights) never
+    counts. Operators' internal scratch buffers are not seen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._refs: dict[weakref.ref, int] = {}
+
+    def _free(self, ref: weakref.ref) -> None:
+        self.live -= self._refs.pop(ref, 0)
+
+    def _count(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        if getattr(storage, "_headlab_counted", False):  # several outputs on one new storage
+            return
+        storage._headlab_counted = True
+        nbytes = storage.nbytes()
+        self._refs[weakref.ref(storage, self._free)] = nbytes
+        self.live += nbytes
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if not _aliases(func):
+            if isinstance(out, torch.Tensor):
+                self._count(out)
+            else:
+                for t in tree_leaves(out):
+                    if isinstance(t, torch.Tensor):
+                        self._count(t)
+            if self.live > self.peak:
+                self.peak = self.live
+        return out
+
+
+@functools.cache
+def _aliases(func: Any) -> bool:
+    """Whether an operator's outputs may share storage with its inputs (views, in-place and ``out=`` ops)."""
+    schema = getattr(func, "_schema", None)
+    return schema is None or any(r.alias_info is not None for r in schema.returns)
+
+
 # --- running a model under a policy ------------------------------------------------------------------------
 
 
@@ -1611,7 +1662,11 @@ class KvUsage:
     """What the caches of a :func:`kv_policy` context held: per layer, the bytes of keys and values held by
     each cache at its last forward, summed over the caches (one per prefill: a batch decoded, or a batch of
     rows scored) and so over their rows; what full caches would have held; the attention paths that read
-    the split caches; and the peak accelerator memory (None where it is not measured: on a CPU)."""
+    the split caches; and the peak memory of the context in bytes (``peak_memory``, None when not measured)
+    with what it measured (``peak_memory_measure``): ``"cuda max_memory_allocated"``, the CUDA allocator's
+    peak (weights included); ``"cpu peak live tensor bytes"``, the peak bytes of tensors created inside the
+    context and alive at once (weights and anything allocated before excluded; operators' internal scratch
+    buffers unseen)."""
 
     head_map: HeadMap
     layer_bytes: np.ndarray
@@ -1619,6 +1674,7 @@ class KvUsage:
     caches: int = 0
     paths: set[str] = field(default_factory=set)
     peak_memory: int | None = None
+    peak_memory_measure: str | None = None
     _current: Any = None
 
     def _fold(self) -> None:
@@ -1667,8 +1723,81 @@ def _decoder(model: Any) -> Any:
     return inner if isinstance(inner, torch.nn.Module) else model
 
 
+_CUDA_PEAK = "cuda max_memory_allocated"
+_CPU_PEAK = "cpu peak live tensor bytes"
+#: forward arguments :func:`kv_policy`'s ``prefill_chunk`` splits along the sequence, besides the cache
+_CHUNKED = ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "cache_position")
+
+
+def _check_chunkable(head_map: HeadMap, prefill_chunk: int | None) -> None:
+    if prefill_chunk is None:
+        return
+    if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+        raise KvPolicyError(f"prefill_chunk must be a positive number of tokens, not {prefill_chunk!r}")
+    if isinstance(head_map, HeadBudgetMap):
+        raise KvPolicyError("headkv: a chunked prefill is not supported (each KV head's keys are selected from "
+                            "the whole prompt's attention); prefill the prompt in one forward")
+    if head_map.compensate:
+        raise KvPolicyError("razor: a chunked prefill is not supported (the compensation token of a prefill needs "
+                            "the whole prompt); prefill the prompt in one forward")
+
+
+def _chunked_forward(forward: Any, chunk: int, kwargs: dict[str, Any], new_cache: Any) -> Any:
+    """``forward(**kwargs)`` for a forward of more than ``chunk`` new tokens, fed ``chunk`` tokens at a time
+    into one cache (``new_cache(attention_mask)`` when the forward starts none: a cache laid out for every
+    row's padding): the logits (and hidden states) of every chunk concatenated, the cache after the last."""
+    ids = kwargs.get("input_ids")
+    seq = ids if ids is not None else kwargs["inputs_embeds"]
+    n = seq.shape[1]
+    for name in ("output_attentions", "labels"):
+        if kwargs.get(name):
+            raise KvPolicyError(f"prefill_chunk: a forward with `{name}` cannot be chunked")
+    for name, value in kwargs.items():  # e.g. an image's pixels, which belong to one chunk
+        if name not in _CHUNKED and isinstance(value, torch.Tensor):
+            raise KvPolicyError(f"prefill_chunk: a forward with the tensor argument `{name}` cannot be chunked")
+    keep = kwargs.pop("logits_to_keep", 0)
+    if not isinstance(keep, int):
+        raise KvPolicyError("prefill_chunk: `logits_to_keep` must be a number of positions")
+    cache_key = "cache" if "cache" in kwargs or "past_key_values" not in kwargs else "past_key_values"
+    cache = kwargs.pop(cache_key, None)
+    mask = kwargs.get("attention_mask")
+    if mask is not None and mask.dim() != 2:
+        raise KvPolicyError(f"prefill_chunk: a forward needs a 2-D attention mask, not one of {mask.dim()} dims")
+    before = 0 if mask is None else mask.shape[1] - n  # tokens the mask covers ahead of this forward's
+    if cache is None:
+        cache = new_cache(mask if mask is not None else torch.ones(seq.shape[:2], dtype=torch.long,
+                                                                   device=seq.device))
+    logits, hidden, out = [], None, None
+    for a in range(0, n, chunk):
+        b = min(n, a + chunk)
+        part = dict(kwargs)
+        for name in ("input_ids", "inputs_embeds", "position_ids", "cache_position"):
+            value = kwargs.get(name)
+            if value is not None:
+                part[name] = value[:, a:b] if name in ("input_ids", "inputs_embeds") else value[..., a:b]
+        if mask is not None:
+            part["attention_mask"] = mask[:, : before + b]
+        part[cache_key] = cache
+        part["use_cache"] = True
+        if keep:
+            part["logits_to_keep"] = min(keep, b - a)
+        out = forward(**part)
+        cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+        logits.append(out.logits)
+        states = getattr(out, "hidden_states", None)
+        if states is not None:
+            hidden = [[h] for h in states] if hidden is None else [h + [x] for h, x in zip(hidden, states, strict=True)]
+    out.logits = torch.cat(logits, dim=1)
+    if keep:
+        out.logits = out.logits[:, -keep:]
+    if hidden is not None:
+        out.hidden_states = tuple(torch.cat(h, dim=1) for h in hidden)
+    return out
+
+
 @contextlib.contextmanager
-def kv_policy(model: torch.nn.Module, head_map: HeadMap) -> Any:
+def kv_policy(model: torch.nn.Module, head_map: HeadMap, *, prefill_chunk: int | None = None,
+              cpu_peak: bool = False) -> Any:
     """Run every forward of ``model`` (a transformers causal LM) inside the block with a cache laid out by
     ``head_map``; yields the :class:`KvUsage` (complete once the block exits).
 
@@ -1677,7 +1806,15 @@ def kv_policy(model: torch.nn.Module, head_map: HeadMap) -> Any:
     every head full the model's own cache is used (the same logits as without the context) and only
     measured. With compressed heads the model must run with headlab's attention (``attn_implementation=
     "headlab"``), which reads each group over its own keys; a forward whose attention left the compressed
-    heads unread, or that continues a cache of another type, is a :class:`KvPolicyError`."""
+    heads unread, or that continues a cache of another type, is a :class:`KvPolicyError`.
+
+    ``prefill_chunk``: a forward of more than this many new tokens runs as forwards of at most that many
+    tokens into one cache (the same logits, concatenated, up to float rounding), so that the transient memory
+    of a long prompt is bounded by the chunk; refused under ``razor`` (compensation) and ``headkv`` maps.
+
+    The peak memory (:attr:`KvUsage.peak_memory`) is measured on CUDA, and on a CPU with ``cpu_peak``
+    (every operator inside the block is then tracked, which slows small models down)."""
+    _check_chunkable(head_map, prefill_chunk)
     compressed = not head_map.is_full
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if compressed and impl != "headlab":
@@ -1722,11 +1859,52 @@ def kv_policy(model: torch.nn.Module, head_map: HeadMap) -> Any:
 
     handles = [target.register_forward_pre_hook(before, with_kwargs=True),
                target.register_forward_hook(after, with_kwargs=True)]
+    if prefill_chunk is not None:
+        handles.append(_chunking(model, prefill_chunk, lambda mask: HeadwiseCache.from_attention_mask(
+            head_map, mask) if compressed else None))
+    tracker = _LiveBytes() if cuda is None and cpu_peak else None
     try:
-        yield usage
+        with tracker if tracker is not None else contextlib.nullcontext():
+            yield usage
     finally:
         for handle in handles:
             handle.remove()
         usage._fold()
         if cuda is not None:
             usage.peak_memory = int(torch.cuda.max_memory_allocated(cuda))
+            usage.peak_memory_measure = _CUDA_PEAK
+        elif tracker is not None:
+            usage.peak_memory = int(tracker.peak)
+            usage.peak_memory_measure = _CPU_PEAK
+
+
+class _ChunkHandle:
+    """Undoes :func:`_chunking`."""
+
+    def __init__(self, model: torch.nn.Module, previous: Any) -> None:
+        self.model, self.previous = model, previous
+
+    def remove(self) -> None:
+        if self.previous is None:
+            self.model.__dict__.pop("forward", None)
+        else:
+            self.model.forward = self.previous
+
+
+def _chunking(model: torch.nn.Module, chunk: int, new_cache: Any) -> _ChunkHandle:
+    """``model``'s forward, until the handle is removed, splits a forward of more than ``chunk`` new tokens
+    (:func:`_chunked_forward`)."""
+    previous = model.__dict__.get("forward")
+    plain = model.forward
+
+    @functools.wraps(plain)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        named = {"input_ids": args[0], **kwargs} if len(args) == 1 else kwargs
+        seq = named.get("input_ids")
+        seq = seq if seq is not None else named.get("inputs_embeds")
+        if len(args) > 1 or seq is None or seq.shape[1] <= chunk:
+            return plain(*args, **kwargs)
+        return _chunked_forward(plain, chunk, named, new_cache)
+
+    model.forward = forward
+    return _ChunkHandle(model, previous)

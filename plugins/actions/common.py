@@ -58,14 +58,15 @@ KV_ABOUT = ("KV-cache policy (default: none given, today's full cache, not measu
 @dataclass
 class KvRun:
     """A step's KV policy while it runs: its ``kind``, the compiled map (``requested``), the map in force (``head_map``:
-    every head full when ``sink + window`` covers the step's context) and, once the step's forwards are
-    done, what the caches held (``usage``)."""
+    every head full when ``sink + window`` covers the step's context), the policy's ``prefill_chunk`` (None: a
+    prompt in one forward) and, once the step's forwards are done, what the caches held (``usage``)."""
 
     kind: str
     requested: HeadMap
     head_map: HeadMap
     length: int | None
     usage: KvUsage | None = None
+    prefill_chunk: int | None = None
 
 
 def compile_kv(config: Any, ctx: Any, length: int | None) -> KvRun | None:
@@ -86,16 +87,17 @@ def compile_kv(config: Any, ctx: Any, length: int | None) -> KvRun | None:
         raise KvPolicyError(f"kv '{config.kind}': a budget is met at a context length, which this step does not know "
                             "before it runs; give the budget's `length` (budget: {fraction: ..., length: N})")
     effective = head_map if length is None else head_map.for_length(length)
-    return KvRun(config.kind, head_map, effective, length)
+    return KvRun(config.kind, head_map, effective, length, prefill_chunk=getattr(config, "prefill_chunk", None))
 
 
 @contextlib.contextmanager
 def kv_running(run: KvRun | None, ctx: Any) -> Iterator[None]:
-    """Every forward of the step's model inside the block under the policy (nothing without one)."""
+    """Every forward of the step's model inside the block under the policy (nothing without one), its prompts
+    prefilled by ``prefill_chunk`` tokens when the policy gives it, the peak memory measured (on a CPU too)."""
     if run is None:
         yield
         return
-    with kv_policy(ctx.model.model, run.head_map) as usage:
+    with kv_policy(ctx.model.model, run.head_map, prefill_chunk=run.prefill_chunk, cpu_peak=True) as usage:
         run.usage = usage
         yield
 
@@ -105,7 +107,8 @@ def kv_results(ds: xr.Dataset, run: KvRun | None) -> xr.Dataset:
     cache, summed over the step's batches and rows), ``kv_full(layer, kv_head)`` (the map in force, with its
     attributes), the 0-d ``kv_kept_fraction`` (one per sweep cell once cells are combined) and the attrs
     ``kv_policy``, ``kv_bytes_full``, ``kv_kept_fraction``, ``kv_attention`` (the path that read the caches),
-    ``kv_effective``/``kv_note`` when the window covers the context, ``kv_peak_memory`` where measured."""
+    ``kv_effective``/``kv_note`` when the window covers the context, ``kv_peak_memory`` (bytes) with
+    ``kv_peak_memory_measure`` (what was measured: :class:`headlab.kv.KvUsage`)."""
     if run is None or run.usage is None:
         return ds
     usage, head_map = run.usage, run.head_map
@@ -118,5 +121,5 @@ def kv_results(ds: xr.Dataset, run: KvRun | None) -> xr.Dataset:
     if head_map.attrs.get("effective") == "full" and not run.requested.is_full:
         ds.attrs.update(kv_effective="full", kv_note=str(head_map.attrs.get("note", "")))
     if usage.peak_memory is not None:
-        ds.attrs["kv_peak_memory"] = usage.peak_memory
+        ds.attrs.update(kv_peak_memory=usage.peak_memory, kv_peak_memory_measure=usage.peak_memory_measure)
     return ds

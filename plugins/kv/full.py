@@ -4,12 +4,16 @@ from typing import Literal
 
 from headlab import ComponentConfig, StepContext, hookimpl
 from headlab.kv import HeadMap
+from headlab.spec import PositiveInt
+
+from .common import PREFILL_CHUNK_FIELD
 
 
 class FullKV(ComponentConfig):
     """Every KV head keeps its whole cache (the default)."""
 
     kind: Literal["full"] = "full"
+    prefill_chunk: PositiveInt | None = PREFILL_CHUNK_FIELD
 
 
 def compile_full(config: FullKV, ctx: StepContext) -> HeadMap:

@@ -28,7 +28,7 @@ from headlab.kv import (
 )
 from headlab.spec import NonNegativeInt, PositiveInt, Seed
 
-from .common import BUDGET_FIELD, GQA_FIELD, SINK_FIELD, WINDOW_FIELD, model_dtype
+from .common import BUDGET_FIELD, GQA_FIELD, PREFILL_CHUNK_FIELD, SINK_FIELD, WINDOW_FIELD, model_dtype
 
 
 class RandomKV(ComponentConfig):
@@ -44,6 +44,7 @@ class RandomKV(ComponentConfig):
     sink: NonNegativeInt = SINK_FIELD
     window: PositiveInt = WINDOW_FIELD
     gqa: GqaRule = GQA_FIELD
+    prefill_chunk: PositiveInt | None = PREFILL_CHUNK_FIELD
 
     @model_validator(mode="after")
     def _one_count(self) -> RandomKV:

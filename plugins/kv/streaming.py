@@ -31,7 +31,7 @@ from headlab.kv import (
 )
 from headlab.spec import NonNegativeInt, PositiveInt
 
-from .common import BUDGET_FIELD, GQA_FIELD, SINK_FIELD, WINDOW_FIELD, model_dtype
+from .common import BUDGET_FIELD, GQA_FIELD, PREFILL_CHUNK_FIELD, SINK_FIELD, WINDOW_FIELD, model_dtype
 
 
 class StreamingKV(ComponentConfig):
@@ -47,6 +47,7 @@ class StreamingKV(ComponentConfig):
     window: PositiveInt = WINDOW_FIELD
     gqa: GqaRule = GQA_FIELD
     budget: KvBudget | None = BUDGET_FIELD
+    prefill_chunk: PositiveInt | None = PREFILL_CHUNK_FIELD
 
     @model_validator(mode="after")
     def _ranked(self) -> StreamingKV:

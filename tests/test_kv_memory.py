@@ -1,0 +1,286 @@
+"""Real memory under a KV policy (:func:`headlab.kv.kv_policy`): the peak memory of a long decode grows with the
+bytes the cache keeps, not with a full cache's; a prefill never keeps the compressed heads' full-length keys
+beyond the layer's forward; a prompt prefilled by chunks (``prefill_chunk``) gives the logits of one forward,
+bounds the prefill's transient memory, and is refused where a policy needs the whole prompt. Peak memory on a
+CPU is the peak of live tensor bytes (:class:`headlab.kv.KvUsage`), deterministic: no wall clock."""
+
+from __future__ import annotations
+
+import weakref
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+import xarray as xr
+
+import headlab
+from headlab import component
+from headlab.instrument import ATTN_IMPLEMENTATION, register
+from headlab.kv import HeadBudgetMap, HeadMap, HeadwiseLayer, KvPolicyError, kv_policy
+
+from fixtures.specs import spec_error, spec_text
+
+VOCAB = 97
+CPU_PEAK = "cpu peak live tensor bytes"  # KvUsage.peak_memory_measure on a CPU
+LAYERS, KV_HEADS, HEAD_DIM, ITEM = 4, 4, 16, 4  # float32
+SINK, WINDOW = 2, 8
+
+
+def _model(layers: int = LAYERS) -> transformers.PreTrainedModel:
+    register()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+                                      num_attention_heads=8, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                                      vocab_size=VOCAB, max_position_embeddings=1024)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=ATTN_IMPLEMENTATION).eval()
+
+
+def _kv(values: np.ndarray) -> xr.DataArray:
+    return xr.DataArray(values, dims=("layer", "kv_head"), coords={"layer": np.arange(values.shape[0]),
+                                                                   "kv_head": np.arange(values.shape[1])})
+
+
+def _map(kind: str, layers: int = LAYERS, **kw) -> HeadMap:
+    """``full`` (every KV head full) or ``streaming``: KV head 0 of each layer full (25%), the others sinks +
+    window."""
+    full = np.zeros((layers, KV_HEADS), dtype=bool)
+    full[:, 0 if kind == "streaming" else slice(None)] = True
+    return HeadMap(_kv(full), sink=SINK, window=WINDOW, **kw)
+
+
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def _batch(lengths: list[int], seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    n = max(lengths)
+    ids = torch.zeros(len(lengths), n, dtype=torch.long)
+    mask = torch.zeros(len(lengths), n, dtype=torch.long)
+    for r, length in enumerate(lengths):
+        ids[r, n - length:] = torch.randint(1, VOCAB, (length,), generator=g)
+        mask[r, n - length:] = 1
+    return ids, mask
+
+
+def _greedy(model, head_map: HeadMap, prompt: int, steps: int, prefill_chunk: int | None = None):
+    """Greedy decoding of ``steps`` tokens after a ``prompt``-token batch of 2 under ``head_map``, keeping no
+    earlier step's outputs and the prefill's logits of the last position only (what a long decode holds is the
+    cache); the :class:`KvUsage`."""
+    ids, mask = _batch([prompt, prompt])
+    with torch.no_grad(), kv_policy(model, head_map, prefill_chunk=prefill_chunk, cpu_peak=True) as usage:
+        out = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=True,
+                    logits_to_keep=1)
+        cache = out.cache
+        for _ in range(steps):
+            nxt = out.logits[:, -1].argmax(-1)
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+            out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=_positions(mask)[:, -1:],
+                        cache=cache, use_cache=True)
+            cache = out.cache
+        del out, cache
+    assert usage.peak_memory_measure == CPU_PEAK
+    assert usage.peak_memory >= usage.nbytes  # the cache itself was alive at the end
+    return usage
+
+
+def _growth(model, kind: str, short: tuple[int, int], long: tuple[int, int], prefill_chunk: int | None = None):
+    """(growth of the peak memory, growth of the kept bytes) from the (prompt, steps) ``short`` to ``long``."""
+    a = _greedy(model, _map(kind), *short, prefill_chunk=prefill_chunk)
+    b = _greedy(model, _map(kind), *long, prefill_chunk=prefill_chunk)
+    return b.peak_memory - a.peak_memory, b.nbytes - a.nbytes
+
+
+def test_the_peak_memory_of_a_long_decode_grows_with_the_kept_bytes():
+    model = _model()
+    short, long = (8, 32), (8, 160)
+    full_peak, full_kept = _growth(model, "full", short, long)
+    stream_peak, stream_kept = _growth(model, "streaming", short, long)
+    tokens = long[1] - short[1]
+    per_token = 2 * 2 * HEAD_DIM * ITEM  # two rows, a key and a value per KV head
+    assert full_kept == LAYERS * KV_HEADS * tokens * per_token
+    assert stream_kept == LAYERS * 1 * tokens * per_token  # only the full KV heads grow past sinks + window
+    # each peak grows with what its cache keeps (a cache update holds one layer's old and new group at once) ...
+    assert full_kept <= full_peak <= 1.2 * full_kept
+    assert 0.9 * stream_kept <= stream_peak <= 1.2 * stream_kept
+    # ... so the streaming cache's peak grows about a quarter as fast, as its kept bytes do: not a mask
+    assert stream_peak < 0.35 * full_peak
+
+
+def test_a_chunked_prefill_bounds_the_peak_memory_of_a_long_prompt():
+    """Prompts of 16 and 144 tokens, each prefilled by 8-token chunks then decoded 8 tokens: the peak grows with
+    the kept bytes (the full heads' keys of 128 more tokens) and not with the prompt's activations."""
+    model = _model()
+    stream_peak, stream_kept = _growth(model, "streaming", (16, 8), (144, 8), prefill_chunk=8)
+    full_peak, full_kept = _growth(model, "full", (16, 8), (144, 8), prefill_chunk=8)
+    assert stream_kept == LAYERS * 128 * 2 * 2 * HEAD_DIM * ITEM and full_kept == 4 * stream_kept
+    assert 0.9 * stream_kept <= stream_peak <= 1.3 * stream_kept
+    assert full_peak >= full_kept
+    assert stream_peak < 0.3 * full_peak
+
+
+def test_a_prefill_keeps_only_sinks_and_window_of_compressed_heads(monkeypatch):
+    """After a prefill of 40 tokens the cache holds every position of the full KV head and ``sink + window``
+    slots of the others (counted); the compressed heads' keys of the whole prompt, which a layer's attention
+    reads, are freed before the next layer runs."""
+    model = _model()
+    ids, mask = _batch([40, 33])
+    chunk_keys: dict[int, list[weakref.ref]] = {}
+    update = HeadwiseLayer.update
+
+    def recording(self, key_states, value_states, *args, **kwargs):
+        out = update(self, key_states, value_states, *args, **kwargs)
+        split = self.pending
+        assert split.chunk_keys.shape[2] == 40
+        refs = [weakref.ref(split.chunk_keys.untyped_storage()), weakref.ref(split.chunk_values.untyped_storage())]
+        chunk_keys[id(self)] = refs
+        return out
+
+    alive_at: list[tuple[int, int]] = []
+
+    def check(module, args):
+        alive_at.append((module.self_attn.layer_idx, sum(r() is not None for refs in chunk_keys.values()
+                                                         for r in refs)))
+
+    monkeypatch.setattr(HeadwiseLayer, "update", recording)
+    hooks = [layer.register_forward_pre_hook(check) for layer in model.model.layers]
+    try:
+        with torch.no_grad(), kv_policy(model, _map("streaming")):
+            out = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert alive_at == [(i, 0) for i in range(LAYERS)]  # no earlier layer's full-length compressed keys alive
+    assert len(chunk_keys) == LAYERS and all(r() is None for refs in chunk_keys.values() for r in refs)
+    for layer in out.cache.layers:
+        assert layer.keys.shape == (2, 1, 40, HEAD_DIM)
+        assert layer.slot_keys.shape == layer.slot_values.shape == (2, KV_HEADS - 1, SINK + WINDOW, HEAD_DIM)
+        # the shorter row's slots hold its own sinks and its last `window` tokens
+        assert sorted(layer.slot_pos[1].tolist()) == [0, 1, *range(33 - WINDOW, 33)]
+    per_row = 2 * HEAD_DIM * ITEM * (40 + (KV_HEADS - 1) * (SINK + WINDOW))
+    assert out.cache.nbytes() == LAYERS * 2 * per_row
+
+
+@pytest.mark.parametrize("kind", ["streaming", "full"])
+def test_a_chunked_prefill_equals_one_forward(kind):
+    """A left-padded batch (the shorter row's first chunk all padding) prefilled by chunks of 6 tokens: the
+    logits of every real position, the cache and the decoded steps as with one forward, to 1e-5."""
+    model = _model(2)
+    ids, mask = _batch([20, 13], seed=3)
+    head_map = _map(kind, layers=2)
+
+    def run(chunk):
+        with torch.no_grad(), kv_policy(model, head_map, prefill_chunk=chunk):
+            out = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=True,
+                        output_hidden_states=True)
+            logits, hidden, cache, steps, m = out.logits, out.hidden_states, out.cache, [], mask
+            for _ in range(5):
+                nxt = out.logits[:, -1].argmax(-1)
+                m = torch.cat([m, torch.ones_like(m[:, :1])], 1)
+                out = model(input_ids=nxt[:, None], attention_mask=m, position_ids=_positions(m)[:, -1:],
+                            cache=cache, use_cache=True)
+                cache = out.cache
+                steps.append(out.logits[:, -1])
+        return logits, hidden, cache, torch.stack(steps, 1)
+
+    one, hidden_one, cache_one, steps_one = run(None)
+    chunked, hidden_chunked, cache_chunked, steps_chunked = run(6)
+    real = mask.bool()
+    assert chunked.shape == one.shape
+    torch.testing.assert_close(chunked[real], one[real], rtol=0, atol=1e-5)
+    assert len(hidden_chunked) == len(hidden_one)
+    for a, b in zip(hidden_chunked, hidden_one, strict=True):
+        torch.testing.assert_close(a[real], b[real], rtol=0, atol=1e-5)
+    torch.testing.assert_close(steps_chunked, steps_one, rtol=0, atol=1e-5)
+    for a, b in zip(cache_chunked.layers, cache_one.layers, strict=True):
+        assert a.keys.shape == b.keys.shape
+        if kind == "streaming":
+            assert torch.equal(a.slot_pos, b.slot_pos)
+            torch.testing.assert_close(a.slot_keys, b.slot_keys, rtol=0, atol=1e-5)
+
+
+def test_logits_to_keep_under_a_chunked_prefill():
+    model = _model(2)
+    ids, mask = _batch([15, 15])
+    with torch.no_grad(), kv_policy(model, _map("streaming", layers=2)):
+        one = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=True).logits
+    for keep in (1, 4):  # 4 spans the last two chunks of 15 = 6 + 6 + 3 tokens
+        with torch.no_grad(), kv_policy(model, _map("streaming", layers=2), prefill_chunk=6):
+            got = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=True,
+                        logits_to_keep=keep).logits
+        torch.testing.assert_close(got, one[:, -keep:], rtol=0, atol=1e-5)
+    with torch.no_grad(), kv_policy(model, _map("streaming", layers=2), prefill_chunk=6):  # input_ids by position
+        got = model(ids, attention_mask=mask, position_ids=_positions(mask), use_cache=True).logits
+    torch.testing.assert_close(got, one, rtol=0, atol=1e-5)
+
+
+def test_chunked_prefill_refusals():
+    model = _model(2)
+    razor = _map("streaming", layers=2, compensate=True)
+    with pytest.raises(KvPolicyError, match="razor: a chunked prefill is not supported"):
+        with kv_policy(model, razor, prefill_chunk=4):
+            pass
+    budgets = np.full((2, KV_HEADS), 6)
+    headkv = HeadBudgetMap(_kv(np.zeros((2, KV_HEADS), dtype=bool)), kv_budget=_kv(budgets), observation_window=2,
+                           kernel_size=1).for_length(20)
+    with pytest.raises(KvPolicyError, match="headkv: a chunked prefill is not supported"):
+        with kv_policy(model, headkv, prefill_chunk=4):
+            pass
+    ids = torch.randint(1, VOCAB, (1, 9))
+    with pytest.raises(KvPolicyError, match="the tensor argument `pixel_values` cannot be chunked"), \
+            torch.no_grad(), kv_policy(model, _map("streaming", layers=2), prefill_chunk=4):
+        model(input_ids=ids, pixel_values=torch.zeros(1, 3, 4, 4))
+    assert "forward" not in model.__dict__  # the model's own forward again after the block
+    with torch.no_grad(), kv_policy(model, _map("streaming", layers=2), prefill_chunk=4):
+        assert model(input_ids=ids[:, :4]).logits.shape == (1, 4, VOCAB)  # no longer than a chunk: one forward
+    with pytest.raises(KvPolicyError, match="positive number of tokens"):
+        with kv_policy(model, _map("full", layers=2), prefill_chunk=0):
+            pass
+    # the spec: streaming, random and full take prefill_chunk; razor and headkv have no such field
+    config = component("kv", "streaming").config.model_validate(
+        {"kind": "streaming", "full_heads": [[0, 0]], "window": 8, "prefill_chunk": 16})
+    assert config.prefill_chunk == 16
+    assert component("kv", "full").config.model_validate({"kind": "full", "prefill_chunk": 3}).prefill_chunk == 3
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        component("kv", "razor").config.model_validate({"kind": "razor", "window": 8, "prefill_chunk": 16})
+
+
+def test_a_generate_step_prefilled_by_chunks(tmp_path):
+    """A step's ``prefill_chunk`` changes neither its tokens nor its cache bytes; a step on a CPU reports its
+    peak memory; razor and headkv specs refuse the option in one located line."""
+    task = "{kind: repeated_tokens, n: 3, length: 8}"
+    detect = "  - id: ind\n    detect: {kind: induction}\n"
+
+    def gen(extra: str) -> str:
+        kv = "{kind: streaming, full_heads: {from: ind, top: 1}, sink: 1, window: 3" + extra + "}"
+        return detect + f"  - id: gen\n    generate:\n      max_new_tokens: 4\n      kv: {kv}\n"
+
+    chunked = headlab.run(spec_text(gen(", prefill_chunk: 5"), task=task), out=tmp_path / "a").results["gen"]
+    plain = headlab.run(spec_text(gen(""), task=task), out=tmp_path / "b").results["gen"]
+    assert np.array_equal(chunked["output_ids"].values, plain["output_ids"].values)
+    assert np.array_equal(chunked["kv_bytes"].values, plain["kv_bytes"].values)
+    for ds in (chunked, plain):
+        assert ds.attrs["kv_peak_memory_measure"] == CPU_PEAK
+        assert ds.attrs["kv_peak_memory"] >= int(ds["kv_bytes"].sum()) > 0
+    error = spec_error(spec_text(detect + "  - id: gen\n    generate:\n      kv: {kind: razor, window: 3, "
+                                          "prefill_chunk: 5}\n", task=task))
+    assert "prefill_chunk" in error
+
+
+CHECKPOINT = Path(__file__).parent.parent / "plugins" / "models" / "tiny" / "headlab-tiny" / "model.safetensors"
+
+
+@pytest.mark.skipif(not CHECKPOINT.is_file(), reason="the embedded model headlab-tiny is not built")
+def test_a_score_step_prefilled_by_chunks(tmp_path):
+    """A scored row (prompt + choice, every position's logits read) fed by chunks scores as one forward."""
+    def run(kv: dict, out: str):
+        spec = {"name": "kv", "model": "headlab-tiny", "task": {"kind": "kv_swap", "n": 2},
+                "steps": [{"id": "s", "score": {"kv": kv}}]}
+        return headlab.run(spec, out=tmp_path / out).results["s"]
+
+    kv = {"kind": "streaming", "sink": 1, "window": 2}
+    plain, chunked = run(kv, "a"), run({**kv, "prefill_chunk": 3}, "b")
+    np.testing.assert_allclose(chunked["logprob"].values, plain["logprob"].values, rtol=0, atol=1e-5)
+    assert np.array_equal(chunked["kv_bytes"].values, plain["kv_bytes"].values)
