@@ -67,6 +67,7 @@ class KvRun:
     length: int | None
     usage: KvUsage | None = None
     prefill_chunk: int | None = None
+    measure_peak: bool = False
 
 
 def compile_kv(config: Any, ctx: Any, length: int | None) -> KvRun | None:
@@ -87,17 +88,19 @@ def compile_kv(config: Any, ctx: Any, length: int | None) -> KvRun | None:
         raise KvPolicyError(f"kv '{config.kind}': a budget is met at a context length, which this step does not know "
                             "before it runs; give the budget's `length` (budget: {fraction: ..., length: N})")
     effective = head_map if length is None else head_map.for_length(length)
-    return KvRun(config.kind, head_map, effective, length, prefill_chunk=getattr(config, "prefill_chunk", None))
+    return KvRun(config.kind, head_map, effective, length, prefill_chunk=getattr(config, "prefill_chunk", None),
+                 measure_peak=bool(getattr(config, "measure_peak", False)))
 
 
 @contextlib.contextmanager
 def kv_running(run: KvRun | None, ctx: Any) -> Iterator[None]:
     """Every forward of the step's model inside the block under the policy (nothing without one), its prompts
-    prefilled by ``prefill_chunk`` tokens when the policy gives it, the peak memory measured (on a CPU too)."""
+    prefilled by ``prefill_chunk`` tokens when the policy gives it, the peak memory measured (on a CPU with ``measure_peak``)."""
     if run is None:
         yield
         return
-    with kv_policy(ctx.model.model, run.head_map, prefill_chunk=run.prefill_chunk, cpu_peak=True) as usage:
+    with kv_policy(ctx.model.model, run.head_map, prefill_chunk=run.prefill_chunk,
+                   cpu_peak=run.measure_peak) as usage:
         run.usage = usage
         yield
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from pydantic import Field
 
-__all__ = ["BUDGET_FIELD", "GQA_FIELD", "PREFILL_CHUNK_FIELD", "SINK_FIELD", "WINDOW_FIELD", "model_dtype"]
+__all__ = ["BUDGET_FIELD", "GQA_FIELD", "MEASURE_PEAK_FIELD", "PREFILL_CHUNK_FIELD", "SINK_FIELD", "WINDOW_FIELD", "model_dtype"]
 
 #: StreamingLLM keeps 4 attention-sink tokens (Xiao et al. 2023)
 SINK_FIELD = Field(4, description="first tokens of each row a compressed KV head keeps (attention sinks)")
@@ -18,6 +18,8 @@ GQA_FIELD = Field("any", description="when a KV head is full from its query head
 PREFILL_CHUNK_FIELD = Field(None, description="feed a longer prompt (or scored row) in forwards of at most this many "
                                               "tokens, so that its transient memory is bounded by the chunk "
                                               "(default: one forward)")
+MEASURE_PEAK_FIELD = Field(False, description="on a CPU, also measure the step's peak memory (live tensor bytes; "
+                                              "slows decoding down about 4x); on CUDA it is always measured")
 BUDGET_FIELD = Field(None, description="keep as many full KV heads as fit: {fraction: f} of the full cache, "
                                        "{bytes: n} or {tokens_per_head: t} per row, at `length` tokens per row "
                                        "(default: the step's context length)")

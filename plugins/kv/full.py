@@ -6,13 +6,14 @@ from headlab import ComponentConfig, StepContext, hookimpl
 from headlab.kv import HeadMap
 from headlab.spec import PositiveInt
 
-from .common import PREFILL_CHUNK_FIELD
+from .common import MEASURE_PEAK_FIELD, PREFILL_CHUNK_FIELD
 
 
 class FullKV(ComponentConfig):
     """Every KV head keeps its whole cache (the default)."""
 
     kind: Literal["full"] = "full"
+    measure_peak: bool = MEASURE_PEAK_FIELD
     prefill_chunk: PositiveInt | None = PREFILL_CHUNK_FIELD
 
 

@@ -31,13 +31,14 @@ from headlab.kv import (
 )
 from headlab.spec import PositiveFloat, PositiveInt
 
-from .common import model_dtype
+from .common import MEASURE_PEAK_FIELD, model_dtype
 
 
 class HeadKV(ComponentConfig):
     """HeadKV: each KV head keeps its own number of tokens, split from a total budget by a head score."""
 
     kind: Literal["headkv"] = "headkv"
+    measure_peak: bool = MEASURE_PEAK_FIELD
     scores: HeadScoreSource = Field(description="per-head importance: {from: step} (its `score`) or {file: "
                                                 "heads.json} (HeadKV's / the retrieval-head format)")
     budget: KvBudget = Field(description="the total: {fraction: f} of the full cache, {bytes: n} or "

@@ -28,13 +28,22 @@ from headlab.kv import (
 )
 from headlab.spec import NonNegativeInt, PositiveInt, Seed
 
-from .common import BUDGET_FIELD, GQA_FIELD, PREFILL_CHUNK_FIELD, SINK_FIELD, WINDOW_FIELD, model_dtype
+from .common import (
+    BUDGET_FIELD,
+    GQA_FIELD,
+    MEASURE_PEAK_FIELD,
+    PREFILL_CHUNK_FIELD,
+    SINK_FIELD,
+    WINDOW_FIELD,
+    model_dtype,
+)
 
 
 class RandomKV(ComponentConfig):
     """The control: as many full KV heads as `like` selects (or n_full, or a budget fits), drawn at random."""
 
     kind: Literal["random"] = "random"
+    measure_peak: bool = MEASURE_PEAK_FIELD
     like: KvHeadSelection | None = Field(None, description="the selection whose number of full KV heads is matched")
     n_full: NonNegativeInt | None = Field(None, description="the number of full KV heads (instead of `like`)")
     budget: KvBudget | None = BUDGET_FIELD

@@ -17,7 +17,7 @@ from headlab import ComponentConfig, StepContext, hookimpl
 from headlab.kv import GqaRule, HeadMap, KvHeadSelection, kv_heads
 from headlab.spec import NonNegativeInt, PositiveInt
 
-from .common import GQA_FIELD, SINK_FIELD, WINDOW_FIELD
+from .common import GQA_FIELD, MEASURE_PEAK_FIELD, SINK_FIELD, WINDOW_FIELD
 
 
 class RazorKV(ComponentConfig):
@@ -25,6 +25,7 @@ class RazorKV(ComponentConfig):
     tokens plus the mean of the keys and values they dropped."""
 
     kind: Literal["razor"] = "razor"
+    measure_peak: bool = MEASURE_PEAK_FIELD
     full_heads: KvHeadSelection | None = Field(
         None, description="KV heads that keep their whole cache (as for streaming); none: every head is compressed")
     sink: NonNegativeInt = SINK_FIELD

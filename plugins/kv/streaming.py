@@ -31,13 +31,22 @@ from headlab.kv import (
 )
 from headlab.spec import NonNegativeInt, PositiveInt
 
-from .common import BUDGET_FIELD, GQA_FIELD, PREFILL_CHUNK_FIELD, SINK_FIELD, WINDOW_FIELD, model_dtype
+from .common import (
+    BUDGET_FIELD,
+    GQA_FIELD,
+    MEASURE_PEAK_FIELD,
+    PREFILL_CHUNK_FIELD,
+    SINK_FIELD,
+    WINDOW_FIELD,
+    model_dtype,
+)
 
 
 class StreamingKV(ComponentConfig):
     """DuoAttention's layout: full_heads keep every token, the other KV heads sink + window tokens."""
 
     kind: Literal["streaming"] = "streaming"
+    measure_peak: bool = MEASURE_PEAK_FIELD
     full_heads: KvHeadSelection | None = Field(
         None, description="KV heads that keep their whole cache: {from: step, top: k} (k KV heads), a threshold, "
                           "[[layer, head], ...], {layer: [heads]}, {file: heads.json} or {file: "
