@@ -1,0 +1,234 @@
+"""Hostile input, round two (issue [robustness]), while a run runs: a plugin's result checked against its
+contract before it is stored, unstorable task fields, a full disk or a file-size limit, running out of memory,
+one giant word in a task's text, progress inside long cells, and the Ray executor's resources and addresses.
+Each case goes through the command line where the user meets it: exit code and one located line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import pytest
+import xarray as xr
+
+import headlab
+from headlab import ComponentConfig, StepError, hookimpl
+from headlab.cli import main
+from headlab.dims import head_array
+
+from fixtures.specs import spec_text
+
+STEPS = "  - id: ind\n    detect: {kind: induction}\n"
+
+
+def cli(args: list[str], capfd) -> tuple[int, str]:
+    """Run the command in this process; returns (exit code, stderr)."""
+    capfd.readouterr()
+    try:
+        main(args)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    return code, capfd.readouterr().err
+
+
+def error_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    return lines[0]
+
+
+# --------------------------------------------------------------------------- a result's contract
+class Odd(ComponentConfig):
+    """A detector returning a chosen malformed result."""
+
+    kind: Literal["odd"] = "odd"
+    what: str = "good"
+
+
+def odd(config: Odd, ctx):
+    g = ctx.model.geometry
+    score = head_array(np.arange(g.n_layers * g.n_heads, dtype=float).reshape(g.n_layers, g.n_heads))
+    if config.what == "good":
+        return score.to_dataset(name="score")
+    if config.what == "transposed":  # over (head, layer) with the model's sizes swapped
+        return xr.Dataset({"score": (("head", "layer"), np.zeros((g.n_layers, g.n_heads)))})
+    if config.what == "too_many_layers":
+        return xr.Dataset({"score": (("layer", "head"), np.zeros((g.n_layers + 3, g.n_heads)))})
+    if config.what == "nan":
+        return (score * np.nan).to_dataset(name="score")
+    if config.what == "inf":
+        return score.where(score > 0, np.inf).to_dataset(name="score")
+    if config.what == "dicts":
+        return xr.Dataset({"score": score, "info": ("example", np.array([{"a": i} for i in range(4)], dtype=object))})
+    if config.what == "unknown_dim":
+        return xr.Dataset({"score": score, "trace": (("example", "sample"), np.zeros((4, 3)))})
+    if config.what == "examples":  # one value per example, but the task has 4
+        return xr.Dataset({"score": score, "loss": ("example", np.zeros(7))})
+    raise AssertionError(config.what)
+
+
+class OddPlugin:
+    @hookimpl
+    def headlab_register_detectors(self, register):
+        register(Odd, odd)
+
+
+@pytest.fixture
+def odd_plugin():
+    name = headlab.register_plugin(OddPlugin(), "odd-plugin")
+    yield name
+    headlab.unregister_plugin(name)
+
+
+@pytest.mark.parametrize("what, message", [
+    ("transposed", "variable 'score': dimension 'layer' has size 4, but layers number 2"),
+    ("too_many_layers", "variable 'score': dimension 'layer' has size 5, but layers number 2"),
+    ("nan", "variable 'score' is NaN for every head: nothing was scored"),
+    ("inf", "variable 'score' is infinite for some heads"),
+    ("dicts", "variable 'info' holds dict values ({'a': 0})"),
+    ("unknown_dim", "variable 'trace' has dimension 'sample', which is not one of headlab.DIMENSIONS"),
+    ("examples", "variable 'loss': dimension 'example' has size 7, but examples number 4"),
+])
+def test_a_result_that_breaks_the_contract_is_refused_naming_plugin_and_variable(odd_plugin, tmp_path, capfd,
+                                                                                   what, message):
+    # the first cell is good and stays readable; the second breaks the contract
+    text = spec_text(STEPS + "  - id: o\n    detect: {kind: odd}\n", sweep=f"  o.what: [good, {what}]\n")
+    spec = tmp_path / "s.yaml"
+    spec.write_text(text)
+    code, err = cli(["run", str(spec), "--out", str(tmp_path / "runs")], capfd)
+    line = error_line(err)
+    assert code == 1, err
+    assert line.startswith(f"error: step 'o' of cell c0001 (o.what='{what}') (detector 'odd', plugin {odd_plugin}): "
+                           "ContractError: the result cannot be stored: "), line
+    assert message in line, line
+    (run,) = (tmp_path / "runs").iterdir()
+    stored = headlab.open_run(run)
+    assert stored.status == "failed" and stored.cells_done == 1
+    assert float(stored.cell("c0000", "o")["score"].sum()) == sum(range(8))  # the earlier cell is intact
+    assert "c0001" in stored.failed_cells and not (run / "cells" / "c0001").exists()  # nothing of it written
+
+
+def test_a_good_result_is_stored_as_returned(odd_plugin, tmp_path):
+    run = headlab.run(spec_text("  - id: o\n    detect: {kind: odd}\n"), out=tmp_path)
+    assert run.results["o"]["score"].values.tolist() == np.arange(8.0).reshape(2, 4).tolist()
+
+
+@pytest.mark.parametrize("rows, message", [
+    ([{"q": "a b", "x": 1}, {"q": "c d", "x": "two"}],
+     "meta field 'x' mixes types: int in example 0, str in example 1 ('two')"),
+    ([{"q": "a b", "x": 1}, {"q": "c d", "x": 2**70}],
+     "meta field 'x' of example 1 is 1180591620717411303424, an integer beyond 64 bits"),
+    ([{"q": "a b", "x": True}, {"q": "c d", "x": 2.5}], "meta field 'x' mixes types: bool in example 0, float"),
+])
+def test_unstorable_task_fields_are_refused_before_the_step_runs(tmp_path, capfd, rows, message):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"name: t\nmodel: headlab-tiny\ntask: {{kind: jsonl, path: {data}, prompt: '{{{{ q }}}}', "
+                    "meta: [x]}\nsteps:\n  - id: gen\n    generate: {max_new_tokens: 1}\n")
+    code, err = cli(["run", str(spec), "--out", str(tmp_path / "runs")], capfd)
+    line = error_line(err)
+    assert code == 2 and line.startswith("error: step 'gen' (task 'jsonl', plugin headlab.plugins.tasks.files): "), line
+    assert message in line, line
+    (run,) = (tmp_path / "runs").iterdir()
+    assert headlab.open_run(run).status == "failed"
+
+
+def test_numbers_of_both_kinds_combine_in_a_field(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"q": "a b", "x": 1}\n{"q": "c d", "x": 2.5}\n')
+    run = headlab.run(f"name: t\nmodel: headlab-tiny\ntask: {{kind: jsonl, path: {data}, prompt: '{{{{ q }}}}', "
+                      "meta: [x]}\nsteps:\n  - id: gen\n    generate: {max_new_tokens: 1}\n", out=tmp_path / "runs")
+    assert run.results["gen"]["x"].values.tolist() == [1.0, 2.5]
+
+
+# --------------------------------------------------------------------------- a full disk, a file-size limit
+LIMITED = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))
+from headlab.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_a_file_size_limit_names_the_path_and_the_resume_command_and_marks_the_run_failed(tmp_path):
+    # the store's metadata fits under the limit; the stored prompts and token ids of 64 x 241 random tokens do not
+    spec = tmp_path / "s.yaml"
+    spec.write_text(spec_text("  - id: ind\n    detect: {kind: previous_token}\n",
+                              task="{kind: repeated_tokens, n: 64, length: 120}",
+                              model={"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 1,
+                                     "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 32,
+                                     "vocab_size": 50000, "max_position_embeddings": 256}))
+    res = subprocess.run([sys.executable, "-c", LIMITED.format(limit=8_000), "run", str(spec), "--out",
+                          str(tmp_path / "runs")], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    (run,) = (tmp_path / "runs").iterdir()
+    line = error_line(res.stderr)
+    assert res.returncode == 1, res.stderr
+    assert f"cannot write cell c0000 into {run}/cells/c0000" in line and "File too large" in line, line
+    assert f"then finish the run with `headlab run --resume {run}`" in line, line
+    stored = headlab.open_run(run)
+    assert stored.status == "failed" and stored.cells_done == 0  # not "running"
+    # with the limit gone, the resume command it printed finishes the run
+    res = subprocess.run([sys.executable, "-m", "headlab.cli", "run", "--resume", str(run)], capture_output=True,
+                         text=True, timeout=300, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert headlab.open_run(run).status == "complete"
+
+
+def test_a_full_disk_in_the_writer_is_one_line_and_a_failed_run(tmp_path, capfd, monkeypatch):
+    import errno
+
+    from headlab.results import RunWriter
+
+    def full(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(RunWriter, "write_cell", full)
+    spec = tmp_path / "s.yaml"
+    spec.write_text(spec_text(STEPS))
+    code, err = cli(["run", str(spec), "--out", str(tmp_path / "runs")], capfd)
+    (run,) = (tmp_path / "runs").iterdir()
+    line = error_line(err)
+    assert code == 1 and f"cannot write cell c0000 into {run}/cells/c0000: No space left on device" in line, line
+    assert f"`headlab run --resume {run}`" in line
+    assert headlab.open_run(run).status == "failed"
+
+
+# --------------------------------------------------------------------------- out of memory
+@pytest.mark.parametrize("error, message", [
+    ("cuda", "out of GPU memory allocating 20.00 GiB"),
+    ("host", "out of host memory allocating 7.28 TiB"),
+    ("bare", "out of host memory allocating (the allocator did not say how much)"),
+])
+def test_out_of_memory_names_the_step_the_size_and_the_knobs(tmp_path, capfd, monkeypatch, error, message):
+    import torch
+    import transformers
+
+    def forward(self, *args, **kwargs):
+        if error == "cuda":
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total "
+                                              "capacity of 79.10 GiB of which 3.2 GiB is free.\nIf reserved ...")
+        if error == "host":
+            raise MemoryError("Unable to allocate 7.28 TiB for an array with shape (1000000, 1000000)")
+        raise MemoryError()
+
+    monkeypatch.setattr(transformers.LlamaForCausalLM, "forward", forward)
+    spec = tmp_path / "s.yaml"
+    spec.write_text(spec_text("  - id: gen\n    generate: {max_new_tokens: 2, batch_size: 4}\n"))
+    code, err = cli(["run", str(spec), "--out", str(tmp_path / "runs")], capfd)
+    line = error_line(err)
+    assert code == 1, err
+    assert line.startswith("error: step 'gen' (decoder 'greedy', plugin headlab.plugins.decoding.greedy): "
+                           f"OutOfMemory: {message}; "), line
+    assert "generate.batch_size of step 'gen'" in line and "limits.memory" in line, line
+    with pytest.raises(StepError) as info:
+        headlab.run(spec.read_text(), out=tmp_path / "api")
+    assert isinstance(info.value, MemoryError)  # `except MemoryError` still catches it
+    assert type(info.value.cause.__cause__).__name__ == ("OutOfMemoryError" if error == "cuda" else "MemoryError")
