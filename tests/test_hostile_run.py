@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -232,3 +231,63 @@ def test_out_of_memory_names_the_step_the_size_and_the_knobs(tmp_path, capfd, mo
         headlab.run(spec.read_text(), out=tmp_path / "api")
     assert isinstance(info.value, MemoryError)  # `except MemoryError` still catches it
     assert type(info.value.cause.__cause__).__name__ == ("OutOfMemoryError" if error == "cuda" else "MemoryError")
+
+
+# --------------------------------------------------------------------------- one giant word
+GIANT = "x" * 10_000_000  # 10 MB without a space
+
+
+def test_a_giant_word_in_a_data_file_is_one_line_naming_the_row(tmp_path):
+    data = tmp_path / "d.jsonl"
+    word = "x" * 300_000  # 300 KB without a space (the 10 MB one is refused by the template's output bound)
+    data.write_text(json.dumps({"q": "a b"}) + "\n" + json.dumps({"q": f"the {word} end"}) + "\n")
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"name: t\nmodel: headlab-tiny\ntask: {{kind: jsonl, path: {data}, prompt: '{{{{ q }}}}'}}\n"
+                    "steps:\n  - id: gen\n    generate: {max_new_tokens: 1}\n")
+    res = subprocess.run([sys.executable, "-m", "headlab.cli", "run", str(spec), "--out", str(tmp_path / "runs")],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert res.returncode == 2, res.stderr[-2000:]  # not 134 (an abort), not a run
+    line = error_line(res.stderr)
+    assert "step 'gen' (task 'jsonl'" in line and "d.jsonl row 2" in line and "template `prompt`" in line, line
+    assert "a word of 300,000 characters without whitespace (from character 5)" in line, line
+
+
+def test_a_giant_word_in_a_haystack_file_names_its_line_and_column(tmp_path, capfd):
+    hay = tmp_path / "hay.txt"
+    hay.write_text("The grass is green.\nIt rained " + GIANT + " today.\n")
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"name: t\nmodel: headlab-tiny\ntask: {{kind: niah, context_lengths: [64], depths: [0.5], needles: 1, "
+                    f"haystack: {hay}}}\nsteps:\n  - id: r\n    detect: {{kind: retrieval}}\n")
+    code, err = cli(["run", str(spec), "--out", str(tmp_path / "runs")], capfd)
+    line = error_line(err)
+    assert code == 2 and "step 'r' (task 'niah'" in line, line
+    assert f"haystack file '{hay}' line 2 has a word of 10,000,000 characters without whitespace (from column 11)" \
+        in line, line
+    hay.write_text("The grass is green.\nIt rained " + "x" * 1000 + " today.\n")  # long, under the bound: runs
+    assert cli(["run", str(spec), "--out", str(tmp_path / "runs")], capfd)[0] == 0
+
+
+class Giant(ComponentConfig):
+    kind: Literal["giant"] = "giant"
+
+
+def giant_task(config: Giant, ctx):
+    return [headlab.Example(prompt="a b"), headlab.Example(prompt="c d", target=" " + GIANT)]
+
+
+class GiantPlugin:
+    @hookimpl
+    def headlab_register_tasks(self, register):
+        register(Giant, giant_task)
+
+
+def test_a_giant_word_from_any_task_is_refused_before_the_tokenizer(tmp_path):
+    name = headlab.register_plugin(GiantPlugin(), "giant-plugin")
+    try:
+        with pytest.raises(StepError) as info:
+            headlab.run("name: t\nmodel: headlab-tiny\ntask: {kind: giant}\nsteps:\n  - id: gen\n"
+                        "    generate: {max_new_tokens: 1}\n", out=tmp_path)
+    finally:
+        headlab.unregister_plugin(name)
+    assert isinstance(info.value, ValueError) and info.value.kind == "giant"
+    assert "task 'giant': example 1's target has a word of 10,000,000 characters" in str(info.value)
