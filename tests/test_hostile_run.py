@@ -291,3 +291,32 @@ def test_a_giant_word_from_any_task_is_refused_before_the_tokenizer(tmp_path):
         headlab.unregister_plugin(name)
     assert isinstance(info.value, ValueError) and info.value.kind == "giant"
     assert "task 'giant': example 1's target has a word of 10,000,000 characters" in str(info.value)
+
+
+# --------------------------------------------------------------------------- the Ray executor
+@pytest.mark.parametrize("form", ["{}", "ray://{}"])
+def test_an_unreachable_ray_address_is_one_line_within_15_s(tmp_path, capfd, monkeypatch, form):
+    import socket
+    import time
+
+    pytest.importorskip("ray")
+    with socket.socket() as s:  # a local port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = form.format(f"127.0.0.1:{port}")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    spec = tmp_path / "s.yaml"
+    spec.write_text(spec_text(STEPS))
+    start = time.monotonic()
+    code, err = cli(["run", str(spec), "--out", str(tmp_path / "runs"), "--executor", "ray", "--address", address],
+                    capfd)
+    assert time.monotonic() - start < 15, err  # Ray alone retried for 40 s without a word
+    line = error_line(err)
+    assert code == 2, err
+    assert f"cannot reach a Ray cluster at address '{address}': 127.0.0.1:{port}: Connection refused" in line, line
+    assert not (tmp_path / "runs").exists()
+    # RAY_ADDRESS with address auto is probed the same way
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    code, err = cli(["run", str(spec), "--out", str(tmp_path / "runs"), "--executor", "ray", "--address", "auto"],
+                    capfd)
+    assert code == 2 and f"RAY_ADDRESS '127.0.0.1:{port}'" in error_line(err), err
