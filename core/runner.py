@@ -19,6 +19,8 @@ picklable :class:`CellTask` with :func:`execute_cell`.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import gc
 import json
 import platform
@@ -27,7 +29,7 @@ import time
 import traceback
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -131,6 +133,49 @@ def check_context(examples: list[Example], lm: LoadedModel, config: Any, cache: 
         raise ValueError(f"example {where} is {longest:,} tokens{plus} = {longest + new:,}, longer than the model's "
                          f"context window of {limit:,} tokens; shorten the task, or set `model: {{extrapolate: true}}` "
                          "to run past it")
+
+
+LONG_FORWARD_TOKENS = 8192
+"""Tokens of one forward (rows x positions) from which its progress through the layers is reported."""
+
+
+@contextlib.contextmanager
+def forward_progress(lm: LoadedModel, reporter: Reporter, step_id: str,
+                     min_tokens: int = LONG_FORWARD_TOKENS) -> Iterator[None]:
+    """Report each forward of at least ``min_tokens`` tokens layer by layer (the key ``forward:<step id>``),
+    so a cell busy with one long prompt shows where it is."""
+    layers = lm.decoder_layers if hasattr(lm.model, "config") else []
+    if not layers or type(reporter) is Reporter:
+        yield
+        return
+    key, total = f"forward:{step_id}", len(layers)
+    active = [False]
+
+    def begin(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        shape = tuple(getattr(hidden, "shape", ()))
+        tokens = int(np.prod(shape[:-1])) if len(shape) >= 2 else 0
+        if tokens >= min_tokens:
+            active[0] = True
+            reporter.start(key, total, f"forward over {tokens:,} tokens: layers")
+
+    def done(module: Any, args: tuple[Any, ...], output: Any, last: bool = False) -> None:
+        if active[0]:
+            reporter.advance(key)
+            if last:
+                active[0] = False
+                reporter.stop(key)
+
+    handles = [layers[0].register_forward_pre_hook(begin, with_kwargs=True)]
+    handles += [layer.register_forward_hook(functools.partial(done, last=i == total - 1))
+                for i, layer in enumerate(layers)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        if active[0]:
+            reporter.stop(key)
 
 
 def check_meta(examples: list[Example]) -> None:
@@ -253,7 +298,8 @@ def run_cell(loaded: LoadedSpec, cell: Cell, models: ModelCache, reporter: Repor
         _seed(spec.seed)
         config = getattr(step, step.action)
         try:
-            ds = get_manager().get("actions", step.action).impl(config, ctx)
+            with forward_progress(lm, reporter, step.id):
+                ds = get_manager().get("actions", step.action).impl(config, ctx)
             if not isinstance(ds, xr.Dataset):
                 raise TypeError(f"the action returned {type(ds).__name__}, not an xarray Dataset")
             check_result(ds, step, config, lm, len(examples))

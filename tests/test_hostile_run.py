@@ -320,3 +320,40 @@ def test_an_unreachable_ray_address_is_one_line_within_15_s(tmp_path, capfd, mon
     code, err = cli(["run", str(spec), "--out", str(tmp_path / "runs"), "--executor", "ray", "--address", "auto"],
                     capfd)
     assert code == 2 and f"RAY_ADDRESS '127.0.0.1:{port}'" in error_line(err), err
+
+
+# --------------------------------------------------------------------------- progress inside long cells
+LONG = ("  - id: gen\n    generate: {max_new_tokens: 2, batch_size: 64}\n"
+        "  - id: g2\n    generate: {max_new_tokens: 1, batch_size: 16}\n")
+LONG_TASK = "{kind: repeated_tokens, n: 64, length: 64}"  # 64 rows x 128 tokens: one forward of 8,192 tokens
+
+
+def test_the_command_shows_progress_inside_a_cell_on_a_log(tmp_path, capfd, monkeypatch):
+    monkeypatch.setenv("HEADLAB_PROGRESS_SECONDS", "0")
+    spec = tmp_path / "s.yaml"
+    spec.write_text(spec_text(LONG, task=LONG_TASK))
+    code, err = cli(["run", str(spec), "--out", str(tmp_path / "runs")], capfd)
+    assert code == 0, err
+    lines = [line.rsplit(" [", 1)[0] for line in err.splitlines()]  # without the elapsed time
+    assert lines[0] == "test: cells: 0/1" and lines[-1] == "test: cells: 1/1", err
+    inside = lines[lines.index("generating: 0/1"):]
+    assert inside[:4] == ["generating: 0/1", "forward over 8,192 tokens: layers: 0/2",
+                          "forward over 8,192 tokens: layers: 1/2", "forward over 8,192 tokens: layers: 2/2"], err
+    generating = [line for line in lines if line.startswith("generating")]
+    assert generating == ["generating: 0/1", "generating: 1/1", *(f"generating: {i}/4" for i in range(5))], err
+    # short forwards (the decoding steps, the batches of 16 x 128 tokens of g2) report no layers
+    assert sum(line.startswith("forward over") for line in lines) == 3, err
+
+
+def test_the_notebook_runner_shows_progress_inside_a_cell(tmp_path):
+    pytest.importorskip("ipywidgets")
+    from headlab.widgets import SpecRunner
+
+    runner = SpecRunner(spec_text(LONG, task=LONG_TASK), out=tmp_path)
+    runner.start(wait=True)
+    assert runner.state == "complete", runner.status.value
+    hist = runner.reporter.history
+    forward = [(ev, value, total) for ev, key, value, total in hist if key == "forward:gen"]
+    assert forward == [("start", 0, 2), ("advance", 1, 2), ("advance", 2, 2), ("stop", 2, 2)]
+    assert [value for ev, key, value, _ in hist if ev == "advance" and key == "step:g2"] == [1, 2, 3, 4]
+    assert runner.step_bar.max == 4  # the forward's layers never took over the step's bar
