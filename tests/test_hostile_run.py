@@ -322,6 +322,34 @@ def test_an_unreachable_ray_address_is_one_line_within_15_s(tmp_path, capfd, mon
     assert code == 2 and f"RAY_ADDRESS '127.0.0.1:{port}'" in error_line(err), err
 
 
+class SmallCluster:
+    """What the executor asks of Ray, for a cluster of 2 CPUs and no GPU (a real one: tests/test_executor_ray.py)."""
+
+    def is_initialized(self):
+        return True
+
+    def cluster_resources(self):
+        return {"CPU": 2.0, "memory": 1e9}
+
+    def get_runtime_context(self):
+        raise AssertionError("no worker may be started")
+
+
+@pytest.mark.parametrize("ask, named", [
+    ({"num_cpus_per_cell": 8}, "execution.num_cpus_per_cell is 8 but the Ray cluster has 2 CPUs in all"),
+    ({"num_gpus_per_cell": 0.5}, "execution.num_gpus_per_cell is 0.5 but the Ray cluster has 0 GPUs in all"),
+])
+def test_a_worker_the_cluster_cannot_hold_is_one_line_before_the_store(tmp_path, capfd, monkeypatch, ask, named):
+    from headlab.plugins.executors import ray as executor
+
+    monkeypatch.setattr(executor, "_ray", SmallCluster)
+    spec = tmp_path / "s.yaml"
+    spec.write_text(spec_text(STEPS) + "execution: " + json.dumps({"executor": "ray", **ask}) + "\n")
+    code, err = cli(["run", str(spec), "--out", str(tmp_path / "runs")], capfd)
+    assert code == 2 and named in error_line(err), err
+    assert not (tmp_path / "runs").exists()
+
+
 # --------------------------------------------------------------------------- progress inside long cells
 LONG = ("  - id: gen\n    generate: {max_new_tokens: 2, batch_size: 64}\n"
         "  - id: g2\n    generate: {max_new_tokens: 1, batch_size: 16}\n")
