@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -385,3 +386,23 @@ def test_the_notebook_runner_shows_progress_inside_a_cell(tmp_path):
     assert forward == [("start", 0, 2), ("advance", 1, 2), ("advance", 2, 2), ("stop", 2, 2)]
     assert [value for ev, key, value, _ in hist if ev == "advance" and key == "step:g2"] == [1, 2, 3, 4]
     assert runner.step_bar.max == 4  # the forward's layers never took over the step's bar
+
+
+# --------------------------------------------------------------------------- the fuzz benchmark, briefly
+def test_the_fuzz_benchmark_finds_no_escape_hang_or_code_run():
+    sys.path.insert(0, str(Path(__file__).parent.parent / "tools" / "reliability"))
+    try:
+        import fuzz
+    finally:
+        sys.path.pop(0)
+    # the payloads are live: lm-eval's own (unsandboxed) renderer runs one and the marker appears
+    lm_eval_utils = pytest.importorskip("lm_eval.utils")
+    marker = Path(fuzz.tempfile.mkdtemp()) / "MARKER"
+    lm_eval_utils.apply_template(f"{{{{ cycler.__init__.__globals__.os.system('touch {marker}') }}}}", {})
+    assert marker.exists()
+    report = fuzz.fuzz(60, seed=3, timeout=20.0, shares=(0.5, 0.5))
+    assert (report["escapes"], report["hangs"], report["code_runs"], report["unlocated"]) == (0, 0, 0, 0), \
+        report["failures"][:3]
+    by = report["by_source"]
+    assert by["set"].get("accepted", 0) and by["set"].get("refused", 0), by  # both outcomes are exercised
+    assert by["lm_eval"].get("rendered", 0) and by["lm_eval"].get("refused", 0), by
