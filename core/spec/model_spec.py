@@ -7,14 +7,14 @@ A spec that names no model gets the model registered with ``default=True`` (see
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from ..config import StrictModel
 from ..plugin_manager import Registry, get_manager
-from .fields import NonEmptyStr
+from .fields import NonEmptyStr, NonNegativeInt
 
 __all__ = ["DEVICE_PATTERN", "ModelSpec", "default_model"]
 
@@ -35,12 +35,13 @@ class ModelSpec(StrictModel):
     device: str = Field("auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', ...",
                         json_schema_extra={"pattern": DEVICE_PATTERN})
     trust_remote_code: bool = False
-    device_map: Literal["auto", "balanced", "balanced_low_0", "sequential"] | dict[str, int | str] | None = Field(
+    device_map: Literal["auto", "balanced", "balanced_low_0", "sequential"] | dict[str, NonNegativeInt | str] | None \
+        = Field(
         None, description="place the model's modules on several devices through accelerate: 'auto' (fill the GPUs, "
         "then the CPU, then disk) or a mapping from module names to a GPU index, 'cpu' or 'disk' (e.g. "
         "{model.embed_tokens: 0, model.layers.0: 0, model.layers.1: cpu, model.norm: cpu, lm_head: cpu}); "
         "instead of `device`")
-    max_memory: dict[str, int | str] | None = Field(
+    max_memory: dict[str, Annotated[int, Field(ge=1, le=2**62)] | str] | None = Field(
         None, description="with device_map: the most each device may hold, e.g. {0: 20GiB, cpu: 60GiB}")
     offload_folder: NonEmptyStr | None = Field(
         None, description="with device_map: the directory for the weights placed on 'disk'")
