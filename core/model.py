@@ -380,6 +380,7 @@ def from_config(spec: ModelSpec, seed: int = 0) -> LoadedModel:
         model = auto_class.from_config(config, attn_implementation=ATTN_IMPLEMENTATION, dtype=dtype)
     except (ValueError, KeyError, TypeError) as e:
         raise ModelLoadError(f"model.config: cannot build a {model_type} model: {type(e).__name__}: {e}") from None
+    digest = state_digest(model)  # before placement: weights offloaded to disk are not in memory afterwards
     if spec.device_map is None:
         model.to(device)
     else:
@@ -394,7 +395,7 @@ def from_config(spec: ModelSpec, seed: int = 0) -> LoadedModel:
             raise ModelLoadError(str(e) if str(e).startswith("model.config") else f"model.config.processor: {e}") \
                 from None
     return LoadedModel(model=model, tokenizer=tokenizer, name=spec.name, geometry=geometry_of(model),
-                       digest=state_digest(model), device=device, dtype=spec.dtype, processor=processor)
+                       digest=digest, device=device, dtype=spec.dtype, processor=processor)
 
 
 def load_model_by_name_tokenizer(name: str) -> Any | None:

@@ -122,3 +122,18 @@ def test_a_gpu_the_machine_lacks_is_one_model_load_line(checkpoint, tmp_path):
     with pytest.raises(ModelLoadError, match="cuda:3"):
         load_model(ModelSpec(path=str(checkpoint), device_map={**SPLIT, "model.layers.0": 3},
                              offload_folder=str(tmp_path)))
+
+
+def test_a_config_built_model_is_placed_the_same_way(tmp_path):
+    config = {"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 97}
+    whole = load_model(ModelSpec(config=config, device="cpu"), seed=5)
+    placed = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "disk",
+              "model.layers.1": "cpu", "model.norm": "cpu", "lm_head": "cpu"}
+    split = load_model(ModelSpec(config=config, device_map=placed, offload_folder=str(tmp_path / "off")), seed=5)
+    assert split.device == "cpu" and split.model.hf_device_map == placed
+    assert any((tmp_path / "off").iterdir())  # weights built in memory are written to offload_folder
+    assert any(p.device.type == "meta" for n, p in split.model.named_parameters() if ".layers.0." in n)
+    ids = torch.tensor([[1, 5, 9, 2, 5, 9, 2]])
+    with torch.no_grad():
+        torch.testing.assert_close(whole.model(ids).logits, split.model(ids).logits, rtol=0, atol=0)
