@@ -199,6 +199,12 @@ def test_a_full_disk_in_the_writer_is_one_line_and_a_failed_run(tmp_path, capfd,
     assert code == 1 and f"cannot write cell c0000 into {run}/cells/c0000: No space left on device" in line, line
     assert f"`headlab run --resume {run}`" in line
     assert headlab.open_run(run).status == "failed"
+    # full before the store exists: one line naming where it would have been, nothing left behind
+    monkeypatch.setattr(RunWriter, "create", classmethod(lambda cls, path, attrs: full(cls)))
+    code, err = cli(["run", str(spec), "--out", str(tmp_path / "other")], capfd)
+    line = error_line(err)
+    assert code == 1 and f"cannot create the run store {tmp_path / 'other'}/test-" in line, line
+    assert "No space left on device; free space" in line and not (tmp_path / "other").exists()
 
 
 # --------------------------------------------------------------------------- out of memory
