@@ -7,6 +7,10 @@
 2. Kernel timings per length (B=1, H=32, Hkv=8, D=128, bf16): SDPA vs Triton without probes, with
    argmax + span mass on every query, and with a PASTA span bias; decode (1 query vs the whole cache).
 3. Model-level ratios through benchmarks/bench_kernels.py --device cuda (unless --skip-model).
+4. A model split across the GPU and the CPU (``model: {device_map: ...}``, unless --skip-split): a tiny
+   random Llama written to a temporary checkpoint, its first half on cuda:0 and its second half (with the
+   norm and the unembedding) on the CPU, against the whole model on cuda:0: logits, an induction detection
+   (attention probes) and a generation steered by its top heads.
 Without CUDA it runs only a tiny CPU smoke check of the same code (torch path vs SDPA) and says so.
 """
 
@@ -113,10 +117,70 @@ def kernel_timings(lengths):
               f"decode sdpa {t_dsdpa * 1e3:.3f} ms, triton+probes {t_dec / t_dsdpa:5.2f}x")
 
 
+SPLIT_STEPS = """task: {kind: repeated_tokens, n: 4, length: 16}
+steps:
+  - id: ind
+    detect: {kind: induction}
+  - id: gen
+    generate:
+      max_new_tokens: 4
+      steer: [{kind: head_scale, heads: {from: ind, top: 2}, factor: 0.0}]
+"""
+
+
+def split_check() -> bool:
+    """A model split across cuda:0 and the CPU equals the whole model on cuda:0 (logits, probes, steering)."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    import numpy as np
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import headlab
+    from headlab.model import load_model
+    from headlab.spec import ModelSpec
+
+    tiny = Path(__file__).resolve().parent.parent / "plugins" / "models" / "tiny" / "headlab-tiny"
+    split = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": 0,
+             "model.layers.2": "cpu", "model.layers.3": "cpu", "model.norm": "cpu", "lm_head": "cpu"}
+    ok = True
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = Path(tmp) / "ckpt"
+        ckpt.mkdir()
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(tiny / name, ckpt / name)
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(vocab_size=811, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                     tie_word_embeddings=False)).save_pretrained(ckpt)
+        whole = load_model(ModelSpec(path=str(ckpt), device="cuda"))
+        parted = load_model(ModelSpec(path=str(ckpt), device_map=split))
+        devices = sorted({str(p.device) for p in parted.model.parameters()})
+        print(f"  split model: inputs on {parted.device}, parameters on {devices}")
+        ok &= parted.device == "cuda:0" and devices == ["cpu", "cuda:0"]
+        ids = torch.tensor([whole.tokenizer("the cat sat on the mat and the dog sat on the rug")["input_ids"]])
+        with torch.no_grad():
+            diff = maxdiff(whole.model(ids.cuda()).logits.cpu(), parted.model(ids.cuda()).logits.cpu())
+        print(f"  logits max diff {diff:.1e}")
+        ok &= diff < 1e-4
+        runs = {}
+        for name, model in (("whole", f"{{path: {ckpt}, device: cuda}}"),
+                            ("split", f"{{path: {ckpt}, device_map: {split}}}".replace("'", ""))):
+            runs[name] = headlab.run(f"name: {name}\nmodel: {model}\n{SPLIT_STEPS}", out=Path(tmp) / "runs")
+        for step, var in (("ind", "score"), ("gen", "output")):
+            a, b = runs["whole"].results[step][var].values, runs["split"].results[step][var].values
+            same = np.array_equal(a, b) if a.dtype.kind in "OUS" else np.allclose(a, b, atol=1e-4, equal_nan=True)
+            print(f"  {step}.{var}: {'equal' if same else 'DIFFERENT'}")
+            ok &= bool(same)
+    return ok
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     p.add_argument("--skip-model", action="store_true")
+    p.add_argument("--skip-split", action="store_true", help="skip the model split across the GPU and the CPU")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: running the CPU smoke check only (torch path), skipping Triton and timings")
@@ -136,6 +200,9 @@ def main():
                        env=env, capture_output=True, text=True)
     print("  pytest tests/test_kernels_triton.py on CUDA:", (r.stdout.strip().splitlines() or ["?"])[-1])
     ok &= r.returncode == 0
+    if not args.skip_split:
+        print("a model split across cuda:0 and the CPU (device_map) vs the whole model on cuda:0")
+        ok &= split_check()
     kernel_timings(args.lengths)
     if not args.skip_model:
         subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "bench_kernels.py"),

@@ -78,6 +78,49 @@ class RichReporter(Reporter):
             self.progress.remove_task(task)
 
 
+class LineReporter(Reporter):
+    """Progress as plain lines on stderr where it is not a terminal (a log file, a pipe, a batch job): a line
+    when a unit starts, then at most one every ``interval`` seconds while it advances (one per cell), and one
+    when it ends, ``description: done/total [mm:ss]``. ``interval`` defaults to ``HEADLAB_PROGRESS_SECONDS``
+    (5)."""
+
+    def __init__(self, stream: Any = None, interval: float | None = None) -> None:
+        import time
+
+        self.stream, self.clock = stream, time.monotonic
+        if interval is None:
+            try:
+                interval = float(os.environ.get("HEADLAB_PROGRESS_SECONDS", "5"))
+            except ValueError:
+                interval = 5.0
+        self.interval = interval
+        self.units: dict[str, dict[str, Any]] = {}
+
+    def _print(self, unit: dict[str, Any]) -> None:
+        seconds = int(self.clock() - unit["started"])
+        of = f"/{unit['total']}" if unit["total"] is not None else ""
+        stream = self.stream or sys.stderr
+        stream.write(f"{unit['description']}: {unit['done']}{of} [{seconds // 60:02d}:{seconds % 60:02d}]\n")
+        stream.flush()
+        unit["printed"], unit["printed_done"] = self.clock(), unit["done"]
+
+    def start(self, key: str, total: int | None, description: str) -> None:
+        self.units[key] = unit = {"description": description, "total": total, "done": 0, "started": self.clock()}
+        self._print(unit)
+
+    def advance(self, key: str, n: int = 1) -> None:
+        unit = self.units.get(key)
+        if unit is not None:
+            unit["done"] += n
+            if n and (key == "cells" or self.clock() - unit["printed"] >= self.interval):
+                self._print(unit)
+
+    def stop(self, key: str) -> None:
+        unit = self.units.pop(key, None)
+        if unit is not None and unit["done"] != unit["printed_done"]:
+            self._print(unit)
+
+
 def _parse_set(items: list[str]) -> dict[str, Any]:
     """``--set path=value`` overrides; each value is YAML read by the spec loader, with its limits (no tags,
     bounded size, depth and alias expansion)."""
@@ -165,12 +208,13 @@ def run(
     execution = {k: v for k, v in (("executor", executor), ("address", address)) if v is not None}
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     try:
-        with Progress(*columns, console=err, transient=False) as progress, warnings.catch_warnings():
+        with Progress(*columns, console=err, transient=False, disable=not err.is_terminal) as progress, \
+                warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".* cells of run .* failed")
-            result = runner.run(spec, out=out, overrides=_parse_set(set_ or []), reporter=RichReporter(progress),
+            reporter = RichReporter(progress) if err.is_terminal else LineReporter()
+            result = runner.run(spec, out=out, overrides=_parse_set(set_ or []), reporter=reporter,
                                 execution=execution) if resume is None else \
-                runner.run(None, resume=resume, reporter=RichReporter(progress), execution=execution,
-                           recompute=recompute)
+                runner.run(None, resume=resume, reporter=reporter, execution=execution, recompute=recompute)
     except KeyboardInterrupt as e:
         store = next((n.removeprefix("run store: ") for n in getattr(e, "__notes__", [])
                       if n.startswith("run store: ")), None)

@@ -198,11 +198,12 @@ def from_pretrained(path_or_id: str, spec: ModelSpec, *, name: str | None = None
 
     from .instrument import ATTN_IMPLEMENTATION, register
 
-    device = resolve_device(spec.device)
+    device = resolve_device(spec.device) if spec.device_map is None else _check_device_map(spec)
     register()
     kwargs: dict[str, Any] = {"trust_remote_code": spec.trust_remote_code, "revision": spec.revision}
     if not Path(path_or_id).expanduser().is_dir():
         kwargs["local_files_only"] = _hub_source(path_or_id, spec.revision)
+    placement = _placement(spec)
     dtype = "auto" if spec.dtype == "auto" else DTYPES[spec.dtype]
     from transformers.utils import logging as hf_logging
 
@@ -220,13 +221,14 @@ def from_pretrained(path_or_id: str, spec: ModelSpec, *, name: str | None = None
             tokenizer = processor.tokenizer
             check_vocabulary(tokenizer, config, path_or_id)
             model = AutoModelForImageTextToText.from_pretrained(path_or_id, dtype=dtype,
-                                                                attn_implementation=ATTN_IMPLEMENTATION, **kwargs)
+                                                                attn_implementation=ATTN_IMPLEMENTATION, **kwargs,
+                                                                **placement)
         else:
             tokenizer = AutoTokenizer.from_pretrained(path_or_id, **kwargs)
             if config is not None:
                 check_vocabulary(tokenizer, config, path_or_id)
             model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=dtype,
-                                                         attn_implementation=ATTN_IMPLEMENTATION, **kwargs)
+                                                         attn_implementation=ATTN_IMPLEMENTATION, **kwargs, **placement)
     except ModelLoadError:
         raise
     except (OSError, ValueError) as e:
@@ -240,7 +242,11 @@ def from_pretrained(path_or_id: str, spec: ModelSpec, *, name: str | None = None
     finally:
         if bars:
             hf_logging.enable_progress_bar()
-    model.to(device).eval()
+    if spec.device_map is None:
+        model.to(device)
+    else:
+        device = input_device(model)
+    model.eval()
     local = Path(path_or_id)
     digest = weights_digest(local) if local.is_dir() else _hub_commit(model)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name or path_or_id, geometry=geometry_of(model),
@@ -358,6 +364,77 @@ def check_vocabulary(tokenizer: Any, config: Any, name: str, rows: int | None = 
                              f"with vocab_size of at least {tokens:,}")
 
 
+def _check_device_map(spec: ModelSpec) -> str:
+    """Check that this machine has the GPUs ``spec.device_map`` names and that accelerate is installed (a
+    :class:`ModelLoadError` otherwise); returns the device inputs go to until the model is placed."""
+    try:
+        import accelerate  # noqa: F401 - transformers places modules through it
+    except ImportError:
+        raise ModelLoadError("model.device_map needs accelerate: pip install accelerate") from None
+    places = spec.device_map.values() if isinstance(spec.device_map, dict) else []
+    for place in places:
+        if isinstance(place, int) or str(place).startswith("cuda"):
+            resolve_device(f"cuda:{place}" if isinstance(place, int) else str(place))
+    return "cpu"
+
+
+def _placement(spec: ModelSpec) -> dict[str, Any]:
+    """The ``from_pretrained`` arguments that place the model's modules (none without ``device_map``)."""
+    if spec.device_map is None:
+        return {}
+    from .spec import parse_size
+
+    out: dict[str, Any] = {"device_map": spec.device_map}
+    if spec.max_memory is not None:
+        out["max_memory"] = {int(k) if str(k).isdigit() else k: parse_size(v) for k, v in spec.max_memory.items()}
+    if spec.offload_folder is not None:
+        out["offload_folder"] = str(Path(spec.offload_folder).expanduser())
+    return out
+
+
+def _dispatch(model: Any, spec: ModelSpec) -> Any:
+    """A model built in memory, placed on devices by ``spec.device_map`` (``auto``: as ``max_memory`` allows)
+    through accelerate, as ``from_pretrained`` places a checkpoint."""
+    from accelerate import dispatch_model, infer_auto_device_map
+
+    placement = _placement(spec)
+    device_map = placement["device_map"]
+    if isinstance(device_map, str):
+        device_map = infer_auto_device_map(model, max_memory=placement.get("max_memory"),
+                                           no_split_module_classes=getattr(model, "_no_split_modules", None) or [])
+    try:
+        model = dispatch_model(model, device_map=device_map, offload_dir=placement.get("offload_folder"))
+    except (ValueError, KeyError, RuntimeError) as e:
+        raise ModelLoadError(f"model.device_map: {type(e).__name__}: {e}") from None
+    model.hf_device_map = dict(device_map)
+    return model
+
+
+def input_device(model: Any) -> str:
+    """Where a model placed by a device map takes its inputs: the device of its input embedding's module
+    (``cpu`` for modules offloaded to the CPU or to disk)."""
+    placed = getattr(model, "hf_device_map", None) or {}
+    try:
+        embed = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):  # no input embedding to find: the first placed module's device
+        embed = None
+    names = {id(m): n for n, m in model.named_modules()}
+    name = names.get(id(embed)) if embed is not None else None
+    place = None
+    if name is not None:
+        for prefix, where in placed.items():
+            if name == prefix or name.startswith(prefix + ".") or prefix == "":
+                place = where
+                break
+    if place is None and placed:
+        place = next(iter(placed.values()))
+    if isinstance(place, int):
+        return f"cuda:{place}"
+    if place in (None, "cpu", "disk", "meta"):
+        return "cpu"
+    return str(place)
+
+
 def is_vision_checkpoint(path_or_id: str, kwargs: dict[str, Any]) -> bool:
     """Whether a checkpoint is a vision-language model (its config has a ``vision_config``)."""
     from transformers import AutoConfig
@@ -379,7 +456,7 @@ def from_config(spec: ModelSpec, seed: int = 0) -> LoadedModel:
 
     from .instrument import ATTN_IMPLEMENTATION, register
 
-    device = resolve_device(spec.device)
+    device = resolve_device(spec.device) if spec.device_map is None else _check_device_map(spec)
     register()
     cfg = dict(spec.config or {})
     model_type = cfg.pop("model_type", None)
@@ -425,7 +502,13 @@ def from_config(spec: ModelSpec, seed: int = 0) -> LoadedModel:
         model = auto_class.from_config(config, attn_implementation=ATTN_IMPLEMENTATION, dtype=dtype)
     except (ValueError, KeyError, TypeError) as e:
         raise ModelLoadError(f"model.config: cannot build a {model_type} model: {type(e).__name__}: {e}") from None
-    model.to(device).eval()
+    digest = state_digest(model)  # before placement: weights offloaded to disk are not in memory afterwards
+    if spec.device_map is None:
+        model.to(device)
+    else:
+        model = _dispatch(model, spec)
+        device = input_device(model)
+    model.eval()
     processor = None
     if vision:
         try:
@@ -434,7 +517,7 @@ def from_config(spec: ModelSpec, seed: int = 0) -> LoadedModel:
             raise ModelLoadError(str(e) if str(e).startswith("model.config") else f"model.config.processor: {e}") \
                 from None
     return LoadedModel(model=model, tokenizer=tokenizer, name=spec.name, geometry=geometry_of(model),
-                       digest=state_digest(model), device=device, dtype=spec.dtype, processor=processor)
+                       digest=digest, device=device, dtype=spec.dtype, processor=processor)
 
 
 def load_model_by_name_tokenizer(name: str) -> Any | None:

@@ -19,14 +19,17 @@ picklable :class:`CellTask` with :func:`execute_cell`.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import gc
 import json
 import platform
+import re
 import time
 import traceback
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,8 +42,9 @@ from pydantic_core import to_jsonable_python
 
 from . import resources
 from .context import Example, Reporter, StepContext
+from .contract import OutOfMemory, StoreWriteError, meta_problem, result_problems
 from .dims import DIMENSIONS
-from .errors import StepError, step_error
+from .errors import ContractError, StepError, step_error
 from .inputs import check_resume, input_digests
 from .model import LoadedModel, ModelLoadError, load_model
 from .plugin_manager import get_manager, plugins_for_workers, register_worker_plugins
@@ -132,6 +136,105 @@ def check_context(examples: list[Example], lm: LoadedModel, config: Any, cache: 
                          "to run past it")
 
 
+LONG_FORWARD_TOKENS = 8192
+"""Tokens of one forward (rows x positions) from which its progress through the layers is reported."""
+
+
+@contextlib.contextmanager
+def forward_progress(lm: LoadedModel, reporter: Reporter, step_id: str,
+                     min_tokens: int = LONG_FORWARD_TOKENS) -> Iterator[None]:
+    """Report each forward of at least ``min_tokens`` tokens layer by layer (the key ``forward:<step id>``),
+    so a cell busy with one long prompt shows where it is."""
+    if type(reporter) is Reporter:  # nobody is watching
+        yield
+        return
+    try:
+        layers = lm.decoder_layers
+    except Exception:  # noqa: BLE001 - a model whose layers anatomy cannot find runs without this progress
+        layers = []
+    if not layers:
+        yield
+        return
+    key, total = f"forward:{step_id}", len(layers)
+    active = [False]
+
+    def begin(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        shape = tuple(getattr(hidden, "shape", ()))
+        tokens = int(np.prod(shape[:-1])) if len(shape) >= 2 else 0
+        if tokens >= min_tokens:
+            active[0] = True
+            reporter.start(key, total, f"forward over {tokens:,} tokens: layers")
+
+    def done(module: Any, args: tuple[Any, ...], output: Any, last: bool = False) -> None:
+        if active[0]:
+            reporter.advance(key)
+            if last:
+                active[0] = False
+                reporter.stop(key)
+
+    handles = [layers[0].register_forward_pre_hook(begin, with_kwargs=True)]
+    handles += [layer.register_forward_hook(functools.partial(done, last=i == total - 1))
+                for i, layer in enumerate(layers)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        if active[0]:
+            reporter.stop(key)
+
+
+def check_meta(examples: list[Example]) -> None:
+    """Refuse (``ValueError``) examples whose ``meta`` fields a run store cannot hold: a field mixing strings
+    with numbers or booleans, or an integer beyond 64 bits (checked before the step runs)."""
+    for key in sorted({k for ex in examples for k in ex.meta}):
+        problem = meta_problem(key, [ex.meta.get(key) for ex in examples])
+        if problem:
+            raise ValueError(f"the task's {problem}")
+
+
+def check_result(ds: xr.Dataset, step: Any, config: Any, lm: LoadedModel, n_examples: int) -> None:
+    """Refuse a step's result that breaks the contract of stored results (:func:`headlab.contract.result_problems`)
+    with a :class:`ContractError` naming the component that made it (the detector of a ``detect`` step, else
+    the action) and the variable."""
+    problems = result_problems(ds, lm.geometry, None if "example_source" in ds.attrs else n_examples)
+    if not problems:
+        return
+    detector = get_manager().components["detectors"].get(getattr(config, "kind", ""))
+    category, kind = ("detectors", config.kind) if detector is not None and isinstance(config, detector.config) \
+        else ("actions", step.action)
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    raise ContractError(f"the result cannot be stored: {problems[0]}{more}", category=category, kind=kind)
+
+
+_ALLOCATED = re.compile(r"(?:tried to allocate|unable to allocate)\s+([0-9][0-9.,]*)\s*([KMGTP]i?B|bytes|B)\b",
+                        re.IGNORECASE)
+
+
+def _memory_error(exc: BaseException, step: Any, config: Any) -> BaseException:
+    """``exc`` itself, or for an out-of-memory error (``MemoryError``, ``torch.cuda.OutOfMemoryError``) an
+    :class:`headlab.contract.OutOfMemory` line with the size that failed and the knobs that make it fit."""
+    if not isinstance(exc, (MemoryError, torch.cuda.OutOfMemoryError)) or isinstance(exc, OutOfMemory):
+        return exc
+    cuda = isinstance(exc, torch.cuda.OutOfMemoryError)
+    found = _ALLOCATED.search(str(exc))
+    if found is None:
+        size = "(the allocator did not say how much)"
+    elif found.group(2).lower() in ("bytes", "b"):
+        size = resources.format_bytes(float(found.group(1).replace(",", "")))
+    else:
+        size = f"{found.group(1)} {found.group(2)}"
+    batch = f"make the step's batch_size smaller ({step.action}.batch_size of step '{step.id}'), or " \
+        if hasattr(config, "batch_size") else ""
+    err = OutOfMemory(f"out of {'GPU' if cuda else 'host'} memory allocating {size}; {batch}make the task smaller "
+                      "(n, length, max_new_tokens), or set limits.memory in the spec (or --memory-limit) to a budget "
+                      "this machine holds, so the resource guard refuses such a cell before it runs")
+    err.__traceback__ = exc.__traceback__
+    err.__cause__ = exc
+    return err
+
+
 def examples_dataset(examples: list[Example], lm: LoadedModel) -> xr.Dataset:
     """The inputs a step saw: prompts, targets, token ids (right-padded with -1), meta as coordinates."""
     ids = []
@@ -189,8 +292,9 @@ def run_cell(loaded: LoadedSpec, cell: Cell, models: ModelCache, reporter: Repor
         if key not in example_cache:
             try:
                 example_cache[key] = build_examples(task, lm, spec.seed)
+                check_meta(example_cache[key])
             except (Exception, SystemExit) as e:
-                raise step_error(e, step=step, config=None, task=task, cell=cell) from e
+                raise step_error(_memory_error(e, step, None), step=step, config=None, task=task, cell=cell) from e
         examples = example_cache[key]
         if not spec.model.extrapolate:
             try:
@@ -202,11 +306,13 @@ def run_cell(loaded: LoadedSpec, cell: Cell, models: ModelCache, reporter: Repor
         _seed(spec.seed)
         config = getattr(step, step.action)
         try:
-            ds = get_manager().get("actions", step.action).impl(config, ctx)
+            with forward_progress(lm, reporter, step.id):
+                ds = get_manager().get("actions", step.action).impl(config, ctx)
             if not isinstance(ds, xr.Dataset):
                 raise TypeError(f"the action returned {type(ds).__name__}, not an xarray Dataset")
+            check_result(ds, step, config, lm, len(examples))
         except (Exception, SystemExit) as e:  # KeyboardInterrupt passes: the run is interrupted, not failed
-            raise step_error(e, step=step, config=config, cell=cell) from e
+            raise step_error(_memory_error(e, step, config), step=step, config=config, cell=cell) from e
         if "example_source" not in ds.attrs:  # the step's `example` are the task's examples: store their inputs
             try:
                 ex = examples_dataset(examples, lm)
@@ -330,6 +436,22 @@ def _run_dir(output: str, name: str) -> str:
     return str(candidate)
 
 
+def write_cell(writer: RunWriter, cell: Cell, results: Mapping[str, xr.Dataset], timing: Mapping[str, Any], *,
+               done: bool = True) -> None:
+    """Write ``cell``'s results into the run store; an ``OSError`` (no space left, a file-size limit) is a
+    :class:`headlab.contract.StoreWriteError` naming the cell's path in the store and the command that
+    finishes the run."""
+    try:
+        writer.write_cell(cell.name, cell.as_dict(), results, timing, done=done)
+    except OSError as e:
+        where = f"{str(writer.location).rstrip('/')}/cells/{cell.name}"
+        file = f" ({e.filename})" if getattr(e, "filename", None) else ""
+        reason = e.strerror or str(e) or type(e).__name__
+        raise StoreWriteError(e.errno, f"cannot write cell {cell.name} into {where}{file}: {reason}; free space (or "
+                              f"raise the file-size limit), then finish the run with `headlab run --resume "
+                              f"{writer.location}`") from e
+
+
 # --- executing cells: what an executor and its workers use ----------------------------------------
 
 @dataclass
@@ -441,9 +563,8 @@ def execute_cell(task: CellTask, models: ModelCache, reporter: Reporter | None =
         lm = models.get(loaded.for_cell(cell).model, seed=loaded.spec.seed)
         seconds = time.time() - started
         step[0] = None
-        RunWriter(task.store).write_cell(cell.name, cell.as_dict(), results,
-                                         {"started": started, "seconds": seconds, "host": platform.node()},
-                                         done=False)
+        write_cell(RunWriter(task.store), cell, results, {"started": started, "seconds": seconds,
+                                                          "host": platform.node()}, done=False)
     except Exception as e:
         raise CellError(CellFailure.from_exception(cell, step[0], e)) from None
     return CellResult(cell, started, seconds, platform.node(), lm.provenance())
@@ -529,8 +650,7 @@ class Job:
             results = run_cell(self.spec, cell, self.models, self.reporter, self._cancel,
                                on_step=lambda s: step.__setitem__(0, s), store=writer.location)
             step[0] = None
-            writer.write_cell(cell.name, cell.as_dict(), results,
-                              {"started": started, "seconds": time.time() - started})
+            write_cell(writer, cell, results, {"started": started, "seconds": time.time() - started})
         except Exception as e:
             self.cell_failed(CellFailure.from_exception(cell, step[0], e))
             raise
@@ -550,7 +670,10 @@ class Job:
         if not self.failures:
             self.reporter.start("failed", None, "failed cells")
         self.failures[failure.cell] = failure
-        self.writer.record_failure(failure.cell, failure.as_dict())
+        try:
+            self.writer.record_failure(failure.cell, failure.as_dict())
+        except OSError:  # a full disk: the run is still marked failed (run) and the error says where
+            pass
         self.reporter.advance("failed")
 
     def cancelled(self) -> bool:
@@ -633,7 +756,14 @@ def run(spec: str | Path | Mapping[str, Any] | LoadedSpec | None, *, out: str | 
             "steps": [s.id for s in loaded.spec.steps], "cells_total": len(cells), "seed": loaded.spec.seed,
             "model": loaded.spec.model.name, "input_digests": input_digests(loaded.spec), **prov,
         }
-        return RunWriter.create(_run_dir(str(out or loaded.spec.output), loaded.spec.name), attrs)
+        where = _run_dir(str(out or loaded.spec.output), loaded.spec.name)
+        try:
+            return RunWriter.create(where, attrs)
+        except (FileExistsError, PermissionError, NotADirectoryError):
+            raise
+        except OSError as e:  # no space left, a file-size limit: nothing was kept (creation is atomic)
+            raise StoreWriteError(e.errno, f"cannot create the run store {where}: {e.strerror or e}; free space "
+                                  "(or raise the file-size limit) and run again") from e
 
     job = Job(loaded, todo, writer=writer, create=create, total=len(cells), reporter=reporter, cancel=cancel,
               on_cell=on_cell, executor=comp.kind)
@@ -643,7 +773,10 @@ def run(spec: str | Path | Mapping[str, Any] | LoadedSpec | None, *, out: str | 
         job.start()
     except BaseException as e:
         if job.started:
-            job.writer.set_attrs(status="failed" if job.failures else "interrupted")
+            try:
+                job.writer.set_attrs(status="failed" if job.failures else "interrupted")
+            except OSError:  # the disk that made the run fail may refuse this too; the error line says so
+                pass
             if hasattr(e, "add_note"):
                 e.add_note(f"run store: {job.writer.path}")  # the CLI names it in its "interrupted" line
         raise

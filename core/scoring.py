@@ -19,6 +19,7 @@ dataset}``).
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -96,7 +97,30 @@ def build_examples(task: Any, lm: LoadedModel, seed: int) -> list[Example]:
             raise ValueError(f"task '{task.kind}' {where} has an empty prompt: a score or a generation would be "
                              "conditioned on nothing and averaged in with the others; fix the row (or the template "
                              "that renders it empty)")
+        for name, text in (("prompt", ex.prompt), ("target", ex.target), *((f"choice {j}", c) for j, c in
+                                                                          enumerate(ex.choices or ()))):
+            found = _long_word(text) if isinstance(text, str) else None
+            if found is not None:
+                raise ValueError(f"task '{task.kind}': example {i}'s {name} has a word of {found[1]:,} characters "
+                                 f"without whitespace (from character {found[0] + 1:,}), over the {MAX_WORD_CHARS:,} a "
+                                 "tokenizer is given at once (a longer one can abort the process); break it with "
+                                 "spaces or newlines")
     return examples
+
+
+MAX_WORD_CHARS = 100_000
+"""The longest run of non-whitespace characters a task's example may hold (a fast tokenizer's pre-tokenizer
+works on one such run at a time; one of megabytes can abort the process)."""
+
+
+def _long_word(text: str) -> tuple[int, int] | None:
+    """``(offset, length)`` of the first run of non-whitespace characters longer than :data:`MAX_WORD_CHARS`."""
+    if len(text) <= MAX_WORD_CHARS:
+        return None
+    for m in re.finditer(r"\S+", text):
+        if m.end() - m.start() > MAX_WORD_CHARS:
+            return m.start(), m.end() - m.start()
+    return None
 
 
 def metric_values(config: Any, examples: Sequence[Example], outputs: Sequence[str]) -> dict[str, Any]:

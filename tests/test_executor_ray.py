@@ -211,3 +211,20 @@ def test_cells_sharing_a_model_load_it_once_per_worker(cluster, tmp_path):
     finally:
         release_workers()
     assert worker_info() == []
+
+
+@pytest.mark.parametrize("ask, named", [({"num_cpus_per_cell": 8}, "execution.num_cpus_per_cell is 8 but the Ray "
+                                         "cluster has 2 CPUs in all"),
+                                        ({"num_gpus_per_cell": 1}, "execution.num_gpus_per_cell is 1 but the Ray "
+                                         "cluster has 0 GPUs in all")])
+def test_more_than_the_cluster_has_is_refused_at_once(cluster, tmp_path, ask, named):
+    import time
+
+    from headlab.plugin_manager import PluginError
+
+    start = time.monotonic()
+    with pytest.raises(PluginError, match=named):
+        headlab.run(spec_text("  - id: ind\n    detect: {kind: induction}\n"), out=tmp_path,
+                    execution={"executor": "ray", **ask})
+    assert time.monotonic() - start < 15  # it waited forever for a worker the cluster cannot hold
+    assert not any(tmp_path.iterdir())  # refused before the store exists

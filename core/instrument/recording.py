@@ -102,7 +102,8 @@ class Recording:
             per_layer = [[torch.nn.functional.pad(c, (0, nk - c.shape[-1])) for c in chunks]
                          for chunks in per_layer]
         axis = 2  # (batch, head, query, ...) per layer chunk
-        out = torch.stack([torch.cat(chunks, dim=axis) for chunks in per_layer], dim=1)
+        first = per_layer[0][0].device  # layers split across devices (device_map) meet on the first layer's
+        out = torch.stack([torch.cat(chunks, dim=axis).to(first) for chunks in per_layer], dim=1)
         self._cache[name] = out
         return out
 

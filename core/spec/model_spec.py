@@ -7,14 +7,14 @@ A spec that names no model gets the model registered with ``default=True`` (see
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from ..config import StrictModel
 from ..plugin_manager import Registry, get_manager
-from .fields import NonEmptyStr
+from .fields import NonEmptyStr, NonNegativeInt
 
 __all__ = ["DEVICE_PATTERN", "ModelSpec", "default_model"]
 
@@ -35,6 +35,16 @@ class ModelSpec(StrictModel):
     device: str = Field("auto", description="'auto' (cuda if available, else cpu), 'cpu', 'cuda', 'cuda:1', ...",
                         json_schema_extra={"pattern": DEVICE_PATTERN})
     trust_remote_code: bool = False
+    device_map: Literal["auto", "balanced", "balanced_low_0", "sequential"] | dict[str, NonNegativeInt | str] | None \
+        = Field(
+        None, description="place the model's modules on several devices through accelerate: 'auto' (fill the GPUs, "
+        "then the CPU, then disk) or a mapping from module names to a GPU index, 'cpu' or 'disk' (e.g. "
+        "{model.embed_tokens: 0, model.layers.0: 0, model.layers.1: cpu, model.norm: cpu, lm_head: cpu}); "
+        "instead of `device`")
+    max_memory: dict[str, Annotated[int, Field(ge=1, le=2**62)] | str] | None = Field(
+        None, description="with device_map: the most each device may hold, e.g. {0: 20GiB, cpu: 60GiB}")
+    offload_folder: NonEmptyStr | None = Field(
+        None, description="with device_map: the directory for the weights placed on 'disk'")
     extrapolate: bool = Field(False, description="run prompts (plus generated tokens) longer than the model's context "
                               "window (max_position_embeddings / n_positions): a legitimate experiment on RoPE models, "
                               "refused unless asked for")
@@ -55,6 +65,50 @@ class ModelSpec(StrictModel):
                 "unknown_device", "unknown device '{device}': use auto, cpu, cuda, cuda:<index>, mps or xpu",
                 {"device": value}) from None
         return value
+
+    @field_validator("device_map")
+    @classmethod
+    def _known_places(cls, value: Any) -> Any:
+        """Every place of a device_map mapping is a GPU index, 'cpu' or 'disk' (or a cuda device string)."""
+        if isinstance(value, dict):
+            if not value:
+                raise ValueError("device_map is empty: map module names to devices, or use device_map: auto")
+            for module, place in value.items():
+                if isinstance(place, bool) or not (isinstance(place, int) and place >= 0 or place in ("cpu", "disk")
+                                                   or isinstance(place, str) and re.fullmatch(r"cuda(:\d+)?", place)):
+                    raise ValueError(f"device_map[{module!r}] is {place!r}: give a GPU index (0, 1, ...), 'cpu' or "
+                                     "'disk'")
+        return value
+
+    @field_validator("max_memory")
+    @classmethod
+    def _memory_sizes(cls, value: Any) -> Any:
+        """Keys are GPU indices, 'cpu' or 'disk'; values sizes such as 20GiB."""
+        if value is None:
+            return value
+        from .limits import parse_size
+
+        for key, size in value.items():
+            if not (str(key).isdigit() or key in ("cpu", "disk")):
+                raise ValueError(f"max_memory key {key!r}: give a GPU index (0, 1, ...), 'cpu' or 'disk'")
+            try:
+                parse_size(size)
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"max_memory[{key!r}]: {e}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _placement(self) -> ModelSpec:
+        if self.device_map is None:
+            if self.max_memory is not None or self.offload_folder is not None:
+                given = "max_memory" if self.max_memory is not None else "offload_folder"
+                raise ValueError(f"{given} needs device_map (auto, or a mapping of modules to devices)")
+            return self
+        if self.device != "auto":
+            raise ValueError(f"give device ({self.device!r}) or device_map, not both: device_map places every module")
+        if isinstance(self.device_map, dict) and "disk" in self.device_map.values() and self.offload_folder is None:
+            raise ValueError("device_map puts modules on 'disk': give offload_folder, the directory for their weights")
+        return self
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSpec:

@@ -27,7 +27,8 @@ __all__ = ["SpecRunner", "WidgetReporter", "error_html"]
 
 
 class WidgetReporter(Reporter):
-    """Progress of a run on two ipywidgets progress bars: ``cells`` and the current step.
+    """Progress of a run on two ipywidgets progress bars: ``cells`` and the current step; a long forward
+    inside a step (``forward:<step>``, layer by layer) is reported on the step's label.
 
     Every event is also appended to ``history`` as ``(event, key, value, total)``.
     """
@@ -36,12 +37,18 @@ class WidgetReporter(Reporter):
         self.cells, self.step, self.label = cells, step, label
         self.history: list[tuple[str, str, int, int | None]] = []
         self._lock = threading.Lock()
+        self._forward: list[Any] = ["", 0, None]
 
     def _bar(self, key: str) -> w.IntProgress:
         return self.cells if key == "cells" else self.step
 
     def start(self, key: str, total: int | None, description: str) -> None:
         with self._lock:
+            if key.startswith("forward:"):  # inside one of the step's items: said on the label, bars untouched
+                self._forward = [description, 0, total]
+                self.label.value = html.escape(f"{key.removeprefix('forward:')}: {description} 0/{total}")
+                self.history.append(("start", key, 0, total))
+                return
             bar = self._bar(key)
             bar.max = max(1, total or 1)
             bar.value = 0
@@ -53,12 +60,21 @@ class WidgetReporter(Reporter):
 
     def advance(self, key: str, n: int = 1) -> None:
         with self._lock:
+            if key.startswith("forward:"):
+                self._forward[1] += n
+                description, done, total = self._forward
+                self.label.value = html.escape(f"{key.removeprefix('forward:')}: {description} {done}/{total}")
+                self.history.append(("advance", key, done, total))
+                return
             bar = self._bar(key)
             bar.value = min(bar.max, bar.value + n)
             self.history.append(("advance", key, bar.value, bar.max))
 
     def stop(self, key: str) -> None:
         with self._lock:
+            if key.startswith("forward:"):
+                self.history.append(("stop", key, self._forward[1], self._forward[2]))
+                return
             bar = self._bar(key)
             if key == "cells" and bar.value >= bar.max:
                 bar.bar_style = "success"

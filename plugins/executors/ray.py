@@ -107,15 +107,49 @@ def _replace(ray: Any, config: RayExecutor, pool: list[Any], slot: int) -> None:
 
 
 def _size(ray: Any, config: RayExecutor, cells: int) -> int:
+    """Workers to start: as many as the cluster's CPUs and GPUs hold (at most ``workers``, one per cell). A
+    worker the whole cluster cannot hold is a :class:`PluginError` at once (Ray would wait for it forever)."""
     resources = ray.cluster_resources()
+    for key, field, asked in (("CPU", "num_cpus_per_cell", config.num_cpus_per_cell),
+                              ("GPU", "num_gpus_per_cell", config.num_gpus_per_cell)):
+        have = float(resources.get(key, 0))
+        if asked > have:
+            raise PluginError(f"executor 'ray': execution.{field} is {asked:g} but the Ray cluster has "
+                              f"{have:g} {key}s in all, so no worker could ever start; ask for at most {have:g} "
+                              "(or add nodes)")
     n = int(resources.get("CPU", 1) // config.num_cpus_per_cell)
     if config.num_gpus_per_cell > 0:
-        gpus = int(resources.get("GPU", 0) // config.num_gpus_per_cell)
-        if gpus == 0:
-            raise PluginError(f"execution.num_gpus_per_cell is {config.num_gpus_per_cell} but the Ray cluster has "
-                              f"{resources.get('GPU', 0)} GPUs")
-        n = min(n, gpus)
+        n = min(n, int(resources.get("GPU", 0) // config.num_gpus_per_cell))
     return max(1, min(config.workers or n, cells))
+
+
+PROBE_SECONDS = 5.0
+"""How long :func:`_reachable` waits for a cluster's address to accept a connection."""
+
+
+def _reachable(address: str | None) -> None:
+    """Refuse (:class:`PluginError`, within :data:`PROBE_SECONDS`) an explicit ``host:port`` or
+    ``ray://host:port`` address nothing listens on; Ray itself would retry for a long time without a word.
+    ``auto`` and ``None`` are found by Ray (``RAY_ADDRESS``, a cluster started on this node) and not probed,
+    except that an explicit ``RAY_ADDRESS`` is."""
+    import socket
+
+    target = address if address not in (None, "auto", "local") else os.environ.get("RAY_ADDRESS") or None
+    if target is None or target in ("auto", "local"):
+        return
+    hostport = target.split("://", 1)[1] if "://" in target else target
+    hostport = hostport.split("/", 1)[0]
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        return  # not host:port; Ray reports what it makes of it
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        socket.create_connection((host, int(port)), timeout=PROBE_SECONDS).close()
+    except OSError as e:
+        why = "timed out" if isinstance(e, TimeoutError) else (e.strerror or type(e).__name__)
+        named = f"address {address!r}" if target == address else f"RAY_ADDRESS {target!r}"
+        raise PluginError(f"executor 'ray': cannot reach a Ray cluster at {named}: {host}:{port}: {why}; start one "
+                          "(`ray start --head`) or give its address (execution.address, --address)") from None
 
 
 def _failure(ray: Any, error: BaseException, cell: Cell) -> tuple[CellFailure, bool]:
@@ -135,6 +169,7 @@ def execute(config: RayExecutor, job: Job) -> None:
     ray = _ray()
     started_here = False
     if not ray.is_initialized():
+        _reachable(config.address)
         try:
             ray.init(address=config.address, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
         except (ConnectionError, TimeoutError, ValueError, RuntimeError) as e:
@@ -143,17 +178,17 @@ def execute(config: RayExecutor, job: Job) -> None:
                               + (f": {text[0]}" if text else "")) from None
         started_here = True
     try:
+        n = _size(ray, config, len(job.cells)) if job.cells else 0  # a cluster too small is refused before the store
         job.start()
         if job.cells:
-            _schedule(ray, config, job)
+            _schedule(ray, config, job, n)
     finally:
         if started_here:
             _pools.clear()
             ray.shutdown()
 
 
-def _schedule(ray: Any, config: RayExecutor, job: Job) -> None:
-    n = _size(ray, config, len(job.cells))
+def _schedule(ray: Any, config: RayExecutor, job: Job, n: int) -> None:
     pool = _pool(ray, config, n)
     model_of = {c.name: job.spec.for_cell(c).model.model_dump_json() for c in job.cells}
     order = {key: i for i, key in enumerate(dict.fromkeys(model_of.values()))}

@@ -63,8 +63,34 @@ from headlab.spec import PositiveInt, Seed
 __all__ = [
     "TaskDataError", "TemplateLimitError", "Row", "Template", "lint_template", "strip_tags", "read_rows", "load_hf",
     "resolve_path", "resolve_image", "parse_list", "resolve_label", "select_rows", "DataSource", "JsonlTask",
-    "CsvTask", "build_file_task",
+    "CsvTask", "build_file_task", "MAX_WORD_CHARS", "long_word", "word_error",
 ]
+
+MAX_WORD_CHARS = 100_000
+"""The longest run of characters without whitespace a task's text may hold: a fast tokenizer's pre-tokenizer
+works on one such run at a time, and one of megabytes can abort the process (a Rust stack overflow) or take
+minutes."""
+_WORD = re.compile(r"\S+")
+
+
+def long_word(text: str, limit: int = MAX_WORD_CHARS) -> tuple[int, int] | None:
+    """``(offset, length)`` of the first run of non-whitespace characters in ``text`` longer than ``limit``,
+    or None."""
+    if len(text) <= limit:
+        return None
+    for m in _WORD.finditer(text):
+        if m.end() - m.start() > limit:
+            return m.start(), m.end() - m.start()
+    return None
+
+
+def word_error(where: str, found: tuple[int, int], unit: str = "character") -> str:
+    """The message for a text (``where``: its file, row or field) holding the over-long word ``found``
+    (``(offset, length)``, the offset counted in ``unit``)."""
+    offset, length = found
+    return (f"{where} has a word of {length:,} characters without whitespace (from {unit} {offset + 1:,}), over "
+            f"the {MAX_WORD_CHARS:,} a tokenizer is given at once (a longer one can abort the process); break it "
+            "with spaces or newlines")
 
 
 class TaskDataError(ValueError):
@@ -116,7 +142,7 @@ class Template:
                     f"{self.task} task: {row.where()}: template `{self.name}` uses variable '{var}', "
                     "which is null in this row")
         try:
-            return self.template.render(fields)
+            text = self.template.render(fields)
         except UndefinedError as e:
             raise TaskDataError(f"{self.task} task: {row.where()}: template `{self.name}`: {e.message}") from None
         except TemplateLimitError as e:
@@ -129,6 +155,11 @@ class Template:
         except Exception as e:  # anything else a template does wrong (1/0, a bad filter argument)
             raise TaskDataError(f"{self.task} task: {row.where()}: template `{self.name}` failed: "
                                 f"{type(e).__name__}: {e}") from None
+        found = long_word(text)
+        if found is not None:
+            raise TaskDataError(word_error(f"{self.task} task: {row.where()}: template `{self.name}` gives a text "
+                                           "that", found))
+        return text
 
 
 # --- inline span tags -----------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from headlab.resources import TaskSize
 from headlab.spec import NonNegativeInt, PositiveInt, Probability, Seed, StrictModel
 
 from . import generators as S
-from .files import TaskDataError, resolve_path, strip_tags
+from .files import TaskDataError, long_word, resolve_path, strip_tags, word_error
 
 
 def length_function(tokenizer: Any) -> Callable[[str], int] | None:
@@ -158,9 +158,16 @@ def build_niah(config: Niah, ctx: TaskContext) -> list[Example]:
     lengths, depths, needles = config.grid()
     haystack = None
     if config.haystack is not None:
-        haystack = S.haystack_text(resolve_path(config.haystack, "niah"))
+        path = resolve_path(config.haystack, "niah")
+        haystack = S.haystack_text(path)
         if not haystack:
             raise TaskDataError(f"niah task: haystack file {config.haystack!r} is empty")
+        if long_word(haystack) is not None:  # located in the file as written (haystack_text joins its lines)
+            raw = path.read_text(encoding="utf-8")
+            offset, length = long_word(raw) or (0, 0)
+            line = raw.count("\n", 0, offset) + 1
+            raise TaskDataError(word_error(f"niah task: haystack file {config.haystack!r} line {line}",
+                                           (offset - raw.rfind("\n", 0, offset) - 1, length), "column"))
     rows = S.niah(lengths, depths, needles, haystack=haystack, length_fn=length_function(ctx.tokenizer),
                   seed=ctx.seed + config.seed, distractors=config.distractors,
                   random_offset=config.random_offset)

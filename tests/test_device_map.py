@@ -1,0 +1,139 @@
+"""Models beyond one device (issue [robustness]): ``model: {device_map, max_memory, offload_folder}`` places a
+checkpoint's modules through accelerate, and a model with layers offloaded to the CPU and to disk gives what
+the unsplit model gives: logits, attention probes (a detector) and steering (a steered generation). The
+checkpoint is a tiny random Llama the test writes, with the headlab-tiny tokenizer; nothing is downloaded."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import xarray as xr
+
+import headlab
+from headlab.model import load_model
+from headlab.spec import ModelSpec, SpecError
+
+pytest.importorskip("accelerate")
+
+SPLIT = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
+         "model.layers.2": "cpu", "model.layers.3": "disk", "model.norm": "cpu", "lm_head": "disk"}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A 4-layer random Llama (vocabulary of headlab-tiny) saved as a Hugging Face checkpoint."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("ckpt")
+    src = Path(__file__).parent.parent / "plugins" / "models" / "tiny" / "headlab-tiny"
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, path / name)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=811, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=False)
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def model_yaml(path: Path, placement: str = "") -> str:
+    return f"model: {{path: {path}{', ' + placement if placement else ''}}}\n"
+
+
+def test_an_offloaded_model_gives_the_logits_of_the_unsplit_one(checkpoint, tmp_path):
+    whole = load_model(ModelSpec(path=str(checkpoint), device="cpu"))
+    split = load_model(ModelSpec(path=str(checkpoint), device_map=SPLIT, offload_folder=str(tmp_path / "off")))
+    assert split.device == "cpu" and dict(split.model.hf_device_map) == SPLIT
+    offloaded = [name for name, p in split.model.named_parameters() if p.device.type == "meta"]
+    assert any(".layers.1." in n for n in offloaded) and any(".layers.3." in n for n in offloaded)  # on disk
+    assert not any(".layers.0." in n for n in offloaded)
+    # (safetensors weights placed on disk are read from the checkpoint itself, so offload_folder may stay empty)
+    ids = torch.tensor([whole.tokenizer("the cat sat on the mat and the dog sat on the rug")["input_ids"]])
+    with torch.no_grad():
+        a = whole.model(ids).logits
+        b = split.model(ids).logits
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert split.geometry == whole.geometry and split.digest == whole.digest
+
+
+STEPS = """task: {kind: repeated_tokens, n: 3, length: 12}
+steps:
+  - id: ind
+    detect: {kind: induction}
+  - id: gen
+    generate:
+      max_new_tokens: 4
+      steer: [{kind: head_scale, heads: {from: ind, top: 2}, factor: 0.0}]
+  - id: plain
+    generate: {max_new_tokens: 4}
+"""
+
+
+def test_probes_and_steering_on_an_offloaded_model_equal_the_unsplit_model(checkpoint, tmp_path):
+    whole = headlab.run("name: whole\n" + model_yaml(checkpoint, "device: cpu") + STEPS, out=tmp_path / "a")
+    placement = f"device_map: {SPLIT}, offload_folder: {tmp_path / 'off'}".replace("'", "")
+    split = headlab.run("name: split\n" + model_yaml(checkpoint, placement) + STEPS, out=tmp_path / "b")
+    assert split.status == "complete" and split.attrs["device"] == "cpu"
+    for step in ("ind", "gen", "plain"):
+        a, b = whole.results[step], split.results[step]
+        a.attrs.pop("model", None), b.attrs.pop("model", None)
+        xr.testing.assert_identical(a, b)
+    # the steering changed something (zeroing the two top induction heads), identically on both
+    assert (whole.results["gen"]["output"].values != whole.results["plain"]["output"].values).any() or \
+        not (whole.results["gen"]["logprob"].values == whole.results["plain"]["logprob"].values).all()
+
+
+def test_device_map_auto_spills_past_max_memory_to_disk_with_the_same_logits(checkpoint, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU machine fills its GPUs first (benchmarks/gpu_check.py checks that split)")
+    whole = load_model(ModelSpec(path=str(checkpoint), device="cpu"))
+    lm = load_model(ModelSpec(path=str(checkpoint), device_map="auto", max_memory={"cpu": "500KB"},
+                              offload_folder=str(tmp_path / "off")))
+    placed = dict(getattr(lm.model, "hf_device_map", {}))
+    assert lm.device == "cpu" and set(placed.values()) == {"cpu", "disk"}, placed
+    ids = torch.tensor([whole.tokenizer("the cat sat on the mat")["input_ids"]])
+    with torch.no_grad():
+        torch.testing.assert_close(whole.model(ids).logits, lm.model(ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("placement, message", [
+    ("device: cpu, device_map: auto", "give device ('cpu') or device_map, not both"),
+    ("device_map: {model.layers.0: disk}", "device_map puts modules on 'disk': give offload_folder"),
+    ("device_map: {model.layers.0: gpu}", "device_map['model.layers.0'] is 'gpu': give a GPU index"),
+    ("device_map: {}", "device_map is empty"),
+    ("max_memory: {cpu: 1GiB}", "max_memory needs device_map"),
+    ("device_map: auto, max_memory: {cpu: lots}", "max_memory['cpu']:"),
+    ("device_map: auto, max_memory: {tpu: 1GiB}", "max_memory key 'tpu'"),
+])
+def test_placements_that_cannot_work_are_refused_at_the_key(checkpoint, placement, message):
+    with pytest.raises(SpecError) as info:
+        headlab.load_spec("name: t\n" + model_yaml(checkpoint, placement) + STEPS)
+    assert message in str(info.value) and ":2:" in str(info.value), str(info.value)
+
+
+def test_a_gpu_the_machine_lacks_is_one_model_load_line(checkpoint, tmp_path):
+    if torch.cuda.device_count() > 3:
+        pytest.skip("this machine has a cuda:3")
+    from headlab.model import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="cuda:3"):
+        load_model(ModelSpec(path=str(checkpoint), device_map={**SPLIT, "model.layers.0": 3},
+                             offload_folder=str(tmp_path)))
+
+
+def test_a_config_built_model_is_placed_the_same_way(tmp_path):
+    config = {"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 97}
+    whole = load_model(ModelSpec(config=config, device="cpu"), seed=5)
+    placed = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "disk",
+              "model.layers.1": "cpu", "model.norm": "cpu", "lm_head": "cpu"}
+    split = load_model(ModelSpec(config=config, device_map=placed, offload_folder=str(tmp_path / "off")), seed=5)
+    assert split.device == "cpu" and split.model.hf_device_map == placed
+    assert any((tmp_path / "off").iterdir())  # weights built in memory are written to offload_folder
+    assert any(p.device.type == "meta" for n, p in split.model.named_parameters() if ".layers.0." in n)
+    ids = torch.tensor([[1, 5, 9, 2, 5, 9, 2]])
+    with torch.no_grad():
+        torch.testing.assert_close(whole.model(ids).logits, split.model(ids).logits, rtol=0, atol=0)
