@@ -88,7 +88,8 @@ def test_the_model_is_left_as_it_was(method):
     assert torch.equal(forward(lm, batch)[0].logits, before)
 
 
-@pytest.mark.parametrize(("arch", "direction"), [(arch, "denoise") for arch in ARCHS] + [("llama", "noise")])
+@pytest.mark.parametrize(("arch", "direction"),
+                         [(arch, "denoise") for arch in (*ARCHS, "olmo2")] + [("llama", "noise")])
 def test_attribution_runs_equal_pair_runs_then_target_gradients(arch, direction):
     tok, lm, _ = models(arch)
     examples = pair_examples(tok)

@@ -156,7 +156,8 @@ def _head_outputs(lm, grad: bool = False,
     handles = [m.register_forward_pre_hook(pre) for m in projections]
     mlp = getattr(lm.decoder_layers[-1], "mlp", None)
     if last_only and isinstance(mlp, torch.nn.Module):  # its output is added to the residual stream by broadcasting
-        handles.append(mlp.register_forward_pre_hook(lambda module, args: (args[0][:, -1:], *args[1:])))
+        handles.append(mlp.register_forward_pre_hook(
+            lambda module, args: (args[0][:, -1:], *args[1:]) if args else None))
     try:
         yield zs, leaves
     finally:
