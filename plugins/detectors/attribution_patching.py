@@ -83,8 +83,8 @@ from headlab.plugins.detectors.activation_patching import (
 from headlab.resources import Estimate, EstimateContext
 from headlab.spec import PositiveInt
 
-__all__ = ["AttributionPatching", "attribution", "attribution_runs", "detect", "grad_drop", "key_patched_z", "query_patched_z",
-           "spearman", "target_gradients", "top_k_recall"]
+__all__ = ["AttributionPatching", "attribution", "attribution_runs", "detect", "grad_drop", "key_patched_z",
+           "query_patched_z", "spearman", "target_gradients", "top_k_recall"]
 
 
 class AttributionPatching(ComponentConfig):
