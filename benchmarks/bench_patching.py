@@ -39,7 +39,8 @@ in a fresh process (its peak memory is its own):
   (``--tl-python``: a separate virtual environment, ``python3 -m venv .venv-tl && .venv-tl/bin/pip install
   torch==2.13.0 transformers==5.24.0 transformer-lens==4.3.0``; skipped when absent);
 - ``atp``: the ``attribution_patching`` detector (``unit: z``) over the same pairs; its time is also given
-  in forwards (one plain forward of the corrupted prompts, last logits, timed in the same process).
+  in forwards (one plain forward of the corrupted prompts, last logits, timed in the same process: wall
+  time, and CPU time, which a loaded machine disturbs less).
 
 Heads/s = heads patched (layers x 16, each over all pairs) per second of the whole computation (clean and
 corrupted runs included; model loading excluded), median of ``--reps``; CPU time beside wall time; peak =
@@ -176,10 +177,11 @@ def measure(tool: str, regime: str, args: argparse.Namespace) -> dict:
                 return headlab.forward(lm, ids, logits_to_keep=1)[0].logits
 
             plain()
-            t = time.perf_counter()
-            for _ in range(3):
+            t, c = time.perf_counter(), time.process_time()
+            for _ in range(5):
                 plain()
-            extra["forward_seconds"] = (time.perf_counter() - t) / 3
+            extra["forward_seconds"] = (time.perf_counter() - t) / 5
+            extra["forward_cpu_seconds"] = (time.process_time() - c) / 5
 
             def once():
                 ds = attribution_patching.detect(config, ctx)
@@ -360,7 +362,7 @@ def main() -> None:
                 line += f"  max |diff| vs headlab: patched {diffs[tool]['patched']:.1e}, score {diffs[tool]['score']:.1e}"
             if tool == "atp" and "error" not in r:
                 line += (f"  = {r['seconds'] / r['forward_seconds']:.1f} forwards ({r['forward_seconds'] * 1e3:.0f} ms "
-                         f"each); {r['seconds'] and (hl.get('seconds', float('nan')) / r['seconds']):.1f}x exact "
+                         f"each; CPU time {r['cpu_seconds'] / r['forward_cpu_seconds']:.2f} forwards); {r['seconds'] and (hl.get('seconds', float('nan')) / r['seconds']):.1f}x exact "
                          f"patching's heads/s; Spearman vs exact {diffs.get('atp', {}).get('spearman', float('nan')):.3f}")
             print(line)
         measured = (f"{tl['seconds'] / hl['seconds']:.2f}x (CPU time {tl['cpu_seconds'] / hl['cpu_seconds']:.2f}x)"

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
-from headlab import Plan, StepContext, forward
+from headlab import Plan, StepContext, forward, tokenize
 from headlab.plugins.detectors.activation_patching import ActivationPatching, metric_of, pair_runs
 from headlab.plugins.detectors.activation_patching import detect as patch
 from headlab.plugins.detectors.attribution_patching import (
     AttributionPatching,
+    attribution_runs,
     detect,
     spearman,
+    target_gradients,
     top_k_recall,
 )
 
@@ -67,10 +70,43 @@ def test_atp_equals_finite_differences_of_the_patched_metric(arch, metric, direc
         assert not np.isnan(per_token["atp"].values[:, :, :n, e]).any()
 
 
-def test_the_model_parameters_get_no_gradient():
+@pytest.mark.parametrize("method", ["atp", "atp_star"])
+def test_the_model_is_left_as_it_was(method):
+    """No parameter gets a gradient, every parameter keeps its requires_grad flag, and no hook stays behind: a
+    forward after the detector gives the logits of every position that it gave before."""
     tok, lm, _ = models("qwen2")
-    detect(AttributionPatching(), StepContext(model=lm, examples=pair_examples(tok), results={}, seed=0))
-    assert all(p.grad is None for p in lm.model.parameters())
+    params = list(lm.model.parameters())
+    for i, p in enumerate(params):
+        p.requires_grad_(i % 3 != 0)
+    flags = [p.requires_grad for p in params]
+    examples = pair_examples(tok)
+    batch = tokenize(lm, examples)
+    before = forward(lm, batch)[0].logits
+    detect(AttributionPatching(method=method), StepContext(model=lm, examples=examples, results={}, seed=0))
+    assert [p.requires_grad for p in params] == flags
+    assert all(p.grad is None for p in params)
+    assert torch.equal(forward(lm, batch)[0].logits, before)
+
+
+@pytest.mark.parametrize(("arch", "direction"),
+                         [(arch, "denoise") for arch in (*ARCHS, "olmo2")] + [("llama", "noise")])
+def test_attribution_runs_equal_pair_runs_then_target_gradients(arch, direction):
+    tok, lm, _ = models(arch)
+    examples = pair_examples(tok)
+    answer = [ex.meta["answer_id"] for ex in examples]
+    wrong = [ex.meta["wrong_id"] for ex in examples]
+    runs, grads = attribution_runs(lm, examples, answer, wrong, "logit_diff", direction)
+    ref = pair_runs(lm, examples, answer, wrong, "logit_diff")
+    ref_grads, ref_metric = target_gradients(lm, ref, "logit_diff", direction)
+    assert torch.equal(runs.ids, ref.ids) and torch.equal(runs.mask, ref.mask) and runs.pad == ref.pad
+    np.testing.assert_allclose(runs.z.numpy(), ref.z.numpy(), rtol=1e-5, atol=1e-6 * ref.z.abs().max().item())
+    np.testing.assert_allclose(runs.metric.numpy(), ref.metric.numpy(), rtol=1e-5, atol=1e-6)
+    target = runs.rows("corrupt" if direction == "denoise" else "clean")
+    np.testing.assert_allclose(runs.metric[target].numpy(), ref_metric.numpy(), rtol=1e-5, atol=1e-6)
+    assert grads.shape == ref_grads.shape
+    scale = ref_grads.abs().max().item()
+    assert scale > 0
+    np.testing.assert_allclose(grads.numpy(), ref_grads.numpy(), rtol=1e-4, atol=1e-5 * scale)
 
 
 def test_comparison_with_an_activation_patching_step():

@@ -68,7 +68,7 @@ from headlab import (
     positions_from_mask,
     start_at_layer,
 )
-from headlab.generation import tokenize
+from headlab.generation import Batch, tokenize
 from headlab.plugins.detectors.direct_logit_attribution import answer_ids
 from headlab.resources import Estimate, EstimateContext
 from headlab.spec import PositiveInt
@@ -153,17 +153,25 @@ class PairRuns:
         return slice(0, self.n) if which == "clean" else slice(self.n, 2 * self.n)
 
 
-def pair_runs(lm, examples: list[Example], answer: list[int], wrong: list[int], metric: str,
-              kv: bool = False, resid: bool = False) -> PairRuns:
-    """One forward over the clean and corrupted prompts of ``examples`` (pair-task examples), recording every
-    head's ``z`` at every position (and every key/value head's keys and values with ``kv``, the residual
-    stream at the input of every decoder layer with ``resid``)."""
+def pair_batch(lm, examples: list[Example]) -> Batch:
+    """The clean prompts of ``examples`` (pair-task examples) then their corrupted ones, tokenized as one
+    left-padded batch; a ValueError naming the first pair whose prompts differ in token length."""
     corrupt = [Example(prompt=str(ex.meta["corrupt_prompt"])) for ex in examples]
     batch = tokenize(lm, list(examples) + corrupt)
     n = len(examples)
     if not torch.equal(batch.attention_mask[:n], batch.attention_mask[n:]):
         row = next(i for i in range(n) if batch.pad[i] != batch.pad[n + i])
         raise ValueError(f"example {row}: the clean and corrupted prompts have different token lengths")
+    return batch
+
+
+def pair_runs(lm, examples: list[Example], answer: list[int], wrong: list[int], metric: str,
+              kv: bool = False, resid: bool = False) -> PairRuns:
+    """One forward over the clean and corrupted prompts of ``examples`` (pair-task examples), recording every
+    head's ``z`` at every position (and every key/value head's keys and values with ``kv``, the residual
+    stream at the input of every decoder layer with ``resid``)."""
+    batch = pair_batch(lm, examples)
+    n = len(examples)
     probes = Probes(z_positions="all", kv_positions="all" if kv else None)
     inputs: list[torch.Tensor] = []
     handles = [layer.register_forward_pre_hook(

@@ -8,11 +8,12 @@ value minus the unpatched run's), so the estimated patched metric is ``target + 
 ``activation_patching`` (docs/methods.md#metrics-for-circuit-analysis): ``score`` is comparable to its score.
 ``unit: z_position`` keeps one term per token of the prompt (the sum over ``head_dim`` only).
 
-Per chunk of pairs: one forward without gradients over the clean and corrupted prompts records every head's
-``z`` (``Probes(z_positions="all")``); one forward of the target prompts with a leaf tensor of zeros added
-to every head's ``z`` (:class:`headlab.AddZ`, ``headlab.forward(..., grad=True)``; a replacement would cut
-the paths through the later layers' heads) and one backward give ``d metric / d z`` for all heads at once
-(``torch.autograd.grad``: the model's parameters get no gradient).
+Per chunk of pairs (``method: atp``): one forward without gradients over the source prompts records every
+head's ``z`` (the input of each layer's attention output projection); one forward of the target prompts with
+a leaf tensor of zeros added to every head's ``z`` there (``headlab.forward(..., grad=True)``; a replacement
+would cut the paths through the later layers' heads) records the target's ``z`` and its metric, and one
+backward gives ``d metric / d z`` for all heads at once (``torch.autograd.grad`` with respect to the leaves
+only: no parameter gets a gradient, none is computed). About three forwards' time per chunk.
 
 ``reference: <step id>``: an ``activation_patching`` step of the same cell (same task, unit, metric and
 direction); the attrs then hold ``spearman`` (the Spearman rank correlation of the two scores over every
@@ -45,7 +46,8 @@ example])``, normalised like ``score``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Literal
 
 import numpy as np
@@ -54,9 +56,9 @@ import xarray as xr
 from pydantic import Field
 
 from headlab import (
-    AddZ,
     ComponentConfig,
     DropResidGrad,
+    Example,
     Plan,
     Probes,
     ReplaceKV,
@@ -73,6 +75,7 @@ from headlab.plugins.detectors.activation_patching import (
     PairRuns,
     metric_of,
     normalised_score,
+    pair_batch,
     pair_chunks,
     pair_inputs,
     pair_runs,
@@ -80,8 +83,8 @@ from headlab.plugins.detectors.activation_patching import (
 from headlab.resources import Estimate, EstimateContext
 from headlab.spec import PositiveInt
 
-__all__ = ["AttributionPatching", "attribution", "detect", "grad_drop", "key_patched_z", "query_patched_z",
-           "spearman", "target_gradients", "top_k_recall"]
+__all__ = ["AttributionPatching", "attribution", "attribution_runs", "detect", "grad_drop", "key_patched_z",
+           "query_patched_z", "spearman", "target_gradients", "top_k_recall"]
 
 
 class AttributionPatching(ComponentConfig):
@@ -113,30 +116,117 @@ class AttributionPatching(ComponentConfig):
         return [ctx.activations(ctx.task.tokens, rows)]
 
 
+def _out_projections(lm) -> list[torch.nn.Module]:
+    """Each decoder layer's attention output projection, whose input is the layer's head outputs ``z`` as
+    (rows, positions, head * head_dim); a ValueError naming the layer where there is none."""
+    projections = []
+    for layer in range(lm.geometry.n_layers):
+        attn = lm.attention_module(layer)
+        proj = next((m for m in (getattr(attn, name, None) for name in ("o_proj", "c_proj"))
+                     if isinstance(m, torch.nn.Module)), None)
+        if proj is None:
+            raise ValueError(f"attribution_patching: the attention of layer {layer} ({type(attn).__name__}) has no "
+                             "output projection (o_proj or c_proj) whose input is the heads' z")
+        projections.append(proj)
+    return projections
+
+
+@contextlib.contextmanager
+def _head_outputs(lm, grad: bool = False,
+                  last_only: bool = False) -> Iterator[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    """Inside the block, ``(z, leaves)``: every layer's head outputs (rows, position, head * head_dim) of one
+    forward, in layer order and detached; with ``grad``, a leaf of zeros that requires grad added to each
+    layer's ``z`` (rows, position, head * head_dim), whose gradient is ``d output / d z``. ``last_only``: the
+    last layer's output projection and MLP run at the last position only (the residual stream there is
+    exact, the other positions' is not: for forwards that read the last position's logits only)."""
+    projections = _out_projections(lm)
+    zs: list[torch.Tensor] = []
+    leaves: list[torch.Tensor] = []
+
+    def pre(module, args):
+        x = args[0]
+        zs.append(x.detach())
+        if grad:
+            leaves.append(torch.zeros_like(x, requires_grad=True))
+            x = x + leaves[-1]
+        if last_only and module is projections[-1]:
+            x = x[:, -1:]
+        return None if x is args[0] else (x, *args[1:])
+
+    handles = [m.register_forward_pre_hook(pre) for m in projections]
+    mlp = getattr(lm.decoder_layers[-1], "mlp", None)
+    if last_only and isinstance(mlp, torch.nn.Module):  # its output is added to the residual stream by broadcasting
+        handles.append(mlp.register_forward_pre_hook(
+            lambda module, args: (args[0][:, -1:], *args[1:]) if args else None))
+    try:
+        yield zs, leaves
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _by_head(lm, x: torch.Tensor) -> torch.Tensor:
+    """(..., position, head * head_dim) as a (..., head, position, head_dim) view."""
+    return x.view(*x.shape[:-1], lm.geometry.n_heads, -1).transpose(-2, -3)
+
+
+def _target_pass(lm, ids: torch.Tensor, mask: torch.Tensor, answer: torch.Tensor, wrong: torch.Tensor, metric: str,
+                 drops: Sequence[int | None], last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(d metric / d z (variant, row, layer, head, position, head_dim), metric (row,), z (row, layer, head,
+    position, head_dim))`` of the prompts ``ids``: one forward over a copy of them per entry of ``drops`` and
+    one backward (see :func:`target_gradients`); ``z`` and the metric are the first copy's. ``last_only``: see
+    :func:`_head_outputs`."""
+    n, k = ids.shape[0], len(drops)
+    plan = Plan()
+    for c, layer in enumerate(drops):
+        if layer is not None:
+            plan.add(DropResidGrad(layer, rows=range(c * n, (c + 1) * n)))
+    with _head_outputs(lm, grad=True, last_only=last_only) as (zs, leaves):
+        out, _ = forward(lm, ids, plan, copies=k, attention_mask=mask, grad=True, logits_to_keep=1)
+    m = metric_of(out.logits[:, -1], answer.repeat(k), wrong.repeat(k), metric)
+    grads = torch.autograd.grad(m.sum(), leaves, allow_unused=True)
+    g = _by_head(lm, torch.stack([torch.zeros_like(leaf) if d is None else d for leaf, d in zip(leaves, grads,
+                                                                                               strict=True)], dim=1))
+    return g.view(k, n, *g.shape[1:]), m[:n].detach(), _by_head(lm, torch.stack([z[:n] for z in zs], dim=1))
+
+
 def target_gradients(lm, runs: PairRuns, metric: str, direction: str = "denoise",
                      drops: Sequence[int | None] = (None,)) -> tuple[torch.Tensor, torch.Tensor]:
     """``(d metric / d z (variant, pair, layer, head, position, head_dim), target metric (pair,))`` on the target
     run of a chunk of pairs, one variant per entry of ``drops``: ``None`` the plain gradient, a layer index the
     gradient with that layer's residual write dropped (:class:`headlab.DropResidGrad`); every variant is a
     copy of the target rows in one forward and one backward."""
-    L, H = lm.geometry.n_layers, lm.geometry.n_heads
     target = "corrupt" if direction == "denoise" else "clean"
     rows = runs.rows(target)
-    z_target = runs.z[rows].detach()
-    n, k = runs.n, len(drops)
-    # zeros added to every head's z: the gradient on them is d metric / d z through every later layer
-    leaves = [torch.zeros((k * n, *z_target.shape[2:]), dtype=z_target.dtype, device=z_target.device,
-                          requires_grad=True) for _ in range(L)]
-    plan = Plan().add(*(AddZ([(layer, h) for h in range(H)], leaves[layer]) for layer in range(L)))
-    for c, layer in enumerate(drops):
-        if layer is not None:
-            plan.add(DropResidGrad(layer, rows=range(c * n, (c + 1) * n)))
-    out, _ = forward(lm, runs.ids[rows], plan, copies=k, attention_mask=runs.mask[rows], grad=True,
-                     logits_to_keep=1)
-    m = metric_of(out.logits[:, -1], runs.answer.repeat(k), runs.wrong.repeat(k), metric)
-    grads = torch.autograd.grad(m.sum(), leaves)
-    g = torch.stack(grads, dim=1).detach()  # (k * n, L, H, T, D)
-    return g.view(k, n, *g.shape[1:]), m[:n].detach()
+    grads, m, _ = _target_pass(lm, runs.ids[rows], runs.mask[rows], runs.answer, runs.wrong, metric, drops)
+    return grads, m
+
+
+def attribution_runs(lm, examples: list[Example], answer: list[int], wrong: list[int], metric: str,
+                     direction: str = "denoise") -> tuple[PairRuns, torch.Tensor]:
+    """``(runs, d metric / d z (1, pair, layer, head, position, head_dim))`` of a chunk of pairs (pair-task
+    examples): the :class:`~headlab.plugins.detectors.activation_patching.PairRuns` of
+    :func:`~headlab.plugins.detectors.activation_patching.pair_runs` (``z`` and the metric of both prompts; no
+    keys, values or residual stream) and :func:`target_gradients`' plain gradient, from one forward without
+    gradients over the source prompts and one forward and one backward over the target prompts (the same
+    numbers as ``pair_runs`` then ``target_gradients``, in about two thirds of their time)."""
+    batch = pair_batch(lm, examples)
+    n = len(examples)
+    clean, corrupt = slice(0, n), slice(n, 2 * n)
+    source, target = (clean, corrupt) if direction == "denoise" else (corrupt, clean)
+    ids, mask = batch.input_ids, batch.attention_mask
+    with _head_outputs(lm, last_only=True) as (zs, _):
+        out, _ = forward(lm, ids[source], attention_mask=mask[source], logits_to_keep=1)
+    a = torch.tensor(answer, device=out.logits.device)
+    w = torch.tensor(wrong, device=out.logits.device)
+    m_source = metric_of(out.logits[:, -1], a, w, metric)
+    grads, m_target, z_target = _target_pass(lm, ids[target], mask[target], a, w, metric, (None,), last_only=True)
+    z_source = _by_head(lm, torch.stack(zs, dim=1))
+    pair = [z_source, z_target] if direction == "denoise" else [z_target, z_source]
+    # one (rows, layer, position, head * head_dim) block, viewed per head like its parts
+    z = _by_head(lm, torch.cat([t.transpose(2, 3).flatten(-2) for t in pair]))
+    m = torch.cat([m_source, m_target] if direction == "denoise" else [m_target, m_source])
+    return PairRuns(ids, mask, z, m, a, w, [int(p) for p in batch.pad[:n]]), grads
 
 
 def _terms(runs: PairRuns, direction: str, patched: torch.Tensor, grads: torch.Tensor) -> torch.Tensor:
@@ -281,15 +371,18 @@ def _compare(config: AttributionPatching, ctx: StepContext, score: np.ndarray) -
             "top_k_recall": top_k_recall(np.abs(ref_score - s0), np.abs(score - s0), config.top_k)}
 
 
-def _chunk_estimates(config: AttributionPatching, lm, runs: PairRuns) -> dict[str, torch.Tensor]:
+def _chunk_estimates(config: AttributionPatching, lm, runs: PairRuns,
+                     grads: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The per-pair estimates of a chunk as (pair, layer, head | kv_head, position) float64 (every position of
     the padded batch; ``unit: z`` sums them over positions before GradDrop's absolute values, so these are
     combined per unit by :func:`_combine`): ``atp`` always, ``query`` and ``key`` with the QK fix; each with
-    a leading variant axis (plain gradient, then one per dropped layer)."""
+    a leading variant axis (plain gradient, then one per dropped layer). ``grads``: the gradients when computed
+    already (:func:`attribution_runs`)."""
     L, H, K = lm.geometry.n_layers, lm.geometry.n_heads, lm.geometry.n_kv_heads
     star = config.method == "atp_star"
     drops: list[int | None] = [None] + (list(range(L)) if star and config.grad_drop else [])
-    grads, _ = target_gradients(lm, runs, config.metric, config.direction, drops)
+    if grads is None:
+        grads, _ = target_gradients(lm, runs, config.metric, config.direction, drops)
     source = "clean" if config.direction == "denoise" else "corrupt"
     out = {"atp": _terms(runs, config.direction, runs.z[runs.rows(source)], grads)}
     if star and config.qk_fix:
@@ -344,11 +437,14 @@ def detect(config: AttributionPatching, ctx: StepContext) -> xr.Dataset:
     clean, corrupt = np.zeros(n), np.zeros(n)
     chunks: dict[str, list] = {}
     for idx in ctx.progress(pair_chunks(n, config.pair_batch_size), "attribution patching"):
-        runs = pair_runs(ctx.model, [ctx.examples[i] for i in idx], [answer[i] for i in idx],
-                         [wrong[i] for i in idx], config.metric, kv=star and config.qk_fix)
+        args = ([ctx.examples[i] for i in idx], [answer[i] for i in idx], [wrong[i] for i in idx], config.metric)
+        if star:
+            runs, grads = pair_runs(ctx.model, *args, kv=config.qk_fix), None
+        else:
+            runs, grads = attribution_runs(ctx.model, *args, direction=config.direction)
         m = runs.metric.detach().cpu().numpy()
         clean[idx], corrupt[idx] = m[:len(idx)], m[len(idx):]
-        for name, terms in _chunk_estimates(config, ctx.model, runs).items():
+        for name, terms in _chunk_estimates(config, ctx.model, runs, grads).items():
             chunks.setdefault(name, []).append((idx, _combine(config, terms).cpu().numpy(), runs.pad))
     coords: dict = {"layer": np.arange(L), "head": np.arange(H)}
     token = () if config.unit == "z" else ("token",)
