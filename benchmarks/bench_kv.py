@@ -4,7 +4,7 @@ kvpress's ``DuoAttentionPress`` with the same head mask, side by side in one run
 
     python benchmarks/bench_kv.py [--lengths 8192 16384 32768] [--new 64] [--device cpu|cuda] [--dtype float32]
         [--layers 8] [--hidden 512] [--heads 8] [--kv-heads 2] [--full-fraction 0.25] [--sink 4] [--window 256]
-        [--threads 1] [--kvpress-python .venv-kvpress/bin/python]
+        [--threads 1] [--prefill-chunk 0] [--kvpress-python .venv-kvpress/bin/python]
 
 Model: a seeded random-weight Llama with GQA (``--layers`` x ``--heads`` query heads over ``--kv-heads`` KV
 heads, hidden ``--hidden``, vocabulary 1024); a fixed random ``--full-fraction`` of its KV heads are full (the
@@ -84,9 +84,10 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def decode(model, ids, new: int, device: str, prefill_context=None, cache=None) -> dict:
-    """One prefill forward on ``ids`` (inside ``prefill_context`` when given, starting from ``cache``) and
-    ``new`` greedy steps; the times, the bytes the cache holds at the end and the peak memory growth."""
+def decode(model, ids, new: int, device: str, prefill_context=None, cache=None, chunk: int = 0) -> dict:
+    """One prefill forward on ``ids`` (inside ``prefill_context`` when given, starting from ``cache``; with
+    ``chunk``, forwards of at most ``chunk`` tokens into a ``DynamicCache``) and ``new`` greedy steps; the
+    times, the bytes the cache holds at the end and the peak memory growth."""
     import contextlib
 
     import torch
@@ -96,7 +97,16 @@ def decode(model, ids, new: int, device: str, prefill_context=None, cache=None) 
         _sync(device)
         t0 = time.perf_counter()
         with prefill_context or contextlib.nullcontext():
-            out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            if chunk:
+                import transformers
+
+                cache = transformers.DynamicCache() if cache is None else cache
+                for start in range(0, ids.shape[1], chunk):
+                    out = model(input_ids=ids[:, start:start + chunk], past_key_values=cache, use_cache=True,
+                                logits_to_keep=1)
+                    cache = out.past_key_values
+            else:
+                out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         _sync(device)
         prefill = time.perf_counter() - t0
         cache = out.past_key_values
@@ -132,7 +142,7 @@ def measure(args: argparse.Namespace) -> dict:
     ids = torch.randint(3, 1024, (1, args.length), generator=torch.Generator().manual_seed(1)).to(args.device)
     mask = head_mask(args.layers, args.kv_heads, args.full_fraction)
     if args._case == "full":
-        return decode(build_model(args, "sdpa"), ids, args.new, args.device)
+        return decode(build_model(args, "sdpa"), ids, args.new, args.device, chunk=args.prefill_chunk)
     if args._case == "streaming":
         import xarray as xr
 
@@ -143,7 +153,7 @@ def measure(args: argparse.Namespace) -> dict:
         model = build_model(args, "headlab")
         head_map = HeadMap(xr.DataArray(mask, dims=("layer", "kv_head")), sink=args.sink, window=args.window,
                            attrs={"policy": "streaming"})
-        with kv_policy(model, head_map):
+        with kv_policy(model, head_map, prefill_chunk=args.prefill_chunk or None):
             return decode(model, ids, args.new, args.device)
     if args._case == "kvpress":
         from kvpress import DuoAttentionPress
@@ -194,6 +204,9 @@ def main() -> None:
     p.add_argument("--full-fraction", type=float, default=0.25, help="fraction of KV heads kept full")
     p.add_argument("--sink", type=int, default=4)
     p.add_argument("--window", type=int, default=256)
+    p.add_argument("--prefill-chunk", type=int, default=0,
+                   help="prefill full and streaming in forwards of at most this many tokens (0: one forward; "
+                        "kvpress always prefills in one, as its press compresses after that forward)")
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     p.add_argument("--kvpress-python", default=str(ROOT / ".venv-kvpress" / "bin" / "python"),
                    help="the interpreter of kvpress's virtual environment")
@@ -221,7 +234,8 @@ def main() -> None:
     forwarded = ["--new", str(args.new), "--device", args.device, "--dtype", args.dtype, "--layers",
                  str(args.layers), "--hidden", str(args.hidden), "--heads", str(args.heads), "--kv-heads",
                  str(args.kv_heads), "--full-fraction", str(args.full_fraction), "--sink", str(args.sink),
-                 "--window", str(args.window), "--threads", str(args.threads)]
+                 "--window", str(args.window), "--threads", str(args.threads), "--prefill-chunk",
+                 str(args.prefill_chunk)]
     for length in args.lengths:
         results = {}
         for case in args.cases:
