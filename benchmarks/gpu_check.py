@@ -1,6 +1,6 @@
 """One script for a CUDA machine (written for an H200): Triton correctness, then Triton vs SDPA ratios.
 
-    python benchmarks/gpu_check.py [--lengths 4096 8192 16384 32768] [--skip-model]
+    python benchmarks/gpu_check.py [--lengths 4096 8192 16384 32768] [--skip-model] [--skip-split] [--skip-wave3]
 
 1. Correctness: the Triton path against the torch path (itself tested against a naive reference) on CUDA,
    fp32 / bf16 / fp16, GQA, left padding, edits, probes, softcap, window, decode with split keys.
@@ -11,6 +11,10 @@
    random Llama written to a temporary checkpoint, its first half on cuda:0 and its second half (with the
    norm and the unembedding) on the CPU, against the whole model on cuda:0: logits, an induction detection
    (attention probes) and a generation steered by its top heads.
+5. The wave-3 benchmarks on the GPU (unless --skip-wave3): head-output patching, headlab batched vs
+   TransformerLens (benchmarks/bench_patching.py --device cuda; target >= 10x TransformerLens' heads/s) and
+   head-level KV policies after long prompts (benchmarks/bench_kv.py --device cuda: KV bytes, peak memory,
+   decode tokens/s of full, streaming and kvpress).
 Without CUDA it runs only a tiny CPU smoke check of the same code (torch path vs SDPA) and says so.
 """
 
@@ -181,6 +185,7 @@ def main():
     p.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     p.add_argument("--skip-model", action="store_true")
     p.add_argument("--skip-split", action="store_true", help="skip the model split across the GPU and the CPU")
+    p.add_argument("--skip-wave3", action="store_true", help="skip bench_patching.py and bench_kv.py on the GPU")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: running the CPU smoke check only (torch path), skipping Triton and timings")
@@ -208,6 +213,11 @@ def main():
         subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "bench_kernels.py"),
                         "--device", "cuda", "--dtype", "bfloat16", "--reps", "3", "--lengths",
                         *map(str, args.lengths), "--eager-max", "16384", "--pasta-length", "8192"])
+    if not args.skip_wave3:
+        here = os.path.dirname(__file__)
+        subprocess.run([sys.executable, os.path.join(here, "bench_patching.py"), "--device", "cuda", "--threads", "0"])
+        subprocess.run([sys.executable, os.path.join(here, "bench_kv.py"), "--device", "cuda", "--dtype", "bfloat16",
+                        "--lengths", "8192", "32768", "--threads", "0"])
     print("\nCORRECTNESS", "OK" if ok else "FAILED")
     sys.exit(0 if ok else 1)
 
