@@ -53,6 +53,10 @@ DIMENSIONS: dict[str, str] = {
     "pixel_y": "a pixel row of a stored image (top to bottom)",
     "pixel_x": "a pixel column of a stored image (left to right)",
     "channel": "a colour channel of a stored image (red, green, blue)",
+    "source": "a source node of a model's computational graph (the embeddings, a head's output, an MLP's "
+              "output: emb, a3.h1, m2), in a dense (source, destination) edge score",
+    "destination": "a destination node of a model's computational graph (a head's query, key or value input, "
+                   "an MLP's input, the logits: a3.h1.q, a3.kv0.k, m2, logits), in a dense edge score",
     "edge": "an edge of a model's computational graph (edge_attribution), from a source node to a destination "
             "node; the coordinates source and destination name them (emb, a3.h1, m2; a3.h1.q, a3.kv0.k, m2, "
             "logits)",

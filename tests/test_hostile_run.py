@@ -396,11 +396,12 @@ def test_the_notebook_runner_shows_progress_inside_a_cell(tmp_path):
 
 # --------------------------------------------------------------------------- the fuzz benchmark, briefly
 def test_the_fuzz_benchmark_finds_no_escape_hang_or_code_run():
-    sys.path.insert(0, str(Path(__file__).parent.parent / "tools" / "reliability"))
-    try:
-        import fuzz
-    finally:
-        sys.path.pop(0)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fuzz", Path(__file__).parent.parent / "tools" / "reliability"
+                                                  / "fuzz.py")
+    fuzz = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fuzz)
     # the payloads are live: lm-eval's own (unsandboxed) renderer runs one and the marker appears
     lm_eval_utils = pytest.importorskip("lm_eval.utils")
     marker = Path(fuzz.tempfile.mkdtemp()) / "MARKER"

@@ -35,6 +35,15 @@ CROSS_FIELD = (
     "a depth count must be", "depths are fractions", "missing `kind`", "with lo <= hi",
     "distinct colour x shape objects", "yes questions need", "no questions need", "questions are about different shapes",
     "`image_dir` needs `image`", "IOI template", "names: give at least two different names",
+    "shape a random draw: add `random: true`",
+    # model placement (device_map, max_memory, offload_folder)
+    "device_map is empty", "give a GPU index", "needs device_map", "or device_map, not both",
+    "puts modules on 'disk'", "max_memory[",
+    # KV policies and circuit detectors
+    "an odd width is needed", "`threshold` cuts a head selection", "give exactly one of `like`",
+    "refer to `like`: give `like`", "selects no count of heads", "ranks heads for a `budget`",
+    "a `budget` ranks KV heads", "give exactly one of `fraction`", "circuit: give exactly one of top",
+    "length must be at least 2", "words: each must be one word",
 )
 
 

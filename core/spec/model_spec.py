@@ -90,7 +90,7 @@ class ModelSpec(StrictModel):
 
         for key, size in value.items():
             if not (str(key).isdigit() or key in ("cpu", "disk")):
-                raise ValueError(f"max_memory key {key!r}: give a GPU index (0, 1, ...), 'cpu' or 'disk'")
+                raise ValueError(f"max_memory key '{key}': give a GPU index (0, 1, ...), 'cpu' or 'disk'")
             try:
                 parse_size(size)
             except (ValueError, TypeError) as e:
