@@ -115,19 +115,20 @@ def schema_steps(draw: st.DrawFn) -> list[dict[str, Any]]:
     return steps
 
 
-def _fix_heads(node: Any, earlier: list[str]) -> Any:
-    """``heads: {from: ...}`` names an earlier detect step (or becomes an explicit list)."""
+def _fix_heads(node: Any, earlier: list[str], key: str = "") -> Any:
+    """``heads: {from: ...}`` names an earlier detect step (or becomes an explicit list; per-head ``scores``,
+    which a list of heads cannot give, a score file)."""
     if isinstance(node, dict):
         if "from" in node:
             if not earlier:
-                return [[0, 0]]
+                return {"file": "heads.json"} if key == "scores" else [[0, 0]]
             node = {**node, "from": earlier[-1]}
             if node.get("top") is None and node.get("threshold") is None:
                 node["top"] = 1
             return node
-        return {k: _fix_heads(v, earlier) for k, v in node.items()}
+        return {k: _fix_heads(v, earlier, k) for k, v in node.items()}
     if isinstance(node, list):
-        return [_fix_heads(v, earlier) for v in node]
+        return [_fix_heads(v, earlier, key) for v in node]
     return node
 
 

@@ -88,7 +88,7 @@ class ModelSpec(StrictModel):
             return value
         from .limits import parse_size
 
-        for key, size in value.items():
+        for key, size in sorted(value.items(), key=lambda item: str(item[0])):
             if not (str(key).isdigit() or key in ("cpu", "disk")):
                 raise ValueError(f"max_memory key '{key}': give a GPU index (0, 1, ...), 'cpu' or 'disk'")
             try:
