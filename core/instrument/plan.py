@@ -186,6 +186,20 @@ class LayerCallback(Edit):
         return self.heads is None or super().covers(layer, head)
 
 
+def _check_head_values(edit: Any, name: str, why: str = "") -> None:
+    """Validate a per-head replacement's ``heads``, ``values`` and ``positions`` in place (ValueError)."""
+    if any(h is None for _, h in edit.heads):
+        raise ValueError(f"{name} needs explicit (layer, head) pairs{why}")
+    if not isinstance(edit.values, Tensor):
+        edit.values = torch.as_tensor(edit.values)
+    if edit.values.dim() == 0:
+        raise ValueError(f"{name}: values must have at least a head_dim axis")
+    if edit.positions is not None:
+        edit.positions = [int(p) for p in edit.positions]
+        if any(p < 0 for p in edit.positions):
+            raise ValueError(f"{name}: positions must be >= 0, got {edit.positions}")
+
+
 @dataclass(eq=False)
 class ReplaceZ(Edit):
     """Replace the outputs ``z`` (before ``o_proj``) of ``heads`` on ``rows`` at ``positions`` with ``values``
@@ -214,16 +228,7 @@ class ReplaceZ(Edit):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if any(h is None for _, h in self.heads):
-            raise ValueError("ReplaceZ needs explicit (layer, head) pairs: (layer, None) has no place in values")
-        if not isinstance(self.values, Tensor):
-            self.values = torch.as_tensor(self.values)
-        if self.values.dim() == 0:
-            raise ValueError("ReplaceZ: values must have at least a head_dim axis")
-        if self.positions is not None:
-            self.positions = [int(p) for p in self.positions]
-            if any(p < 0 for p in self.positions):
-                raise ValueError(f"ReplaceZ: positions must be >= 0, got {self.positions}")
+        _check_head_values(self, "ReplaceZ", ": (layer, None) has no place in values")
 
     def n_positions(self) -> int:
         """The number of replaced positions (``len(positions)``, or the positions axis of ``values``)."""
@@ -340,16 +345,7 @@ class ReplaceQ(Edit):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if any(h is None for _, h in self.heads):
-            raise ValueError("ReplaceQ needs explicit (layer, head) pairs")
-        if not isinstance(self.values, Tensor):
-            self.values = torch.as_tensor(self.values)
-        if self.values.dim() == 0:
-            raise ValueError("ReplaceQ: values must have at least a head_dim axis")
-        if self.positions is not None:
-            self.positions = [int(p) for p in self.positions]
-            if any(p < 0 for p in self.positions):
-                raise ValueError(f"ReplaceQ: positions must be >= 0, got {self.positions}")
+        _check_head_values(self, "ReplaceQ")
 
     n_positions = ReplaceZ.n_positions
     full_values = ReplaceZ.full_values
