@@ -400,3 +400,21 @@ def test_dla_bars_widget_and_circuit_graph_slider():
     drawn = [float(a["data-weight"]) for a in tags(graph.figure.value, "path", "data-source")]
     assert drawn == [1.6, -0.8, 0.4, 0.2, -0.1]
     assert math.isclose(widgets.CircuitGraph(edge_dataset(), threshold=0.3).slider.max, 3)
+
+
+def test_the_browser_and_the_runner_show_each_step_in_its_figure(constructed_report):
+    run, _ = constructed_report
+    views = widgets.run_views(run)
+    assert [type(v).__name__ for v in views] == ["PatchingMap", "PatchingMap", "DLABars", "CircuitGraph"]
+    patching, kv, dla, edges = views
+    assert patching.by_token and kv.kv and not kv.by_token
+    np.testing.assert_allclose(np.array(kv.headmap.values), [[0.25, -0.5], [1.0, 0.0]])
+    assert dla.terms == widgets.DLABars(run.results["dla"]).terms
+    assert [(e.source, e.destination) for e in edges.edges] == \
+        [(e.source, e.destination) for e in widgets.CircuitGraph(run.results["edges"]).edges]
+    browser = widgets.RunBrowser(run.path.parent).select([run])
+    _, figures, _ = browser.detail.children
+    assert [type(v).__name__ for v in figures.children] == [type(v).__name__ for v in views]
+    assert all(isinstance(a, type(b)) for a, b in zip(figures.children, views, strict=True))
+    with pytest.raises(KeyError, match="no step 'nope'"):
+        widgets.step_view(run, "nope")

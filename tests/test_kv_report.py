@@ -144,3 +144,17 @@ def test_the_widget_draws_the_picked_metric_and_axis(sweep_run):
     with pytest.raises(ValueError, match="no step with a kv policy stores metric 'exact_match'"):
         KvTradeoff(sweep_run, metric="exact_match")
     np.testing.assert_equal(len(circles(w.figure.value)), len(points))
+
+
+def test_the_browser_adds_the_kv_tradeoff_after_the_steps(sweep_run):
+    pytest.importorskip("anywidget")
+    from headlab.widgets import HeadMap, KvTradeoff, RunBrowser, run_views, step_view
+
+    views = run_views(sweep_run)
+    assert [step for step in sweep_run.results if step_view(sweep_run, step) is not None] == ["ind"]
+    heads, tradeoff = views  # the detect step's map, then the trade-off (generate steps take no figure)
+    assert isinstance(heads, HeadMap) and isinstance(tradeoff, KvTradeoff)
+    assert len(tradeoff.points) == len(kv_points(sweep_run))
+    _, figures, _ = RunBrowser(sweep_run.path.parent).select([sweep_run]).detail.children
+    assert len(figures.children) == 2 and isinstance(figures.children[0], HeadMap)
+    assert isinstance(figures.children[1], KvTradeoff)

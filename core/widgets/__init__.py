@@ -14,6 +14,8 @@
   point per step and sweep cell.
 - :class:`RunBrowser` / :class:`Compare`: runs of a store, metric tables across sweep cells and runs,
   generations side by side with differences highlighted.
+- :func:`step_view` / :func:`run_views`: the figure each stored step takes (the widget above that fits its
+  result), as the browser and the runner show them.
 
 Everything renders offline in JupyterLab (the JavaScript is inline; nothing is fetched).
 """
@@ -42,10 +44,11 @@ from .headmap import HeadMap, as_head_scores, spec_fragment
 from .image import ImagePatchView
 from .kv import KvTradeoff
 from .runner import SpecRunner, WidgetReporter, error_html
+from .views import run_views, step_view
 
 __all__ = [
     "AttentionView", "CircuitGraph", "Compare", "DLABars", "HeadMap", "ImagePatchView", "KvTradeoff", "PatchingMap", "RunBrowser",
     "SpecRunner", "TokenView", "WidgetReporter",
     "as_head_scores", "diff_html", "error_html", "generation_table", "generations_html", "metric_table",
-    "side_by_side", "spec_fragment", "top_heads_table",
+    "run_views", "side_by_side", "spec_fragment", "step_view", "top_heads_table",
 ]

@@ -277,18 +277,18 @@ class RunBrowser(w.VBox):
         return self
 
     def show(self) -> None:
-        """Show the picked runs: summaries, a head map per detect step of the first, and a comparison."""
-        from .headmap import HeadMap
+        """Show the picked runs: the first one's summary and figures (:func:`headlab.widgets.run_views`: a head map,
+        patching map, DLA bars or circuit graph per detect step, the KV trade-off), and a comparison."""
+        from .views import figure_box, run_views
 
         picked = [open_run(p) for p in self.picker.value]
         if not picked:
             self.detail.children = []
             return
         first = picked[0]
-        maps = [HeadMap.from_run(first, step) for step, ds in first.results.items() if _is_detect(ds)]
         summary = w.HTML(first._repr_html_())
         self.compare = Compare(picked)
-        self.detail.children = [summary, w.HBox(maps), self.compare]
+        self.detail.children = [summary, figure_box(run_views(first)), self.compare]
 
 
 def side_by_side(table: pd.DataFrame, *, prompt_chars: int = 200) -> w.HTML:

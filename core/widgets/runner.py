@@ -326,13 +326,12 @@ class SpecRunner(w.VBox):
     # ---- results
     def _show_results(self, result: Run) -> None:
         from .browser import Compare
-        from .headmap import HeadMap
+        from .views import figure_box, run_views
 
-        maps = [HeadMap.from_run(result, step) for step, ds in result.results.items()
-                if "score" in ds and {"layer", "head"} <= set(ds["score"].dims)]
+        views = run_views(result)
         children: list[w.Widget] = [w.HTML(result._repr_html_())]
-        if maps:
-            children.append(w.HBox(maps))
+        if views:
+            children.append(figure_box(views))
         children.append(Compare([result]))
         self.results.children = children
 
