@@ -8,6 +8,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import xarray as xr
@@ -137,3 +138,66 @@ def test_a_config_built_model_is_placed_the_same_way(tmp_path):
     ids = torch.tensor([[1, 5, 9, 2, 5, 9, 2]])
     with torch.no_grad():
         torch.testing.assert_close(whole.model(ids).logits, split.model(ids).logits, rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------- weight-reading detectors
+#: every part a weight reader reads on disk somewhere: the embedding, two layers, the final norm, the unembedding
+ON_DISK = {"model.embed_tokens": "disk", "model.rotary_emb": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
+           "model.layers.2": "cpu", "model.layers.3": "disk", "model.norm": "disk", "lm_head": "disk"}
+
+
+def test_the_anatomy_of_an_offloaded_model_reads_its_real_weights_one_module_at_a_time(checkpoint, tmp_path):
+    whole = load_model(ModelSpec(path=str(checkpoint), device="cpu"))
+    split = load_model(ModelSpec(path=str(checkpoint), device_map=ON_DISK, offload_folder=str(tmp_path / "off")))
+    attn = split.attention_module(1)
+    assert attn.q_proj.weight.device.type == "meta"  # offloaded: nothing in memory between forwards
+    for layer in range(4):
+        a, b = whole.head_weights(layer), split.head_weights(layer)
+        for name in ("W_Q", "W_K", "W_V", "W_O"):
+            assert getattr(b, name).device.type == "cpu"
+            torch.testing.assert_close(getattr(a, name), getattr(b, name), rtol=0, atol=0)
+    for name in ("embedding", "unembedding"):
+        got = getattr(split, name)
+        assert got.device.type == "cpu" and float(got.abs().sum()) > 0
+        torch.testing.assert_close(getattr(whole, name), got, rtol=0, atol=0)
+    # the weights were loaded for the call and dropped again: the model still holds nothing of the offloaded modules
+    assert attn.q_proj.weight.device.type == "meta" and split.model.lm_head.weight.device.type == "meta"
+    assert split.model.model.embed_tokens.weight.device.type == "meta"
+    hidden = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(whole.unembed(hidden), split.unembed(hidden), rtol=0, atol=0)
+    norm = split.input_norm(3)
+    with split.weights_loaded(norm, attn):
+        assert norm.weight.device.type == "cpu" and attn.o_proj.weight.device.type == "cpu"
+        torch.testing.assert_close(norm(hidden), whole.input_norm(3)(hidden), rtol=0, atol=0)
+        torch.testing.assert_close(norm.weight, whole.input_norm(3).weight, rtol=0, atol=0)  # still loaded
+        assert split.model.model.layers[3].mlp.up_proj.weight.device.type == "meta"  # only what was asked for
+    assert norm.weight.device.type == "meta" and attn.o_proj.weight.device.type == "meta"
+
+
+WEIGHT_READERS = """task: {kind: kv_swap, n: 4, num_pairs: 3}
+steps:
+  - id: successor
+    detect: {kind: successor}
+  - id: negative
+    detect: {kind: copy_suppression, tokens: 64, k: 5}
+  - id: dla
+    detect: {kind: direct_logit_attribution, batch_size: 2}
+  - id: eap
+    detect: {kind: edge_attribution, method: eap_ig, ig_steps: 2, circuit: {top: 10}}
+"""
+
+
+def test_weight_reading_detectors_on_an_offloaded_model_equal_the_unsplit_model(checkpoint, tmp_path):
+    whole = headlab.run("name: whole\n" + model_yaml(checkpoint, "device: cpu") + WEIGHT_READERS, out=tmp_path / "a")
+    placement = f"device_map: {ON_DISK}, offload_folder: {tmp_path / 'off'}".replace("'", "")
+    split = headlab.run("name: split\n" + model_yaml(checkpoint, placement) + WEIGHT_READERS, out=tmp_path / "b")
+    assert whole.status == split.status == "complete"
+    for step, names in (("successor", ["score"]), ("negative", ["score", "copying"]),
+                        ("dla", ["score", "dla", "rest", "logit_diff"]), ("eap", ["score"])):
+        a, b = whole.results[step], split.results[step]
+        for name in names:
+            np.testing.assert_allclose(b[name].values, a[name].values, rtol=1e-6, atol=1e-9, err_msg=f"{step}.{name}")
+    # scores of real weights: the heads differ (placeholder or zero weights would give one value everywhere)
+    for step in ("successor", "negative", "dla"):
+        assert np.unique(split.results[step]["score"].values).size > 1, step
+    assert np.abs(split.results["dla"]["logit_diff"].values).min() > 0
