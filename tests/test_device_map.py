@@ -201,3 +201,91 @@ def test_weight_reading_detectors_on_an_offloaded_model_equal_the_unsplit_model(
     for step in ("successor", "negative", "dla"):
         assert np.unique(split.results[step]["score"].values).size > 1, step
     assert np.abs(split.results["dla"]["logit_diff"].values).min() > 0
+
+
+# --------------------------------------------------------------------------- KV policies
+KV_POLICIES = {
+    "streaming": "{kind: streaming, full_heads: {from: ind, top: 1}, sink: 1, window: 3}",
+    "headkv": "{kind: headkv, scores: {from: ind}, budget: {tokens_per_head: 8}, observation_window: 3}",
+    "razor": "{kind: razor, full_heads: {from: ind, top: 1}, sink: 1, window: 3}",
+    "random": "{kind: random, n_full: 1, sink: 1, window: 3, prefill_chunk: 5}",
+    "full": "{kind: full, prefill_chunk: 4}",
+}
+
+
+def kv_steps(kv: str) -> str:
+    return f"""task: {{kind: kv_swap, n: 3}}
+steps:
+  - id: ind
+    detect: {{kind: induction}}
+  - id: gen
+    generate: {{max_new_tokens: 4, kv: {kv}}}
+  - id: sc
+    score: {{kv: {kv}}}
+"""
+
+
+@pytest.mark.parametrize("policy", sorted(KV_POLICIES))
+def test_kv_policies_on_an_offloaded_model_equal_the_unsplit_model(checkpoint, tmp_path, policy):
+    steps = kv_steps(KV_POLICIES[policy])
+    whole = headlab.run("name: whole\n" + model_yaml(checkpoint, "device: cpu") + steps, out=tmp_path / "a")
+    placement = f"device_map: {ON_DISK}, offload_folder: {tmp_path / 'off'}".replace("'", "")
+    split = headlab.run("name: split\n" + model_yaml(checkpoint, placement) + steps, out=tmp_path / "b")
+    assert whole.status == split.status == "complete"
+    for step in ("gen", "sc"):
+        a, b = whole.results[step], split.results[step]
+        assert b.attrs["kv_policy"] == policy and b.attrs["kv_attention"] == a.attrs["kv_attention"]
+        assert b.attrs["kv_kept_fraction"] < 1 or policy == "full"  # the caches dropped keys
+        for name in ("kv_bytes", "kv_full", "kv_kept_fraction"):
+            np.testing.assert_array_equal(b[name].values, a[name].values, err_msg=f"{step}.{name}")
+        assert b.attrs["kv_bytes_full"] == a.attrs["kv_bytes_full"] > 0
+    np.testing.assert_array_equal(split.results["gen"]["output_ids"].values, whole.results["gen"]["output_ids"].values)
+    np.testing.assert_allclose(split.results["sc"]["logprob"].values, whole.results["sc"]["logprob"].values,
+                               rtol=0, atol=1e-5)
+
+
+def _held(layer) -> list[torch.Tensor]:
+    """Every key and value tensor a headwise cache layer holds."""
+    keys, values, _ = layer.compressed()
+    parts = [keys, values] if isinstance(keys, torch.Tensor) else [*keys, *values]
+    return [layer.keys, layer.values, *parts]
+
+
+@pytest.mark.parametrize("policy", ["streaming", "headkv"])
+def test_a_headwise_cache_on_an_offloaded_model_holds_each_layer_where_it_runs(checkpoint, tmp_path, policy):
+    from headlab.kv import HeadBudgetMap, HeadMap, HeadwiseCache, KvBudget, kv_policy
+
+    whole = load_model(ModelSpec(path=str(checkpoint), device="cpu"))
+    split = load_model(ModelSpec(path=str(checkpoint), device_map=ON_DISK, offload_folder=str(tmp_path / "off")))
+    if policy == "streaming":
+        full = np.array([[True, False], [False, False], [False, True], [False, False]])
+        head_map = HeadMap(xr.DataArray(full, dims=("layer", "kv_head")), sink=1, window=3)
+    else:
+        scores = xr.DataArray(np.arange(8, dtype=float).reshape(4, 2), dims=("layer", "kv_head"))
+        head_map = HeadBudgetMap.allocate(scores, KvBudget(tokens_per_head=5), observation_window=3,
+                                          token_bytes=128).for_length(12)
+    ids = torch.tensor([whole.tokenizer("the cat sat on the mat and the dog sat on the rug")["input_ids"][:12]])
+    seen = {}
+    for name, lm in (("whole", whole), ("split", split)):
+        with torch.no_grad(), kv_policy(lm.model, head_map) as usage:
+            out = lm.model(ids, use_cache=True)
+            steps = [out.logits]
+            for _ in range(3):  # greedy decode steps continuing the policy's cache
+                out = lm.model(out.logits[:, -1:].argmax(-1), cache=out.cache, use_cache=True)
+                steps.append(out.logits)
+        assert isinstance(out.cache, HeadwiseCache)
+        for layer in out.cache.layers:  # every layer of this placement runs on the CPU, offloaded ones included
+            assert {t.device for t in _held(layer)} == {torch.device("cpu")}
+        seen[name] = (torch.cat(steps, dim=1), usage.layer_bytes.copy(), usage.layer_full_bytes.sum())
+    torch.testing.assert_close(seen["split"][0], seen["whole"][0], rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(seen["split"][1], seen["whole"][1])
+    assert 0 < seen["split"][1].sum() < seen["split"][2]  # compressed: fewer bytes than a full cache
+
+
+def test_the_kv_peak_memory_is_measured_on_every_gpu_a_device_map_uses():
+    from headlab.kv import _cuda_devices
+
+    placed = torch.nn.Linear(2, 2)
+    placed.hf_device_map = {"a": 1, "b": "cpu", "c": "cuda:0", "d": "disk", "e": 1, "f": "cuda:3"}
+    assert _cuda_devices(placed) == [torch.device("cuda", i) for i in (0, 1, 3)]
+    assert _cuda_devices(torch.nn.Linear(2, 2)) == []  # on the CPU, nothing placed
