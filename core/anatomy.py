@@ -31,10 +31,10 @@ model. A model placed by a ``device_map`` that offloads modules through accelera
 beside an accelerator) keeps an offloaded module's parameters on the ``meta`` device between forwards; the
 functions that return weights then load that module's weights (that module's only, never the whole model)
 through accelerate's offload hooks onto the device the module computes on, the same values as the unsplit
-model's, and drop them from the module again: there they are tensors read for the call, which no edit of the
-model reaches (writing into them is not supported). The modules the functions return (norms, attention) are
-the model's own; :func:`weights_loaded` makes an offloaded module's parameters readable and the module
-callable outside a forward of the model.
+model's, and drop them from the module again: there they are tensors read for the call (writing into them
+is not supported: whether it reaches the offloaded weights depends on where accelerate keeps them). The
+modules the functions return (norms, attention) are the model's own; :func:`weights_loaded` makes an
+offloaded module's parameters readable and the module callable outside a forward of the model.
 """
 
 from __future__ import annotations

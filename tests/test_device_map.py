@@ -5,6 +5,7 @@ checkpoint is a tiny random Llama the test writes, with the headlab-tiny tokeniz
 
 from __future__ import annotations
 
+import copy
 import shutil
 from pathlib import Path
 
@@ -172,6 +173,9 @@ def test_the_anatomy_of_an_offloaded_model_reads_its_real_weights_one_module_at_
         torch.testing.assert_close(norm.weight, whole.input_norm(3).weight, rtol=0, atol=0)  # still loaded
         assert split.model.model.layers[3].mlp.up_proj.weight.device.type == "meta"  # only what was asked for
     assert norm.weight.device.type == "meta" and attn.o_proj.weight.device.type == "meta"
+    weight = whole.input_norm(3).weight
+    with whole.weights_loaded(whole.input_norm(3)):  # nothing offloaded: the parameter itself, untouched
+        assert whole.input_norm(3).weight is weight
 
 
 WEIGHT_READERS = """task: {kind: kv_swap, n: 4, num_pairs: 3}
@@ -289,3 +293,28 @@ def test_the_kv_peak_memory_is_measured_on_every_gpu_a_device_map_uses():
     placed.hf_device_map = {"a": 1, "b": "cpu", "c": "cuda:0", "d": "disk", "e": 1, "f": "cuda:3"}
     assert _cuda_devices(placed) == [torch.device("cuda", i) for i in (0, 1, 3)]
     assert _cuda_devices(torch.nn.Linear(2, 2)) == []  # on the CPU, nothing placed
+
+
+def test_weights_loaded_with_their_parent_module_are_read_through_it(tmp_path):
+    """accelerate's ``preload_module_classes``: the attention's hook loads its projections for its whole
+    forward, the projections have no hook of their own."""
+    from accelerate import dispatch_model
+
+    from headlab.model import LoadedModel
+
+    config = {"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 97}
+    whole = load_model(ModelSpec(config=config, device="cpu"), seed=5)
+    placed = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "disk",
+              "model.layers.1": "cpu", "model.norm": "cpu", "lm_head": "cpu"}
+    model = dispatch_model(copy.deepcopy(whole.model), device_map=placed, offload_dir=str(tmp_path),
+                           preload_module_classes=["LlamaAttention"])
+    lm = LoadedModel(model=model, tokenizer=None, name="parted", geometry=whole.geometry)
+    attn = lm.attention_module(0)
+    assert not hasattr(attn.q_proj, "_hf_hook") and attn.q_proj.weight.device.type == "meta"
+    a, b = whole.head_weights(0), lm.head_weights(0)
+    for name in ("W_Q", "W_K", "W_V", "W_O"):
+        torch.testing.assert_close(getattr(a, name), getattr(b, name), rtol=0, atol=0)
+    with lm.weights_loaded(attn.v_proj):
+        torch.testing.assert_close(attn.v_proj.weight, whole.attention_module(0).v_proj.weight, rtol=0, atol=0)
+    assert attn.v_proj.weight.device.type == "meta"
