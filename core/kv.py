@@ -1664,10 +1664,10 @@ class KvUsage:
     rows scored) and so over their rows; what full caches would have held; the attention paths that read
     the split caches; and the peak memory of the context in bytes (``peak_memory``, None when not measured)
     with what it measured (``peak_memory_measure``): ``"cuda max_memory_allocated"``, the CUDA allocator's
-    peak (weights included; on a model split across GPUs, the peaks of its GPUs summed, the measure then naming
-    them: ``"cuda max_memory_allocated, summed over cuda:0, cuda:1"``); ``"cpu peak live tensor bytes"``, the peak bytes of tensors created inside the
-    context and alive at once (weights and anything allocated before excluded; operators' internal scratch
-    buffers unseen)."""
+    peak (weights included; on a model split across GPUs, the peaks of its GPUs summed, the measure then
+    naming them: ``"cuda max_memory_allocated, summed over cuda:0, cuda:1"``); ``"cpu peak live tensor
+    bytes"``, the peak bytes of tensors created inside the context and alive at once (weights and anything
+    allocated before excluded; operators' internal scratch buffers unseen)."""
 
     head_map: HeadMap
     layer_bytes: np.ndarray
