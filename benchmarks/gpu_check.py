@@ -10,7 +10,8 @@
 4. A model split across the GPU and the CPU (``model: {device_map: ...}``, unless --skip-split): a tiny
    random Llama written to a temporary checkpoint, its first half on cuda:0 and its second half (with the
    norm and the unembedding) on the CPU, against the whole model on cuda:0: logits, an induction detection
-   (attention probes) and a generation steered by its top heads.
+   (attention probes), a generation steered by its top heads, successor heads (weights read from the
+   offloaded layers) and a generation under a streaming KV policy (its tokens and cache bytes).
 5. The wave-3 benchmarks on the GPU (unless --skip-wave3): head-output patching, headlab batched vs
    TransformerLens (benchmarks/bench_patching.py --device cuda; target >= 10x TransformerLens' heads/s) and
    head-level KV policies after long prompts (benchmarks/bench_kv.py --device cuda: KV bytes, peak memory,
@@ -129,11 +130,18 @@ steps:
     generate:
       max_new_tokens: 4
       steer: [{kind: head_scale, heads: {from: ind, top: 2}, factor: 0.0}]
+  - id: succ
+    detect: {kind: successor}
+  - id: kv
+    generate:
+      max_new_tokens: 4
+      kv: {kind: streaming, full_heads: {from: ind, top: 1}, sink: 1, window: 3}
 """
 
 
 def split_check() -> bool:
-    """A model split across cuda:0 and the CPU equals the whole model on cuda:0 (logits, probes, steering)."""
+    """A model split across cuda:0 and the CPU equals the whole model on cuda:0 (logits, probes, steering,
+    weights read by a detector, a KV policy)."""
     import shutil
     import tempfile
     from pathlib import Path
@@ -172,9 +180,10 @@ def split_check() -> bool:
         for name, model in (("whole", f"{{path: {ckpt}, device: cuda}}"),
                             ("split", f"{{path: {ckpt}, device_map: {split}}}".replace("'", ""))):
             runs[name] = headlab.run(f"name: {name}\nmodel: {model}\n{SPLIT_STEPS}", out=Path(tmp) / "runs")
-        for step, var in (("ind", "score"), ("gen", "output")):
+        for step, var in (("ind", "score"), ("gen", "output"), ("succ", "score"), ("kv", "output"),
+                          ("kv", "kv_bytes")):
             a, b = runs["whole"].results[step][var].values, runs["split"].results[step][var].values
-            same = np.array_equal(a, b) if a.dtype.kind in "OUS" else np.allclose(a, b, atol=1e-4, equal_nan=True)
+            same = np.array_equal(a, b) if a.dtype.kind in "OUST" else np.allclose(a, b, atol=1e-4, equal_nan=True)
             print(f"  {step}.{var}: {'equal' if same else 'DIFFERENT'}")
             ok &= bool(same)
     return ok

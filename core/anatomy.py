@@ -27,12 +27,21 @@ include, and a forward must add:
   ``post_attention_layernorm``, olmo2's post-norms).
 
 The weights are detached views of the model's parameters: no copy, no autograd; writing into them edits the
-model.
+model. A model placed by a ``device_map`` that offloads modules through accelerate (to ``disk``, or to the CPU
+beside an accelerator) keeps an offloaded module's parameters on the ``meta`` device between forwards; the
+functions that return weights then load that module's weights (that module's only, never the whole model)
+through accelerate's offload hooks onto the device the module computes on, the same values as the unsplit
+model's, and drop them from the module again: there they are tensors read for the call (writing into them
+is not supported: whether it reaches the offloaded weights depends on where accelerate keeps them). The
+modules the functions return (norms, attention) are the model's own; :func:`weights_loaded` makes an
+offloaded module's parameters readable and the module callable outside a forward of the model.
 """
 
 from __future__ import annotations
 
+import contextlib
 import operator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any, Literal
@@ -45,7 +54,7 @@ from .geometry import geometry_of
 __all__ = [
     "SUPPORTED_MODEL_TYPES", "AnatomyError", "HeadWeights", "attention_module", "decoder_layers", "embedding",
     "final_norm", "head_weights", "input_norm", "position_embedding", "query_key_norms", "text_model",
-    "unembed", "unembedding", "unembedding_bias",
+    "unembed", "unembedding", "unembedding_bias", "weights_loaded",
 ]
 
 
@@ -237,7 +246,9 @@ def _embedding_module(model: Any) -> torch.nn.Module:
 def embedding(model: Any) -> Tensor:
     """The input token embedding matrix ``W_E`` (vocab, d_model), a detached view. Gemma2's embedding module
     multiplies the rows it looks up by ``sqrt(d_model)`` (its ``embed_scale``); the matrix does not."""
-    return _embedding_module(model).weight.detach()
+    module = _embedding_module(model)
+    with weights_loaded(model, module):
+        return module.weight.detach()
 
 
 def position_embedding(model: Any) -> Tensor | None:
@@ -246,7 +257,9 @@ def position_embedding(model: Any) -> Tensor | None:
     layout = _layout(model)
     if layout.position_embedding is None:
         return None
-    return _path(text_model(model), layout.position_embedding, model).weight.detach()
+    module = _path(text_model(model), layout.position_embedding, model)
+    with weights_loaded(model, module):
+        return module.weight.detach()
 
 
 def _lm_head(model: Any) -> torch.nn.Module:
@@ -262,13 +275,17 @@ def unembedding(model: Any) -> Tensor:
     """The unembedding ``W_U`` (d_model, vocab): ``final_norm(h) @ W_U + b_U`` are the logits (before gemma2's
     final soft-capping, which :func:`unembed` applies). A detached view, transposed: tied models share
     the storage of :func:`embedding`."""
-    return _lm_head(model).weight.detach().T
+    head = _lm_head(model)
+    with weights_loaded(model, head):
+        return head.weight.detach().T
 
 
 def unembedding_bias(model: Any) -> Tensor | None:
     """The unembedding bias ``b_U`` (vocab,), or ``None`` (none of the supported architectures has one)."""
-    bias = getattr(_lm_head(model), "bias", None)
-    return None if bias is None else bias.detach()
+    head = _lm_head(model)
+    with weights_loaded(model, head):
+        bias = getattr(head, "bias", None)
+        return None if bias is None else bias.detach()
 
 
 def _final_softcap(model: Any) -> float | None:
@@ -282,11 +299,13 @@ def unembed(model: Any, hidden: Tensor, *, norm: bool = True) -> Tensor:
     """Logits of hidden states ``hidden`` (..., d_model), as the model's own head computes them from its last
     hidden state: the final norm (unless ``norm=False``), ``@ W_U + b_U``, then gemma2's soft-capping."""
     if norm:
-        hidden = final_norm(model)(hidden)
-    logits = hidden @ unembedding(model).to(hidden.dtype)
+        module = final_norm(model)
+        with weights_loaded(model, module):
+            hidden = module(hidden)
+    logits = hidden @ unembedding(model).to(hidden.device, hidden.dtype)
     bias = unembedding_bias(model)
     if bias is not None:
-        logits = logits + bias.to(logits.dtype)
+        logits = logits + bias.to(logits.device, logits.dtype)
     cap = _final_softcap(model)
     return logits if cap is None else cap * torch.tanh(logits / cap)
 
@@ -316,8 +335,13 @@ def _qkv_blocks(attn: torch.nn.Module, layout: _Layout, sizes: list[int],
 
 def head_weights(model: Any, layer: int) -> HeadWeights:
     """The per-head attention weights of decoder layer ``layer`` (see the module docstring)."""
-    layout = _layout(model)
     attn = attention_module(model, layer)
+    with weights_loaded(model, attn):
+        return _head_weights(model, layer, attn)
+
+
+def _head_weights(model: Any, layer: int, attn: torch.nn.Module) -> HeadWeights:
+    layout = _layout(model)
     geo = geometry_of(model)
     H, K, D = geo.n_heads, geo.n_kv_heads, geo.head_dim
     counts = [H, K, K]
@@ -351,3 +375,58 @@ def _rows_to_heads(weight: Tensor, n: int, d_head: int) -> Tensor:
 
 def _bias_heads(bias: Tensor | None, n: int, d_head: int) -> Tensor | None:
     return None if bias is None else bias.reshape(n, d_head)
+
+
+# --------------------------------------------------------------------------- offloaded modules
+def _offloading(model: Any, module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules whose accelerate hooks keep parameters of ``module`` offloaded: ``module`` and its
+    submodules with an offloading hook, and the ancestor whose hook loads all its submodules for its forward
+    (accelerate's ``preload_module_classes``); empty where nothing of ``module`` is offloaded."""
+    inner = [m for m in module.modules() if getattr(m, "_hf_hook", None) is not None]
+    if not inner and getattr(model, "_hf_hook", None) is None:
+        return []  # not placed by accelerate
+    from accelerate.utils import has_offloaded_params
+
+    owners = [m for m in inner if has_offloaded_params(m)]
+    name = next((n for n, m in model.named_modules() if m is module), None)
+    if name:
+        parts = name.split(".")
+        for cut in range(len(parts)):
+            above = model.get_submodule(".".join(parts[:cut]))
+            if has_offloaded_params(above) and above._hf_hook.place_submodules:
+                owners.append(above)
+    return owners
+
+
+@contextlib.contextmanager
+def _kept_loaded(hook: Any) -> Iterator[None]:
+    """While loaded by ``align_module_device``, the module's own forwards leave its weights in place (its hook
+    would otherwise load them again and drop them to ``meta`` after each call)."""
+    hook.offload = False
+    try:
+        yield
+    finally:
+        hook.offload = True
+
+
+@contextlib.contextmanager
+def weights_loaded(model: Any, *modules: torch.nn.Module | None) -> Iterator[None]:
+    """Inside the block, the parameters of ``modules`` (parts of ``model``; None is skipped) are real tensors
+    on the device each module computes on, also where accelerate offloads them (to disk, or to the CPU beside an
+    accelerator; between forwards they are on the ``meta`` device): their weights can be read and the modules
+    called. Only these modules' weights are loaded, through accelerate's offload hooks, and they are dropped
+    again when the block ends. For modules that are not offloaded it does nothing."""
+    owners: dict[int, torch.nn.Module] = {}
+    for module in modules:
+        if module is not None:
+            owners.update((id(m), m) for m in _offloading(model, module))
+    if not owners:
+        yield
+        return
+    from accelerate.utils import align_module_device
+
+    with contextlib.ExitStack() as stack:
+        for owner in owners.values():
+            stack.enter_context(align_module_device(owner))
+            stack.enter_context(_kept_loaded(owner._hf_hook))
+        yield

@@ -1664,9 +1664,10 @@ class KvUsage:
     rows scored) and so over their rows; what full caches would have held; the attention paths that read
     the split caches; and the peak memory of the context in bytes (``peak_memory``, None when not measured)
     with what it measured (``peak_memory_measure``): ``"cuda max_memory_allocated"``, the CUDA allocator's
-    peak (weights included); ``"cpu peak live tensor bytes"``, the peak bytes of tensors created inside the
-    context and alive at once (weights and anything allocated before excluded; operators' internal scratch
-    buffers unseen)."""
+    peak (weights included; on a model split across GPUs, the peaks of its GPUs summed, the measure then
+    naming them: ``"cuda max_memory_allocated, summed over cuda:0, cuda:1"``); ``"cpu peak live tensor
+    bytes"``, the peak bytes of tensors created inside the context and alive at once (weights and anything
+    allocated before excluded; operators' internal scratch buffers unseen)."""
 
     head_map: HeadMap
     layer_bytes: np.ndarray
@@ -1795,6 +1796,19 @@ def _chunked_forward(forward: Any, chunk: int, kwargs: dict[str, Any], new_cache
     return out
 
 
+def _cuda_devices(model: torch.nn.Module) -> list[torch.device]:
+    """The CUDA devices ``model`` computes on: where its parameters are, and the GPUs its ``device_map`` places
+    modules on (an offloaded module's parameters are on ``meta`` between forwards), in index order."""
+    found = {p.device for p in model.parameters() if p.device.type == "cuda"}
+    for place in (getattr(model, "hf_device_map", None) or {}).values():
+        if isinstance(place, int) and not isinstance(place, bool):
+            found.add(torch.device("cuda", place))
+        elif str(place).startswith("cuda"):
+            found.add(torch.device(str(place)))
+    indexed = {d if d.index is not None else torch.device("cuda", torch.cuda.current_device()) for d in found}
+    return sorted(indexed, key=lambda d: d.index)
+
+
 @contextlib.contextmanager
 def kv_policy(model: torch.nn.Module, head_map: HeadMap, *, prefill_chunk: int | None = None,
               cpu_peak: bool = False) -> Any:
@@ -1823,9 +1837,10 @@ def kv_policy(model: torch.nn.Module, head_map: HeadMap, *, prefill_chunk: int |
     n_layers = head_map.n_layers
     usage = KvUsage(head_map, np.zeros(n_layers, dtype=np.int64), np.zeros(n_layers, dtype=np.int64))
     target = _decoder(model)
-    cuda = next((p.device for p in model.parameters() if p.device.type == "cuda"), None)
-    if cuda is not None:
-        torch.cuda.reset_peak_memory_stats(cuda)
+    gpus = _cuda_devices(model)
+    cuda = gpus[0] if gpus else None
+    for gpu in gpus:
+        torch.cuda.reset_peak_memory_stats(gpu)
 
     def before(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
@@ -1871,8 +1886,9 @@ def kv_policy(model: torch.nn.Module, head_map: HeadMap, *, prefill_chunk: int |
             handle.remove()
         usage._fold()
         if cuda is not None:
-            usage.peak_memory = int(torch.cuda.max_memory_allocated(cuda))
-            usage.peak_memory_measure = _CUDA_PEAK
+            usage.peak_memory = sum(int(torch.cuda.max_memory_allocated(gpu)) for gpu in gpus)
+            usage.peak_memory_measure = _CUDA_PEAK if len(gpus) == 1 else \
+                f"{_CUDA_PEAK}, summed over {', '.join(str(gpu) for gpu in gpus)}"
         elif tracker is not None:
             usage.peak_memory = int(tracker.peak)
             usage.peak_memory_measure = _CPU_PEAK

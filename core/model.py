@@ -9,6 +9,7 @@ random weights (tests, benchmarks). Geometry is always read from the loaded mode
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,6 +135,11 @@ class LoadedModel:
     def final_norm(self) -> torch.nn.Module:
         """The norm applied to the last hidden state before the unembedding."""
         return anatomy.final_norm(self.model)
+
+    def weights_loaded(self, *modules: torch.nn.Module | None) -> contextlib.AbstractContextManager[None]:
+        """A context in which the parameters of ``modules`` (parts of this model) are real tensors on the device
+        each computes on, also where ``device_map`` offloads them (:func:`headlab.anatomy.weights_loaded`)."""
+        return anatomy.weights_loaded(self.model, *modules)
 
     def unembed(self, hidden: torch.Tensor, *, norm: bool = True) -> torch.Tensor:
         """Logits of hidden states (..., d_model) as the model's head computes them (final norm unless

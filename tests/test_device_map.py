@@ -5,9 +5,11 @@ checkpoint is a tiny random Llama the test writes, with the headlab-tiny tokeniz
 
 from __future__ import annotations
 
+import copy
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import xarray as xr
@@ -137,3 +139,182 @@ def test_a_config_built_model_is_placed_the_same_way(tmp_path):
     ids = torch.tensor([[1, 5, 9, 2, 5, 9, 2]])
     with torch.no_grad():
         torch.testing.assert_close(whole.model(ids).logits, split.model(ids).logits, rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------- weight-reading detectors
+#: every part a weight reader reads on disk somewhere: the embedding, two layers, the final norm, the unembedding
+ON_DISK = {"model.embed_tokens": "disk", "model.rotary_emb": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
+           "model.layers.2": "cpu", "model.layers.3": "disk", "model.norm": "disk", "lm_head": "disk"}
+
+
+def test_the_anatomy_of_an_offloaded_model_reads_its_real_weights_one_module_at_a_time(checkpoint, tmp_path):
+    whole = load_model(ModelSpec(path=str(checkpoint), device="cpu"))
+    split = load_model(ModelSpec(path=str(checkpoint), device_map=ON_DISK, offload_folder=str(tmp_path / "off")))
+    attn = split.attention_module(1)
+    assert attn.q_proj.weight.device.type == "meta"  # offloaded: nothing in memory between forwards
+    for layer in range(4):
+        a, b = whole.head_weights(layer), split.head_weights(layer)
+        for name in ("W_Q", "W_K", "W_V", "W_O"):
+            assert getattr(b, name).device.type == "cpu"
+            torch.testing.assert_close(getattr(a, name), getattr(b, name), rtol=0, atol=0)
+    for name in ("embedding", "unembedding"):
+        got = getattr(split, name)
+        assert got.device.type == "cpu" and float(got.abs().sum()) > 0
+        torch.testing.assert_close(getattr(whole, name), got, rtol=0, atol=0)
+    # the weights were loaded for the call and dropped again: the model still holds nothing of the offloaded modules
+    assert attn.q_proj.weight.device.type == "meta" and split.model.lm_head.weight.device.type == "meta"
+    assert split.model.model.embed_tokens.weight.device.type == "meta"
+    hidden = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(whole.unembed(hidden), split.unembed(hidden), rtol=0, atol=0)
+    norm = split.input_norm(3)
+    with split.weights_loaded(norm, attn):
+        assert norm.weight.device.type == "cpu" and attn.o_proj.weight.device.type == "cpu"
+        torch.testing.assert_close(norm(hidden), whole.input_norm(3)(hidden), rtol=0, atol=0)
+        torch.testing.assert_close(norm.weight, whole.input_norm(3).weight, rtol=0, atol=0)  # still loaded
+        assert split.model.model.layers[3].mlp.up_proj.weight.device.type == "meta"  # only what was asked for
+    assert norm.weight.device.type == "meta" and attn.o_proj.weight.device.type == "meta"
+    weight = whole.input_norm(3).weight
+    with whole.weights_loaded(whole.input_norm(3)):  # nothing offloaded: the parameter itself, untouched
+        assert whole.input_norm(3).weight is weight
+
+
+WEIGHT_READERS = """task: {kind: kv_swap, n: 4, num_pairs: 3}
+steps:
+  - id: successor
+    detect: {kind: successor}
+  - id: negative
+    detect: {kind: copy_suppression, tokens: 64, k: 5}
+  - id: dla
+    detect: {kind: direct_logit_attribution, batch_size: 2}
+  - id: eap
+    detect: {kind: edge_attribution, method: eap_ig, ig_steps: 2, circuit: {top: 10}}
+"""
+
+
+def test_weight_reading_detectors_on_an_offloaded_model_equal_the_unsplit_model(checkpoint, tmp_path):
+    whole = headlab.run("name: whole\n" + model_yaml(checkpoint, "device: cpu") + WEIGHT_READERS, out=tmp_path / "a")
+    placement = f"device_map: {ON_DISK}, offload_folder: {tmp_path / 'off'}".replace("'", "")
+    split = headlab.run("name: split\n" + model_yaml(checkpoint, placement) + WEIGHT_READERS, out=tmp_path / "b")
+    assert whole.status == split.status == "complete"
+    for step, names in (("successor", ["score"]), ("negative", ["score", "copying"]),
+                        ("dla", ["score", "dla", "rest", "logit_diff"]), ("eap", ["score"])):
+        a, b = whole.results[step], split.results[step]
+        for name in names:
+            np.testing.assert_allclose(b[name].values, a[name].values, rtol=1e-6, atol=1e-9, err_msg=f"{step}.{name}")
+    # scores of real weights: the heads differ (placeholder or zero weights would give one value everywhere)
+    for step in ("successor", "negative", "dla"):
+        assert np.unique(split.results[step]["score"].values).size > 1, step
+    assert np.abs(split.results["dla"]["logit_diff"].values).min() > 0
+
+
+# --------------------------------------------------------------------------- KV policies
+KV_POLICIES = {
+    "streaming": "{kind: streaming, full_heads: {from: ind, top: 1}, sink: 1, window: 3}",
+    "headkv": "{kind: headkv, scores: {from: ind}, budget: {tokens_per_head: 8}, observation_window: 3}",
+    "razor": "{kind: razor, full_heads: {from: ind, top: 1}, sink: 1, window: 3}",
+    "random": "{kind: random, n_full: 1, sink: 1, window: 3, prefill_chunk: 5}",
+    "full": "{kind: full, prefill_chunk: 4}",
+}
+
+
+def kv_steps(kv: str) -> str:
+    return f"""task: {{kind: kv_swap, n: 3}}
+steps:
+  - id: ind
+    detect: {{kind: induction}}
+  - id: gen
+    generate: {{max_new_tokens: 4, kv: {kv}}}
+  - id: sc
+    score: {{kv: {kv}}}
+"""
+
+
+@pytest.mark.parametrize("policy", sorted(KV_POLICIES))
+def test_kv_policies_on_an_offloaded_model_equal_the_unsplit_model(checkpoint, tmp_path, policy):
+    steps = kv_steps(KV_POLICIES[policy])
+    whole = headlab.run("name: whole\n" + model_yaml(checkpoint, "device: cpu") + steps, out=tmp_path / "a")
+    placement = f"device_map: {ON_DISK}, offload_folder: {tmp_path / 'off'}".replace("'", "")
+    split = headlab.run("name: split\n" + model_yaml(checkpoint, placement) + steps, out=tmp_path / "b")
+    assert whole.status == split.status == "complete"
+    for step in ("gen", "sc"):
+        a, b = whole.results[step], split.results[step]
+        assert b.attrs["kv_policy"] == policy and b.attrs["kv_attention"] == a.attrs["kv_attention"]
+        assert b.attrs["kv_kept_fraction"] < 1 or policy == "full"  # the caches dropped keys
+        for name in ("kv_bytes", "kv_full", "kv_kept_fraction"):
+            np.testing.assert_array_equal(b[name].values, a[name].values, err_msg=f"{step}.{name}")
+        assert b.attrs["kv_bytes_full"] == a.attrs["kv_bytes_full"] > 0
+    np.testing.assert_array_equal(split.results["gen"]["output_ids"].values, whole.results["gen"]["output_ids"].values)
+    np.testing.assert_allclose(split.results["sc"]["logprob"].values, whole.results["sc"]["logprob"].values,
+                               rtol=0, atol=1e-5)
+
+
+def _held(layer) -> list[torch.Tensor]:
+    """Every key and value tensor a headwise cache layer holds."""
+    keys, values, _ = layer.compressed()
+    parts = [keys, values] if isinstance(keys, torch.Tensor) else [*keys, *values]
+    return [layer.keys, layer.values, *parts]
+
+
+@pytest.mark.parametrize("policy", ["streaming", "headkv"])
+def test_a_headwise_cache_on_an_offloaded_model_holds_each_layer_where_it_runs(checkpoint, tmp_path, policy):
+    from headlab.kv import HeadBudgetMap, HeadMap, HeadwiseCache, KvBudget, kv_policy
+
+    whole = load_model(ModelSpec(path=str(checkpoint), device="cpu"))
+    split = load_model(ModelSpec(path=str(checkpoint), device_map=ON_DISK, offload_folder=str(tmp_path / "off")))
+    if policy == "streaming":
+        full = np.array([[True, False], [False, False], [False, True], [False, False]])
+        head_map = HeadMap(xr.DataArray(full, dims=("layer", "kv_head")), sink=1, window=3)
+    else:
+        scores = xr.DataArray(np.arange(8, dtype=float).reshape(4, 2), dims=("layer", "kv_head"))
+        head_map = HeadBudgetMap.allocate(scores, KvBudget(tokens_per_head=5), observation_window=3,
+                                          token_bytes=128).for_length(12)
+    ids = torch.tensor([whole.tokenizer("the cat sat on the mat and the dog sat on the rug")["input_ids"][:12]])
+    seen = {}
+    for name, lm in (("whole", whole), ("split", split)):
+        with torch.no_grad(), kv_policy(lm.model, head_map) as usage:
+            out = lm.model(ids, use_cache=True)
+            steps = [out.logits]
+            for _ in range(3):  # greedy decode steps continuing the policy's cache
+                out = lm.model(out.logits[:, -1:].argmax(-1), cache=out.cache, use_cache=True)
+                steps.append(out.logits)
+        assert isinstance(out.cache, HeadwiseCache)
+        for layer in out.cache.layers:  # every layer of this placement runs on the CPU, offloaded ones included
+            assert {t.device for t in _held(layer)} == {torch.device("cpu")}
+        seen[name] = (torch.cat(steps, dim=1), usage.layer_bytes.copy(), usage.layer_full_bytes.sum())
+    torch.testing.assert_close(seen["split"][0], seen["whole"][0], rtol=0, atol=1e-5)
+    np.testing.assert_array_equal(seen["split"][1], seen["whole"][1])
+    assert 0 < seen["split"][1].sum() < seen["split"][2]  # compressed: fewer bytes than a full cache
+
+
+def test_the_kv_peak_memory_is_measured_on_every_gpu_a_device_map_uses():
+    from headlab.kv import _cuda_devices
+
+    placed = torch.nn.Linear(2, 2)
+    placed.hf_device_map = {"a": 1, "b": "cpu", "c": "cuda:0", "d": "disk", "e": 1, "f": "cuda:3"}
+    assert _cuda_devices(placed) == [torch.device("cuda", i) for i in (0, 1, 3)]
+    assert _cuda_devices(torch.nn.Linear(2, 2)) == []  # on the CPU, nothing placed
+
+
+def test_weights_loaded_with_their_parent_module_are_read_through_it(tmp_path):
+    """accelerate's ``preload_module_classes``: the attention's hook loads its projections for its whole
+    forward, the projections have no hook of their own."""
+    from accelerate import dispatch_model
+
+    from headlab.model import LoadedModel
+
+    config = {"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 97}
+    whole = load_model(ModelSpec(config=config, device="cpu"), seed=5)
+    placed = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "disk",
+              "model.layers.1": "cpu", "model.norm": "cpu", "lm_head": "cpu"}
+    model = dispatch_model(copy.deepcopy(whole.model), device_map=placed, offload_dir=str(tmp_path),
+                           preload_module_classes=["LlamaAttention"])
+    lm = LoadedModel(model=model, tokenizer=None, name="parted", geometry=whole.geometry)
+    attn = lm.attention_module(0)
+    assert not hasattr(attn.q_proj, "_hf_hook") and attn.q_proj.weight.device.type == "meta"
+    a, b = whole.head_weights(0), lm.head_weights(0)
+    for name in ("W_Q", "W_K", "W_V", "W_O"):
+        torch.testing.assert_close(getattr(a, name), getattr(b, name), rtol=0, atol=0)
+    with lm.weights_loaded(attn.v_proj):
+        torch.testing.assert_close(attn.v_proj.weight, whole.attention_module(0).v_proj.weight, rtol=0, atol=0)
+    assert attn.v_proj.weight.device.type == "meta"

@@ -78,7 +78,8 @@ def direct_logit_attribution(lm, batch, answer: list[int], wrong: list[int]) -> 
     finally:
         for handle in handles:
             handle.remove()
-    with torch.no_grad():
+    posts = [attention_output_norm(lm, layer) for layer in post_inputs]
+    with torch.no_grad(), lm.weights_loaded(norm_module, *posts):
         return _terms(lm, norm_module, captured[-1], post_inputs, rec, answer, wrong)
 
 

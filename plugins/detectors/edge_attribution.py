@@ -390,7 +390,8 @@ def _destination_gradients(lm: LoadedModel, parts: list[BlockParts], grads: _Gra
     cot = [torch.einsum("nthe,hme->hntm", grads.q[layer].to(dtype), hw.W_Q.to(dtype)),
            torch.einsum("nthe,hme->hntm", grads.k[layer].to(dtype), hw.W_K.to(dtype)),
            torch.einsum("nthe,hme->hntm", grads.v[layer].to(dtype), hw.W_V.to(dtype))]
-    return _pull_back(parts[layer].norm, grads.x[layer], torch.cat(cot)).to(dtype)
+    with lm.weights_loaded(parts[layer].norm):
+        return _pull_back(parts[layer].norm, grads.x[layer], torch.cat(cot)).to(dtype)
 
 
 def _step_scores(lm: LoadedModel, parts: list[BlockParts], graph: EdgeGraph, grads: _Gradients, delta: _Deltas,
@@ -437,7 +438,7 @@ def edge_scores(lm: LoadedModel, runs: EdgeRuns, graph: EdgeGraph, metric: str, 
     e_other = None
     if m > 1:
         embedding = lm.model.get_input_embeddings()
-        with torch.no_grad():
+        with torch.no_grad(), lm.weights_loaded(embedding):
             e_other = embedding(p.ids[p.rows(other)].to(embedding.weight.device))
     for k in range(1, m + 1):
         embeds = None if k == m else partial(_interpolate, e_other, k / m)

@@ -47,16 +47,18 @@ def folded_inputs(lm: Any, layer: int, tokens: Tensor, precision: Precision = "f
     d_model = int(W_E.shape[1])
     norm = lm.input_norm(layer)
     if norm is not None:
-        rule = affine_norm(norm, d_model)
-        x = rule.centred(x) * rule.gain.to(dtype)
+        with lm.weights_loaded(norm):
+            rule = affine_norm(norm, d_model)
+        x = rule.centred(x) * rule.gain.to(x.device, dtype)
     hw = lm.head_weights(layer)
-    W_V = hw.per_query_head(hw.W_V).to(dtype)  # (H, d_model, D)
-    out = torch.einsum("tm,hmd,hdn->htn", x, W_V, hw.W_O.to(dtype))
+    W_V = hw.per_query_head(hw.W_V).to(x.device, dtype)  # (H, d_model, D)
+    out = torch.einsum("tm,hmd,hdn->htn", x, W_V, hw.W_O.to(x.device, dtype))
     post = attention_output_norm(lm, layer)
     if post is None:
         return out
-    rule = affine_norm(post, d_model)
-    return rule.centred(out) * rule.gain.to(dtype)
+    with lm.weights_loaded(post):
+        rule = affine_norm(post, d_model)
+    return rule.centred(out) * rule.gain.to(out.device, dtype)
 
 
 #: architectures that normalise the attention output before adding it to the residual stream, and the
@@ -80,8 +82,10 @@ def attention_output_norm(lm: Any, layer: int) -> torch.nn.Module | None:
 
 def fold_out(lm: Any, y: Tensor) -> Tensor:
     """``centre(y) * g_final`` (the final norm without its scale)."""
-    rule = affine_norm(lm.final_norm, int(y.shape[-1]))
-    return rule.centred(y) * rule.gain.to(y.dtype)
+    norm = lm.final_norm
+    with lm.weights_loaded(norm):
+        rule = affine_norm(norm, int(y.shape[-1]))
+    return rule.centred(y) * rule.gain.to(y.device, y.dtype)
 
 
 def ov_rows(lm: Any, layer: int, tokens: Tensor, *, columns: Tensor | None = None, block: int = 4096,
@@ -96,7 +100,7 @@ def ov_rows(lm: Any, layer: int, tokens: Tensor, *, columns: Tensor | None = Non
         cols = slice(start, min(start + block, n))
         ids = torch.arange(cols.start, cols.stop, device=W_U.device) if columns is None \
             else columns[cols].to(W_U.device)
-        yield cols, out @ W_U[:, ids].to(out.dtype)
+        yield cols, out @ W_U[:, ids].to(out.device, out.dtype)
 
 
 def rank_counts(lm: Any, layer: int, tokens: Tensor, *, block: int = 4096,
@@ -107,12 +111,12 @@ def rank_counts(lm: Any, layer: int, tokens: Tensor, *, block: int = 4096,
     two (head, token) int64 tensors, computed ``block`` columns at a time."""
     out = fold_out(lm, folded_inputs(lm, layer, tokens, precision))
     W_U = lm.unembedding
-    own = (out * W_U[:, tokens.to(W_U.device)].T.to(out.dtype)[None]).sum(-1)  # (H, T)
+    own = (out * W_U[:, tokens.to(W_U.device)].T.to(out.device, out.dtype)[None]).sum(-1)  # (H, T)
     greater = torch.zeros(own.shape, dtype=torch.long, device=own.device)
     smaller = torch.zeros_like(greater)
     ids = tokens.to(own.device)
     for start in range(0, int(W_U.shape[1]), block):
-        logits = out @ W_U[:, start: start + block].to(out.dtype)
+        logits = out @ W_U[:, start: start + block].to(out.device, out.dtype)
         others = torch.arange(start, start + logits.shape[-1], device=own.device)[None] != ids[:, None]
         greater += ((logits > own[..., None]) & others).sum(-1)
         smaller += ((logits < own[..., None]) & others).sum(-1)
