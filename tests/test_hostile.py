@@ -83,7 +83,8 @@ def test_set_values_go_through_the_spec_loader_and_name_set(tmp_path):
     cases = [(alias_bomb(), "expands to more than"), ("!!python/object/apply:os.system [id]", "is not allowed"),
              ("[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]"
               "]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]", "nested deeper than"),
-             ("abc", "task.n: Input should be a valid integer")]
+             ("abc", "task.n: Input should be a valid integer"),
+             ('"\\x00\\uD800"', "the text holds an unpaired surrogate (\\ud800)")]
     for value, message in cases:
         res = cli("run", "spec.yaml", "--set", f"task.n={value}", "--out", "runs", cwd=tmp_path)
         line = one_line(res)
@@ -91,6 +92,20 @@ def test_set_values_go_through_the_spec_loader_and_name_set(tmp_path):
     line = one_line(cli("run", "spec.yaml", "--set", "task.nn=3", "--out", "runs", cwd=tmp_path))
     assert "--set task.nn=3: task.nn: unknown key 'nn' (did you mean 'n'?)" in line
     assert not (tmp_path / "runs").exists()  # refused before the store exists
+
+
+def test_a_step_id_set_to_a_collection_is_refused_with_the_others_still_addressed(tmp_path):
+    (tmp_path / "spec.yaml").write_text(spec_text(STEPS))
+    for value in ("[6, 9]", "{kind: niah}"):
+        line = one_line(cli("run", "spec.yaml", "--set", f"steps.0.id={value}", "--set", "task.n=3",
+                            "--out", "runs", cwd=tmp_path))
+        assert line.startswith("error: ") and "steps[0].id: Input should be a valid string" in line, line
+    line = one_line(cli("run", "spec.yaml", "--set", "steps=5", "--set", "gen.max_new_tokens=3", cwd=tmp_path))
+    assert "'gen' is neither a top-level key nor a step id" in line, line
+    (tmp_path / "surrogate.yaml").write_text(spec_text(STEPS).replace("name: test", 'name: "\\udc00"', 1))
+    line = one_line(cli("validate", "surrogate.yaml", cwd=tmp_path))
+    assert "unpaired surrogate (\\udc00)" in line and "surrogate.yaml:" in line, line
+    assert not (tmp_path / "runs").exists()
 
 
 # --------------------------------------------------------------------------- contracts enforced

@@ -26,6 +26,8 @@ MAX_DEPTH = 64
 MAX_NODES = 50_000
 """Most values (mapping/list entries and scalars) a spec may hold once its YAML aliases are expanded."""
 MAX_YAML_INT = 2**63 - 1
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 """Largest integer (in absolute value) a spec's YAML may hold: past it no tensor or C library can take it."""
 
 SAFE_TAGS = re.compile(r"^tag:yaml\.org,2002:(str|int|float|bool|null|map|seq|timestamp)$")
@@ -70,6 +72,8 @@ class _Walk:
                     raise self.fail("a key must be a plain name or number, not a "
                                     f"{'list' if isinstance(k, (list, tuple)) else 'mapping'}", at)
                 key = str(k) if not isinstance(k, (int, float, bool)) else k
+                if isinstance(key, str):
+                    self._check_text(key)
                 self.path.append(key)
                 out[key] = self(v)
                 self.path.pop()
@@ -89,8 +93,17 @@ class _Walk:
         if type(node).__name__ in ("ScalarFloat", "ScalarInt", "ScalarBoolean"):
             return {"ScalarFloat": float, "ScalarInt": int, "ScalarBoolean": bool}[type(node).__name__](node)
         if isinstance(node, str):
+            self._check_text(node)
             return str(node)
         return node
+
+    def _check_text(self, text: str) -> None:
+        """Refuse a string holding a lone UTF-16 surrogate (a ``"\\ud800"`` escape): not Unicode text, it can
+        be neither stored nor printed."""
+        bad = _SURROGATE.search(text)
+        if bad:
+            raise self.fail(f"the text holds an unpaired surrogate (\\u{ord(bad.group()):04x}), which is not a "
+                            "Unicode character: write the character itself or its \\U00XXXXXX escape")
 
 
 def _locate_tag(node: Any, path: list[Any] | None = None, seen: set[int] | None = None) -> tuple[Any, list[Any]] | None:

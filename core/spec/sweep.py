@@ -41,7 +41,9 @@ def set_path(data: dict[str, Any], dotted: str, value: Any, *, registry: Registr
     data = copy.deepcopy(data)
     parts = dotted.split(".")
     head, rest = parts[0], parts[1:]
-    steps = {s.get("id"): (i, s) for i, s in enumerate(data.get("steps", [])) if isinstance(s, Mapping)}
+    listed = data.get("steps")
+    steps = {s["id"]: (i, s) for i, s in enumerate(listed if isinstance(listed, list) else [])
+             if isinstance(s, Mapping) and isinstance(s.get("id"), str)}  # other ids are validation's to refuse
     where: list[Any]
     if head in steps:
         index, node = steps[head]
