@@ -4,7 +4,10 @@ When a layer's cache update left a :class:`headlab.kv.SplitCall` (the layer has 
 :func:`split_attention` computes the call instead of the plain path:
 
 - the query heads of the *full* KV heads attend the full group (every position) under transformers' mask,
-  exactly as the plain path does;
+  as the plain path does, or, when the forward left the mask implicit (:attr:`headlab.kv.HeadwiseLayer.
+  implicit_mask`: no dense mask built), causally with the layer's left padding; on SDPA, where it would need a
+  dense mask (a chunk after earlier tokens, padding, a window), by blocks of queries, each over the keys it
+  sees, so that no mask holds more than ``_BLOCK_ELEMS`` entries;
 - the query heads of each *compressed* KV head ``j`` (query heads ``j*g .. (j+1)*g - 1``) attend only the
   keys the policy keeps: key ``k`` is visible to the query at ``q`` iff ``k < sink`` or ``q - k < window``
   (and ``k <= q``), positions counted in the row's own tokens. A decode step reads the bounded group (its
