@@ -1075,7 +1075,7 @@ class SplitCall:
 
 
 _SPLIT = threading.local()
-_FORWARD = threading.local()  # ``cache``: the HeadwiseCache of the forward running under kv_policy, if any
+_FORWARD = threading.local()  # ``running``: the HeadwiseCache of the forward running under kv_policy, if any
 
 
 def _implicit_mask(mask_function: Any, attention_mask: torch.Tensor | None, q_length: int, kv_length: int,
@@ -1088,7 +1088,7 @@ def _implicit_mask(mask_function: Any, attention_mask: torch.Tensor | None, q_le
     dense mask is built as before."""
     from transformers.masking_utils import causal_mask_function
 
-    cache = getattr(_FORWARD, "cache", None)
+    cache = getattr(_FORWARD, "running", None)
     if cache is None or mask_function is not causal_mask_function or not isinstance(q_offset, int) \
             or kv_offset != 0 or q_offset + q_length != kv_length:
         return False
@@ -1885,13 +1885,13 @@ def kv_policy(model: torch.nn.Module, head_map: HeadMap, *, prefill_chunk: int |
             raise KvPolicyError(f"a KV policy with compressed heads cannot continue a {type(cache).__name__}")
         running = kwargs.get("cache")
         running = kwargs.get("past_key_values") if running is None else running
-        _FORWARD.cache = running if isinstance(running, HeadwiseCache) else None
-        for layer in getattr(_FORWARD.cache, "layers", ()):
+        _FORWARD.running = running if isinstance(running, HeadwiseCache) else None
+        for layer in getattr(_FORWARD.running, "layers", ()):
             layer.implicit_mask = False
         return args, kwargs
 
     def after(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
-        _FORWARD.cache = None
+        _FORWARD.running = None
         cache = getattr(output, "cache", None) or getattr(output, "past_key_values", None)
         if isinstance(cache, HeadwiseCache):
             unread = [i for i, layer in enumerate(cache.layers) if layer.pending is not None]
@@ -1911,7 +1911,7 @@ def kv_policy(model: torch.nn.Module, head_map: HeadMap, *, prefill_chunk: int |
         with tracker if tracker is not None else contextlib.nullcontext():
             yield usage
     finally:
-        _FORWARD.cache = None
+        _FORWARD.running = None
         for handle in handles:
             handle.remove()
         usage._fold()
