@@ -15,16 +15,22 @@ forward of a batch-1 random prompt (logits of the last token only), then ``--new
 - KV bytes held after the decode (keys and values; kvpress's cache keeps every token by its design: it
   overwrites dropped keys with a fake key);
 - the peak memory growth over the case (CPU: peak resident set size over the process's size after loading the
-  model; CUDA: ``max_memory_allocated`` over the allocated memory before the prefill), and on CUDA the decode's
-  own peak over what was allocated after the prefill;
+  model; CUDA: ``max_memory_allocated`` over the allocated memory before the prefill);
+- the decode's own peak growth: the peak over the decode steps above what was in use after the prefill
+  (CUDA: allocated memory; CPU: resident set size, its peak reset after the prefill through
+  ``/proc/self/clear_refs``; not reported where the kernel refuses that reset);
+- the peak the kept bytes predict for a case: ``full``'s peak - ``full``'s KV bytes + the case's KV bytes
+  (what the peak would be if the case differed from ``full`` by its cache alone), and the measured peak over
+  it (``peak / predicted``; 1.00x for ``full`` by definition, and above 1 where a case holds more transient
+  memory than ``full``);
 - prefill seconds and decode tokens/s (``--new`` / the decode's wall time).
 
 Cases: ``full`` (transformers' SDPA attention, ``DynamicCache``), ``streaming`` (headlab's attention under
 ``headlab.kv.kv_policy``), ``kvpress`` (SDPA patched by kvpress, in kvpress's own virtual environment,
 ``--kvpress-python``; skipped, with the reason, when that interpreter or kvpress is missing).
 
-Targets (issue [kv-heads]): at 32K, headlab's KV bytes <= 0.3x full and decode tokens/s >= 2x full; prefill no
-slower than full.
+Targets (issue [kv-heads]): at 32K, headlab's KV bytes <= 0.3x full, its peak within 10% of what its kept bytes
+predict (``peak / predicted <= 1.10``) and decode tokens/s >= 2x full; prefill no slower than full.
 """
 
 from __future__ import annotations
@@ -84,6 +90,33 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _rss() -> int:
+    """The process's resident set size now, in bytes."""
+    import os
+
+    with open(f"/proc/{os.getpid()}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _reset_rss_peak() -> bool:
+    """Reset the process's peak resident set size to its current size (Linux ``clear_refs``); False when refused."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def _rss_peak() -> int:
+    """The process's peak resident set size since it started or since the last reset, in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
 def decode(model, ids, new: int, device: str, prefill_context=None, cache=None, chunk: int = 0) -> dict:
     """One prefill forward on ``ids`` (inside ``prefill_context`` when given, starting from ``cache``; with
     ``chunk``, forwards of at most ``chunk`` tokens into a ``DynamicCache``) and ``new`` greedy steps; the
@@ -115,6 +148,10 @@ def decode(model, ids, new: int, device: str, prefill_context=None, cache=None, 
             prefill_peak = torch.cuda.max_memory_allocated() - base
             after_prefill = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
+        else:
+            prefill_peak = peak_growth(device, base)
+            after_prefill = _rss()
+            reset = _reset_rss_peak()
         t0 = time.perf_counter()
         for _ in range(new):
             out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
@@ -126,10 +163,13 @@ def decode(model, ids, new: int, device: str, prefill_context=None, cache=None, 
               "kv_bytes": _cache_bytes(cache)}
     if device == "cuda":
         decode_peak = torch.cuda.max_memory_allocated()
-        result["decode_peak_bytes"] = max(0, decode_peak - after_prefill)
-        result["peak_bytes"] = max(0, prefill_peak, decode_peak - base)
+    elif reset:
+        decode_peak = _rss_peak()
     else:
         result["peak_bytes"] = peak_growth(device, base)
+        return result
+    result["decode_peak_bytes"] = max(0, decode_peak - after_prefill)
+    result["peak_bytes"] = max(0, prefill_peak, decode_peak - base)
     return result
 
 
@@ -190,6 +230,15 @@ def predicted_bytes(args: argparse.Namespace, length: int) -> tuple[int, int]:
     return int(full), int(np.int64(stream))
 
 
+def predicted_peak(case: dict, full: dict) -> float | None:
+    """The peak memory growth ``case``'s kept bytes predict: ``full``'s peak - ``full``'s KV bytes + the case's KV
+    bytes (None without a ``full`` measurement, or when that is not positive)."""
+    if "error" in case or "error" in full:
+        return None
+    pred = full["peak_bytes"] - full["kv_bytes"] + case["kv_bytes"]
+    return pred if pred > 0 else None
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768], help="prompt tokens")
@@ -248,15 +297,18 @@ def main() -> None:
         full_pred, stream_pred = predicted_bytes(args, length)
         print(f"\nprompt {length} tokens (formula: full KV {full_pred / 2**20:.1f} MiB, streaming "
               f"{stream_pred / 2**20:.1f} MiB, {stream_pred / full_pred:.3f}x)")
-        print(f"{'case':<10} {'KV MiB':>9} {'peak MiB':>9} {'prefill s':>10} {'decode tok/s':>13}")
+        full = results.get("full", {"error": "not run"})
+        print(f"{'case':<10} {'KV MiB':>9} {'peak MiB':>9} {'predicted':>10} {'/pred':>6} {'decode pk':>10} "
+              f"{'prefill s':>10} {'decode tok/s':>13}")
         for case, r in results.items():
             if "error" in r:
                 print(f"{case:<10} FAILED/SKIPPED ({r['error']})")
                 continue
-            print(f"{case:<10} {r['kv_bytes'] / 2**20:>9.1f} {r['peak_bytes'] / 2**20:>9.1f} {r['prefill_s']:>10.2f} "
-                  f"{r['tokens_per_s']:>13.1f}" + (f"  (decode peak {r['decode_peak_bytes'] / 2**20:.1f} MiB)"
-                                                   if "decode_peak_bytes" in r else ""))
-        full = results.get("full", {"error": "not run"})
+            pred = predicted_peak(r, full)
+            print(f"{case:<10} {r['kv_bytes'] / 2**20:>9.1f} {r['peak_bytes'] / 2**20:>9.1f} "
+                  + (f"{pred / 2**20:>10.1f} {r['peak_bytes'] / pred:>5.2f}x " if pred else f"{'n/a':>10} {'n/a':>6} ")
+                  + (f"{r['decode_peak_bytes'] / 2**20:>10.1f} " if "decode_peak_bytes" in r else f"{'n/a':>10} ")
+                  + f"{r['prefill_s']:>10.2f} {r['tokens_per_s']:>13.1f}")
         for case in ("streaming", "kvpress"):
             if case in results:
                 r = results[case]

@@ -1075,6 +1075,41 @@ class SplitCall:
 
 
 _SPLIT = threading.local()
+_FORWARD = threading.local()  # ``running``: the HeadwiseCache of the forward running under kv_policy, if any
+
+
+def _implicit_mask(mask_function: Any, attention_mask: torch.Tensor | None, q_length: int, kv_length: int,
+                   q_offset: Any, kv_offset: Any) -> bool:
+    """Whether the attention mask of the forward running under :func:`kv_policy` can stay implicit (None, marked
+    on the cache's layers): its cache has compressed heads in every layer (so every attention call reads it
+    through headlab's split attention, which rebuilds causality and left padding from the layer), the mask is
+    transformers' plain causal one over the cache's positions, and the 2-D padding mask is exactly the
+    cache's left padding. Otherwise (any other mask pattern, padding the cache does not know) False: the
+    dense mask is built as before."""
+    from transformers.masking_utils import causal_mask_function
+
+    cache = getattr(_FORWARD, "running", None)
+    if cache is None or mask_function is not causal_mask_function or not isinstance(q_offset, int) \
+            or kv_offset != 0 or q_offset + q_length != kv_length:
+        return False
+    layers = cache.layers
+    if not layers or not all(isinstance(ly, HeadwiseLayer) and ly.n_compressed for ly in layers):
+        return False
+    pad = layers[0].pad
+    if attention_mask is None:
+        if pad is not None and bool((pad > 0).any()):
+            return False
+    else:
+        if attention_mask.dim() != 2 or attention_mask.shape[-1] != kv_length:
+            return False
+        rows = attention_mask.shape[0]
+        pad = torch.zeros(rows, dtype=torch.long) if pad is None else pad
+        expect = torch.arange(kv_length, device=attention_mask.device)[None, :] >= pad.to(attention_mask.device)[:, None]
+        if expect.shape != attention_mask.shape or not torch.equal(attention_mask.bool(), expect):
+            return False
+    for layer in layers:
+        layer.implicit_mask = True
+    return True
 
 
 def split_call(keys: torch.Tensor) -> SplitCall | None:
@@ -1119,6 +1154,9 @@ class HeadwiseLayer(CacheLayerMixin):
         self.compensate = bool(compensate) and len(self.compressed_heads) > 0
         self.comp_keys = self.comp_values = None
         self.pending: SplitCall | None = None
+        #: the running forward's attention mask was left implicit (None): causal over the padded positions,
+        #: the row's ``pad`` first positions padding (set per forward under :func:`kv_policy`)
+        self.implicit_mask = False
         self.attention_paths: set[str] = set()  # how the attention read this layer (kv_split records it)
 
     # the two parts of the bounded group, as views of its slots
@@ -1860,9 +1898,15 @@ def kv_policy(model: torch.nn.Module, head_map: HeadMap, *, prefill_chunk: int |
                 kwargs["cache"] = HeadwiseCache.from_attention_mask(head_map, mask)
         elif compressed and not isinstance(cache, HeadwiseCache):
             raise KvPolicyError(f"a KV policy with compressed heads cannot continue a {type(cache).__name__}")
+        running = kwargs.get("cache")
+        running = kwargs.get("past_key_values") if running is None else running
+        _FORWARD.running = running if isinstance(running, HeadwiseCache) else None
+        for layer in getattr(_FORWARD.running, "layers", ()):
+            layer.implicit_mask = False
         return args, kwargs
 
     def after(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        _FORWARD.running = None
         cache = getattr(output, "cache", None) or getattr(output, "past_key_values", None)
         if isinstance(cache, HeadwiseCache):
             unread = [i for i, layer in enumerate(cache.layers) if layer.pending is not None]
@@ -1882,6 +1926,7 @@ def kv_policy(model: torch.nn.Module, head_map: HeadMap, *, prefill_chunk: int |
         with tracker if tracker is not None else contextlib.nullcontext():
             yield usage
     finally:
+        _FORWARD.running = None
         for handle in handles:
             handle.remove()
         usage._fold()

@@ -285,3 +285,111 @@ def test_a_score_step_prefilled_by_chunks(tmp_path):
     plain, chunked = run(kv, "a"), run({**kv, "prefill_chunk": 3}, "b")
     np.testing.assert_allclose(chunked["logprob"].values, plain["logprob"].values, rtol=0, atol=1e-5)
     assert np.array_equal(chunked["kv_bytes"].values, plain["kv_bytes"].values)
+
+
+def test_a_split_cache_forward_builds_no_dense_mask(monkeypatch):
+    """Under a map with compressed heads in every layer the attention mask stays implicit (transformers'
+    ``sdpa_mask`` is never called: no (chunk x cached positions) mask), in a left-padded chunked prefill and its
+    decode steps alike; a map with a layer of only full KV heads (read by the plain attention) still gets
+    transformers' mask. The logits are those of the dense-mask run."""
+    import transformers.masking_utils as masking
+
+    model = _model(2)
+    ids, mask = _batch([20, 13], seed=3)
+    built = []
+    dense = masking.sdpa_mask
+
+    def counting(*args, **kwargs):
+        built.append(kwargs.get("q_length"))
+        return dense(*args, **kwargs)
+
+    def run(head_map):
+        with torch.no_grad(), kv_policy(model, head_map, prefill_chunk=6):
+            out = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=True)
+            m = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+            step = model(input_ids=out.logits[:, -1].argmax(-1)[:, None], attention_mask=m,
+                         position_ids=_positions(m)[:, -1:], cache=out.cache, use_cache=True)
+        return out.logits, step.logits
+
+    monkeypatch.setattr(masking, "sdpa_mask", counting)
+    logits, step = run(_map("streaming", layers=2))
+    assert built == []
+    mixed = np.zeros((2, KV_HEADS), dtype=bool)
+    mixed[0] = True  # layer 0: every KV head full
+    mixed[1, 0] = True
+    run(HeadMap(_kv(mixed), sink=SINK, window=WINDOW))
+    assert built == [6, 6, 6, 2, 1]  # 20 tokens in chunks of 6, then a decode step
+    # the same logits as with transformers' dense mask (the cache's implicit mask disabled)
+    monkeypatch.setattr("headlab.instrument.masks._implicit_mask", lambda *a, **k: False)
+    dense_logits, dense_step = run(_map("streaming", layers=2))
+    real = mask.bool()
+    torch.testing.assert_close(logits[real], dense_logits[real], rtol=0, atol=1e-5)
+    torch.testing.assert_close(step, dense_step, rtol=0, atol=1e-5)
+
+
+def _chunked_prefill_peak(length: int, chunk: int) -> tuple[int, int]:
+    """(peak of live tensor bytes, bytes kept) of a streaming prefill of two rows of ``length`` and ``length - 48``
+    tokens (left-padded) by chunks of ``chunk`` tokens, the last position's logits only."""
+    model = _model(2)
+    ids, mask = _batch([length, length - 48], seed=2)
+    with torch.no_grad(), kv_policy(model, _map("streaming", layers=2), prefill_chunk=chunk, cpu_peak=True) as usage:
+        out = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=True,
+                    logits_to_keep=1)
+        del out
+    return usage.peak_memory, usage.nbytes
+
+
+def test_the_peak_of_a_chunked_prefill_is_the_kept_bytes_plus_one_chunk(monkeypatch):
+    """A 4,096-token prompt prefilled by chunks of 128 with attention blocks of at most 2**16 mask entries: the
+    peak of live tensor bytes is at most the bytes the cache keeps plus an allowance that does not grow with
+    the prompt's length but with the chunk's and the blocks' (the chunk's activations, queries and keys; one
+    attention block of each group) and one layer's full group (a cache update holds its old and new keys at
+    once). With transformers' dense mask and SDPA's mask over every cached position back (the cache's implicit
+    mask off, the full group in one SDPA call), the same prefill exceeds it."""
+    from headlab.instrument import kv_split, masks
+
+    length, chunk, rows, layers, hidden, inter, heads, block = 4096, 128, 2, 2, 64, 96, 8, 2**16
+    monkeypatch.setattr(kv_split, "_BLOCK_ELEMS", block)
+    peak, kept = _chunked_prefill_peak(length, chunk)
+    assert kept == layers * rows * 2 * HEAD_DIM * ITEM * (length + (KV_HEADS - 1) * (SINK + WINDOW))
+    per_token = ITEM * (4 * hidden + 3 * inter + 4 * heads * HEAD_DIM)  # hidden states, MLP, q/k/v/output
+    allowance = rows * chunk * per_token + 2 * 8 * block + kept // layers
+    assert peak <= kept + allowance
+    monkeypatch.setattr(kv_split, "_BLOCK_ELEMS", 2**30)
+    monkeypatch.setattr(masks, "_implicit_mask", lambda *args, **kwargs: False)
+    dense_peak, dense_kept = _chunked_prefill_peak(length, chunk)
+    assert dense_kept == kept
+    assert dense_peak > kept + allowance  # 128 x 4,096 x 2 rows x (1 + 4) bytes of masks exceed the allowance
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_the_full_group_by_query_blocks_equals_one_call(monkeypatch, window):
+    """The full group's attention by query blocks of a few mask entries (each block over the keys it sees)
+    gives the logits of one call, left-padded and chunked, causal (Llama) and with the model's sliding window
+    (Mistral, whose window mask transformers still builds), to 1e-5."""
+    from headlab.instrument import kv_split
+
+    register()
+    torch.manual_seed(0)
+    common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+                  num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, vocab_size=VOCAB, max_position_embeddings=1024)
+    config = transformers.LlamaConfig(**common) if window is None else \
+        transformers.MistralConfig(sliding_window=window, **common)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=ATTN_IMPLEMENTATION).eval()
+    ids, mask = _batch([30, 21], seed=4)
+
+    def run():
+        with torch.no_grad(), kv_policy(model, _map("streaming", layers=2), prefill_chunk=7) as usage:
+            out = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=True)
+            m = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+            step = model(input_ids=out.logits[:, -1].argmax(-1)[:, None], attention_mask=m,
+                         position_ids=_positions(m)[:, -1:], cache=out.cache, use_cache=True)
+        assert any("full group: sdpa" in path for path in usage.paths)
+        return out.logits, step.logits
+
+    whole, whole_step = run()
+    monkeypatch.setattr(kv_split, "_BLOCK_ELEMS", 2 * 30)  # a query or two per block
+    blocked, blocked_step = run()
+    real = mask.bool()
+    torch.testing.assert_close(blocked[real], whole[real], rtol=0, atol=1e-5)
+    torch.testing.assert_close(blocked_step, whole_step, rtol=0, atol=1e-5)

@@ -4,7 +4,10 @@ When a layer's cache update left a :class:`headlab.kv.SplitCall` (the layer has 
 :func:`split_attention` computes the call instead of the plain path:
 
 - the query heads of the *full* KV heads attend the full group (every position) under transformers' mask,
-  exactly as the plain path does;
+  as the plain path does, or, when the forward left the mask implicit (:attr:`headlab.kv.HeadwiseLayer.
+  implicit_mask`: no dense mask built), causally with the layer's left padding; on SDPA, where it would need a
+  dense mask (a chunk after earlier tokens, padding, a window), by blocks of queries, each over the keys it
+  sees, so that no mask holds more than ``_BLOCK_ELEMS`` entries;
 - the query heads of each *compressed* KV head ``j`` (query heads ``j*g .. (j+1)*g - 1``) attend only the
   keys the policy keeps: key ``k`` is visible to the query at ``q`` iff ``k < sink`` or ``q - k < window``
   (and ``k <= q``), positions counted in the row's own tokens. A decode step reads the bounded group (its
@@ -99,9 +102,8 @@ def split_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: 
                                 "heads (they name key positions a compressed head no longer holds)")
     if split.prefill:  # headkv's prefill: every head attends causally, then the layer keeps its selection
         backend, reason = choose_backend(requested, edits=edits, softcap=softcap, device=query.device)
-        margs = kernel_mask_args(attention_mask, Nq, key.shape[2], True, model_window)
-        out = kernel_attention(query, key, value, edits=edits, scale=scale, softcap=softcap, **margs,
-                               backend=backend)[0]
+        margs = _mask_args(attention_mask, cache, Nq, key.shape[2], model_window)
+        out = _causal_group(query, key, value, margs, edits, scale, softcap, backend)
         cache.compress(query, scale)
         paths = [f"every head: {backend} ({reason}; headkv prefill, then SnapKV selection per KV head)"]
         return _recorded(out, paths, cache, session, layer, plan, Nq, key.shape[2], backend)
@@ -111,9 +113,8 @@ def split_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: 
         fq = _query_heads(cache.full_heads, group)
         sub = _heads_of(edits, fq)
         backend, reason = choose_backend(requested, edits=sub, softcap=softcap, device=query.device)
-        margs = kernel_mask_args(attention_mask, Nq, key.shape[2], True, model_window)
-        out[:, fq] = kernel_attention(query.index_select(1, fq), key, value, edits=sub, scale=scale, softcap=softcap,
-                                      **margs, backend=backend)[0]
+        margs = _mask_args(attention_mask, cache, Nq, key.shape[2], model_window)
+        out[:, fq] = _causal_group(query.index_select(1, fq), key, value, margs, sub, scale, softcap, backend)
         paths.append(f"full group: {backend} ({reason})")
     cq = _query_heads(cache.compressed_heads, group)
     sub = _heads_of(edits, cq)
@@ -128,6 +129,43 @@ def split_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: 
         how += ", compensation token" + ("" if Nq == 1 else " (compensated prefill in torch)")
     paths.append(f"compressed group: {backend} ({reason}; {how})")
     return _recorded(out, paths, cache, session, layer, plan, Nq, key.shape[2], backend)
+
+
+def _mask_args(attention_mask: Tensor | None, layer: Any, Nq: int, Nk: int, model_window: int | None) -> dict:
+    """The kernel mask arguments of the full group's (causal) attention: from transformers' mask, or, when the
+    forward left it implicit (:attr:`headlab.kv.HeadwiseLayer.implicit_mask`), causal with the layer's left
+    padding as key padding."""
+    if attention_mask is not None or not layer.implicit_mask:
+        return kernel_mask_args(attention_mask, Nq, Nk, True, model_window)
+    kpm = None
+    if layer.max_pad:
+        kpm = torch.arange(Nk, device=layer.pad.device)[None, :] >= layer.pad[:, None]
+    return dict(key_padding_mask=kpm, attn_mask=None, causal=True, window=model_window)
+
+
+def _causal_group(q: Tensor, k: Tensor, v: Tensor, margs: dict, edits: HeadEdits | None, scale: float,
+                  softcap: float | None, backend: str) -> Tensor:
+    """Attention of ``q`` (B, h, Nq, D), the last ``Nq`` positions, over ``k``/``v`` (B, hkv, Nk, D) under the
+    kernel mask arguments ``margs``. Where SDPA would be handed a dense (Nq, Nk) mask (a chunk after earlier
+    tokens, key padding, a window), it runs by blocks of queries, each over only the keys it can see, so that
+    no mask holds more than ``_BLOCK_ELEMS`` entries."""
+    B, _, Nq, _ = q.shape
+    Nk = k.shape[2]
+    kpm, causal, window = margs["key_padding_mask"], margs["causal"], margs["window"]
+    dense = kpm is not None or window is not None or Nq != Nk  # else SDPA runs is_causal, without a mask
+    if backend != "sdpa" or not causal or margs["attn_mask"] is not None or not dense or B * Nq * Nk <= _BLOCK_ELEMS:
+        return kernel_attention(q, k, v, edits=edits, scale=scale, softcap=softcap, **margs, backend=backend)[0]
+    bq = max(1, _BLOCK_ELEMS // (B * Nk))
+    out = q.new_empty(*q.shape[:3], v.shape[-1])
+    for q0 in range(0, Nq, bq):
+        q1 = min(Nq, q0 + bq)
+        k1 = Nk - Nq + q1  # the block's last query sees keys < k1 (the block keeps the bottom-right alignment)
+        k0 = 0 if window is None else max(0, Nk - Nq + q0 - window + 1)
+        out[:, :, q0:q1] = kernel_attention(
+            q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], edits=edits, scale=scale, softcap=softcap,
+            key_padding_mask=None if kpm is None else kpm[:, k0:k1], attn_mask=None, causal=True, window=window,
+            backend=backend)[0]
+    return out
 
 
 def _recorded(out: Tensor, paths: list[str], cache: Any, session: Session | None, layer: int | None, plan: Any,

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from headlab.kernels.attention import visibility
+from headlab.kv import _implicit_mask
 
 from .layers import UnsupportedModelError
 
@@ -15,9 +16,13 @@ __all__ = ["kernel_mask_args", "mask_function"]
 
 
 def mask_function(*args: Any, **kwargs: Any) -> Any:
-    """The mask handed to headlab attention: exactly what transformers builds for SDPA."""
+    """The mask handed to headlab attention: exactly what transformers builds for SDPA, except under a KV
+    policy whose split attention rebuilds the plain causal mask from the cache (None then, no dense mask)."""
     from transformers.masking_utils import sdpa_mask
 
+    if not args and _implicit_mask(kwargs.get("mask_function"), kwargs.get("attention_mask"), kwargs.get("q_length"),
+                                   kwargs.get("kv_length"), kwargs.get("q_offset", 0), kwargs.get("kv_offset", 0)):
+        return None
     return sdpa_mask(*args, **kwargs)
 
 
