@@ -136,21 +136,6 @@ def _out_projections(lm) -> list[torch.nn.Module]:
     return projections
 
 
-@contextlib.contextmanager
-def _no_parameter_grad(lm) -> Iterator[None]:
-    """Inside the block no parameter of ``lm`` requires grad (a forward with ``grad=True`` then records only what
-    leads back to the added leaves); the flags are restored after it."""
-    params = list((lm.model if isinstance(lm, LoadedModel) else lm).parameters())
-    flags = [p.requires_grad for p in params]
-    try:
-        for p in params:
-            p.requires_grad_(False)
-        yield
-    finally:
-        for p, flag in zip(params, flags, strict=True):
-            p.requires_grad_(flag)
-
-
 @dataclass
 class SharedPrefix:
     """The positions ``0..length-1`` (of the padded batch) where every pair of a chunk has the same tokens in its
@@ -182,14 +167,61 @@ def shared_prefix_length(ids: torch.Tensor, n: int) -> int:
     return min(int(differ[0, 0]) if differ.numel() else T, T - 1)
 
 
+class _PrefixDone(Exception):
+    """Raised by :func:`run_prefix`'s hook once the last layer's keys and values are in the cache."""
+
+
 def run_prefix(lm, ids: torch.Tensor, mask: torch.Tensor, length: int) -> SharedPrefix:
     """One forward without gradients over the first ``length`` positions of ``ids`` (rows, T), recording the
-    keys and values of every layer and the heads' outputs there (the last layer's output projection and MLP
-    at the prefix's last position only: nothing reads the other positions' residual stream)."""
-    with _head_outputs(lm, last_only=True) as (zs, _):
-        out, _ = forward(lm, ids[:, :length], attention_mask=mask[:, :length], use_cache=True, logits_to_keep=1)
-    kv = [(layer.keys, layer.values) for layer in out.cache.layers]
+    keys and values of every layer and the heads' outputs there; it stops at the last layer's output
+    projection (nothing reads the residual stream after it, nor the logits)."""
+    from transformers import DynamicCache
+
+    model = lm.model if isinstance(lm, LoadedModel) else lm
+    cache = DynamicCache(config=model.config)
+
+    def stop(module, args):
+        raise _PrefixDone
+
+    with _head_outputs(lm) as (zs, _):
+        handle = _out_projections(lm)[-1].register_forward_pre_hook(stop)  # after _head_outputs' recording hook
+        try:
+            forward(lm, ids[:, :length], attention_mask=mask[:, :length], cache=cache, use_cache=True,
+                    logits_to_keep=1)
+        except _PrefixDone:
+            pass
+        finally:
+            handle.remove()
+    kv = [(layer.keys, layer.values) for layer in cache.layers]
     return SharedPrefix(length, kv, _by_head(lm, torch.stack(zs, dim=1)))
+
+
+@contextlib.contextmanager
+def _answer_head(lm, answer: torch.Tensor, wrong: torch.Tensor,
+                 metric: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Inside the block, ``(answer, wrong)`` as indices into the logits of the model's forwards: for
+    ``logit_diff`` with a linear output layer, that layer is replaced by its rows of the answer and wrong tokens
+    (the logits the metric reads, and the model's own processing of them after the layer), restored after
+    the block; otherwise the token ids themselves and the model unchanged."""
+    model = lm.model if isinstance(lm, LoadedModel) else lm
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if metric != "logit_diff" or type(head) is not torch.nn.Linear or getattr(model, "lm_head", None) is not head:
+        yield answer, wrong
+        return
+    tokens, index = torch.unique(torch.cat([answer, wrong]), return_inverse=True)
+    rows = torch.nn.Linear(head.in_features, len(tokens), bias=head.bias is not None, device=head.weight.device,
+                           dtype=head.weight.dtype)
+    with torch.no_grad():
+        rows.weight.copy_(head.weight[tokens.to(head.weight.device)])
+        if head.bias is not None:
+            rows.bias.copy_(head.bias[tokens.to(head.bias.device)])
+    rows.requires_grad_(False)
+    n = answer.shape[0]
+    model.set_output_embeddings(rows)
+    try:
+        yield index[:n], index[n:]
+    finally:
+        model.set_output_embeddings(head)
 
 
 def _suffix_kwargs(lm, mask: torch.Tensor, prefix: SharedPrefix | None, copies: int = 1) -> dict:
@@ -216,8 +248,9 @@ def _with_prefix(prefix: SharedPrefix | None, x: torch.Tensor, fill: torch.Tenso
 def _head_outputs(lm, grad: bool = False,
                   last_only: bool = False) -> Iterator[tuple[list[torch.Tensor], list[torch.Tensor]]]:
     """Inside the block, ``(z, leaves)``: every layer's head outputs (rows, position, head * head_dim) of one
-    forward, in layer order and detached; with ``grad``, a leaf of zeros that requires grad added to each
-    layer's ``z`` (rows, position, head * head_dim), whose gradient is ``d output / d z``. ``last_only``: the
+    forward, in layer order and detached; with ``grad``, each layer's ``z`` in the autograd graph (rows,
+    position, head * head_dim), whose gradient is ``d output / d z`` (a leaf of the same values in its place
+    where nothing before it requires grad). ``last_only``: the
     last layer's output projection and MLP run at the last position only (the residual stream there is
     exact, the other positions' is not: for forwards that read the last position's logits only)."""
     projections = _out_projections(lm)
@@ -228,8 +261,9 @@ def _head_outputs(lm, grad: bool = False,
         x = args[0]
         zs.append(x.detach())
         if grad:
-            leaves.append(torch.zeros_like(x, requires_grad=True))
-            x = x + leaves[-1]
+            if not x.requires_grad:
+                x = x.detach().requires_grad_()
+            leaves.append(x)
         if last_only and module is projections[-1]:
             x = x[:, -1:]
         return None if x is args[0] else (x, *args[1:])
@@ -265,11 +299,13 @@ def _target_pass(lm, ids: torch.Tensor, mask: torch.Tensor, answer: torch.Tensor
     for c, layer in enumerate(drops):
         if layer is not None:
             plan.add(DropResidGrad(layer, rows=range(c * n, (c + 1) * n)))
-    with _no_parameter_grad(lm), _head_outputs(lm, grad=True, last_only=last_only) as (zs, leaves):
+    with _answer_head(lm, answer, wrong, metric) as (a, w), \
+            _head_outputs(lm, grad=True, last_only=last_only) as (zs, leaves):
         out, _ = forward(lm, ids[:, s:], plan, copies=k, attention_mask=mask, grad=True, logits_to_keep=1,
                          **_suffix_kwargs(lm, mask, prefix, k))
-        m = metric_of(out.logits[:, -1], answer.repeat(k), wrong.repeat(k), metric)
-        grads = torch.autograd.grad(m.sum(), leaves, allow_unused=True)
+        device = out.logits.device
+        m = metric_of(out.logits[:, -1], a.to(device).repeat(k), w.to(device).repeat(k), metric)
+    grads = torch.autograd.grad(m.sum(), leaves, allow_unused=True)
     g = _by_head(lm, torch.stack([torch.zeros_like(leaf) if d is None else d for leaf, d in zip(leaves, grads,
                                                                                                strict=True)], dim=1))
     g = _with_prefix(prefix, g)
@@ -315,12 +351,14 @@ def attribution_runs(lm, examples: list[Example], answer: list[int], wrong: list
     ids, mask = batch.input_ids, batch.attention_mask
     length = shared_prefix_length(ids, n) if prefix else 0
     shared = run_prefix(lm, ids[target], mask[target], length) if length else None
-    with _head_outputs(lm, last_only=True) as (zs, _):
+    a = torch.tensor(answer, device=ids.device)
+    w = torch.tensor(wrong, device=ids.device)
+    with _answer_head(lm, a, w, metric) as (a_index, w_index), _head_outputs(lm, last_only=True) as (zs, _):
         out, _ = forward(lm, ids[source, length:], attention_mask=mask[source], logits_to_keep=1,
                          **_suffix_kwargs(lm, mask[source], shared))
-    a = torch.tensor(answer, device=out.logits.device)
-    w = torch.tensor(wrong, device=out.logits.device)
-    m_source = metric_of(out.logits[:, -1], a, w, metric)
+    device = out.logits.device
+    a, w = a.to(device), w.to(device)
+    m_source = metric_of(out.logits[:, -1], a_index.to(device), w_index.to(device), metric)
     grads, m_target, z_target = _target_pass(lm, ids[target], mask[target], a, w, metric, (None,), last_only=True,
                                              prefix=shared)
     z_source = _with_prefix(shared, _by_head(lm, torch.stack(zs, dim=1)), None if shared is None else shared.z)
