@@ -10,10 +10,20 @@ value minus the unpatched run's), so the estimated patched metric is ``target + 
 
 Per chunk of pairs (``method: atp``): one forward without gradients over the source prompts records every
 head's ``z`` (the input of each layer's attention output projection); one forward of the target prompts with
-a leaf tensor of zeros added to every head's ``z`` there (``headlab.forward(..., grad=True)``; a replacement
-would cut the paths through the later layers' heads) records the target's ``z`` and its metric, and one
-backward gives ``d metric / d z`` for all heads at once (``torch.autograd.grad`` with respect to the leaves
-only: no parameter gets a gradient, none is computed). About three forwards' time per chunk.
+every head's ``z`` there kept in the autograd graph (``headlab.forward(..., grad=True)``; a replacement would cut
+the paths through the later layers' heads) records the target's ``z`` and its metric, and one backward gives
+``d metric / d z`` for all heads at once (``torch.autograd.grad`` with respect to those tensors only: no
+parameter gets a gradient, none is computed). Both forwards run the last layer's output projection and MLP at
+the last position only, and with ``logit_diff`` the output layer's rows of the answer and wrong tokens only.
+The shared prefix (the positions before the first one where some pair of the chunk differs, left padding
+included) is run once, without gradients, into a KV cache that both forwards read, and they and the backward
+cover the positions after it: there the source and target ``z`` are the same (each term is 0), and a later
+position does not change an earlier one, so the estimates are those of runs over the whole prompts. Under three
+forwards' time per chunk. Where the model's KV cache is not made of plain growing layers (a sliding window)
+the whole prompts are run; ``attrs["prefix"]`` (``shared_cache`` / ``recomputed``) and ``attrs["prefix_runs"]``
+(the runs that skip it: ``source, target, gradients``; with ``atp_star`` ``gradients``, the gradient pass of
+the plain and the GradDrop gradients, while the forwards recording both prompts' ``z``, keys and values and
+the QK fix's forwards run the whole prompts; ``none``) say which path ran.
 
 ``reference: <step id>``: an ``activation_patching`` step of the same cell (same task, unit, metric and
 direction); the attrs then hold ``spearman`` (the Spearman rank correlation of the two scores over every
