@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from headlab import Plan, StepContext, forward, tokenize
+from headlab import Example, Plan, StepContext, forward, tokenize
 from headlab.plugins.detectors import attribution_patching
 from headlab.plugins.detectors.activation_patching import ActivationPatching, metric_of, pair_runs
 from headlab.plugins.detectors.activation_patching import detect as patch
@@ -20,6 +20,7 @@ from headlab.plugins.detectors.attribution_patching import (
     target_gradients,
     top_k_recall,
 )
+from headlab.plugins.tasks.pairs import pair_example
 
 from fixtures.circuits import ARCHS, models, pair_examples
 from fixtures.detectors import build_models, tiny_config, word_tokenizer
@@ -242,3 +243,25 @@ def test_a_sliding_window_model_runs_the_whole_prompts():
     ref = pair_runs(lm, examples, answer, wrong, "logit_diff").metric.numpy()
     np.testing.assert_allclose(np.concatenate([ds["clean"].values, ds["corrupt"].values]), ref, rtol=1e-5, atol=1e-5)
     assert np.isfinite(ds["score"].values).all()
+
+
+def test_a_shared_prefix_that_is_all_padding_for_a_short_pair(monkeypatch):
+    """A pair whose left padding covers the whole shared prefix (its prompts differ later than the prefix, which
+    another pair ends): the estimates still equal runs of the whole prompts (float64)."""
+    tok, lm, _ = models("llama")
+    lm.model.double()
+    examples = [pair_example(tok, "cat cat dog eel fox gnu hen : cat", "cat dog dog eel fox gnu hen : cat", "dog",
+                             "hen", "long"),
+                pair_example(tok, "fox gnu . hen", "fox ibis . hen", "jay", "fox", "short")]
+    batch = tokenize(lm, examples)
+    ids = torch.cat([batch.input_ids, tokenize(lm, [Example(prompt=ex.meta["corrupt_prompt"]) for ex in examples])
+                     .input_ids])
+    shared = attribution_patching.shared_prefix_length(ids, 2)
+    assert 0 < shared <= batch.pad[1]
+    ctx = StepContext(model=lm, examples=examples, results={}, seed=0)
+    fast = detect(AttributionPatching(unit="z_position"), ctx)
+    monkeypatch.setattr(attribution_patching, "prefix_reusable", lambda lm: False)
+    full = detect(AttributionPatching(unit="z_position"), ctx)
+    assert fast.attrs["prefix"] == "shared_cache" and full.attrs["prefix"] == "recomputed"
+    scale = np.nanmax(np.abs(full["atp"].values))
+    np.testing.assert_allclose(fast["atp"].values, full["atp"].values, rtol=1e-9, atol=1e-12 * scale)
