@@ -15,9 +15,17 @@ Two regimes of clean/corrupted pairs of random tokens:
 
 - ``short`` (as in IOI and factual recall): ``--short-pairs`` 32 pairs of 24 tokens; the corrupted prompt
   swaps the tokens at positions ``--short-differ`` (default 2, the first name or the subject) and 12 (its
-  second mention); the answer is the clean token at position 2, the wrong answer the corrupted one;
-- ``long``: 1 pair of ``--long-tokens`` 1024 tokens whose corrupted prompt swaps one key token at
-  ``--long-differ`` (default: the middle), answer and wrong as above.
+  second mention);
+- ``long`` (as in key-value retrieval): 1 pair of ``--long-tokens`` 1024 tokens whose corrupted prompt swaps
+  the key token at ``--long-differ`` (default: the middle) and its mention as the query, the last token.
+
+The answer and wrong tokens are the random model's own: per pair, the tokens whose last-position logit the
+corruption lowers the most and raises the most (one float32 forward of each prompt with transformers, when the
+pairs are first used with a checkpoint; kept beside it as ``answers-<regime>-<digest>.json``, so every tool
+reads the same pairs). A pair's clean - corrupt logit difference is then the largest any choice gives, as in
+an experiment on a behaviour that the corruption changes: the score divides by it, and with a gap near float32
+noise (tokens drawn at random gave 5e-3 on the long pair) the scores of two exact tools differ far more than
+their patched metrics do. It is printed per regime (mean over the pairs and the smallest).
 
 The metric is the logit difference at the last position; every tool patches each head's output ``z`` at
 every position (denoising: clean values into the corrupted run), for all pairs, and reports the mean patched
@@ -55,6 +63,7 @@ metric and of the score are against headlab's.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
@@ -94,25 +103,60 @@ def build_checkpoint(path: Path, layers: int) -> None:
     fast.save_pretrained(path)
 
 
-def pairs(regime: str, args: argparse.Namespace) -> tuple[list[list[int]], list[list[int]], list[int], list[int]]:
-    """``(clean ids, corrupted ids, answer ids, wrong ids)`` of the regime's pairs (BOS first, seeded)."""
+def prompts(regime: str, args: argparse.Namespace) -> tuple[list[list[int]], list[list[int]]]:
+    """``(clean ids, corrupted ids)`` of the regime's pairs (BOS first, seeded; module docstring)."""
     rng = random.Random(regime)
-    n, T, where = ((args.short_pairs, args.short_tokens, [args.short_differ, SECOND_MENTION]) if regime == "short"
-                   else (1, args.long_tokens, [args.long_differ if args.long_differ is not None else
-                                               args.long_tokens // 2]))
-    clean, corrupt, answer, wrong = [], [], [], []
+    if regime == "short":
+        n, T, where = args.short_pairs, args.short_tokens, [args.short_differ, SECOND_MENTION]
+    else:
+        T = args.long_tokens
+        n, where = 1, [args.long_differ if args.long_differ is not None else T // 2, T - 1]
+    clean, corrupt = [], []
     for _ in range(n):
         c = [1] + [rng.randrange(3, VOCAB) for _ in range(T - 1)]
         name, other = c[where[0]], rng.randrange(3, VOCAB)
         k = list(c)
         for p in where:
-            if p < T - 1:  # every mention of the name swapped (the last position is the query)
+            if p < T - 1 or regime == "long":  # every mention swapped (short: the last position is the query)
                 c[p], k[p] = name, other
         clean.append(c)
         corrupt.append(k)
-        answer.append(name)
-        wrong.append(other)
-    return clean, corrupt, answer, wrong
+    return clean, corrupt
+
+
+def choose_answers(checkpoint: Path, clean: list[list[int]], corrupt: list[list[int]]) -> dict:
+    """Per pair, the answer and wrong tokens: those (of ``t3 ..``) whose last-position logit the corruption
+    lowers the most and raises the most (one float32 forward of each prompt on the checkpoint), so that the
+    pair's ``clean - corrupt`` logit difference (``gap``) is the largest any choice gives."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    with torch.no_grad():
+        d = (model(input_ids=torch.tensor(clean), logits_to_keep=1).logits[:, -1].double()
+             - model(input_ids=torch.tensor(corrupt), logits_to_keep=1).logits[:, -1].double())
+    d = d[:, 3:]  # not <unk>, <s>, </s>
+    top, bottom = d.max(1), d.min(1)
+    return {"answer": (top.indices + 3).tolist(), "wrong": (bottom.indices + 3).tolist(),
+            "gap": (top.values - bottom.values).tolist()}
+
+
+def answers(regime: str, args: argparse.Namespace) -> dict:
+    """:func:`choose_answers` of the regime's pairs, computed once per checkpoint and pairs and kept beside the
+    checkpoint (every tool reads them)."""
+    clean, corrupt = prompts(regime, args)
+    digest = hashlib.sha256(json.dumps([clean, corrupt]).encode()).hexdigest()[:16]
+    path = Path(args.checkpoint) / f"answers-{regime}-{digest}.json"
+    if not path.exists():
+        path.write_text(json.dumps(choose_answers(Path(args.checkpoint), clean, corrupt)))
+    return json.loads(path.read_text())
+
+
+def pairs(regime: str, args: argparse.Namespace) -> tuple[list[list[int]], list[list[int]], list[int], list[int]]:
+    """``(clean ids, corrupted ids, answer ids, wrong ids)`` of the regime's pairs (:func:`answers`)."""
+    clean, corrupt = prompts(regime, args)
+    chosen = answers(regime, args)
+    return clean, corrupt, chosen["answer"], chosen["wrong"]
 
 
 def first_differing(clean: list[list[int]], corrupt: list[list[int]]) -> int:
@@ -319,7 +363,8 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-patching-"))
     rows = []
     for regime in args.regimes:
-        clean, corrupt, _, _ = pairs(regime, args)
+        clean, corrupt = prompts(regime, args)
+        gap = answers(regime, args)["gap"]  # chosen here, before any tool runs
         n, T, shared = len(clean), len(clean[0]), first_differing(clean, corrupt)
         bound = flop_bound(args.layers, n, T, shared)
         res: dict[str, dict] = {}
@@ -349,10 +394,11 @@ def main() -> None:
                 from headlab.plugins.detectors.attribution_patching import spearman
 
                 diffs["atp"] = {"spearman": spearman(ours["score"], est)}
-        rows.append({"regime": regime, "pairs": n, "tokens": T, "first_differing": shared, "flops": bound,
+        rows.append({"regime": regime, "pairs": n, "tokens": T, "first_differing": shared, "gap": gap, "flops": bound,
                      "results": res, "diffs": diffs})
         hl, tl = res.get("headlab", {"error": "not run"}), res.get("tl", {"error": "not run"})
-        print(f"\n== {regime}: {n} pair(s) of {T} tokens, first differing token at position {shared}")
+        print(f"\n== {regime}: {n} pair(s) of {T} tokens, first differing token at position {shared}; clean - "
+              f"corrupt logit difference {statistics.mean(gap):.3f} (mean over pairs; smallest {min(gap):.3f})")
         for tool in args.tools:
             r = res[tool]
             line = f"  {tool:<13} {_fmt(r, heads)}"

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from headlab import Plan, StepContext, forward, tokenize
+from headlab import Example, Plan, StepContext, forward, tokenize
+from headlab.plugins.detectors import attribution_patching
 from headlab.plugins.detectors.activation_patching import ActivationPatching, metric_of, pair_runs
 from headlab.plugins.detectors.activation_patching import detect as patch
 from headlab.plugins.detectors.attribution_patching import (
@@ -19,8 +20,10 @@ from headlab.plugins.detectors.attribution_patching import (
     target_gradients,
     top_k_recall,
 )
+from headlab.plugins.tasks.pairs import pair_example
 
 from fixtures.circuits import ARCHS, models, pair_examples
+from fixtures.detectors import build_models, tiny_config, word_tokenizer
 
 
 def _finite_differences(lm, examples, metric: str, direction: str, eps: float = 3e-3) -> np.ndarray:
@@ -135,3 +138,130 @@ def test_rank_statistics():
     assert spearman(a, b) == pytest.approx(stats.spearmanr(a[keep], b[keep]).statistic, abs=1e-12)
     assert top_k_recall(np.array([5.0, 4.0, 0.0, 1.0]), np.array([5.0, 0.0, 4.0, 1.0]), 2) == 0.5
     assert top_k_recall(np.array([1.0, 2.0]), np.array([2.0, 1.0]), 5) == 1.0
+
+
+def _attention_queries(lm) -> tuple[dict[int, int], list]:
+    """Per layer, the (row, query) positions its attention runs (forward pre-hooks), and the hook handles."""
+    seen: dict[int, int] = {}
+
+    def count(layer):
+        def hook(module, args, kwargs):
+            h = args[0] if args else kwargs["hidden_states"]
+            seen[layer] = seen.get(layer, 0) + int(h.shape[0] * h.shape[1])
+        return hook
+    handles = []
+    for layer, module in enumerate(lm.decoder_layers):
+        attn = module.self_attn if hasattr(module, "self_attn") else module.attn
+        handles.append(attn.register_forward_pre_hook(count(layer), with_kwargs=True))
+    return seen, handles
+
+
+@pytest.mark.parametrize(("arch", "method", "direction", "unit"),
+                         [("llama", "atp", "denoise", "z"), ("gpt2", "atp", "noise", "z_position"),
+                          ("qwen2", "atp_star", "denoise", "z"), ("llama", "atp_star", "noise", "z_position")])
+def test_the_shared_prefix_runs_once_and_the_estimates_equal_runs_of_the_whole_prompts(arch, method, direction, unit,
+                                                                                       monkeypatch):
+    """The positions before the first one where some pair of the chunk differs run once, without gradients, into a
+    KV cache; the source and target runs (atp) and the gradient pass (both) run the positions after it only, and
+    every estimate equals that of runs over the whole prompts (float64)."""
+    tok, lm, _ = models(arch)
+    lm.model.double()
+    examples = pair_examples(tok)
+    ctx = StepContext(model=lm, examples=examples, results={}, seed=0)
+    config = AttributionPatching(method=method, direction=direction, unit=unit, qk_fix=False, pair_batch_size=3)
+    results, queries = {}, {}
+    for prefix in (True, False):
+        if not prefix:
+            monkeypatch.setattr(attribution_patching, "prefix_reusable", lambda lm: False)
+        seen, handles = _attention_queries(lm)
+        try:
+            results[prefix] = detect(config, ctx)
+        finally:
+            for h in handles:
+                h.remove()
+        queries[prefix] = seen
+    fast, full = results[True], results[False]
+    assert fast.attrs["prefix"] == "shared_cache" and full.attrs["prefix"] == "recomputed"
+    assert fast.attrs["prefix_runs"] == ("gradients" if method == "atp_star" else "source, target, gradients")
+    for name in ("atp", "score", "clean", "corrupt"):
+        scale = np.nanmax(np.abs(full[name].values))
+        assert scale > 1e-3
+        np.testing.assert_allclose(fast[name].values, full[name].values, rtol=1e-9, atol=1e-12 * scale)
+    runs = pair_runs(lm, examples, [0] * 3, [1] * 3, "logit_diff")
+    n, T, L = 3, runs.ids.shape[1], lm.geometry.n_layers
+    shared = min(int((runs.ids[e] != runs.ids[n + e]).nonzero()[0, 0]) for e in range(n))
+    assert 0 < shared < T - 1
+    copies = L + 1 if method == "atp_star" else 1  # GradDrop: the target prompts once more per dropped layer
+    for ly in range(L):
+        if method == "atp":  # prefix once, then the source and the target prompts after it
+            assert queries[False][ly] == 2 * n * T
+            assert queries[True][ly] == n * shared + 2 * n * (T - shared)
+        else:  # both prompts (pair_runs), then the gradient pass
+            assert queries[False][ly] == 2 * n * T + copies * n * T
+            assert queries[True][ly] == 2 * n * T + n * shared + copies * n * (T - shared)
+
+
+def test_no_parameter_gradient_is_computed_and_the_output_layer_is_not_run_for_logit_diff():
+    """The backward reaches the heads' outputs only (a parameter's gradient hook never fires); with ``logit_diff``
+    the model's output layer over the whole vocabulary never runs (its rows of the answer tokens do), and the
+    metrics equal those of the whole output layer."""
+    tok, lm, _ = models("llama")
+    examples = pair_examples(tok)
+    fired, calls = [], []
+    params = [p for p in lm.model.parameters() if p.requires_grad]
+    assert params
+    handles = [p.register_hook(lambda g: fired.append(g.shape)) for p in params]
+    handles.append(lm.model.get_output_embeddings().register_forward_hook(lambda m, a, out: calls.append(out.shape)))
+    ctx = StepContext(model=lm, examples=examples, results={}, seed=0)
+    try:
+        ds = detect(AttributionPatching(), ctx)
+        assert fired == [] and calls == []
+        ds_logprob = detect(AttributionPatching(metric="logprob"), ctx)
+        assert fired == [] and len(calls) == 2  # the source and the target runs: the whole vocabulary is needed
+    finally:
+        for h in handles:
+            h.remove()
+    answer = [ex.meta["answer_id"] for ex in examples]
+    wrong = [ex.meta["wrong_id"] for ex in examples]
+    for metric, got in (("logit_diff", ds), ("logprob", ds_logprob)):
+        ref = pair_runs(lm, examples, answer, wrong, metric).metric.numpy()
+        np.testing.assert_allclose(np.concatenate([got["clean"].values, got["corrupt"].values]), ref, rtol=1e-5,
+                                   atol=1e-5)
+
+
+def test_a_sliding_window_model_runs_the_whole_prompts():
+    """Where the model's KV cache is not made of plain growing layers (Mistral with a sliding window) the prefix
+    is recomputed (attrs), and the metrics equal a plain forward's."""
+    tok = word_tokenizer()
+    lm, _ = build_models(tiny_config(len(tok), model_type="mistral", sliding_window=4, initializer_range=0.2),
+                         tokenizer=tok)
+    examples = pair_examples(tok)
+    ds = detect(AttributionPatching(), StepContext(model=lm, examples=examples, results={}, seed=0))
+    assert ds.attrs["prefix"] == "recomputed" and ds.attrs["prefix_runs"] == "none"
+    answer = [ex.meta["answer_id"] for ex in examples]
+    wrong = [ex.meta["wrong_id"] for ex in examples]
+    ref = pair_runs(lm, examples, answer, wrong, "logit_diff").metric.numpy()
+    np.testing.assert_allclose(np.concatenate([ds["clean"].values, ds["corrupt"].values]), ref, rtol=1e-5, atol=1e-5)
+    assert np.isfinite(ds["score"].values).all()
+
+
+def test_a_shared_prefix_that_is_all_padding_for_a_short_pair(monkeypatch):
+    """A pair whose left padding covers the whole shared prefix (its prompts differ later than the prefix, which
+    another pair ends): the estimates still equal runs of the whole prompts (float64)."""
+    tok, lm, _ = models("llama")
+    lm.model.double()
+    examples = [pair_example(tok, "cat cat dog eel fox gnu hen : cat", "cat dog dog eel fox gnu hen : cat", "dog",
+                             "hen", "long"),
+                pair_example(tok, "fox gnu . hen", "fox ibis . hen", "jay", "fox", "short")]
+    batch = tokenize(lm, examples)
+    ids = torch.cat([batch.input_ids, tokenize(lm, [Example(prompt=ex.meta["corrupt_prompt"]) for ex in examples])
+                     .input_ids])
+    shared = attribution_patching.shared_prefix_length(ids, 2)
+    assert 0 < shared <= batch.pad[1]
+    ctx = StepContext(model=lm, examples=examples, results={}, seed=0)
+    fast = detect(AttributionPatching(unit="z_position"), ctx)
+    monkeypatch.setattr(attribution_patching, "prefix_reusable", lambda lm: False)
+    full = detect(AttributionPatching(unit="z_position"), ctx)
+    assert fast.attrs["prefix"] == "shared_cache" and full.attrs["prefix"] == "recomputed"
+    scale = np.nanmax(np.abs(full["atp"].values))
+    np.testing.assert_allclose(fast["atp"].values, full["atp"].values, rtol=1e-9, atol=1e-12 * scale)

@@ -10,10 +10,20 @@ value minus the unpatched run's), so the estimated patched metric is ``target + 
 
 Per chunk of pairs (``method: atp``): one forward without gradients over the source prompts records every
 head's ``z`` (the input of each layer's attention output projection); one forward of the target prompts with
-a leaf tensor of zeros added to every head's ``z`` there (``headlab.forward(..., grad=True)``; a replacement
-would cut the paths through the later layers' heads) records the target's ``z`` and its metric, and one
-backward gives ``d metric / d z`` for all heads at once (``torch.autograd.grad`` with respect to the leaves
-only: no parameter gets a gradient, none is computed). About three forwards' time per chunk.
+every head's ``z`` there kept in the autograd graph (``headlab.forward(..., grad=True)``; a replacement would cut
+the paths through the later layers' heads) records the target's ``z`` and its metric, and one backward gives
+``d metric / d z`` for all heads at once (``torch.autograd.grad`` with respect to those tensors only: no
+parameter gets a gradient, none is computed). Both forwards run the last layer's output projection and MLP at
+the last position only, and with ``logit_diff`` the output layer's rows of the answer and wrong tokens only.
+The shared prefix (the positions before the first one where some pair of the chunk differs, left padding
+included) is run once, without gradients, into a KV cache that both forwards read, and they and the backward
+cover the positions after it: there the source and target ``z`` are the same (each term is 0), and a later
+position does not change an earlier one, so the estimates are those of runs over the whole prompts. Under three
+forwards' time per chunk. Where the model's KV cache is not made of plain growing layers (a sliding window)
+the whole prompts are run; ``attrs["prefix"]`` (``shared_cache`` / ``recomputed``) and ``attrs["prefix_runs"]``
+(the runs that skip it: ``source, target, gradients``; with ``atp_star`` ``gradients``, the gradient pass of
+the plain and the GradDrop gradients, while the forwards recording both prompts' ``z``, keys and values and
+the QK fix's forwards run the whole prompts; ``none``) say which path ran.
 
 ``reference: <step id>``: an ``activation_patching`` step of the same cell (same task, unit, metric and
 direction); the attrs then hold ``spearman`` (the Spearman rank correlation of the two scores over every
@@ -48,6 +58,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -59,12 +70,14 @@ from headlab import (
     ComponentConfig,
     DropResidGrad,
     Example,
+    LoadedModel,
     Plan,
     Probes,
     ReplaceKV,
     StepContext,
     forward,
     hookimpl,
+    positions_from_mask,
 )
 from headlab.plugins.detectors.activation_patching import (
     CONVENTION,
@@ -79,12 +92,14 @@ from headlab.plugins.detectors.activation_patching import (
     pair_chunks,
     pair_inputs,
     pair_runs,
+    prefix_reusable,
 )
 from headlab.resources import Estimate, EstimateContext
 from headlab.spec import PositiveInt
 
-__all__ = ["AttributionPatching", "attribution", "attribution_runs", "detect", "grad_drop", "key_patched_z",
-           "query_patched_z", "spearman", "target_gradients", "top_k_recall"]
+__all__ = ["AttributionPatching", "SharedPrefix", "attribution", "attribution_runs", "detect", "grad_drop",
+           "key_patched_z", "query_patched_z", "run_prefix", "shared_prefix_length", "spearman", "target_gradients",
+           "top_k_recall"]
 
 
 class AttributionPatching(ComponentConfig):
@@ -131,12 +146,121 @@ def _out_projections(lm) -> list[torch.nn.Module]:
     return projections
 
 
+@dataclass
+class SharedPrefix:
+    """The positions ``0..length-1`` (of the padded batch) where every pair of a chunk has the same tokens in its
+    clean and corrupted prompts, run once: ``kv`` each decoder layer's keys and values there (rows, kv_head,
+    length, head_dim), ``z`` the heads' outputs there (rows, layer, head, length, head_dim), one row per pair."""
+
+    length: int
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    z: torch.Tensor
+
+    def cache(self, lm, copies: int = 1):
+        """A fresh KV cache holding the prefix's keys and values (``copies`` copy-major copies of the rows), for
+        one forward over the positions after it."""
+        from transformers import DynamicCache
+
+        model = lm.model if isinstance(lm, LoadedModel) else lm
+        cache = DynamicCache(config=model.config)
+        for layer, (k, v) in enumerate(self.kv):
+            cache.update(k.repeat(copies, 1, 1, 1), v.repeat(copies, 1, 1, 1), layer)
+        return cache
+
+
+def shared_prefix_length(ids: torch.Tensor, n: int) -> int:
+    """The number of positions before the first one where some pair's prompts differ (``ids`` (2n, T): the
+    prompts patched from and into, pair ``e`` in rows ``e`` and ``n + e``; left padding is the same in both
+    prompts of a pair), at most ``T - 1`` (the last position, where the metric is read, is never shared)."""
+    differ = (ids[:n] != ids[n:]).any(0).nonzero()
+    T = int(ids.shape[1])
+    return min(int(differ[0, 0]) if differ.numel() else T, T - 1)
+
+
+class _PrefixDone(Exception):
+    """Raised by :func:`run_prefix`'s hook once the last layer's keys and values are in the cache."""
+
+
+def run_prefix(lm, ids: torch.Tensor, mask: torch.Tensor, length: int) -> SharedPrefix:
+    """One forward without gradients over the first ``length`` positions of ``ids`` (rows, T), recording the
+    keys and values of every layer and the heads' outputs there; it stops at the last layer's output
+    projection (nothing reads the residual stream after it, nor the logits)."""
+    from transformers import DynamicCache
+
+    model = lm.model if isinstance(lm, LoadedModel) else lm
+    cache = DynamicCache(config=model.config)
+
+    def stop(module, args):
+        raise _PrefixDone
+
+    with _head_outputs(lm) as (zs, _):
+        handle = _out_projections(lm)[-1].register_forward_pre_hook(stop)  # after _head_outputs' recording hook
+        try:
+            forward(lm, ids[:, :length], attention_mask=mask[:, :length], cache=cache, use_cache=True,
+                    logits_to_keep=1)
+        except _PrefixDone:
+            pass
+        finally:
+            handle.remove()
+    kv = [(layer.keys, layer.values) for layer in cache.layers]
+    return SharedPrefix(length, kv, _by_head(lm, torch.stack(zs, dim=1)))
+
+
+@contextlib.contextmanager
+def _answer_head(lm, answer: torch.Tensor, wrong: torch.Tensor,
+                 metric: str) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Inside the block, ``(answer, wrong)`` as indices into the logits of the model's forwards: for
+    ``logit_diff`` with a linear output layer, that layer is replaced by its rows of the answer and wrong tokens
+    (the logits the metric reads, and the model's own processing of them after the layer), restored after
+    the block; otherwise the token ids themselves and the model unchanged."""
+    model = lm.model if isinstance(lm, LoadedModel) else lm
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if metric != "logit_diff" or type(head) is not torch.nn.Linear or getattr(model, "lm_head", None) is not head:
+        yield answer, wrong
+        return
+    tokens, index = torch.unique(torch.cat([answer, wrong]), return_inverse=True)
+    rows = torch.nn.Linear(head.in_features, len(tokens), bias=head.bias is not None, device=head.weight.device,
+                           dtype=head.weight.dtype)
+    with torch.no_grad():
+        rows.weight.copy_(head.weight[tokens.to(head.weight.device)])
+        if head.bias is not None:
+            rows.bias.copy_(head.bias[tokens.to(head.bias.device)])
+    rows.requires_grad_(False)
+    n = answer.shape[0]
+    model.set_output_embeddings(rows)
+    try:
+        yield index[:n], index[n:]
+    finally:
+        model.set_output_embeddings(head)
+
+
+def _suffix_kwargs(lm, mask: torch.Tensor, prefix: SharedPrefix | None, copies: int = 1) -> dict:
+    """The forward keywords of a run over the positions after ``prefix`` (none without one): its KV cache and
+    the suffix's position ids (``mask`` the full batch's attention mask, as the forward takes it)."""
+    if prefix is None:
+        return {}
+    positions = positions_from_mask(mask)[:, prefix.length:]
+    return {"cache": prefix.cache(lm, copies), "use_cache": True,
+            "position_ids": positions.repeat(copies, 1) if copies > 1 else positions}
+
+
+def _with_prefix(prefix: SharedPrefix | None, x: torch.Tensor, fill: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` (..., head, suffix positions, head_dim) with the prefix's positions in front: ``fill`` there
+    (broadcast to ``x``'s leading dimensions), zeros when it is None."""
+    if prefix is None:
+        return x
+    shape = (*x.shape[:-2], prefix.length, x.shape[-1])
+    front = x.new_zeros(shape) if fill is None else fill.expand(shape)
+    return torch.cat([front, x], dim=-2)
+
+
 @contextlib.contextmanager
 def _head_outputs(lm, grad: bool = False,
                   last_only: bool = False) -> Iterator[tuple[list[torch.Tensor], list[torch.Tensor]]]:
     """Inside the block, ``(z, leaves)``: every layer's head outputs (rows, position, head * head_dim) of one
-    forward, in layer order and detached; with ``grad``, a leaf of zeros that requires grad added to each
-    layer's ``z`` (rows, position, head * head_dim), whose gradient is ``d output / d z``. ``last_only``: the
+    forward, in layer order and detached; with ``grad``, each layer's ``z`` in the autograd graph (rows,
+    position, head * head_dim), whose gradient is ``d output / d z`` (a leaf of the same values in its place
+    where nothing before it requires grad). ``last_only``: the
     last layer's output projection and MLP run at the last position only (the residual stream there is
     exact, the other positions' is not: for forwards that read the last position's logits only)."""
     projections = _out_projections(lm)
@@ -147,8 +271,9 @@ def _head_outputs(lm, grad: bool = False,
         x = args[0]
         zs.append(x.detach())
         if grad:
-            leaves.append(torch.zeros_like(x, requires_grad=True))
-            x = x + leaves[-1]
+            if not x.requires_grad:
+                x = x.detach().requires_grad_()
+            leaves.append(x)
         if last_only and module is projections[-1]:
             x = x[:, -1:]
         return None if x is args[0] else (x, *args[1:])
@@ -171,57 +296,82 @@ def _by_head(lm, x: torch.Tensor) -> torch.Tensor:
 
 
 def _target_pass(lm, ids: torch.Tensor, mask: torch.Tensor, answer: torch.Tensor, wrong: torch.Tensor, metric: str,
-                 drops: Sequence[int | None], last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 drops: Sequence[int | None], last_only: bool = False,
+                 prefix: SharedPrefix | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(d metric / d z (variant, row, layer, head, position, head_dim), metric (row,), z (row, layer, head,
     position, head_dim))`` of the prompts ``ids``: one forward over a copy of them per entry of ``drops`` and
     one backward (see :func:`target_gradients`); ``z`` and the metric are the first copy's. ``last_only``: see
-    :func:`_head_outputs`."""
+    :func:`_head_outputs`. ``prefix``: the forward runs the positions after it only, the prefix's keys and values
+    from its cache; the gradient there is not computed (zeros), ``z`` there is the prefix's."""
     n, k = ids.shape[0], len(drops)
+    s = 0 if prefix is None else prefix.length
     plan = Plan()
     for c, layer in enumerate(drops):
         if layer is not None:
             plan.add(DropResidGrad(layer, rows=range(c * n, (c + 1) * n)))
-    with _head_outputs(lm, grad=True, last_only=last_only) as (zs, leaves):
-        out, _ = forward(lm, ids, plan, copies=k, attention_mask=mask, grad=True, logits_to_keep=1)
-    m = metric_of(out.logits[:, -1], answer.repeat(k), wrong.repeat(k), metric)
+    with _answer_head(lm, answer, wrong, metric) as (a, w), \
+            _head_outputs(lm, grad=True, last_only=last_only) as (zs, leaves):
+        out, _ = forward(lm, ids[:, s:], plan, copies=k, attention_mask=mask, grad=True, logits_to_keep=1,
+                         **_suffix_kwargs(lm, mask, prefix, k))
+        device = out.logits.device
+        m = metric_of(out.logits[:, -1], a.to(device).repeat(k), w.to(device).repeat(k), metric)
     grads = torch.autograd.grad(m.sum(), leaves, allow_unused=True)
     g = _by_head(lm, torch.stack([torch.zeros_like(leaf) if d is None else d for leaf, d in zip(leaves, grads,
                                                                                                strict=True)], dim=1))
-    return g.view(k, n, *g.shape[1:]), m[:n].detach(), _by_head(lm, torch.stack([z[:n] for z in zs], dim=1))
+    g = _with_prefix(prefix, g)
+    z = _with_prefix(prefix, _by_head(lm, torch.stack([z[:n] for z in zs], dim=1)),
+                     None if prefix is None else prefix.z)
+    return g.view(k, n, *g.shape[1:]), m[:n].detach(), z
 
 
 def target_gradients(lm, runs: PairRuns, metric: str, direction: str = "denoise",
-                     drops: Sequence[int | None] = (None,)) -> tuple[torch.Tensor, torch.Tensor]:
+                     drops: Sequence[int | None] = (None,), prefix: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(d metric / d z (variant, pair, layer, head, position, head_dim), target metric (pair,))`` on the target
     run of a chunk of pairs, one variant per entry of ``drops``: ``None`` the plain gradient, a layer index the
     gradient with that layer's residual write dropped (:class:`headlab.DropResidGrad`); every variant is a
-    copy of the target rows in one forward and one backward."""
+    copy of the target rows in one forward and one backward. ``prefix``: the positions before the first one
+    where some pair's prompts differ (:func:`shared_prefix_length`) are run once without gradients into a KV
+    cache and the forward and backward cover the positions after them; the gradient there is then 0 (the
+    source and target ``z`` are equal there, so every estimate's term is 0 either way; the gradients at the
+    other positions are the same: a causal model's later positions do not change earlier ones)."""
     target = "corrupt" if direction == "denoise" else "clean"
     rows = runs.rows(target)
-    grads, m, _ = _target_pass(lm, runs.ids[rows], runs.mask[rows], runs.answer, runs.wrong, metric, drops)
+    ids, mask = runs.ids[rows], runs.mask[rows]
+    length = shared_prefix_length(runs.ids, runs.n) if prefix else 0
+    shared = run_prefix(lm, ids, mask, length) if length else None
+    grads, m, _ = _target_pass(lm, ids, mask, runs.answer, runs.wrong, metric, drops, prefix=shared)
     return grads, m
 
 
 def attribution_runs(lm, examples: list[Example], answer: list[int], wrong: list[int], metric: str,
-                     direction: str = "denoise") -> tuple[PairRuns, torch.Tensor]:
+                     direction: str = "denoise", prefix: bool = False) -> tuple[PairRuns, torch.Tensor]:
     """``(runs, d metric / d z (1, pair, layer, head, position, head_dim))`` of a chunk of pairs (pair-task
     examples): the :class:`~headlab.plugins.detectors.activation_patching.PairRuns` of
     :func:`~headlab.plugins.detectors.activation_patching.pair_runs` (``z`` and the metric of both prompts; no
     keys, values or residual stream) and :func:`target_gradients`' plain gradient, from one forward without
     gradients over the source prompts and one forward and one backward over the target prompts (the same
-    numbers as ``pair_runs`` then ``target_gradients``, in about two thirds of their time)."""
+    numbers as ``pair_runs`` then ``target_gradients``, in about two thirds of their time). ``prefix``: the
+    positions before the first one where some pair's prompts differ are run once, without gradients, into a
+    KV cache that both runs read (they cover the positions after it only); there ``z`` is that run's in both
+    prompts (it is the same) and the gradient is 0 (as :func:`target_gradients` with ``prefix``)."""
     batch = pair_batch(lm, examples)
     n = len(examples)
     clean, corrupt = slice(0, n), slice(n, 2 * n)
     source, target = (clean, corrupt) if direction == "denoise" else (corrupt, clean)
     ids, mask = batch.input_ids, batch.attention_mask
-    with _head_outputs(lm, last_only=True) as (zs, _):
-        out, _ = forward(lm, ids[source], attention_mask=mask[source], logits_to_keep=1)
-    a = torch.tensor(answer, device=out.logits.device)
-    w = torch.tensor(wrong, device=out.logits.device)
-    m_source = metric_of(out.logits[:, -1], a, w, metric)
-    grads, m_target, z_target = _target_pass(lm, ids[target], mask[target], a, w, metric, (None,), last_only=True)
-    z_source = _by_head(lm, torch.stack(zs, dim=1))
+    length = shared_prefix_length(ids, n) if prefix else 0
+    shared = run_prefix(lm, ids[target], mask[target], length) if length else None
+    a = torch.tensor(answer, device=ids.device)
+    w = torch.tensor(wrong, device=ids.device)
+    with _answer_head(lm, a, w, metric) as (a_index, w_index), _head_outputs(lm, last_only=True) as (zs, _):
+        out, _ = forward(lm, ids[source, length:], attention_mask=mask[source], logits_to_keep=1,
+                         **_suffix_kwargs(lm, mask[source], shared))
+    device = out.logits.device
+    a, w = a.to(device), w.to(device)
+    m_source = metric_of(out.logits[:, -1], a_index.to(device), w_index.to(device), metric)
+    grads, m_target, z_target = _target_pass(lm, ids[target], mask[target], a, w, metric, (None,), last_only=True,
+                                             prefix=shared)
+    z_source = _with_prefix(shared, _by_head(lm, torch.stack(zs, dim=1)), None if shared is None else shared.z)
     pair = [z_source, z_target] if direction == "denoise" else [z_target, z_source]
     # one (rows, layer, position, head * head_dim) block, viewed per head like its parts
     z = _by_head(lm, torch.cat([t.transpose(2, 3).flatten(-2) for t in pair]))
@@ -371,18 +521,19 @@ def _compare(config: AttributionPatching, ctx: StepContext, score: np.ndarray) -
             "top_k_recall": top_k_recall(np.abs(ref_score - s0), np.abs(score - s0), config.top_k)}
 
 
-def _chunk_estimates(config: AttributionPatching, lm, runs: PairRuns,
-                     grads: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def _chunk_estimates(config: AttributionPatching, lm, runs: PairRuns, grads: torch.Tensor | None = None,
+                     prefix: bool = False) -> dict[str, torch.Tensor]:
     """The per-pair estimates of a chunk as (pair, layer, head | kv_head, position) float64 (every position of
     the padded batch; ``unit: z`` sums them over positions before GradDrop's absolute values, so these are
     combined per unit by :func:`_combine`): ``atp`` always, ``query`` and ``key`` with the QK fix; each with
     a leading variant axis (plain gradient, then one per dropped layer). ``grads``: the gradients when computed
-    already (:func:`attribution_runs`)."""
+    already (:func:`attribution_runs`); ``prefix``: the gradients are taken over the positions after the shared
+    prefix (:func:`target_gradients`)."""
     L, H, K = lm.geometry.n_layers, lm.geometry.n_heads, lm.geometry.n_kv_heads
     star = config.method == "atp_star"
     drops: list[int | None] = [None] + (list(range(L)) if star and config.grad_drop else [])
     if grads is None:
-        grads, _ = target_gradients(lm, runs, config.metric, config.direction, drops)
+        grads, _ = target_gradients(lm, runs, config.metric, config.direction, drops, prefix=prefix)
     source = "clean" if config.direction == "denoise" else "corrupt"
     out = {"atp": _terms(runs, config.direction, runs.z[runs.rows(source)], grads)}
     if star and config.qk_fix:
@@ -436,15 +587,16 @@ def detect(config: AttributionPatching, ctx: StepContext) -> xr.Dataset:
     n = len(ctx.examples)
     clean, corrupt = np.zeros(n), np.zeros(n)
     chunks: dict[str, list] = {}
+    prefix = prefix_reusable(ctx.model)
     for idx in ctx.progress(pair_chunks(n, config.pair_batch_size), "attribution patching"):
         args = ([ctx.examples[i] for i in idx], [answer[i] for i in idx], [wrong[i] for i in idx], config.metric)
         if star:
             runs, grads = pair_runs(ctx.model, *args, kv=config.qk_fix), None
         else:
-            runs, grads = attribution_runs(ctx.model, *args, direction=config.direction)
+            runs, grads = attribution_runs(ctx.model, *args, direction=config.direction, prefix=prefix)
         m = runs.metric.detach().cpu().numpy()
         clean[idx], corrupt[idx] = m[:len(idx)], m[len(idx):]
-        for name, terms in _chunk_estimates(config, ctx.model, runs, grads).items():
+        for name, terms in _chunk_estimates(config, ctx.model, runs, grads, prefix=prefix).items():
             chunks.setdefault(name, []).append((idx, _combine(config, terms).cpu().numpy(), runs.pad))
     coords: dict = {"layer": np.arange(L), "head": np.arange(H)}
     token = () if config.unit == "z" else ("token",)
@@ -471,7 +623,9 @@ def detect(config: AttributionPatching, ctx: StepContext) -> xr.Dataset:
                     normalise=config.normalise, estimates="patched - target (target: corrupt to denoise, clean "
                     "to noise); score of target + atp",
                     convention=CONVENTION if config.normalise == "means" else PER_EXAMPLE,
-                    position="last", reference="docs/methods.md#attribution-patching")
+                    position="last", reference="docs/methods.md#attribution-patching",
+                    prefix="shared_cache" if prefix else "recomputed",
+                    prefix_runs=("gradients" if star else "source, target, gradients") if prefix else "none")
     if star:
         ds.attrs.update(qk_fix=int(config.qk_fix), grad_drop=int(config.grad_drop),
                         reference="docs/methods.md#atp-the-qk-fix-and-graddrop")
