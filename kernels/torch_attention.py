@@ -121,8 +121,8 @@ def torch_attention(
             s = torch.matmul(qb.reshape(B, g1 - g0, G * n, D), kf[:, g0:g1, k0:k1].transpose(-1, -2))
             s = s.view(B, nh, n, k1 - k0)
             # from here on the block is edited in place: one (B, heads, n, keys) buffer (two with entropy)
-            if softcap is not None:
-                s.div_(softcap).tanh_().mul_(softcap)
+            if softcap is not None:  # tanh's backward reads its output, which an in-place mul_ would overwrite
+                s = torch.tanh(s / softcap) * softcap if s.requires_grad else s.div_(softcap).tanh_().mul_(softcap)
             if edits.score_zero is not None:
                 s.masked_fill_(edits.score_zero[:, hs, None, None], 0.0)
             if kbias is not None:
@@ -133,7 +133,7 @@ def torch_attention(
                 s.masked_fill_(~key_padding_mask[:, None, None, k0:k1], -math.inf)
             if am is not None:
                 s.masked_fill_(am if am.shape[1] == 1 else am[:, hs], -math.inf)
-            m = s.amax(-1, keepdim=True)
+            m = s.detach().amax(-1, keepdim=True)  # a constant shift: softmax does not depend on it
             m = torch.where(torch.isfinite(m), m, torch.zeros((), dtype=f32, device=dev))
             if probes.argmax:
                 idx = s.argmax(-1)

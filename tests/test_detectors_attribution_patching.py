@@ -47,7 +47,8 @@ def _finite_differences(lm, examples, metric: str, direction: str, eps: float = 
 
 
 @pytest.mark.parametrize(("arch", "metric", "direction"),
-                         [(arch, "logit_diff", "denoise") for arch in ARCHS] + [("llama", "logprob", "noise")])
+                         [(arch, "logit_diff", "denoise") for arch in ARCHS] + [("llama", "logprob", "noise"),
+                                                                                 ("gemma2", "logit_diff", "denoise")])
 def test_atp_equals_finite_differences_of_the_patched_metric(arch, metric, direction):
     tok, lm, _ = models(arch)
     lm.model.double()
