@@ -409,7 +409,8 @@ def main() -> None:
             if tool == "atp" and "error" not in r:
                 line += (f"  = {r['seconds'] / r['forward_seconds']:.1f} forwards ({r['forward_seconds'] * 1e3:.0f} ms "
                          f"each; CPU time {r['cpu_seconds'] / r['forward_cpu_seconds']:.2f} forwards); {r['seconds'] and (hl.get('seconds', float('nan')) / r['seconds']):.1f}x exact "
-                         f"patching's heads/s; Spearman vs exact {diffs.get('atp', {}).get('spearman', float('nan')):.3f}")
+                         f"patching's heads/s, {args.layers * HEADS * r['forward_seconds'] / r['seconds']:.0f}x one "
+                         f"forward per head's; Spearman vs exact {diffs.get('atp', {}).get('spearman', float('nan')):.3f}")
             print(line)
         measured = (f"{tl['seconds'] / hl['seconds']:.2f}x (CPU time {tl['cpu_seconds'] / hl['cpu_seconds']:.2f}x)"
                     if "error" not in hl and "error" not in tl else "n/a")
