@@ -9,7 +9,7 @@ the others: a kept fraction of about 0.53. With only layer 3's 4 KV heads full (
 of the 18 prompts (0.89 against full's 0.94, docs/kv.md), outside the 0.05.
 
 ``headkv`` gets the same budget as a fraction (0.53 of the full cache at the longest prompt), split by the retrieval
-scores: the KV heads of layer 3 receive more than the prompt's tokens and keep it whole, the surplus is not
+scores: three KV heads of layer 3 receive more than the prompt's tokens and keep it whole, the surplus is not
 handed on, so it holds about 0.36 of the cache, and still recalls at least 0.3 more than ``random`` at 0.53.
 """
 
