@@ -25,7 +25,7 @@ from headlab.svg import line_plot_svg
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = ROOT / "specs" / "kv_compression.yaml"
 #: the steps drawn per context length
-BY_LENGTH = ("full", "streaming_top4_w128", "razor_top4_w128", "streaming_top2_w128", "random_top4_w128")
+BY_LENGTH = ("full", "streaming_top4_w128", "razor_top4_w128", "headkv_f028", "streaming_top2_w128", "random_top4_w128")
 
 
 def run_spec(lengths: list[int] | None, depths: int | None, out: Path) -> headlab.Run:
