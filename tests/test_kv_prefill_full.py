@@ -166,6 +166,19 @@ def test_a_full_prefill_equals_the_dense_mask_reference(kind, sink, window):
     assert any("full prefill" in p for p in usage.paths) and any("sinks + ring buffer" in p for p in usage.paths)
 
 
+def test_a_layer_of_only_full_heads_and_the_dense_mask():
+    """Layer 0 all full (the model's own layer; transformers' dense mask is built for every forward): the other
+    layer's full prefill reads that mask, and the run equals the reference."""
+    ours, ref = _models("llama")
+    ids, mask = _batch([12, 8, 10], seed=4)
+    head_map = _map([[True] * 4, [False, True, False, False]], 1, 3)
+    p_ours, s_ours, t_ours, _, _ = _decode(ours, ids, mask, 6, head_map)
+    p_ref, s_ref, t_ref = _reference(ref, ids, mask, 6, head_map)
+    torch.testing.assert_close(_real(p_ours, mask), _real(p_ref, mask), rtol=0, atol=1e-5)
+    torch.testing.assert_close(s_ours, s_ref, rtol=0, atol=1e-5)
+    assert t_ours.equal(t_ref)
+
+
 def test_a_batch_of_three_equals_its_rows_one_by_one():
     ours, _ = _models("qwen2")
     lengths = [9, 14, 5]
