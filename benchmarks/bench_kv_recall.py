@@ -9,14 +9,12 @@ same mask").
 The needle prompts are those of ``specs/kv_compression.yaml``'s task (headlab's ``niah`` generator, its needles
 and seed), on the grid ``--lengths`` x ``--depths`` x 3 needles. Cases, all greedy, ``--new`` new tokens, batch 1:
 
-- ``headlab full`` and ``headlab streaming``: a headlab run (``generate`` steps with ``kv: {kind: full}`` and
-  ``kv: {kind: streaming, full_heads: ..., sink, window}``, metric ``needle_recall``). Under ``streaming`` a
-  compressed KV head attends its ``sink`` first and ``window`` most recent tokens in the prefill as in decode
-  (the issue's definition).
-- ``headlab streaming, compressed after prefill``: not a headlab option; this script's emulation of kvpress's
-  design with headlab's cache: the prompt (but its last token) is prefilled with every head attending in full,
-  its keys are then stored in a ``headlab.kv.HeadwiseCache`` (which keeps the compressed heads' sinks and
-  window), and the last prompt token and the new tokens decode under ``headlab.kv.kv_policy``.
+- ``headlab full``, ``headlab streaming`` and ``headlab streaming, prefill: full``: one headlab run
+  (``generate`` steps with ``kv: {kind: full}``, ``kv: {kind: streaming, full_heads: ..., sink, window}`` and the
+  same with ``prefill: full``, metric ``needle_recall``). Under ``streaming`` (``prefill: bounded``, the default)
+  a compressed KV head attends its ``sink`` first and ``window`` most recent tokens in the prefill as in decode
+  (the issue's definition); with ``prefill: full`` every head attends the whole prompt in the prefill, and the
+  cache then keeps only the compressed heads' sinks and window (kvpress's design).
 - ``kvpress full`` and ``kvpress DuoAttentionPress``: in kvpress's own virtual environment
   (``--kvpress-python``; kvpress 0.5.5 pins transformers < 5.3), kvpress's ``KVPressTextGenerationPipeline``
   (``pipeline("kv-press-text-generation")``) without a press and with ``headlab.kv.to_kvpress`` of the same
@@ -47,7 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "plugins" / "models" / "tiny" / "headlab-tiny"
 SPEC = ROOT / "specs" / "kv_compression.yaml"
-HEADLAB_CASES = ("headlab full", "headlab streaming", "headlab streaming, compressed after prefill")
+HEADLAB_CASES = ("headlab full", "headlab streaming", "headlab streaming, prefill: full")
 KVPRESS_CASES = ("kvpress full", "kvpress DuoAttentionPress")
 
 
@@ -58,8 +56,8 @@ def kv_pair(text: str) -> tuple[int, int]:
 
 
 def bench_spec(args: argparse.Namespace, group: int) -> dict:
-    """The headlab spec: the needle task of ``specs/kv_compression.yaml`` on the benchmark's grid, a ``full`` and
-    a ``streaming`` generate step (batch 1)."""
+    """The headlab spec: the needle task of ``specs/kv_compression.yaml`` on the benchmark's grid, a ``full``, a
+    ``streaming`` and a ``streaming`` with ``prefill: full`` generate step (batch 1)."""
     from ruamel.yaml import YAML
 
     base = YAML(typ="safe").load(SPEC.read_text(encoding="utf-8"))
@@ -73,39 +71,10 @@ def bench_spec(args: argparse.Namespace, group: int) -> dict:
         full_heads = [[layer, head * group] for layer, head in args.full_kv_heads]
     generate = {"metrics": ["needle_recall"], "max_new_tokens": args.new, "batch_size": 1}
     steps.append({"id": "full", "generate": dict(generate, kv={"kind": "full"})})
-    steps.append({"id": "streaming", "generate": dict(generate, kv={
-        "kind": "streaming", "full_heads": full_heads, "sink": args.sink, "window": args.window})})
+    streaming = {"kind": "streaming", "full_heads": full_heads, "sink": args.sink, "window": args.window}
+    steps.append({"id": "streaming", "generate": dict(generate, kv=streaming)})
+    steps.append({"id": "streaming_prefill_full", "generate": dict(generate, kv=dict(streaming, prefill="full"))})
     return {"name": "bench_kv_recall", "model": base["model"], "task": task, "steps": steps, "seed": base["seed"]}
-
-
-def decode_after_prefill(model, head_map, ids, new: int, eos: int) -> list[int]:
-    """Greedy tokens of ``ids`` (1-D) under ``head_map``, with the prompt but its last token prefilled by every
-    head in full and only then stored in a headwise cache (its compressed heads keep their sinks and window)."""
-    import torch
-    import transformers
-
-    from headlab.kv import HeadwiseCache, kv_policy
-
-    with torch.no_grad():
-        full = transformers.DynamicCache()
-        model(input_ids=ids[None, :-1], cache=full, use_cache=True, logits_to_keep=1)
-        cache = HeadwiseCache(head_map)
-        for i, layer in enumerate(full.layers):
-            cache.update(layer.keys, layer.values, i)
-            cache.layers[i].pending = None  # stored, not attended: no attention reads this update
-        tokens: list[int] = []
-        nxt, pos = ids[None, -1:], ids.shape[0] - 1
-        with kv_policy(model, head_map):
-            for step in range(new):
-                out = model(input_ids=nxt, cache=cache, use_cache=True,
-                            attention_mask=torch.ones(1, pos + step + 1, dtype=torch.long),
-                            position_ids=torch.tensor([[pos + step]]))
-                token = int(out.logits[0, -1].argmax())
-                if token == eos:
-                    break
-                tokens.append(token)
-                nxt = torch.tensor([[token]])
-    return tokens
 
 
 def needle_scores(prompts: list[dict], outputs: list[str]) -> list[float]:
@@ -158,18 +127,15 @@ def run_headlab(args: argparse.Namespace) -> tuple[list[dict], dict, dict, dict]
     """The headlab cases: (prompts, answers per case, recall per case, the streaming step's head map)."""
     import numpy as np
     import torch
-    import transformers
 
     import headlab
-    from headlab import instrument
-    from headlab.kv import HeadMap
 
     if args.threads:
         torch.set_num_threads(args.threads)
     config = json.loads((TINY / "config.json").read_text(encoding="utf-8"))
     group = config["num_attention_heads"] // config["num_key_value_heads"]
     run = headlab.run(bench_spec(args, group), out=Path(tempfile.mkdtemp(prefix="bench-kv-recall-")))
-    full, streaming = run.results["full"], run.results["streaming"]
+    full, streaming, after = run.results["full"], run.results["streaming"], run.results["streaming_prefill_full"]
     prompts = []
     for i in range(full.sizes["example"]):
         ids = [int(t) for t in full["input_ids"].values[i] if t >= 0]
@@ -178,24 +144,13 @@ def run_headlab(args: argparse.Namespace) -> tuple[list[dict], dict, dict, dict]
                         "context_length": int(full["context_length"].values[i]),
                         "depth": float(full["depth"].values[i]), "needle_index": int(full["needle_index"].values[i])})
     kv_full = streaming["kv_full"].transpose("layer", "kv_head")
-    answers = {"headlab full": [str(x) for x in full["output"].values],
-               "headlab streaming": [str(x) for x in streaming["output"].values]}
-    recall = {"headlab full": [float(x) for x in full["needle_recall"].values],
-              "headlab streaming": [float(x) for x in streaming["needle_recall"].values]}
-
-    instrument.register()
-    tok = transformers.AutoTokenizer.from_pretrained(TINY)
-    model = transformers.AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32,
-                                                              attn_implementation="headlab").eval()
-    head_map = HeadMap(kv_full.astype(bool).drop_vars(list(kv_full.coords)), sink=args.sink, window=args.window,
-                       attrs={"policy": "streaming"})
-    case = HEADLAB_CASES[2]
-    answers[case] = [tok.decode(decode_after_prefill(model, head_map, torch.tensor(p["input_ids"]), args.new,
-                                                     int(config["eos_token_id"])), skip_special_tokens=True)
-                     for p in prompts]
-    recall[case] = needle_scores(prompts, answers[case])
+    cases = dict(zip(HEADLAB_CASES, (full, streaming, after), strict=True))
+    answers = {case: [str(x) for x in ds["output"].values] for case, ds in cases.items()}
+    recall = {case: [float(x) for x in ds["needle_recall"].values] for case, ds in cases.items()}
     return prompts, answers, recall, {"kv_full": np.asarray(kv_full.values, dtype=bool).tolist(),
-                                      "kept_fraction": float(streaming.attrs["kv_kept_fraction"])}
+                                      "kept_fraction": float(streaming.attrs["kv_kept_fraction"]),
+                                      "prefill_full_kept_fraction": float(after.attrs["kv_kept_fraction"]),
+                                      "prefill_full_attention": str(after.attrs["kv_attention"])}
 
 
 def agreement(prompts: list[dict], answers: dict, recall: dict, a: str, b: str, show: bool = True) -> int:
@@ -250,8 +205,10 @@ def main() -> None:
     lengths = sorted({q["context_length"] for q in prompts})
     print(f"headlab-tiny, {len(prompts)} needle prompts ({len(lengths)} lengths x {args.depths} depths x 3 needles), "
           f"greedy, {args.new} new tokens; full KV heads {full_heads}, sink {args.sink}, window {args.window} "
-          f"(streaming kept fraction {stream['kept_fraction']:.3f}); kvpress {kv['versions']['kvpress']} "
-          f"(transformers {kv['versions']['transformers']}), press {kv['press']}; prompts: {path}")
+          f"(kept fraction: streaming {stream['kept_fraction']:.3f}, prefill: full "
+          f"{stream['prefill_full_kept_fraction']:.3f}; they differ only where an answer stops at another length); "
+          f"kvpress {kv['versions']['kvpress']} (transformers {kv['versions']['transformers']}), press {kv['press']}; prompts: {path}")
+    print(f"prefill: full's attention paths: {stream['prefill_full_attention']}")
     print("\n| case | needle recall | " + " | ".join(str(n) for n in lengths) + " |")
     print("|---|---|" + "---|" * len(lengths))
     for case in (*HEADLAB_CASES, *KVPRESS_CASES):
@@ -262,9 +219,9 @@ def main() -> None:
     print()
     mismatched = agreement(prompts, answers, recall, "headlab full", "kvpress full")
     agreement(prompts, answers, recall, "headlab streaming", "kvpress DuoAttentionPress")
-    agreement(prompts, answers, recall, "headlab streaming, compressed after prefill", "kvpress DuoAttentionPress")
-    for a, b in (("headlab streaming", "headlab streaming, compressed after prefill"),
-                 ("headlab full", "headlab streaming, compressed after prefill"),
+    agreement(prompts, answers, recall, "headlab streaming, prefill: full", "kvpress DuoAttentionPress")
+    for a, b in (("headlab streaming", "headlab streaming, prefill: full"),
+                 ("headlab full", "headlab streaming, prefill: full"),
                  ("kvpress full", "kvpress DuoAttentionPress")):
         agreement(prompts, answers, recall, a, b, show=False)
     if mismatched:

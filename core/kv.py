@@ -527,6 +527,11 @@ class HeadMap:
     ``compensate`` a compressed KV head also keeps one compensation token, the mean of the keys and values it
     dropped (RazorAttention). ``attrs`` describe the policy (stored with :meth:`to_dataarray`).
 
+    ``prefill`` says what a compressed head attends in a row's first forward (its prefill): ``"bounded"`` (the
+    default), its sinks and window as in decode; ``"full"``, every earlier token of the prompt, as every head
+    does (kvpress's and DuoAttention's deployment: the cache keeps only the sinks and window afterwards). The
+    cache holds the same keys either way; later forwards are decode steps under the bounded mask.
+
     A *budgeted* map (:meth:`budgeted`) is pending until a context length is known: ``budget`` and
     ``priority`` (the order in which KV heads become full) are set, ``kv_full`` is all False, and
     :meth:`for_length` (which :meth:`kept_tokens`, :meth:`kept_fraction` and :meth:`to_dataarray` call) makes
@@ -540,6 +545,7 @@ class HeadMap:
     budget: KvBudget | None = None
     priority: xr.DataArray | None = None
     token_bytes: int | None = None
+    prefill: Literal["bounded", "full"] = "bounded"
 
     def _check_kv_full(self) -> None:
         if tuple(self.kv_full.dims) != ("layer", "kv_head"):
@@ -559,6 +565,10 @@ class HeadMap:
             raise KvPolicyError(f"window {self.window}: a window holds at least the query's own token")
         if self.budget is not None and (self.priority is None or self.priority.shape != self.kv_full.shape):
             raise KvPolicyError("a budgeted head map needs a (layer, kv_head) priority")
+        if self.prefill not in ("bounded", "full"):
+            raise KvPolicyError(f"prefill {self.prefill!r}: 'bounded' or 'full'")
+        if self.prefill == "full" and self.compensate:
+            raise KvPolicyError("prefill: full is not available with a compensation token (razor)")
 
     @classmethod
     def full(cls, geometry: Geometry, **attrs: Any) -> HeadMap:
@@ -568,14 +578,15 @@ class HeadMap:
 
     @classmethod
     def budgeted(cls, priority: xr.DataArray, budget: KvBudget, *, sink: int, window: int,
-                 token_bytes: int | None = None, attrs: Mapping[str, Any] | None = None) -> HeadMap:
+                 token_bytes: int | None = None, attrs: Mapping[str, Any] | None = None,
+                 prefill: Literal["bounded", "full"] = "bounded") -> HeadMap:
         """The map that keeps the most full KV heads (in ``priority`` order, see :func:`kv_priority`) whose
         cache fits ``budget``, every other KV head keeping ``sink`` + ``window`` tokens; resolved now when the
         budget has a ``length``, else pending until :meth:`for_length`."""
         shape = priority.transpose("layer", "kv_head").shape
         pending = cls(_kv_array(np.zeros(shape, dtype=bool)), sink=sink, window=window,
                       attrs={**(attrs or {}), "budget": budget.describe()}, budget=budget,
-                      priority=priority.transpose("layer", "kv_head"), token_bytes=token_bytes)
+                      priority=priority.transpose("layer", "kv_head"), token_bytes=token_bytes, prefill=prefill)
         return pending._resolve(budget.length) if budget.length is not None else pending
 
     @property
@@ -632,7 +643,7 @@ class HeadMap:
         if n < fits:
             attrs["note"] = f"the budget fits {fits} full KV heads, the selection ranks only {candidates}"
         return type(self)(_kv_array(_top(priority, n, "budget")), sink=self.sink, window=self.window, attrs=attrs,
-                          compensate=self.compensate)
+                          compensate=self.compensate, prefill=self.prefill)
 
     def kept_tokens(self, length: int) -> xr.DataArray:
         """Tokens each KV head holds after a row of ``length`` tokens, ``(layer, kv_head)``."""
@@ -665,9 +676,9 @@ class HeadMap:
             **self.attrs, "effective": "full", "note": note, "requested_full_kv_heads": self.n_full})
 
     def to_dataarray(self, length: int | None = None) -> xr.DataArray:
-        """``kv_full`` with attributes: the policy's, ``sink``, ``window`` (absent when every head is full),
-        ``full_kv_heads``, and with ``length`` the ``kept_fraction`` at that length (a pending budget is met
-        there first; it needs the length)."""
+        """``kv_full`` with attributes: the policy's, ``sink``, ``window`` and ``prefill`` (absent when every
+        head is full), ``full_kv_heads``, and with ``length`` the ``kept_fraction`` at that length (a pending
+        budget is met there first; it needs the length)."""
         if self.pending:
             if length is None:
                 raise KvPolicyError(f"budget {self.budget.describe()}: the head map is known at a context length; "
@@ -680,6 +691,8 @@ class HeadMap:
             attrs["compensate"] = True
         if self.window is not None:
             attrs["window"] = self.window
+            if not self.is_full:
+                attrs["prefill"] = self.prefill
         if length is not None:
             attrs.update(length=int(length), kept_fraction=self.kept_fraction(length))
         out.attrs = attrs
@@ -1061,9 +1074,12 @@ class SplitCall:
     stored (the update overwrites ring slots the chunk's first queries still see). A one-token chunk reads
     the bounded group after the update, which holds exactly the keys its query sees.
 
-    On a :class:`HeadBudgetLayer`, ``prefill`` marks the layer's first call: the update returned every KV
-    head's keys, the attention attends them all causally and then calls :meth:`HeadBudgetLayer.compress`
-    with its last queries; a later call reads each compressed head's kept keys and new tokens."""
+    ``prefill`` marks a layer's first call on which every head attends causally: the update returned every KV
+    head's keys of the chunk (``chunk_keys``/``chunk_values`` are those). On a :class:`HeadBudgetLayer` the
+    attention then calls :meth:`HeadBudgetLayer.compress` with its last queries, and a later call reads each
+    compressed head's kept keys and new tokens; on a :class:`HeadwiseLayer` with ``full_prefill`` the update
+    has already stored the bounded group (the compressed heads' sinks and window), and later calls are decode
+    steps over it."""
 
     layer: HeadwiseLayer
     chunk_keys: torch.Tensor
@@ -1131,14 +1147,18 @@ class HeadwiseLayer(CacheLayerMixin):
     slots, head_dim]``, the first ``min(sink, longest row)`` slots the sinks and the others a ring of at most
     ``window`` slots, with each slot's position in its row's own tokens in ``slot_pos`` (-1 while empty).
     With ``compensate``, ``comp_keys``/``comp_values`` ``[batch, n_compressed, 1, head_dim]`` (float32) are
-    the sums of the keys and values the bounded group dropped (own positions ``sink <= p < n - window``)."""
+    the sums of the keys and values the bounded group dropped (own positions ``sink <= p < n - window``).
+
+    With ``full_prefill`` the layer's first update (the row's prefill) returns every KV head's keys of the chunk,
+    which the attention reads causally for every head, and stores only what the map keeps (the same groups
+    as a bounded prefill); a later update of several tokens is refused (the prompt must be the first forward)."""
 
     is_compileable = False
     is_sliding = False
     is_croppable = False
 
     def __init__(self, full: Sequence[bool], sink: int, window: int | None, pad: torch.Tensor | None = None, *,
-                 compensate: bool = False) -> None:
+                 compensate: bool = False, full_prefill: bool = False) -> None:
         super().__init__()
         self.full_heads = torch.tensor([i for i, f in enumerate(full) if f], dtype=torch.long)
         self.compressed_heads = torch.tensor([i for i, f in enumerate(full) if not f], dtype=torch.long)
@@ -1152,6 +1172,9 @@ class HeadwiseLayer(CacheLayerMixin):
         self.min_pad = self.max_pad = 0
         self.slot_keys = self.slot_values = self.slot_pos = None
         self.compensate = bool(compensate) and len(self.compressed_heads) > 0
+        if self.compensate and full_prefill:
+            raise KvPolicyError("prefill: full is not available with a compensation token (razor)")
+        self.full_prefill = bool(full_prefill)
         self.comp_keys = self.comp_values = None
         self.pending: SplitCall | None = None
         #: the running forward's attention mask was left implicit (None): causal over the padded positions,
@@ -1224,7 +1247,8 @@ class HeadwiseLayer(CacheLayerMixin):
         """Store the states of the next ``key_states.shape[-2]`` tokens; returns the full group's keys and
         values (every KV head's when the map is full, exactly what :class:`~transformers.DynamicLayer`
         returns). With compressed heads it leaves a :class:`SplitCall` for the attention (:func:`split_call`;
-        ``pending`` until an attention reads it)."""
+        ``pending`` until an attention reads it); under ``full_prefill`` the first update returns every KV head's
+        keys and values of the chunk (the prefill's attention reads them all causally)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if len(self.full_heads) == self.n_kv_heads:
@@ -1232,13 +1256,23 @@ class HeadwiseLayer(CacheLayerMixin):
             self.values = torch.cat([self.values, value_states], dim=-2)
             self.seen += key_states.shape[-2]
             return self.keys, self.values
+        q = key_states.shape[-2]
+        if self.full_prefill and self.seen and q > 1:
+            raise KvPolicyError(f"prefill: full: a forward of {q} tokens after the row's prefill (a prompt fed in "
+                                "several forwards, e.g. by prefill_chunk); the first forward must be the whole prompt")
         if len(self.full_heads):
             self.keys = torch.cat([self.keys, key_states.index_select(1, self.full_heads)], dim=-2)
             self.values = torch.cat([self.values, value_states.index_select(1, self.full_heads)], dim=-2)
         else:  # a new (empty) tensor, so that split_call recognises this call's keys
             self.keys = torch.cat([self.keys, key_states[:, :0]], dim=-2)
             self.values = torch.cat([self.values, value_states[:, :0]], dim=-2)
-        q = key_states.shape[-2]
+        if self.full_prefill and self.seen == 0:  # the prefill: every head reads this chunk's keys
+            self.pending = SplitCall(self, key_states, value_states, 0, prefill=True)
+            _SPLIT.last = (key_states, self.pending)
+            self._store_bounded(key_states.index_select(1, self.compressed_heads),
+                                value_states.index_select(1, self.compressed_heads))
+            self.seen = q
+            return key_states, value_states
         prior = None
         if q > 1 and self.seen and self.slot_pos.shape[1]:
             prior = (self.slot_keys.clone(), self.slot_values.clone(), self.slot_pos.clone())
@@ -1555,7 +1589,9 @@ class HeadwiseCache(Cache):
     each group over its own keys (:func:`kv_policy` checks it).
 
     Under a :class:`HeadBudgetMap` (HeadKV) the layers are :class:`HeadBudgetLayer`: the prefill attends
-    every head in full, then each compressed KV head keeps its SnapKV selection and every later token."""
+    every head in full, then each compressed KV head keeps its SnapKV selection and every later token. Under
+    a map with ``prefill="full"`` the first forward attends every head causally over the prompt, and the
+    layers keep the same sinks and window as under a bounded prefill."""
 
     def __init__(self, head_map: HeadMap, pad: Sequence[int] | torch.Tensor | None = None) -> None:
         if head_map.pending:
@@ -1573,7 +1609,8 @@ class HeadwiseCache(Cache):
                 for row, budget in zip(full, budgets, strict=True)])
             return
         super().__init__(layers=[HeadwiseLayer(row.tolist(), head_map.sink, head_map.window, pad_t,
-                                               compensate=head_map.compensate) for row in full])
+                                               compensate=head_map.compensate,
+                                               full_prefill=head_map.prefill == "full") for row in full])
 
     @classmethod
     def from_attention_mask(cls, head_map: HeadMap, attention_mask: torch.Tensor) -> HeadwiseCache:
@@ -1779,6 +1816,9 @@ def _check_chunkable(head_map: HeadMap, prefill_chunk: int | None) -> None:
     if head_map.compensate:
         raise KvPolicyError("razor: a chunked prefill is not supported (the compensation token of a prefill needs "
                             "the whole prompt); prefill the prompt in one forward")
+    if head_map.prefill == "full" and not head_map.is_full:
+        raise KvPolicyError("prefill: full: a chunked prefill is not supported (a later chunk would need the full "
+                            "keys of the chunks before it); prefill the prompt in one forward")
 
 
 def _chunked_forward(forward: Any, chunk: int, kwargs: dict[str, Any], new_cache: Any) -> Any:
@@ -1862,7 +1902,8 @@ def kv_policy(model: torch.nn.Module, head_map: HeadMap, *, prefill_chunk: int |
 
     ``prefill_chunk``: a forward of more than this many new tokens runs as forwards of at most that many
     tokens into one cache (the same logits, concatenated, up to float rounding), so that the transient memory
-    of a long prompt is bounded by the chunk; refused under ``razor`` (compensation) and ``headkv`` maps.
+    of a long prompt is bounded by the chunk; refused under ``razor`` (compensation), ``headkv`` and
+    ``prefill="full"`` maps.
 
     The peak memory (:attr:`KvUsage.peak_memory`) is measured on CUDA, and on a CPU with ``cpu_peak``
     (every operator inside the block is then tracked, which slows small models down)."""

@@ -44,6 +44,7 @@ CROSS_FIELD = (
     "refer to `like`: give `like`", "selects no count of heads", "ranks heads for a `budget`",
     "a `budget` ranks KV heads", "give exactly one of `fraction`", "circuit: give exactly one of top",
     "length must be at least 2", "words: each must be one word",
+    "prefill: full attends every head over the whole prompt",
 )
 
 

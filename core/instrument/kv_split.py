@@ -28,6 +28,10 @@ step appends the layer's running mean (:meth:`headlab.kv.HeadwiseLayer.compensat
 group; a prefill computes each query's own token exactly from prefix sums over the chunk, and attends in
 plain torch (one float32 softmax over the block's keys and that token, ``compensated`` in the path).
 
+Under a map with ``prefill="full"`` (the ``streaming`` and ``random`` policies' ``prefill: full``) a row's
+first call attends every head causally over the chunk's keys (the layer's update returned all of them and
+stored only what the policy keeps); later calls are decode steps over the groups as above.
+
 Under ``headkv`` (a :class:`headlab.kv.HeadBudgetLayer`) the prefill attends every head causally over the
 whole prompt, as SnapKV and HeadKV do, and hands the call's queries (after the rotary embedding) to the
 layer, which keeps each compressed KV head's selection (only the last ``observation_window`` queries are
@@ -100,12 +104,16 @@ def split_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: 
         if edits.key_spans is not None:
             raise KvPolicyError(f"layer {layer}: key-span biases (PASTA) cannot run with a KV policy that compresses "
                                 "heads (they name key positions a compressed head no longer holds)")
-    if split.prefill:  # headkv's prefill: every head attends causally, then the layer keeps its selection
+    if split.prefill:  # every head attends causally over the prompt (headkv, or prefill: full)
         backend, reason = choose_backend(requested, edits=edits, softcap=softcap, device=query.device)
         margs = _mask_args(attention_mask, cache, Nq, key.shape[2], model_window)
         out = _causal_group(query, key, value, margs, edits, scale, softcap, backend)
-        cache.compress(query, scale)
-        paths = [f"every head: {backend} ({reason}; headkv prefill, then SnapKV selection per KV head)"]
+        if isinstance(cache, HeadBudgetLayer):
+            cache.compress(query, scale)
+            how = "headkv prefill, then SnapKV selection per KV head"
+        else:  # the update stored the compressed heads' sinks and window already
+            how = "full prefill, then the compressed heads keep sinks + window"
+        paths = [f"every head: {backend} ({reason}; {how})"]
         return _recorded(out, paths, cache, session, layer, plan, Nq, key.shape[2], backend)
     out = query.new_empty(B, H, Nq, value.shape[-1])
     paths = []

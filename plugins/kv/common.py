@@ -8,7 +8,8 @@ from typing import Any
 import torch
 from pydantic import Field
 
-__all__ = ["BUDGET_FIELD", "GQA_FIELD", "MEASURE_PEAK_FIELD", "PREFILL_CHUNK_FIELD", "SINK_FIELD", "WINDOW_FIELD", "model_dtype"]
+__all__ = ["BUDGET_FIELD", "GQA_FIELD", "MEASURE_PEAK_FIELD", "PREFILL_CHUNK_FIELD", "PREFILL_FIELD", "SINK_FIELD",
+           "WINDOW_FIELD", "check_prefill", "model_dtype"]
 
 #: StreamingLLM keeps 4 attention-sink tokens (Xiao et al. 2023)
 SINK_FIELD = Field(4, description="first tokens of each row a compressed KV head keeps (attention sinks)")
@@ -18,11 +19,22 @@ GQA_FIELD = Field("any", description="when a KV head is full from its query head
 PREFILL_CHUNK_FIELD = Field(None, description="feed a longer prompt (or scored row) in forwards of at most this many "
                                               "tokens, so that its transient memory is bounded by the chunk "
                                               "(default: one forward)")
+PREFILL_FIELD = Field("bounded", description="what a compressed KV head attends in a row's prefill: bounded, its "
+                                             "sinks + window as in decode; full, every prompt token (kvpress's and "
+                                             "DuoAttention's deployment), the cache then keeping sinks + window")
 MEASURE_PEAK_FIELD = Field(False, description="on a CPU, also measure the step's peak memory (live tensor bytes; "
                                               "slows decoding down about 4x); on CUDA it is always measured")
 BUDGET_FIELD = Field(None, description="keep as many full KV heads as fit: {fraction: f} of the full cache, "
                                        "{bytes: n} or {tokens_per_head: t} per row, at `length` tokens per row "
                                        "(default: the step's context length)")
+
+
+def check_prefill(config: Any) -> None:
+    """Refuse ``prefill: full`` with ``prefill_chunk``: a later chunk would attend the earlier chunks' full keys,
+    which the cache no longer holds."""
+    if config.prefill == "full" and config.prefill_chunk is not None:
+        raise ValueError("prefill: full attends every head over the whole prompt in one forward; prefill_chunk "
+                         "would need the earlier chunks' full keys: give one of them")
 
 
 def model_dtype(ctx: Any) -> torch.dtype | str:

@@ -4,7 +4,7 @@ The number of full KV heads is the count ``like`` selects (resolved exactly as `
 ``full_heads``), ``n_full``, or as many as ``budget`` fits (the count ``streaming`` keeps under the same budget,
 sink and window); they are drawn without replacement with a generator seeded by the run seed (plus ``seed``, so
 that several controls of one cell differ). The other KV heads keep ``sink`` + ``window`` tokens, as under
-``streaming``: the same budget on other heads.
+``streaming``: the same budget on other heads, and ``prefill`` as under ``streaming``.
 """
 
 from __future__ import annotations
@@ -33,8 +33,10 @@ from .common import (
     GQA_FIELD,
     MEASURE_PEAK_FIELD,
     PREFILL_CHUNK_FIELD,
+    PREFILL_FIELD,
     SINK_FIELD,
     WINDOW_FIELD,
+    check_prefill,
     model_dtype,
 )
 
@@ -54,6 +56,7 @@ class RandomKV(ComponentConfig):
     window: PositiveInt = WINDOW_FIELD
     gqa: GqaRule = GQA_FIELD
     prefill_chunk: PositiveInt | None = PREFILL_CHUNK_FIELD
+    prefill: Literal["bounded", "full"] = PREFILL_FIELD
 
     @model_validator(mode="after")
     def _one_count(self) -> RandomKV:
@@ -64,6 +67,7 @@ class RandomKV(ComponentConfig):
         if isinstance(self.like, ScoresFrom):
             raise ValueError("like {from: step} without `top` or `threshold` selects no count of heads: give `top` "
                              "or `threshold`, or a `budget` instead of `like`")
+        check_prefill(self)
         return self
 
 
@@ -79,7 +83,7 @@ def compile_random(config: RandomKV, ctx: StepContext) -> HeadMap:
         priority = xr.DataArray(-order.astype(float), dims=("layer", "kv_head"), name="kv_priority")
         size = token_bytes(geometry, model_dtype(ctx))
         return HeadMap.budgeted(priority, config.budget, sink=config.sink, window=config.window, token_bytes=size,
-                                attrs=attrs)
+                                attrs=attrs, prefill=config.prefill)
     if config.like is None:
         full = random_kv_heads(config.n_full, geometry, rng)
     else:
@@ -87,7 +91,7 @@ def compile_random(config: RandomKV, ctx: StepContext) -> HeadMap:
         per_layer = chosen.sum("kv_head").values.tolist() if config.match_layers else None
         full = random_kv_heads(int(chosen.sum()), geometry, rng, per_layer=per_layer,
                                exclude=chosen if config.exclude else None)
-    return HeadMap(full, sink=config.sink, window=config.window, attrs=attrs)
+    return HeadMap(full, sink=config.sink, window=config.window, attrs=attrs, prefill=config.prefill)
 
 
 @hookimpl

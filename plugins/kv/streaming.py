@@ -9,6 +9,12 @@ or DuoAttention's own ``full_attention_heads.tsv``; without it no head is full (
 With a ``budget`` the number of full KV heads is the largest whose cache fits it at the context length, taken
 in the order of ``full_heads``'s scores (``{from: step}`` ranks every head; a ``top`` or ``threshold`` bounds
 the candidates).
+
+``prefill`` (``bounded`` by default) says what a compressed KV head attends in a row's prefill: ``bounded``, its
+sinks and window, as in decode (the mask of the issue's definition); ``full``, every prompt token, as kvpress's
+``DuoAttentionPress`` and DuoAttention's deployment do, the cache keeping only sinks + window afterwards (the same
+bytes; the prefill holds one layer's full keys and values at a time). ``full`` cannot be combined with
+``prefill_chunk``.
 """
 
 from __future__ import annotations
@@ -36,8 +42,10 @@ from .common import (
     GQA_FIELD,
     MEASURE_PEAK_FIELD,
     PREFILL_CHUNK_FIELD,
+    PREFILL_FIELD,
     SINK_FIELD,
     WINDOW_FIELD,
+    check_prefill,
     model_dtype,
 )
 
@@ -57,6 +65,7 @@ class StreamingKV(ComponentConfig):
     gqa: GqaRule = GQA_FIELD
     budget: KvBudget | None = BUDGET_FIELD
     prefill_chunk: PositiveInt | None = PREFILL_CHUNK_FIELD
+    prefill: Literal["bounded", "full"] = PREFILL_FIELD
 
     @model_validator(mode="after")
     def _ranked(self) -> StreamingKV:
@@ -65,6 +74,7 @@ class StreamingKV(ComponentConfig):
                              "`top`, `threshold` or a `budget`")
         if self.budget is not None and self.full_heads is None:
             raise ValueError("a `budget` ranks KV heads by `full_heads`: give one ({from: step} ranks every head)")
+        check_prefill(self)
         return self
 
 
@@ -78,9 +88,9 @@ def compile_streaming(config: StreamingKV, ctx: StepContext) -> HeadMap:
                                rng=np.random.default_rng(ctx.seed))
         size = token_bytes(geometry, model_dtype(ctx))
         return HeadMap.budgeted(priority, config.budget, sink=config.sink, window=config.window, token_bytes=size,
-                                attrs=attrs)
+                                attrs=attrs, prefill=config.prefill)
     full = kv_heads(config.full_heads, ctx.results, geometry, gqa=config.gqa, rng=np.random.default_rng(ctx.seed))
-    return HeadMap(full, sink=config.sink, window=config.window, attrs=attrs)
+    return HeadMap(full, sink=config.sink, window=config.window, attrs=attrs, prefill=config.prefill)
 
 
 @hookimpl
