@@ -18,6 +18,10 @@ from transformers import AttentionInterface
 from headlab.instrument import ATTN_IMPLEMENTATION, register
 from headlab.kv import HeadMap, HeadwiseCache, KvPolicyError, kv_policy
 
+from fixtures.kv import greedy_decode as _decode
+from fixtures.kv import left_padded as _batch
+from fixtures.kv import positions as _positions
+
 VOCAB = 97
 _REF: dict = {}
 
@@ -73,42 +77,6 @@ def _map(full: list[list[bool]], sink: int, window: int) -> HeadMap:
     return HeadMap(xr.DataArray(arr, dims=("layer", "kv_head"), coords={"layer": np.arange(arr.shape[0]),
                                                                         "kv_head": np.arange(arr.shape[1])}),
                    sink=sink, window=window)
-
-
-def _batch(lengths: list[int], seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    n = max(lengths)
-    ids = torch.zeros(len(lengths), n, dtype=torch.long)
-    mask = torch.zeros(len(lengths), n, dtype=torch.long)
-    for r, length in enumerate(lengths):
-        ids[r, n - length:] = torch.randint(1, VOCAB, (length,), generator=g)
-        mask[r, n - length:] = 1
-    return ids, mask
-
-
-def _positions(mask: torch.Tensor) -> torch.Tensor:
-    return (mask.cumsum(-1) - 1).clamp(min=0)
-
-
-def _decode(model, ids, mask, steps: int, head_map: HeadMap | None):
-    """Greedy decoding with a KV cache (under ``head_map`` when given): logits of the prompt, the logits of
-    every step, the tokens, and the final cache."""
-    ctx = kv_policy(model, head_map) if head_map is not None else contextlib.nullcontext()
-    with torch.no_grad(), ctx as usage:
-        out = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=True)
-        prompt_logits, step_logits, tokens = out.logits, [], []
-        cache = out.cache
-        for _ in range(steps):
-            nxt = out.logits[:, -1].argmax(-1)
-            tokens.append(nxt)
-            step_logits.append(out.logits[:, -1])
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-            out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=_positions(mask)[:, -1:],
-                        cache=cache, use_cache=True)
-            cache = out.cache
-        step_logits.append(out.logits[:, -1])
-    tokens = torch.stack(tokens, 1) if tokens else ids[:, :0]
-    return prompt_logits, torch.stack(step_logits, 1), tokens, cache, usage
 
 
 def _reference(model, ids, mask, steps: int, head_map: HeadMap):

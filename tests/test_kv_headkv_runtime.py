@@ -33,6 +33,9 @@ from headlab.kv import (
     token_bytes,
 )
 
+from fixtures.kv import greedy_decode as _decode
+from fixtures.kv import left_padded as _batch
+from fixtures.kv import positions as _positions
 from fixtures.specs import TINY_LLAMA, spec_text
 
 VOCAB = 97
@@ -135,38 +138,6 @@ def _map(budgets=BUDGETS, length: int = max(LENGTHS)) -> HeadBudgetMap:
     hm = HeadBudgetMap(_kv(np.zeros(np.shape(budgets), dtype=bool)), kv_budget=_kv(np.asarray(budgets)),
                        observation_window=WINDOW, kernel_size=KERNEL)
     return hm.for_length(length)
-
-
-def _batch(lengths, seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    n = max(lengths)
-    ids = torch.zeros(len(lengths), n, dtype=torch.long)
-    mask = torch.zeros(len(lengths), n, dtype=torch.long)
-    for r, length in enumerate(lengths):
-        ids[r, n - length:] = torch.randint(1, VOCAB, (length,), generator=g)
-        mask[r, n - length:] = 1
-    return ids, mask
-
-
-def _positions(mask):
-    return (mask.cumsum(-1) - 1).clamp(min=0)
-
-
-def _decode(model, ids, mask, steps: int, head_map):
-    ctx = kv_policy(model, head_map) if head_map is not None else contextlib.nullcontext()
-    with torch.no_grad(), ctx as usage:
-        out = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=True)
-        prompt_logits, step_logits, tokens, cache = out.logits, [], [], out.cache
-        for _ in range(steps):
-            nxt = out.logits[:, -1].argmax(-1)
-            tokens.append(nxt)
-            step_logits.append(out.logits[:, -1])
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-            out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=_positions(mask)[:, -1:],
-                        cache=cache, use_cache=True)
-            cache = out.cache
-        step_logits.append(out.logits[:, -1])
-    return prompt_logits, torch.stack(step_logits, 1), torch.stack(tokens, 1), cache, usage
 
 
 def _reference(model, ids, mask, steps: int, head_map: HeadBudgetMap):

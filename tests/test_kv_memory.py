@@ -20,6 +20,8 @@ from headlab import component
 from headlab.instrument import ATTN_IMPLEMENTATION, register
 from headlab.kv import HeadBudgetMap, HeadMap, HeadwiseLayer, KvPolicyError, kv_policy
 
+from fixtures.kv import left_padded as _batch
+from fixtures.kv import positions as _positions
 from fixtures.specs import spec_error, spec_text
 
 VOCAB = 97
@@ -48,21 +50,6 @@ def _map(kind: str, layers: int = LAYERS, **kw) -> HeadMap:
     full = np.zeros((layers, KV_HEADS), dtype=bool)
     full[:, 0 if kind == "streaming" else slice(None)] = True
     return HeadMap(_kv(full), sink=SINK, window=WINDOW, **kw)
-
-
-def _positions(mask: torch.Tensor) -> torch.Tensor:
-    return (mask.cumsum(-1) - 1).clamp(min=0)
-
-
-def _batch(lengths: list[int], seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    n = max(lengths)
-    ids = torch.zeros(len(lengths), n, dtype=torch.long)
-    mask = torch.zeros(len(lengths), n, dtype=torch.long)
-    for r, length in enumerate(lengths):
-        ids[r, n - length:] = torch.randint(1, VOCAB, (length,), generator=g)
-        mask[r, n - length:] = 1
-    return ids, mask
 
 
 def _greedy(model, head_map: HeadMap, prompt: int, steps: int, prefill_chunk: int | None = None):

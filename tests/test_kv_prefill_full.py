@@ -7,7 +7,6 @@ the context equals ``full``; chunked prefills are refused."""
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from dataclasses import replace
 
@@ -23,6 +22,9 @@ from headlab import component
 from headlab.instrument import ATTN_IMPLEMENTATION, register
 from headlab.kv import HeadMap, HeadwiseCache, HeadwiseLayer, KvPolicyError, kv_policy
 
+from fixtures.kv import greedy_decode as _decode
+from fixtures.kv import left_padded as _batch
+from fixtures.kv import positions as _positions
 from fixtures.specs import spec_error, spec_text
 
 VOCAB = 97
@@ -84,40 +86,6 @@ def _kv(values) -> xr.DataArray:
 
 def _map(full, sink: int, window: int, prefill: str = "full") -> HeadMap:
     return HeadMap(_kv(full), sink=sink, window=window, prefill=prefill)
-
-
-def _batch(lengths: list[int], seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    n = max(lengths)
-    ids = torch.zeros(len(lengths), n, dtype=torch.long)
-    mask = torch.zeros(len(lengths), n, dtype=torch.long)
-    for r, length in enumerate(lengths):
-        ids[r, n - length:] = torch.randint(1, VOCAB, (length,), generator=g)
-        mask[r, n - length:] = 1
-    return ids, mask
-
-
-def _positions(mask: torch.Tensor) -> torch.Tensor:
-    return (mask.cumsum(-1) - 1).clamp(min=0)
-
-
-def _decode(model, ids, mask, steps: int, head_map: HeadMap | None):
-    """Greedy decoding with a KV cache (under ``head_map`` when given): the prompt's logits, each step's logits,
-    the tokens, the final cache and the usage."""
-    ctx = kv_policy(model, head_map) if head_map is not None else contextlib.nullcontext()
-    with torch.no_grad(), ctx as usage:
-        out = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=True)
-        prompt_logits, step_logits, tokens, cache = out.logits, [], [], out.cache
-        for _ in range(steps):
-            nxt = out.logits[:, -1].argmax(-1)
-            tokens.append(nxt)
-            step_logits.append(out.logits[:, -1])
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-            out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=_positions(mask)[:, -1:],
-                        cache=cache, use_cache=True)
-            cache = out.cache
-        step_logits.append(out.logits[:, -1])
-    return prompt_logits, torch.stack(step_logits, 1), torch.stack(tokens, 1), cache, usage
 
 
 def _reference(model, ids, mask, steps: int, head_map: HeadMap):
