@@ -213,8 +213,9 @@ def run(
             warnings.filterwarnings("ignore", message=r".* cells of run .* failed")
             reporter = RichReporter(progress) if err.is_terminal else LineReporter()
             result = runner.run(spec, out=out, overrides=_parse_set(set_ or []), reporter=reporter,
-                                execution=execution) if resume is None else \
-                runner.run(None, resume=resume, reporter=reporter, execution=execution, recompute=recompute)
+                                execution=execution, cancel=_signalled.__len__) if resume is None else \
+                runner.run(None, resume=resume, reporter=reporter, execution=execution, recompute=recompute,
+                           cancel=_signalled.__len__)
     except KeyboardInterrupt as e:
         store = next((n.removeprefix("run store: ") for n in getattr(e, "__notes__", [])
                       if n.startswith("run store: ")), None)
@@ -403,7 +404,13 @@ def _error(e: BaseException, debug: bool) -> None:
     sys.exit(code)
 
 
+#: the signals received during this command: the executor stops at the next cell even where the
+#: KeyboardInterrupt raised in the handler was swallowed (Python ignores exceptions in GC callbacks)
+_signalled: list[int] = []
+
+
 def _terminate(signum: int, frame: Any) -> None:
+    _signalled.append(signum)
     raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
 
 
@@ -414,6 +421,7 @@ def main(argv: list[str] | None = None) -> None:
     debug = "--debug" in args or os.environ.get("HEADLAB_DEBUG", "") not in ("", "0")
     args = [a for a in args if a != "--debug"]
     previous: dict[int, Any] = {}
+    _signalled.clear()
     # a polite kill, or the terminal going away (SIGHUP), ends a run like Ctrl-C: resumable, never "running"
     for signum in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
         if signum is None:

@@ -124,6 +124,50 @@ def test_a_signal_during_run_exits_130_and_resume_equals_an_uninterrupted_run(tm
         xr.testing.assert_identical(resumed.results[step], reference.results[step])
 
 
+class _SwallowedPlugin:
+    """A detector during which a signal arrives and its KeyboardInterrupt is lost (as Python loses one raised in
+    a garbage-collector callback): the handler has recorded the signal, nothing was raised."""
+
+    @headlab.hookimpl
+    def headlab_register_detectors(self, register):
+        from typing import Literal
+
+        from headlab import ComponentConfig
+
+        class Swallowed(ComponentConfig):
+            kind: Literal["swallowed_signal"] = "swallowed_signal"
+
+        def detect(config, ctx):
+            import numpy as np
+
+            from headlab import cli
+
+            try:
+                cli._terminate(signal.SIGTERM, None)
+            except KeyboardInterrupt:
+                pass  # lost
+            g = ctx.model.geometry
+            return xr.Dataset({"score": (("layer", "head"), np.zeros((g.n_layers, g.n_heads)))})
+
+        register(Swallowed, detect)
+
+
+def test_a_signal_whose_interrupt_was_lost_still_stops_the_run_at_the_next_cell(tmp_path, capsys):
+    name = headlab.register_plugin(_SwallowedPlugin(), name="swallowed-signal", replace=True)
+    try:
+        spec = tmp_path / "s.yaml"
+        spec.write_text(spec_text("  - id: lost\n    detect: {kind: swallowed_signal}\n", sweep=SWEEP))
+        with pytest.raises(SystemExit) as stop:
+            main(["run", str(spec), "--out", str(tmp_path / "runs")])
+    finally:
+        headlab.unregister_plugin(name)
+    assert stop.value.code == 130
+    (run,) = (tmp_path / "runs").glob("[!.]*")
+    partial = headlab.open_run(run)
+    assert partial.status == "interrupted" and partial.cells_done == 1, (partial.status, partial.cells_done)
+    assert f"finish with `headlab run --resume {run}`" in capsys.readouterr().err
+
+
 def kill_resume():
     spec = importlib.util.spec_from_file_location("kill_resume", ROOT / "tools" / "reliability" / "kill_resume.py")
     module = importlib.util.module_from_spec(spec)

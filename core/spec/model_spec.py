@@ -73,7 +73,7 @@ class ModelSpec(StrictModel):
         if isinstance(value, dict):
             if not value:
                 raise ValueError("device_map is empty: map module names to devices, or use device_map: auto")
-            for module, place in value.items():
+            for module, place in sorted(value.items(), key=lambda item: str(item[0])):  # the first bad one, whatever the order
                 if isinstance(place, bool) or not (isinstance(place, int) and place >= 0 or place in ("cpu", "disk")
                                                    or isinstance(place, str) and re.fullmatch(r"cuda(:\d+)?", place)):
                     raise ValueError(f"device_map[{module!r}] is {place!r}: give a GPU index (0, 1, ...), 'cpu' or "
