@@ -430,6 +430,8 @@ def main(argv: list[str] | None = None) -> None:
             previous[signum] = signal.signal(signum, _terminate)
         except ValueError:  # not the main thread (an embedding application): leave its handlers alone
             break
+    if previous and hasattr(signal, "pthread_sigmask"):  # a parent that blocked them would hold them back
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, *previous})
     try:
         _main(args, debug)
     finally:

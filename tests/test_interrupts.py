@@ -86,8 +86,10 @@ def test_a_signal_during_run_exits_130_and_resume_equals_an_uninterrupted_run(tm
     out = tmp_path / "runs"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    # started with the signal blocked, as a parent process may leave it: the run must still end on it
     proc = subprocess.Popen([sys.executable, "-m", "headlab.cli", "run", str(spec), "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                            preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_BLOCK, {signum}))
     deadline = time.time() + 240
     try:
         while (run := first_cell_done(out)) is None:
