@@ -18,6 +18,7 @@ from headlab.plugins.detectors.activation_patching import (
 )
 
 from fixtures.circuits import ARCHS, kv_projection_hooks, models, pair_examples
+from fixtures.circuits import attention_queries as _attention_queries
 
 
 def _o_proj(model, arch: str, layer: int):
@@ -284,22 +285,6 @@ def test_resid_patching_equals_the_decoder_layer_pre_hook_reference(arch, metric
         same = np.array(tok(ex.prompt).input_ids) == np.array(tok(ex.meta["corrupt_prompt"]).input_ids)
         np.testing.assert_allclose(ds["patched"].values[0, :len(same), e][same], target[e], atol=1e-5)
         assert np.abs(ds["patched"].values[0, :len(same), e][~same] - target[e]).max() > 1e-3
-
-
-def _attention_queries(lm) -> tuple[dict[int, int], list]:
-    """Per layer, the (row, query) positions its attention runs (forward pre-hooks), and the hook handles."""
-    seen: dict[int, int] = {}
-
-    def count(layer):
-        def hook(module, args, kwargs):
-            h = args[0] if args else kwargs["hidden_states"]
-            seen[layer] = seen.get(layer, 0) + int(h.shape[0] * h.shape[1])
-        return hook
-    handles = []
-    for layer, module in enumerate(lm.decoder_layers):
-        attn = module.self_attn if hasattr(module, "self_attn") else module.attn
-        handles.append(attn.register_forward_pre_hook(count(layer), with_kwargs=True))
-    return seen, handles
 
 
 @pytest.mark.parametrize(("arch", "unit", "direction"), [("llama", "z", "denoise"), ("llama", "z_position", "noise"),

@@ -23,6 +23,7 @@ from headlab.plugins.detectors.attribution_patching import (
 from headlab.plugins.tasks.pairs import pair_example
 
 from fixtures.circuits import ARCHS, models, pair_examples
+from fixtures.circuits import attention_queries as _attention_queries
 from fixtures.detectors import build_models, tiny_config, word_tokenizer
 
 
@@ -139,22 +140,6 @@ def test_rank_statistics():
     assert spearman(a, b) == pytest.approx(stats.spearmanr(a[keep], b[keep]).statistic, abs=1e-12)
     assert top_k_recall(np.array([5.0, 4.0, 0.0, 1.0]), np.array([5.0, 0.0, 4.0, 1.0]), 2) == 0.5
     assert top_k_recall(np.array([1.0, 2.0]), np.array([2.0, 1.0]), 5) == 1.0
-
-
-def _attention_queries(lm) -> tuple[dict[int, int], list]:
-    """Per layer, the (row, query) positions its attention runs (forward pre-hooks), and the hook handles."""
-    seen: dict[int, int] = {}
-
-    def count(layer):
-        def hook(module, args, kwargs):
-            h = args[0] if args else kwargs["hidden_states"]
-            seen[layer] = seen.get(layer, 0) + int(h.shape[0] * h.shape[1])
-        return hook
-    handles = []
-    for layer, module in enumerate(lm.decoder_layers):
-        attn = module.self_attn if hasattr(module, "self_attn") else module.attn
-        handles.append(attn.register_forward_pre_hook(count(layer), with_kwargs=True))
-    return seen, handles
 
 
 @pytest.mark.parametrize(("arch", "method", "direction", "unit"),
