@@ -422,9 +422,10 @@ def main(argv: list[str] | None = None) -> None:
     args = [a for a in args if a != "--debug"]
     previous: dict[int, Any] = {}
     _signalled.clear()
-    # a polite kill, or the terminal going away (SIGHUP), ends a run like Ctrl-C: resumable, never "running"
+    # a polite kill, or the terminal going away (SIGHUP), ends a run like Ctrl-C: resumable, never "running";
+    # a hangup the parent chose to ignore (`nohup headlab run ...`) stays ignored
     for signum in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
-        if signum is None:
+        if signum is None or (signum != signal.SIGTERM and signal.getsignal(signum) is signal.SIG_IGN):
             continue
         try:
             previous[signum] = signal.signal(signum, _terminate)

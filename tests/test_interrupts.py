@@ -78,7 +78,7 @@ def first_cell_done(out: Path) -> Path | None:
     return None
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["SIGINT", "SIGTERM", "SIGHUP"])
 def test_a_signal_during_run_exits_130_and_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch, signum):
     site = slow_plugin(tmp_path)
     spec = tmp_path / "s.yaml"
@@ -86,10 +86,12 @@ def test_a_signal_during_run_exits_130_and_resume_equals_an_uninterrupted_run(tm
     out = tmp_path / "runs"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    # started with the signal blocked, as a parent process may leave it: the run must still end on it
+    # started as from a terminal (the signal's default action: a background job of this test's own shell
+    # would inherit SIGINT ignored), with the signal blocked, as a parent process may leave it
     proc = subprocess.Popen([sys.executable, "-m", "headlab.cli", "run", str(spec), "--out", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
-                            preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_BLOCK, {signum}))
+                            preexec_fn=lambda: (signal.signal(signum, signal.SIG_DFL),
+                                                signal.pthread_sigmask(signal.SIG_BLOCK, {signum})))
     deadline = time.time() + 240
     try:
         while (run := first_cell_done(out)) is None:
@@ -124,6 +126,32 @@ def test_a_signal_during_run_exits_130_and_resume_equals_an_uninterrupted_run(tm
     assert resumed.status == "complete" and resumed.cells_done == 4 and not resumed.problems
     for step in ("ind", "slow"):
         xr.testing.assert_identical(resumed.results[step], reference.results[step])
+
+
+def test_a_hangup_ignored_by_the_parent_as_nohup_does_leaves_the_run_going(tmp_path):
+    site = slow_plugin(tmp_path)
+    spec = tmp_path / "s.yaml"
+    spec.write_text(spec_text(STEPS.replace("{kind: slow}", "{kind: slow, seconds: 0.5}"), sweep=SWEEP))
+    out = tmp_path / "runs"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "headlab.cli", "run", str(spec), "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    deadline = time.time() + 240
+    try:
+        while (run := first_cell_done(out)) is None:
+            assert proc.poll() is None, proc.communicate()
+            assert time.time() < deadline, "no cell finished in time"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGHUP)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr  # was 130: the handler replaced the ignore nohup asked for
+    finished = headlab.open_run(run)
+    assert finished.status == "complete" and finished.cells_done == 4, (finished.status, finished.cells_done)
 
 
 class _SwallowedPlugin:
