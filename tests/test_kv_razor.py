@@ -299,3 +299,25 @@ def test_a_chunk_after_earlier_tokens_uses_the_cache_sums_and_ring():
                     vv = torch.cat([vv, values[row, kv, [p + pad for p in dropped]].mean(0, keepdim=True)])
                 want = ((query[row, h, i] @ kk.T) * 8**-0.5).softmax(-1) @ vv
                 torch.testing.assert_close(out[row, h, i], want, rtol=0, atol=1e-5)
+
+
+def test_a_generate_step_with_razor_prefilled_by_chunks(tmp_path):
+    """A razor ``generate`` step with ``prefill_chunk`` decodes the tokens of the step without it and holds the
+    same cache bytes; its attention path says the chunks after the first took the cache's sums and ring."""
+    import headlab
+
+    from fixtures.specs import spec_text
+
+    def gen(extra: str) -> str:
+        kv = "{kind: razor, full_heads: {from: ind, top: 1}, sink: 1, window: 3" + extra + "}"
+        return ("  - id: ind\n    detect: {kind: induction}\n"
+                f"  - id: gen\n    generate:\n      max_new_tokens: 4\n      kv: {kv}\n")
+
+    task = "{kind: repeated_tokens, n: 3, length: 8}"
+    chunked = headlab.run(spec_text(gen(", prefill_chunk: 5"), task=task), out=tmp_path / "a").results["gen"]
+    plain = headlab.run(spec_text(gen(""), task=task), out=tmp_path / "b").results["gen"]
+    assert chunked.attrs["kv_policy"] == "razor" and 0 < chunked.attrs["kv_kept_fraction"] < 1
+    assert np.array_equal(chunked["output_ids"].values, plain["output_ids"].values)
+    assert np.array_equal(chunked["kv_bytes"].values, plain["kv_bytes"].values)
+    assert "from the cache's sums and ring" in chunked.attrs["kv_attention"]
+    assert "from the cache's sums and ring" not in plain.attrs["kv_attention"]
