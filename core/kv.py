@@ -1071,8 +1071,9 @@ class SplitCall:
     (``[batch, n_compressed, q, head_dim]``), ``start`` (tokens stored before the chunk, left padding
     included: the chunk's first token is at padded position ``start``) and, for a chunk of several tokens
     after earlier ones, ``prior``: the bounded group's keys, values and slot positions before the chunk was
-    stored (the update overwrites ring slots the chunk's first queries still see). A one-token chunk reads
-    the bounded group after the update, which holds exactly the keys its query sees.
+    stored (the update overwrites ring slots the chunk's first queries still see) and, under compensation,
+    ``prior_comp``: the layer's compensation sums before the chunk (the update adds the chunk's drops to them).
+    A one-token chunk reads the bounded group after the update, which holds exactly the keys its query sees.
 
     ``prefill`` marks a layer's first call on which every head attends causally: the update returned every KV
     head's keys of the chunk (``chunk_keys``/``chunk_values`` are those). On a :class:`HeadBudgetLayer` the
@@ -1087,6 +1088,7 @@ class SplitCall:
     start: int
     prior: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     path: str | None = None
+    prior_comp: tuple[torch.Tensor, torch.Tensor] | None = None
     prefill: bool = False
 
 
@@ -1273,12 +1275,14 @@ class HeadwiseLayer(CacheLayerMixin):
                                 value_states.index_select(1, self.compressed_heads))
             self.seen = q
             return key_states, value_states
-        prior = None
+        prior = prior_comp = None
         if q > 1 and self.seen and self.slot_pos.shape[1]:
             prior = (self.slot_keys.clone(), self.slot_values.clone(), self.slot_pos.clone())
+            if self.compensate:
+                prior_comp = (self.comp_keys.clone(), self.comp_values.clone())
         ck = key_states.index_select(1, self.compressed_heads)
         cv = value_states.index_select(1, self.compressed_heads)
-        self.pending = SplitCall(self, ck, cv, self.seen, prior)
+        self.pending = SplitCall(self, ck, cv, self.seen, prior, prior_comp=prior_comp)
         _SPLIT.last = (self.keys, self.pending)
         self._store_bounded(ck, cv)
         self.seen += q
@@ -1813,9 +1817,6 @@ def _check_chunkable(head_map: HeadMap, prefill_chunk: int | None) -> None:
     if isinstance(head_map, HeadBudgetMap):
         raise KvPolicyError("headkv: a chunked prefill is not supported (each KV head's keys are selected from "
                             "the whole prompt's attention); prefill the prompt in one forward")
-    if head_map.compensate:
-        raise KvPolicyError("razor: a chunked prefill is not supported (the compensation token of a prefill needs "
-                            "the whole prompt); prefill the prompt in one forward")
     if head_map.prefill == "full" and not head_map.is_full:
         raise KvPolicyError("prefill: full: a chunked prefill is not supported (a later chunk would need the full "
                             "keys of the chunks before it); prefill the prompt in one forward")
@@ -1902,7 +1903,8 @@ def kv_policy(model: torch.nn.Module, head_map: HeadMap, *, prefill_chunk: int |
 
     ``prefill_chunk``: a forward of more than this many new tokens runs as forwards of at most that many
     tokens into one cache (the same logits, concatenated, up to float rounding), so that the transient memory
-    of a long prompt is bounded by the chunk; refused under ``razor`` (compensation), ``headkv`` and
+    of a long prompt is bounded by the chunk (under ``razor``, each chunk's queries take their compensation
+    tokens from the cache's sums and ring plus the chunk's own prefix); refused under ``headkv`` and
     ``prefill="full"`` maps.
 
     The peak memory (:attr:`KvUsage.peak_memory`) is measured on CUDA, and on a CPU with ``cpu_peak``

@@ -1,8 +1,9 @@
 """Real memory under a KV policy (:func:`headlab.kv.kv_policy`): the peak memory of a long decode grows with the
 bytes the cache keeps, not with a full cache's; a prefill never keeps the compressed heads' full-length keys
 beyond the layer's forward; a prompt prefilled by chunks (``prefill_chunk``) gives the logits of one forward,
-bounds the prefill's transient memory, and is refused where a policy needs the whole prompt. Peak memory on a
-CPU is the peak of live tensor bytes (:class:`headlab.kv.KvUsage`), deterministic: no wall clock."""
+bounds the prefill's transient memory, and is refused where a policy needs the whole prompt (headkv,
+prefill: full). Peak memory on a CPU is the peak of live tensor bytes (:class:`headlab.kv.KvUsage`),
+deterministic: no wall clock."""
 
 from __future__ import annotations
 
@@ -205,10 +206,6 @@ def test_logits_to_keep_under_a_chunked_prefill():
 
 def test_chunked_prefill_refusals():
     model = _model(2)
-    razor = _map("streaming", layers=2, compensate=True)
-    with pytest.raises(KvPolicyError, match="razor: a chunked prefill is not supported"):
-        with kv_policy(model, razor, prefill_chunk=4):
-            pass
     budgets = np.full((2, KV_HEADS), 6)
     headkv = HeadBudgetMap(_kv(np.zeros((2, KV_HEADS), dtype=bool)), kv_budget=_kv(budgets), observation_window=2,
                            kernel_size=1).for_length(20)
@@ -225,18 +222,19 @@ def test_chunked_prefill_refusals():
     with pytest.raises(KvPolicyError, match="positive number of tokens"):
         with kv_policy(model, _map("full", layers=2), prefill_chunk=0):
             pass
-    # the spec: streaming, random and full take prefill_chunk; razor and headkv have no such field
+    # the spec: streaming, random, razor and full take prefill_chunk; headkv has no such field
     config = component("kv", "streaming").config.model_validate(
         {"kind": "streaming", "full_heads": [[0, 0]], "window": 8, "prefill_chunk": 16})
     assert config.prefill_chunk == 16
     assert component("kv", "full").config.model_validate({"kind": "full", "prefill_chunk": 3}).prefill_chunk == 3
     with pytest.raises(ValueError, match="prefill_chunk"):
-        component("kv", "razor").config.model_validate({"kind": "razor", "window": 8, "prefill_chunk": 16})
+        component("kv", "headkv").config.model_validate(
+            {"kind": "headkv", "scores": {"from": "s"}, "budget": {"tokens_per_head": 8}, "prefill_chunk": 16})
 
 
 def test_a_generate_step_prefilled_by_chunks(tmp_path):
     """A step's ``prefill_chunk`` changes neither its tokens nor its cache bytes; a step on a CPU reports its
-    peak memory; razor and headkv specs refuse the option in one located line."""
+    peak memory; a headkv spec refuses the option in one located line."""
     task = "{kind: repeated_tokens, n: 3, length: 8}"
     detect = "  - id: ind\n    detect: {kind: induction}\n"
 
@@ -252,8 +250,8 @@ def test_a_generate_step_prefilled_by_chunks(tmp_path):
     assert chunked.attrs["kv_peak_memory_measure"] == CPU_PEAK
     assert chunked.attrs["kv_peak_memory"] >= int(chunked["kv_bytes"].sum()) > 0
     assert "kv_peak_memory" not in plain.attrs  # on a CPU the peak is measured only when asked for
-    error = spec_error(spec_text(detect + "  - id: gen\n    generate:\n      kv: {kind: razor, window: 3, "
-                                          "prefill_chunk: 5}\n", task=task))
+    error = spec_error(spec_text(detect + "  - id: gen\n    generate:\n      kv: {kind: headkv, scores: {from: ind}, "
+                                          "budget: {tokens_per_head: 8}, prefill_chunk: 5}\n", task=task))
     assert "prefill_chunk" in error
 
 

@@ -17,7 +17,8 @@ from transformers import AttentionInterface
 from headlab import component
 from headlab.geometry import Geometry
 from headlab.instrument import ATTN_IMPLEMENTATION, register
-from headlab.kv import HeadMap, HeadwiseCache, KvPolicyError, kv_policy
+from headlab.instrument.kv_split import split_attention
+from headlab.kv import HeadMap, HeadwiseCache, KvPolicyError, kv_policy, split_call
 
 VOCAB = 97
 _REF: dict = {}
@@ -156,9 +157,167 @@ def test_the_razor_component_and_refusals():
     assert int(head_map.kept_tokens(10).values[1, 0]) == 2 + 4 + 1  # sinks, window, compensation token
     assert int(head_map.kept_tokens(6).values[1, 0]) == 6  # nothing dropped, no token
     assert head_map.to_dataarray(10).attrs["compensate"] is True
-    ours, _ = _models()
-    ids = torch.randint(1, VOCAB, (1, 9))
-    with pytest.raises(KvPolicyError, match="chunked prefill"), torch.no_grad(), \
-            kv_policy(ours, _map([[False, False], [False, False]], 1, 2)):
-        first = ours(input_ids=ids[:, :5], use_cache=True)
-        ours(input_ids=ids[:, 5:], cache=first.cache, position_ids=torch.arange(5, 9)[None], use_cache=True)
+    assert comp.config.model_validate({"kind": "razor", "window": 4, "prefill_chunk": 8}).prefill_chunk == 8
+    with pytest.raises(KvPolicyError, match="compensation token"):
+        HeadMap(head_map.kv_full, sink=2, window=4, compensate=True, prefill="full")
+
+
+def _left_padded(lengths: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    n = max(lengths)
+    ids = torch.zeros(len(lengths), n, dtype=torch.long)
+    mask = torch.zeros(len(lengths), n, dtype=torch.long)
+    for r, length in enumerate(lengths):
+        ids[r, n - length:] = torch.randint(1, VOCAB, (length,), generator=g)
+        mask[r, n - length:] = 1
+    return ids, mask
+
+
+def _snapshot(cache: HeadwiseCache) -> list[dict[str, torch.Tensor]]:
+    """Copies of every layer's groups, slot positions and compensation sums and count."""
+    out = []
+    for layer in cache.layers:
+        out.append({"keys": layer.keys.clone(), "values": layer.values.clone(), "slot_keys": layer.slot_keys.clone(),
+                    "slot_values": layer.slot_values.clone(), "slot_pos": layer.slot_pos.clone(),
+                    "comp_keys": layer.comp_keys.clone(), "comp_values": layer.comp_values.clone(),
+                    "count": layer.compensation()[2].clone()})
+    return out
+
+
+def _prompt_then_decode(model, head_map: HeadMap, ids, mask, steps: int, chunks: int | list[int] | None):
+    """The prompt's logits, the cache after it (a snapshot), the greedy tokens and step logits of ``steps``
+    decode steps and the final cache, the usage. ``chunks``: None (one forward), an int (``prefill_chunk``) or
+    the sizes of the forwards the prompt is fed in by hand (into a cache laid out for the whole mask)."""
+    chunk = chunks if isinstance(chunks, int) else None
+    with torch.no_grad(), kv_policy(model, head_map, prefill_chunk=chunk) as usage:
+        pos = _positions(mask)
+        if isinstance(chunks, list):
+            cache, logits, a = HeadwiseCache.from_attention_mask(head_map, mask), [], 0
+            for size in chunks:
+                b = a + size
+                out = model(input_ids=ids[:, a:b], attention_mask=mask[:, :b], position_ids=pos[:, a:b], cache=cache,
+                            use_cache=True)
+                logits.append(out.logits)
+                a = b
+            assert a == ids.shape[1]
+            prompt = torch.cat(logits, 1)
+        else:
+            out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+            prompt = out.logits
+        cache, m, tokens, step_logits = out.cache, mask, [], []
+        after_prompt = _snapshot(cache)
+        for _ in range(steps):
+            nxt = out.logits[:, -1:].argmax(-1)
+            tokens.append(nxt)
+            m = torch.cat([m, torch.ones_like(m[:, :1])], 1)
+            out = model(input_ids=nxt, attention_mask=m, position_ids=_positions(m)[:, -1:], cache=cache,
+                        use_cache=True)
+            step_logits.append(out.logits[:, -1])
+    return prompt, after_prompt, torch.cat(tokens, 1), torch.stack(step_logits, 1), _snapshot(cache), usage
+
+
+def _assert_same_cache(got: list[dict], want: list[dict]) -> None:
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a["slot_pos"], b["slot_pos"]) and torch.equal(a["count"], b["count"])
+        for name in ("keys", "values", "slot_keys", "slot_values", "comp_keys", "comp_values"):
+            assert a[name].shape == b[name].shape, name
+            torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-5, msg=name)
+
+
+# (sink, window, full KV heads, prompt fed by): prefill_chunk sizes below, at and above the window, and forwards
+# of irregular sizes by hand (several tokens and single tokens after earlier ones); the rows are 14, 7 and 16
+# tokens left-padded to 16, so the 7-token row's first chunks are all padding
+CHUNKED = [
+    (2, 3, [[True, False], [False, False]], 2),
+    (2, 3, [[True, False], [False, False]], 5),
+    (2, 3, [[True, False], [False, False]], 1),
+    (0, 2, [[False, False], [False, True]], 3),
+    (1, 6, [[False, False], [False, False]], 4),
+    (1, 6, [[False, False], [True, False]], 7),
+    (2, 3, [[False, False], [False, False]], [5, 1, 4, 2, 4]),
+    (1, 6, [[False, True], [False, False]], [9, 3, 1, 3]),
+]
+
+
+@pytest.mark.parametrize(("sink", "window", "full", "chunks"), CHUNKED)
+def test_a_prompt_fed_in_chunks_equals_one_forward_and_the_reference(sink, window, full, chunks):
+    """razor over a prompt fed in several forwards: the logits of every real position, the cache after the
+    prompt (groups, sinks, ring, compensation sums and count) and after decoding, and the decoded tokens and
+    logits are those of the one-forward prefill to 1e-5, and the prompt's logits those of the hand reference."""
+    ours, ref = _models()
+    ids, mask = _left_padded([14, 7, 16], seed=5)
+    head_map = _map(full, sink, window)
+    one = _prompt_then_decode(ours, head_map, ids, mask, 5, None)
+    got = _prompt_then_decode(ours, head_map, ids, mask, 5, chunks)
+    real = mask.bool()
+    torch.testing.assert_close(got[0][real], one[0][real], rtol=0, atol=1e-5)
+    _assert_same_cache(got[1], one[1])
+    assert torch.equal(got[2], one[2])  # token for token
+    torch.testing.assert_close(got[3], one[3], rtol=0, atol=1e-5)
+    _assert_same_cache(got[4], one[4])
+    # tokens were dropped before and inside later chunks: the sums hold every dropped key, counted per row
+    for layer in got[1]:
+        assert layer["count"].tolist() == [max(0, n - sink - window) for n in (14, 7, 16)]
+    if chunks == 1:  # every forward a single token: the decode path, the layer's running mean
+        assert not any("compensation token from" in p for p in got[5].paths)
+    else:
+        assert any("compressed group: torch" in p and "compensation token from the cache's sums and ring" in p
+                   for p in got[5].paths)
+    _REF.update(full=head_map.kv_full.values, sink=sink, window=window, pad=(mask == 0).sum(-1))
+    with torch.no_grad():
+        want = ref(input_ids=ids, attention_mask=mask, position_ids=_positions(mask)).logits
+    torch.testing.assert_close(got[0][real], want[real], rtol=0, atol=1e-5)
+
+
+def test_a_chunk_after_earlier_tokens_uses_the_cache_sums_and_ring():
+    """The compensation token of a chunk's queries after earlier tokens, on the cache alone: a chunk attends
+    as a reference over the whole row would (the running sums, the ring tokens that leave each query's window
+    and the chunk's own prefix), without any earlier prompt key beyond the cache."""
+    sink, window = 1, 3
+    head_map = _map([[False, False], [False, False]], sink, window)
+    cache = HeadwiseCache(head_map, [3, 0])
+    g = torch.Generator().manual_seed(7)
+    n, first = 14, 8
+    keys, values = torch.randn(2, 2, n, 8, generator=g), torch.randn(2, 2, n, 8, generator=g)
+    query = torch.randn(2, 4, n - first, 8, generator=g)
+    cache.update(keys[:, :, :first], values[:, :, :first], 0)
+    cache.layers[0].pending = None  # the first chunk's attention is not the point here
+    full_keys, _ = cache.update(keys[:, :, first:], values[:, :, first:], 0)
+    split = split_call(full_keys)
+    assert split is not None and split.prior_comp is not None
+    out = split_attention(torch.nn.Module(), query, full_keys, full_keys, None, None, {}, split, None, None)
+    for row, pad in enumerate([3, 0]):
+        for i in range(n - first):
+            own = first + i - pad
+            seen = [p for p in range(own + 1) if p < sink or own - p < window]
+            dropped = [p for p in range(own + 1) if sink <= p <= own - window]
+            for h in range(4):
+                kv = h // 2
+                kk, vv = keys[row, kv, [p + pad for p in seen]], values[row, kv, [p + pad for p in seen]]
+                if dropped:
+                    kk = torch.cat([kk, keys[row, kv, [p + pad for p in dropped]].mean(0, keepdim=True)])
+                    vv = torch.cat([vv, values[row, kv, [p + pad for p in dropped]].mean(0, keepdim=True)])
+                want = ((query[row, h, i] @ kk.T) * 8**-0.5).softmax(-1) @ vv
+                torch.testing.assert_close(out[row, h, i], want, rtol=0, atol=1e-5)
+
+
+def test_a_generate_step_with_razor_prefilled_by_chunks(tmp_path):
+    """A razor ``generate`` step with ``prefill_chunk`` decodes the tokens of the step without it and holds the
+    same cache bytes; its attention path says the chunks after the first took the cache's sums and ring."""
+    import headlab
+
+    from fixtures.specs import spec_text
+
+    def gen(extra: str) -> str:
+        kv = "{kind: razor, full_heads: {from: ind, top: 1}, sink: 1, window: 3" + extra + "}"
+        return ("  - id: ind\n    detect: {kind: induction}\n"
+                f"  - id: gen\n    generate:\n      max_new_tokens: 4\n      kv: {kv}\n")
+
+    task = "{kind: repeated_tokens, n: 3, length: 8}"
+    chunked = headlab.run(spec_text(gen(", prefill_chunk: 5"), task=task), out=tmp_path / "a").results["gen"]
+    plain = headlab.run(spec_text(gen(""), task=task), out=tmp_path / "b").results["gen"]
+    assert chunked.attrs["kv_policy"] == "razor" and 0 < chunked.attrs["kv_kept_fraction"] < 1
+    assert np.array_equal(chunked["output_ids"].values, plain["output_ids"].values)
+    assert np.array_equal(chunked["kv_bytes"].values, plain["kv_bytes"].values)
+    assert "from the cache's sums and ring" in chunked.attrs["kv_attention"]
+    assert "from the cache's sums and ring" not in plain.attrs["kv_attention"]

@@ -25,8 +25,11 @@ of a full cache and are refused on such a layer.
 A map with ``compensate`` (the ``razor`` policy) adds one compensation token per compressed head: the mean
 key and value of the tokens the query no longer sees (own positions ``sink <= k <= q - window``). A decode
 step appends the layer's running mean (:meth:`headlab.kv.HeadwiseLayer.compensation`) to the bounded
-group; a prefill computes each query's own token exactly from prefix sums over the chunk, and attends in
-plain torch (one float32 softmax over the block's keys and that token, ``compensated`` in the path).
+group; a chunk of several tokens computes each query's own token exactly from prefix sums over the chunk,
+plus, for a chunk after earlier tokens (a prompt fed in several forwards, ``prefill_chunk``), the layer's
+sums before the chunk and the ring tokens before it that leave the query's window; it attends in plain torch
+(one float32 softmax over the block's keys and that token; the path says ``torch`` and where the token came
+from).
 
 Under a map with ``prefill="full"`` (the ``streaming`` and ``random`` policies' ``prefill: full``) a row's
 first call attends every head causally over the chunk's keys (the layer's update returned all of them and
@@ -133,8 +136,12 @@ def split_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: 
     else:
         out[:, cq] = _bounded(query.index_select(1, cq), split, scale, softcap, sub, backend, model_window)
         how = "sinks + ring buffer" if Nq == 1 else "sinks + window by query blocks"
-    if cache.compensate:
-        how += ", compensation token" + ("" if Nq == 1 else " (compensated prefill in torch)")
+    if cache.compensate and Nq == 1:
+        how += ", compensation token"
+    elif cache.compensate:  # _attend_compensated: plain torch, whatever the kernels' choice
+        backend, reason = "torch", "a compensation token per query: one float32 softmax per query block"
+        how += ", compensation token" + (" from the chunk's prefix sums" if split.prior_comp is None else
+                                         " from the cache's sums and ring and the chunk's prefix sums")
     paths.append(f"compressed group: {backend} ({reason}; {how})")
     return _recorded(out, paths, cache, session, layer, plan, Nq, key.shape[2], backend)
 
@@ -245,9 +252,6 @@ def _bounded(q: Tensor, split: SplitCall, scale: float, softcap: float | None, e
             k, v = torch.cat([k, mk], 2), torch.cat([v, mv], 2)
             vis = torch.cat([vis, (count > 0)[:, None, None]], -1)
         return _attend(q, k, v, vis, scale, softcap, edits, backend)
-    if layer.compensate and split.prior is not None:
-        raise KvPolicyError("razor: a chunk of several tokens after earlier ones (a chunked prefill) is not "
-                            "supported; prefill the prompt in one forward")
     ck, cv = split.chunk_keys, split.chunk_values
     sinks = torch.arange(sink, device=q.device)
     s_idx = sinks[None, :] + pad[:, None] - split.start  # chunk index of each own sink position (B, sink)
@@ -279,7 +283,7 @@ def _bounded(q: Tensor, split: SplitCall, scale: float, softcap: float | None, e
         if comp is None:
             out[:, :, q0:q1] = _attend(q[:, :, q0:q1], k, v, vis, scale, softcap, edits, backend)
         else:
-            mk, mv, count = _compensation(comp, own_q[:, q0:q1], q0, q1, sink, window)
+            mk, mv, count = _compensation(comp, split, own_q[:, q0:q1], q0, q1, sink, window)
             out[:, :, q0:q1] = _attend_compensated(q[:, :, q0:q1], k, v, vis, mk, mv, count > 0, scale, softcap,
                                                    edits)
     return out
@@ -288,7 +292,7 @@ def _bounded(q: Tensor, split: SplitCall, scale: float, softcap: float | None, e
 def _prefix_sums(split: SplitCall, own_q: Tensor, sink: int) -> tuple[Tensor, Tensor]:
     """Prefix sums over the chunk of the keys and values a compensation token may fold (own positions
     ``>= sink``; padding excluded): ``[B, Hc, Nq + 1, D]`` float32, entry ``i`` the sum over chunk indices
-    ``< i`` (the chunk is a row's first: nothing was dropped before it)."""
+    ``< i`` (what earlier chunks dropped comes from the cache, :func:`_compensation`)."""
     keep = (own_q >= sink)[:, None, :, None]
     out = []
     for t in (split.chunk_keys, split.chunk_values):
@@ -297,15 +301,24 @@ def _prefix_sums(split: SplitCall, own_q: Tensor, sink: int) -> tuple[Tensor, Te
     return out[0], out[1]
 
 
-def _compensation(comp: tuple[Tensor, Tensor], own_q: Tensor, q0: int, q1: int, sink: int,
+def _compensation(comp: tuple[Tensor, Tensor], split: SplitCall, own_q: Tensor, q0: int, q1: int, sink: int,
                   window: int) -> tuple[Tensor, Tensor, Tensor]:
     """Per query of the block ``[q0, q1)``: the mean key and value (B, Hc, n, D) of the keys it no longer sees
-    (own positions ``sink <= k <= q - window``) and their number (B, n)."""
+    (own positions ``sink <= k <= q - window``) and their number (B, n). For a chunk after earlier tokens
+    those are the cache's sums before the chunk (every position ``< n0 - window``, ``n0`` the row's tokens
+    before the chunk), the ring tokens before the chunk that leave the query's window, and the chunk's own
+    prefix."""
     end = (torch.arange(q0, q1, device=own_q.device) - window + 1).clamp(min=0)  # chunk indices < end dropped
     count = (own_q - window + 1 - sink).clamp(min=0)
     scale = 1.0 / count.clamp(min=1).to(torch.float32)[:, None, :, None]
     pk, pv = comp
-    return pk.index_select(2, end) * scale, pv.index_select(2, end) * scale, count
+    mk, mv = pk.index_select(2, end), pv.index_select(2, end)
+    if split.prior_comp is not None:
+        _, _, pos = split.prior
+        left = ((pos[:, None, :] >= sink) & (pos[:, None, :] <= (own_q - window)[:, :, None])).float()  # (B, n, L)
+        mk = mk + split.prior_comp[0] + torch.einsum("bnl,bhld->bhnd", left, split.prior[0].float())
+        mv = mv + split.prior_comp[1] + torch.einsum("bnl,bhld->bhnd", left, split.prior[1].float())
+    return mk * scale, mv * scale, count
 
 
 def _attend_compensated(q: Tensor, k: Tensor, v: Tensor, vis: Tensor, mk: Tensor, mv: Tensor, has: Tensor,

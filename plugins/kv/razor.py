@@ -6,6 +6,10 @@ induction scores; here any head selection, as for ``streaming``) keep their whol
 head keeps its row's ``sink`` first tokens, the ``window`` most recent ones, and one compensation token: the
 mean of the keys and of the values it dropped (own positions ``sink <= k <= q - window`` for the query at
 ``q``), attended like any other key once a token was dropped.
+
+With ``prefill_chunk`` a longer prompt is fed in forwards of at most that many tokens: each chunk's queries
+take their compensation tokens from the cache's running sums and ring plus the chunk's own prefix, so the
+logits and the cache are those of one forward (up to float rounding).
 """
 
 from typing import Literal
@@ -17,7 +21,7 @@ from headlab import ComponentConfig, StepContext, hookimpl
 from headlab.kv import GqaRule, HeadMap, KvHeadSelection, kv_heads
 from headlab.spec import NonNegativeInt, PositiveInt
 
-from .common import GQA_FIELD, MEASURE_PEAK_FIELD, SINK_FIELD, WINDOW_FIELD
+from .common import GQA_FIELD, MEASURE_PEAK_FIELD, PREFILL_CHUNK_FIELD, SINK_FIELD, WINDOW_FIELD
 
 
 class RazorKV(ComponentConfig):
@@ -31,6 +35,7 @@ class RazorKV(ComponentConfig):
     sink: NonNegativeInt = SINK_FIELD
     window: PositiveInt = WINDOW_FIELD
     gqa: GqaRule = GQA_FIELD
+    prefill_chunk: PositiveInt | None = PREFILL_CHUNK_FIELD
 
 
 def compile_razor(config: RazorKV, ctx: StepContext) -> HeadMap:
