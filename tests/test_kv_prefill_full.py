@@ -88,11 +88,12 @@ def _map(full, sink: int, window: int, prefill: str = "full") -> HeadMap:
     return HeadMap(_kv(full), sink=sink, window=window, prefill=prefill)
 
 
-def _reference(model, ids, mask, steps: int, head_map: HeadMap):
+def _reference(model, ids, mask, steps: int, head_map: HeadMap, question: int = 0):
     """The same greedy decoding without a cache: every step recomputes the whole row under the dense masks (the
-    prompt's queries full, the generated ones bounded for compressed heads)."""
+    prompt's queries full, the generated ones bounded for compressed heads; with ``question``, the prompt's last
+    ``question`` queries bounded too, as generated ones)."""
     _REF.update(full=head_map.kv_full.values, sink=head_map.sink, window=head_map.window,
-                pad=(mask == 0).sum(-1), prompt=ids.shape[1])
+                pad=(mask == 0).sum(-1), prompt=ids.shape[1] - question)
     step_logits, tokens = [], []
     with torch.no_grad():
         for t in range(steps + 1):

@@ -34,6 +34,7 @@ from .common import (
     MEASURE_PEAK_FIELD,
     PREFILL_CHUNK_FIELD,
     PREFILL_FIELD,
+    QUESTION_TOKENS_FIELD,
     SINK_FIELD,
     WINDOW_FIELD,
     check_prefill,
@@ -57,6 +58,7 @@ class RandomKV(ComponentConfig):
     gqa: GqaRule = GQA_FIELD
     prefill_chunk: PositiveInt | None = PREFILL_CHUNK_FIELD
     prefill: Literal["bounded", "full"] = PREFILL_FIELD
+    question_tokens: NonNegativeInt = QUESTION_TOKENS_FIELD
 
     @model_validator(mode="after")
     def _one_count(self) -> RandomKV:

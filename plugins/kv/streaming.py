@@ -43,6 +43,7 @@ from .common import (
     MEASURE_PEAK_FIELD,
     PREFILL_CHUNK_FIELD,
     PREFILL_FIELD,
+    QUESTION_TOKENS_FIELD,
     SINK_FIELD,
     WINDOW_FIELD,
     check_prefill,
@@ -66,6 +67,7 @@ class StreamingKV(ComponentConfig):
     budget: KvBudget | None = BUDGET_FIELD
     prefill_chunk: PositiveInt | None = PREFILL_CHUNK_FIELD
     prefill: Literal["bounded", "full"] = PREFILL_FIELD
+    question_tokens: NonNegativeInt = QUESTION_TOKENS_FIELD
 
     @model_validator(mode="after")
     def _ranked(self) -> StreamingKV:
