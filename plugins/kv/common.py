@@ -22,11 +22,11 @@ PREFILL_CHUNK_FIELD = Field(None, description="feed a longer prompt (or scored r
 PREFILL_FIELD = Field("bounded", description="what a compressed KV head attends in a row's prefill: bounded, its "
                                              "sinks + window as in decode; full, every prompt token (kvpress's and "
                                              "DuoAttention's deployment), the cache then keeping sinks + window")
-QUESTION_TOKENS_FIELD = Field(0, description="with prefill: full, feed each prompt's last this many tokens (its "
-                                             "question) after the prefill's compression, in a second forward whose "
-                                             "compressed KV heads attend only the sinks + window kept, as decode "
-                                             "does (kvpress's context/question split; generate steps only); 0: the "
-                                             "whole prompt is prefilled in full")
+QUESTION_TOKENS_FIELD = Field(0, description="with prefill: full, how many of each prompt's last tokens (its "
+                                             "question) are fed after the prefill's compression, in a second "
+                                             "forward whose compressed KV heads attend only the sinks + window "
+                                             "kept, as decode does (kvpress's context/question split; generate "
+                                             "steps only); 0: the whole prompt is prefilled in full")
 MEASURE_PEAK_FIELD = Field(False, description="on a CPU, also measure the step's peak memory (live tensor bytes; "
                                               "slows decoding down about 4x); on CUDA it is always measured")
 BUDGET_FIELD = Field(None, description="keep as many full KV heads as fit: {fraction: f} of the full cache, "
