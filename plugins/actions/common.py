@@ -71,7 +71,8 @@ KV_ABOUT = ("KV-cache policy (default: none given, today's full cache, not measu
 class KvRun:
     """A step's KV policy while it runs: its ``kind``, the compiled map (``requested``), the map in force (``head_map``:
     every head full when ``sink + window`` covers the step's context), the policy's ``prefill_chunk`` (None: a
-    prompt in one forward), ``question_tokens`` (0: the whole prompt prefilled at once) and, once the step's forwards are done, what the caches held (``usage``)."""
+    prompt in one forward), ``question_tokens`` (0: the whole prompt prefilled at once) and, once the step's
+    forwards are done, what the caches held (``usage``)."""
 
     kind: str
     requested: HeadMap
