@@ -9,12 +9,15 @@ same mask").
 The needle prompts are those of ``specs/kv_compression.yaml``'s task (headlab's ``niah`` generator, its needles
 and seed), on the grid ``--lengths`` x ``--depths`` x 3 needles. Cases, all greedy, ``--new`` new tokens, batch 1:
 
-- ``headlab full``, ``headlab streaming`` and ``headlab streaming, prefill: full``: one headlab run
-  (``generate`` steps with ``kv: {kind: full}``, ``kv: {kind: streaming, full_heads: ..., sink, window}`` and the
-  same with ``prefill: full``, metric ``needle_recall``). Under ``streaming`` (``prefill: bounded``, the default)
-  a compressed KV head attends its ``sink`` first and ``window`` most recent tokens in the prefill as in decode
-  (the issue's definition); with ``prefill: full`` every head attends the whole prompt in the prefill, and the
-  cache then keeps only the compressed heads' sinks and window (kvpress's design).
+- ``headlab full``, ``headlab streaming``, ``headlab streaming, prefill: full`` and ``headlab streaming, prefill:
+  full, question_tokens: 1``: one headlab run (``generate`` steps with ``kv: {kind: full}``, ``kv: {kind:
+  streaming, full_heads: ..., sink, window}``, the same with ``prefill: full``, and with ``question_tokens: 1``
+  as well; metric ``needle_recall``). Under ``streaming`` (``prefill: bounded``, the default) a compressed KV head
+  attends its ``sink`` first and ``window`` most recent tokens in the prefill as in decode (the issue's
+  definition); with ``prefill: full`` every head attends the whole prompt in the prefill, and the cache then
+  keeps only the compressed heads' sinks and window (kvpress's design); ``question_tokens: 1`` prefills the
+  prompt but its last token so, and feeds that token after the compression (kvpress's context/question split,
+  the split the kvpress cases below use).
 - ``kvpress full`` and ``kvpress DuoAttentionPress``: in kvpress's own virtual environment
   (``--kvpress-python``; kvpress 0.5.5 pins transformers < 5.3), kvpress's ``KVPressTextGenerationPipeline``
   (``pipeline("kv-press-text-generation")``) without a press and with ``headlab.kv.to_kvpress`` of the same
@@ -45,7 +48,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "plugins" / "models" / "tiny" / "headlab-tiny"
 SPEC = ROOT / "specs" / "kv_compression.yaml"
-HEADLAB_CASES = ("headlab full", "headlab streaming", "headlab streaming, prefill: full")
+QUESTION_CASE = "headlab streaming, prefill: full, question_tokens: 1"
+HEADLAB_CASES = ("headlab full", "headlab streaming", "headlab streaming, prefill: full", QUESTION_CASE)
 KVPRESS_CASES = ("kvpress full", "kvpress DuoAttentionPress")
 
 
@@ -57,7 +61,8 @@ def kv_pair(text: str) -> tuple[int, int]:
 
 def bench_spec(args: argparse.Namespace, group: int) -> dict:
     """The headlab spec: the needle task of ``specs/kv_compression.yaml`` on the benchmark's grid, a ``full``, a
-    ``streaming`` and a ``streaming`` with ``prefill: full`` generate step (batch 1)."""
+    ``streaming``, a ``streaming`` with ``prefill: full`` and one with ``prefill: full, question_tokens: 1``
+    generate step (batch 1)."""
     from ruamel.yaml import YAML
 
     base = YAML(typ="safe").load(SPEC.read_text(encoding="utf-8"))
@@ -74,6 +79,8 @@ def bench_spec(args: argparse.Namespace, group: int) -> dict:
     streaming = {"kind": "streaming", "full_heads": full_heads, "sink": args.sink, "window": args.window}
     steps.append({"id": "streaming", "generate": dict(generate, kv=streaming)})
     steps.append({"id": "streaming_prefill_full", "generate": dict(generate, kv=dict(streaming, prefill="full"))})
+    steps.append({"id": "streaming_question", "generate": dict(generate, kv=dict(streaming, prefill="full",
+                                                                                   question_tokens=1))})
     return {"name": "bench_kv_recall", "model": base["model"], "task": task, "steps": steps, "seed": base["seed"]}
 
 
@@ -136,6 +143,7 @@ def run_headlab(args: argparse.Namespace) -> tuple[list[dict], dict, dict, dict]
     group = config["num_attention_heads"] // config["num_key_value_heads"]
     run = headlab.run(bench_spec(args, group), out=Path(tempfile.mkdtemp(prefix="bench-kv-recall-")))
     full, streaming, after = run.results["full"], run.results["streaming"], run.results["streaming_prefill_full"]
+    question = run.results["streaming_question"]
     prompts = []
     for i in range(full.sizes["example"]):
         ids = [int(t) for t in full["input_ids"].values[i] if t >= 0]
@@ -144,13 +152,15 @@ def run_headlab(args: argparse.Namespace) -> tuple[list[dict], dict, dict, dict]
                         "context_length": int(full["context_length"].values[i]),
                         "depth": float(full["depth"].values[i]), "needle_index": int(full["needle_index"].values[i])})
     kv_full = streaming["kv_full"].transpose("layer", "kv_head")
-    cases = dict(zip(HEADLAB_CASES, (full, streaming, after), strict=True))
+    cases = dict(zip(HEADLAB_CASES, (full, streaming, after, question), strict=True))
     answers = {case: [str(x) for x in ds["output"].values] for case, ds in cases.items()}
     recall = {case: [float(x) for x in ds["needle_recall"].values] for case, ds in cases.items()}
     return prompts, answers, recall, {"kv_full": np.asarray(kv_full.values, dtype=bool).tolist(),
                                       "kept_fraction": float(streaming.attrs["kv_kept_fraction"]),
                                       "prefill_full_kept_fraction": float(after.attrs["kv_kept_fraction"]),
-                                      "prefill_full_attention": str(after.attrs["kv_attention"])}
+                                      "question_kept_fraction": float(question.attrs["kv_kept_fraction"]),
+                                      "prefill_full_attention": str(after.attrs["kv_attention"]),
+                                      "question_attention": str(question.attrs["kv_attention"])}
 
 
 def agreement(prompts: list[dict], answers: dict, recall: dict, a: str, b: str, show: bool = True) -> int:
@@ -206,9 +216,11 @@ def main() -> None:
     print(f"headlab-tiny, {len(prompts)} needle prompts ({len(lengths)} lengths x {args.depths} depths x 3 needles), "
           f"greedy, {args.new} new tokens; full KV heads {full_heads}, sink {args.sink}, window {args.window} "
           f"(kept fraction: streaming {stream['kept_fraction']:.3f}, prefill: full "
-          f"{stream['prefill_full_kept_fraction']:.3f}; they differ only where an answer stops at another length); "
+          f"{stream['prefill_full_kept_fraction']:.3f}, question_tokens: 1 {stream['question_kept_fraction']:.3f}; "
+          f"they differ only where an answer stops at another length); "
           f"kvpress {kv['versions']['kvpress']} (transformers {kv['versions']['transformers']}), press {kv['press']}; prompts: {path}")
     print(f"prefill: full's attention paths: {stream['prefill_full_attention']}")
+    print(f"question_tokens: 1's attention paths: {stream['question_attention']}")
     print("\n| case | needle recall | " + " | ".join(str(n) for n in lengths) + " |")
     print("|---|---|" + "---|" * len(lengths))
     for case in (*HEADLAB_CASES, *KVPRESS_CASES):
@@ -220,7 +232,9 @@ def main() -> None:
     mismatched = agreement(prompts, answers, recall, "headlab full", "kvpress full")
     agreement(prompts, answers, recall, "headlab streaming", "kvpress DuoAttentionPress")
     agreement(prompts, answers, recall, "headlab streaming, prefill: full", "kvpress DuoAttentionPress")
+    agreement(prompts, answers, recall, QUESTION_CASE, "kvpress DuoAttentionPress")
     for a, b in (("headlab streaming", "headlab streaming, prefill: full"),
+                 ("headlab streaming, prefill: full", QUESTION_CASE),
                  ("headlab full", "headlab streaming, prefill: full"),
                  ("kvpress full", "kvpress DuoAttentionPress")):
         agreement(prompts, answers, recall, a, b, show=False)

@@ -1177,6 +1177,10 @@ class HeadwiseLayer(CacheLayerMixin):
         if self.compensate and full_prefill:
             raise KvPolicyError("prefill: full is not available with a compensation token (razor)")
         self.full_prefill = bool(full_prefill)
+        #: with ``full_prefill``, a later forward of at most this many tokens is the prompt's question (fed after
+        #: the prefill's compression, under the bounded mask; :func:`kv_policy`'s ``question_tokens``), not a
+        #: refused piece of the prompt
+        self.question_tokens = 0
         self.comp_keys = self.comp_values = None
         self.pending: SplitCall | None = None
         #: the running forward's attention mask was left implicit (None): causal over the padded positions,
@@ -1259,7 +1263,7 @@ class HeadwiseLayer(CacheLayerMixin):
             self.seen += key_states.shape[-2]
             return self.keys, self.values
         q = key_states.shape[-2]
-        if self.full_prefill and self.seen and q > 1:
+        if self.full_prefill and self.seen and q > max(1, self.question_tokens):
             raise KvPolicyError(f"prefill: full: a forward of {q} tokens after the row's prefill (a prompt fed in "
                                 "several forwards, e.g. by prefill_chunk); the first forward must be the whole prompt")
         if len(self.full_heads):
@@ -1822,34 +1826,85 @@ def _check_chunkable(head_map: HeadMap, prefill_chunk: int | None) -> None:
                             "keys of the chunks before it); prefill the prompt in one forward")
 
 
-def _chunked_forward(forward: Any, chunk: int, kwargs: dict[str, Any], new_cache: Any) -> Any:
+def _check_question(head_map: HeadMap, question_tokens: int) -> None:
+    if isinstance(question_tokens, bool) or not isinstance(question_tokens, int) or question_tokens < 0:
+        raise KvPolicyError(f"question_tokens must be a number of tokens (>= 0), not {question_tokens!r}")
+    if not question_tokens or head_map.is_full:
+        return
+    if isinstance(head_map, HeadBudgetMap):
+        raise KvPolicyError("headkv: question_tokens is not supported (its prefill selects each KV head's keys at "
+                            "the end of the whole prompt)")
+    if head_map.prefill != "full":
+        raise KvPolicyError(f"question_tokens {question_tokens}: the question is fed after a full prefill's "
+                            "compression; with prefill: bounded every query already attends the compressed cache "
+                            "(give prefill: full)")
+
+
+def _question_split(model: torch.nn.Module, n_question: int, new_cache: Any) -> _ChunkHandle:
+    """``model``'s forward, until the handle is removed, runs a forward that starts without a cache (a prefill)
+    as two forwards into one new cache (``new_cache(attention_mask)``): every row's tokens but the last
+    ``n_question`` (the context), then those last ``n_question`` columns (the question: left padding makes them
+    every row's last tokens); the logits of both concatenated."""
+    previous = model.__dict__.get("forward")
+    plain = model.forward
+
+    @functools.wraps(plain)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if len(args) > 1:
+            raise KvPolicyError("question_tokens: a forward with positional arguments after the input ids cannot be "
+                                "split; pass them by name")
+        named = {"input_ids": args[0], **kwargs} if args else kwargs
+        if named.get("cache") is not None or named.get("past_key_values") is not None:
+            return plain(*args, **kwargs)
+        seq = named.get("input_ids")
+        seq = seq if seq is not None else named.get("inputs_embeds")
+        if seq is None:
+            return plain(*args, **kwargs)
+        mask = named.get("attention_mask")
+        real = mask.sum(-1) if isinstance(mask, torch.Tensor) and mask.dim() == 2 else \
+            torch.full(seq.shape[:1], seq.shape[1], device=seq.device)
+        short = torch.nonzero(real <= n_question).flatten().tolist()
+        if short:
+            raise KvPolicyError(f"question_tokens {n_question}: row {short[0]} of the batch has "
+                                f"{int(real[short[0]])} tokens, so no context before its question (the last "
+                                f"{n_question}); give prompts longer than question_tokens")
+        n = seq.shape[1]
+        return _chunked_forward(plain, n, named, new_cache, ends=(n - n_question, n), what="question_tokens")
+
+    model.forward = forward
+    return _ChunkHandle(model, previous)
+
+
+def _chunked_forward(forward: Any, chunk: int, kwargs: dict[str, Any], new_cache: Any, *,
+                     ends: Sequence[int] | None = None, what: str = "prefill_chunk") -> Any:
     """``forward(**kwargs)`` for a forward of more than ``chunk`` new tokens, fed ``chunk`` tokens at a time
-    into one cache (``new_cache(attention_mask)`` when the forward starts none: a cache laid out for every
-    row's padding): the logits (and hidden states) of every chunk concatenated, the cache after the last."""
+    (or in forwards ending at the new tokens ``ends``) into one cache (``new_cache(attention_mask)`` when the
+    forward starts none: a cache laid out for every row's padding): the logits (and hidden states) of every
+    chunk concatenated, the cache after the last. ``what`` names the option in errors."""
     ids = kwargs.get("input_ids")
     seq = ids if ids is not None else kwargs["inputs_embeds"]
     n = seq.shape[1]
     for name in ("output_attentions", "labels"):
         if kwargs.get(name):
-            raise KvPolicyError(f"prefill_chunk: a forward with `{name}` cannot be chunked")
+            raise KvPolicyError(f"{what}: a forward with `{name}` cannot be chunked")
     for name, value in kwargs.items():  # e.g. an image's pixels, which belong to one chunk
         if name not in _CHUNKED and isinstance(value, torch.Tensor):
-            raise KvPolicyError(f"prefill_chunk: a forward with the tensor argument `{name}` cannot be chunked")
+            raise KvPolicyError(f"{what}: a forward with the tensor argument `{name}` cannot be chunked")
     keep = kwargs.pop("logits_to_keep", 0)
     if not isinstance(keep, int):
-        raise KvPolicyError("prefill_chunk: `logits_to_keep` must be a number of positions")
+        raise KvPolicyError(f"{what}: `logits_to_keep` must be a number of positions")
     cache_key = "cache" if "cache" in kwargs or "past_key_values" not in kwargs else "past_key_values"
     cache = kwargs.pop(cache_key, None)
     mask = kwargs.get("attention_mask")
     if mask is not None and mask.dim() != 2:
-        raise KvPolicyError(f"prefill_chunk: a forward needs a 2-D attention mask, not one of {mask.dim()} dims")
+        raise KvPolicyError(f"{what}: a forward needs a 2-D attention mask, not one of {mask.dim()} dims")
     before = 0 if mask is None else mask.shape[1] - n  # tokens the mask covers ahead of this forward's
     if cache is None:
         cache = new_cache(mask if mask is not None else torch.ones(seq.shape[:2], dtype=torch.long,
                                                                    device=seq.device))
     logits, hidden, out = [], None, None
-    for a in range(0, n, chunk):
-        b = min(n, a + chunk)
+    bounds = list(ends) if ends is not None else list(range(chunk, n, chunk)) + [n]
+    for a, b in zip([0, *bounds[:-1]], bounds, strict=True):
         part = dict(kwargs)
         for name in ("input_ids", "inputs_embeds", "position_ids", "cache_position"):
             value = kwargs.get(name)
@@ -1890,7 +1945,7 @@ def _cuda_devices(model: torch.nn.Module) -> list[torch.device]:
 
 @contextlib.contextmanager
 def kv_policy(model: torch.nn.Module, head_map: HeadMap, *, prefill_chunk: int | None = None,
-              cpu_peak: bool = False) -> Any:
+              question_tokens: int = 0, cpu_peak: bool = False) -> Any:
     """Run every forward of ``model`` (a transformers causal LM) inside the block with a cache laid out by
     ``head_map``; yields the :class:`KvUsage` (complete once the block exits).
 
@@ -1907,9 +1962,18 @@ def kv_policy(model: torch.nn.Module, head_map: HeadMap, *, prefill_chunk: int |
     tokens from the cache's sums and ring plus the chunk's own prefix); refused under ``headkv`` and
     ``prefill="full"`` maps.
 
+    ``question_tokens`` (under a ``prefill="full"`` map with compressed heads; 0: off): a forward that starts
+    without a cache runs as two forwards into one cache, every row's tokens but its last ``question_tokens``
+    (the context: every head attends it in full, then the compressed heads keep their sinks and window), then
+    those last tokens (the question), whose compressed heads attend only the kept sinks and window and the
+    question's own earlier tokens, as decode steps do: kvpress's context/question split. The rows must be
+    left-padded, each with more than ``question_tokens`` tokens. Under a map with every head full nothing is
+    split (the question would attend the same keys).
+
     The peak memory (:attr:`KvUsage.peak_memory`) is measured on CUDA, and on a CPU with ``cpu_peak``
     (every operator inside the block is then tracked, which slows small models down)."""
     _check_chunkable(head_map, prefill_chunk)
+    _check_question(head_map, question_tokens)
     compressed = not head_map.is_full
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if compressed and impl != "headlab":
@@ -1964,6 +2028,14 @@ def kv_policy(model: torch.nn.Module, head_map: HeadMap, *, prefill_chunk: int |
     if prefill_chunk is not None:
         handles.append(_chunking(model, prefill_chunk, lambda mask: HeadwiseCache.from_attention_mask(
             head_map, mask) if compressed else None))
+    if question_tokens and compressed:
+        def question_cache(mask: torch.Tensor) -> HeadwiseCache:
+            cache = HeadwiseCache.from_attention_mask(head_map, mask)
+            for layer in cache.layers:
+                layer.question_tokens = question_tokens
+            return cache
+
+        handles.append(_question_split(model, question_tokens, question_cache))
     tracker = _LiveBytes() if cuda is None and cpu_peak else None
     try:
         with tracker if tracker is not None else contextlib.nullcontext():

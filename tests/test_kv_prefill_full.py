@@ -3,7 +3,9 @@ row's first forward every head attends causally over the whole prompt, the cache
 window of compressed heads, and decode runs under the bounded mask. Against a dense-mask eager reference written
 here, on tiny random Llama and Qwen2 models with GQA, batched with left padding; the cache holds the bounded
 prefill's layout and bytes; the prefill keeps one layer's full keys and values alive at a time; a window covering
-the context equals ``full``; chunked prefills are refused."""
+the context equals ``full``; chunked prefills are refused. ``question_tokens`` (kvpress's context/question split):
+the prompt but its last tokens prefilled in full, those tokens then attending the compressed cache, against the
+same reference with those queries bounded; in a generate step; its refusals."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from transformers import AttentionInterface
 import headlab
 from headlab import component
 from headlab.instrument import ATTN_IMPLEMENTATION, register
-from headlab.kv import HeadMap, HeadwiseCache, HeadwiseLayer, KvPolicyError, kv_policy
+from headlab.kv import HeadBudgetMap, HeadMap, HeadwiseCache, HeadwiseLayer, KvPolicyError, kv_policy
 
 from fixtures.kv import greedy_decode as _decode
 from fixtures.kv import left_padded as _batch
@@ -88,11 +90,12 @@ def _map(full, sink: int, window: int, prefill: str = "full") -> HeadMap:
     return HeadMap(_kv(full), sink=sink, window=window, prefill=prefill)
 
 
-def _reference(model, ids, mask, steps: int, head_map: HeadMap):
+def _reference(model, ids, mask, steps: int, head_map: HeadMap, question: int = 0):
     """The same greedy decoding without a cache: every step recomputes the whole row under the dense masks (the
-    prompt's queries full, the generated ones bounded for compressed heads)."""
+    prompt's queries full, the generated ones bounded for compressed heads; with ``question``, the prompt's last
+    ``question`` queries bounded too, as generated ones)."""
     _REF.update(full=head_map.kv_full.values, sink=head_map.sink, window=head_map.window,
-                pad=(mask == 0).sum(-1), prompt=ids.shape[1])
+                pad=(mask == 0).sum(-1), prompt=ids.shape[1] - question)
     step_logits, tokens = [], []
     with torch.no_grad():
         for t in range(steps + 1):
@@ -314,3 +317,135 @@ def test_a_generate_step_records_its_prefill(tmp_path):
     assert budgeted["kv_full"].attrs["prefill"] == "full" and "full prefill" in budgeted.attrs["kv_attention"]
     control = run("{kind: random, like: {from: ind, top: 1}, sink: 1, window: 3, prefill: full}", "d")
     assert control["kv_full"].attrs["prefill"] == "full" and "full prefill" in control.attrs["kv_attention"]
+
+
+# --- question_tokens: kvpress's context/question split -----------------------------------------------------
+
+
+@pytest.mark.parametrize("question", [1, 3])
+@pytest.mark.parametrize(("kind", "sink", "window"), [("llama", 2, 3), ("qwen2", 0, 2)])
+def test_question_tokens_equal_the_dense_mask_reference(kind, sink, window, question):
+    """The prompt but its last ``question`` tokens prefilled with every head causal, then those tokens and the
+    decode steps with compressed heads on their sinks + window (full heads causal): the reference's dense masks
+    with the bounded queries starting ``question`` tokens before the prompt's end."""
+    ours, ref = _models(kind)
+    ids, mask = _batch([11, 7, 13])
+    head_map = _map(FULL, sink, window)
+    p_ours, s_ours, t_ours, cache, usage = _decode(ours, ids, mask, 8, head_map, question_tokens=question)
+    p_ref, s_ref, t_ref = _reference(ref, ids, mask, 8, head_map, question)
+    torch.testing.assert_close(_real(p_ours, mask), _real(p_ref, mask), rtol=0, atol=1e-5)
+    torch.testing.assert_close(s_ours, s_ref, rtol=0, atol=1e-5)
+    assert t_ours.equal(t_ref)
+    # the context's logits are the whole prompt's full prefill's; the question's are not
+    p_whole, _, _, whole_cache, whole_usage = _decode(ours, ids, mask, 8, head_map)
+    torch.testing.assert_close(p_ours[:, :-question], p_whole[:, :-question], rtol=0, atol=1e-5)
+    assert (p_ours[:, -question:] - p_whole[:, -question:]).abs().max() > 1e-3
+    # the same cache layout and bytes
+    assert np.array_equal(usage.layer_bytes, whole_usage.layer_bytes)
+    for layer in range(2):
+        assert torch.equal(cache.compressed(layer)[2], whole_cache.compressed(layer)[2])
+    question_path = "sinks + ring buffer" if question == 1 else "sinks + window by query blocks"
+    assert any("full prefill" in p for p in usage.paths) and any(question_path in p for p in usage.paths)
+
+
+def test_question_tokens_keep_logits_to_keep_and_the_cache():
+    """One forward as ``headlab.generation.prefill`` runs it (last position's logits only): the split forward
+    returns that position's logits, and the cache it returns decodes on."""
+    ours, _ = _models("llama")
+    ids, mask = _batch([10, 12], seed=3)
+    head_map = _map(FULL, 1, 4)
+    with torch.no_grad(), kv_policy(ours, head_map, question_tokens=2):
+        out = ours(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), logits_to_keep=1)
+    p_ours = _decode(ours, ids, mask, 0, head_map, question_tokens=2)[0]
+    assert out.logits.shape == (2, 1, VOCAB)
+    torch.testing.assert_close(out.logits[:, 0], p_ours[:, -1], rtol=0, atol=1e-5)
+    assert isinstance(out.cache, HeadwiseCache) and out.cache.get_seq_length() == ids.shape[1]
+
+
+def test_question_tokens_under_a_full_map_split_nothing():
+    """Every head full (a window covering the context): the model's own cache, one forward, today's logits."""
+    ours, _ = _models("llama")
+    ids, mask = _batch([9, 6], seed=2)
+    full = HeadMap.full(headlab.Geometry(2, 8, 4, HEAD_DIM))
+    calls = []
+    hook = ours.model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    try:
+        p_q, s_q, t_q, *_ = _decode(ours, ids, mask, 3, full, question_tokens=2)
+    finally:
+        hook.remove()
+    p_plain, s_plain, t_plain, *_ = _decode(ours, ids, mask, 3, None)
+    assert len(calls) == 4  # the prompt in one forward, then three steps
+    assert torch.equal(p_q, p_plain) and torch.equal(s_q, s_plain) and t_q.equal(t_plain)
+
+
+def test_question_tokens_refusals():
+    ours, _ = _models("llama")
+    head_map = _map(FULL, 2, 3)
+    with pytest.raises(KvPolicyError, match="question_tokens 2: the question is fed after a full prefill's"):
+        with kv_policy(ours, _map(FULL, 2, 3, "bounded"), question_tokens=2):
+            pass
+    for bad in (-1, True, 1.5):
+        with pytest.raises(KvPolicyError, match="question_tokens must be a number of tokens"):
+            with kv_policy(ours, head_map, question_tokens=bad):
+                pass
+    headkv = HeadBudgetMap(_kv(np.zeros((2, 4), dtype=bool)),
+                           kv_budget=xr.DataArray(np.full((2, 4), 6), dims=("layer", "kv_head")))
+    with pytest.raises(KvPolicyError, match="headkv: question_tokens is not supported"):
+        with kv_policy(ours, headkv, question_tokens=1):
+            pass
+    ids, mask = _batch([12, 3])
+    with pytest.raises(KvPolicyError, match="question_tokens 3: row 1 of the batch has 3 tokens"), \
+            torch.no_grad(), kv_policy(ours, head_map, question_tokens=3):
+        ours(input_ids=ids, attention_mask=mask, position_ids=_positions(mask))
+    with pytest.raises(KvPolicyError, match="positional arguments"), torch.no_grad(), \
+            kv_policy(ours, head_map, question_tokens=1):
+        ours(ids, mask)
+    ids, mask = _batch([12, 9])
+    with pytest.raises(KvPolicyError, match="the first forward must be the whole prompt"), torch.no_grad(), \
+            kv_policy(ours, head_map, question_tokens=2):  # a later forward longer than the question
+        first = ours(input_ids=ids[:, :7], attention_mask=mask[:, :7], position_ids=_positions(mask)[:, :7])
+        ours(input_ids=ids[:, 7:10], attention_mask=mask[:, :10], position_ids=_positions(mask)[:, 7:10],
+             cache=first.cache)
+    for kind, extra in (("streaming", {"full_heads": [[0, 0]]}), ("random", {"n_full": 1})):
+        config = component("kv", kind).config
+        assert config.model_validate({"kind": kind, "window": 8, **extra}).question_tokens == 0
+        assert config.model_validate({"kind": kind, "window": 8, "prefill": "full", "question_tokens": 2,
+                                      **extra}).question_tokens == 2
+        with pytest.raises(ValueError, match="question_tokens 2: the question is fed after a full prefill's"):
+            config.model_validate({"kind": kind, "window": 8, "question_tokens": 2, **extra})
+        with pytest.raises(ValueError, match="greater than or equal to 0"):
+            config.model_validate({"kind": kind, "window": 8, "prefill": "full", "question_tokens": -1, **extra})
+    kv = "{kind: streaming, window: 3, prefill: full, question_tokens: 1}"
+    error = spec_error(spec_text(f"  - id: sc\n    score: {{kv: {kv}}}\n"))
+    assert "steps[0].score" in error and "give it on a generate step" in error
+    error = spec_error(spec_text("  - id: gen\n    generate:\n      kv: {kind: streaming, window: 3, "
+                                 "question_tokens: 1}\n"))
+    assert "steps[0].generate.kv" in error and "give prefill: full" in error
+
+
+def test_a_generate_step_with_question_tokens(tmp_path):
+    """``question_tokens`` in a spec: recorded on ``kv_full``, the bytes of the whole prompt's full prefill, the
+    question read by the compressed heads' bounded path; 0 (the default) is the whole prompt's full prefill; a
+    prompt no longer than the question is one located error naming the example."""
+    task = "{kind: repeated_tokens, n: 3, length: 8}"
+    detect = "  - id: ind\n    detect: {kind: induction}\n"
+
+    def run(kv: str, out: str):
+        steps = detect + f"  - id: gen\n    generate:\n      max_new_tokens: 4\n      kv: {kv}\n"
+        return headlab.run(spec_text(steps, task=task), out=tmp_path / out).results["gen"]
+
+    base = "kind: streaming, full_heads: {from: ind, top: 1}, sink: 1, window: 3, prefill: full"
+    split, whole, zero = (run("{" + base + q + "}", out) for q, out in
+                          ((", question_tokens: 2", "a"), ("", "b"), (", question_tokens: 0", "c")))
+    assert split["kv_full"].attrs["question_tokens"] == 2 and "question_tokens" not in whole["kv_full"].attrs
+    assert "sinks + window by query blocks" in split.attrs["kv_attention"]
+    assert "sinks + window by query blocks" not in whole.attrs["kv_attention"]
+    assert np.array_equal(split["kv_bytes"].values, whole["kv_bytes"].values)
+    assert np.array_equal(zero["output_ids"].values, whole["output_ids"].values)
+    assert zero.attrs["kv_attention"] == whole.attrs["kv_attention"] and "question_tokens" not in zero["kv_full"].attrs
+    control = run("{kind: random, like: {from: ind, top: 1}, sink: 1, window: 3, prefill: full, question_tokens: 1}",
+                  "d")
+    assert control["kv_full"].attrs["question_tokens"] == 1
+    with pytest.raises(KvPolicyError, match=r"kv question_tokens 500: example 0 has \d+ prompt tokens") as info:
+        run("{" + base + ", question_tokens: 500}", "e")
+    assert "gen" in str(info.value)

@@ -4,7 +4,7 @@ steering, and the KV policy (``kv``) with the results it stores."""
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import xarray as xr
 from pydantic import Field, model_validator
@@ -23,7 +23,8 @@ def kind_shorthand(value: Any) -> Any:
 
 def decoding_config(types: SpecTypes) -> type[StrictModel]:
     """The base config of a decoding action: ``decode`` (a step without it uses the default decoder),
-    ``steer`` (steering methods applied together) and ``batch_size``."""
+    ``steer`` (steering methods applied together), ``batch_size`` and ``kv``. A subclass that prefills prompts
+    it generates from sets ``QUESTION_SPLIT`` (the ``kv`` policy's ``question_tokens``; refused otherwise)."""
     Decoder, Steer, Kv = types.union("decoders"), types.union("steering"), types.union("kv")
     default = types.default("decoders")
     about = "decoding strategy" + (f" (default: {default.kind_name()})" if default is not None else "")
@@ -34,6 +35,9 @@ def decoding_config(types: SpecTypes) -> type[StrictModel]:
         batch_size: PositiveInt = Field(8, description="prompts (generate) or prompt+choice rows (score) per forward")
         kv: Kv | None = Field(None, description=KV_ABOUT)
 
+        #: whether the step's prefills are prompts to generate from, which ``question_tokens`` splits
+        QUESTION_SPLIT: ClassVar[bool] = False
+
         @model_validator(mode="before")
         @classmethod
         def default_decoder(cls, data: Any) -> Any:
@@ -41,6 +45,14 @@ def decoding_config(types: SpecTypes) -> type[StrictModel]:
             if default is not None and isinstance(data, Mapping) and data.get("decode") is None:
                 data = {**data, "decode": {"kind": default.kind_name()}}
             return data
+
+        @model_validator(mode="after")
+        def _question_split(self) -> Any:
+            if getattr(self.kv, "question_tokens", 0) and not self.QUESTION_SPLIT:
+                raise ValueError("kv question_tokens splits a prompt to generate from into its context and its last "
+                                 "tokens (kvpress's question); this step's forwards (scored prompt + choice rows, "
+                                 "lm-eval requests) have no such split: give it on a generate step")
+            return self
 
     return Decoding
 
@@ -59,7 +71,8 @@ KV_ABOUT = ("KV-cache policy (default: none given, today's full cache, not measu
 class KvRun:
     """A step's KV policy while it runs: its ``kind``, the compiled map (``requested``), the map in force (``head_map``:
     every head full when ``sink + window`` covers the step's context), the policy's ``prefill_chunk`` (None: a
-    prompt in one forward) and, once the step's forwards are done, what the caches held (``usage``)."""
+    prompt in one forward), ``question_tokens`` (0: the whole prompt prefilled at once) and, once the step's
+    forwards are done, what the caches held (``usage``)."""
 
     kind: str
     requested: HeadMap
@@ -68,6 +81,7 @@ class KvRun:
     usage: KvUsage | None = None
     prefill_chunk: int | None = None
     measure_peak: bool = False
+    question_tokens: int = 0
 
 
 def compile_kv(config: Any, ctx: Any, length: int | None) -> KvRun | None:
@@ -89,18 +103,20 @@ def compile_kv(config: Any, ctx: Any, length: int | None) -> KvRun | None:
                             "before it runs; give the budget's `length` (budget: {fraction: ..., length: N})")
     effective = head_map if length is None else head_map.for_length(length)
     return KvRun(config.kind, head_map, effective, length, prefill_chunk=getattr(config, "prefill_chunk", None),
-                 measure_peak=bool(getattr(config, "measure_peak", False)))
+                 measure_peak=bool(getattr(config, "measure_peak", False)),
+                 question_tokens=int(getattr(config, "question_tokens", 0)))
 
 
 @contextlib.contextmanager
 def kv_running(run: KvRun | None, ctx: Any) -> Iterator[None]:
     """Every forward of the step's model inside the block under the policy (nothing without one), its prompts
-    prefilled by ``prefill_chunk`` tokens when the policy gives it, the peak memory measured (on a CPU with ``measure_peak``)."""
+    prefilled by ``prefill_chunk`` tokens when the policy gives it (their last ``question_tokens`` fed after the
+    prefill's compression), the peak memory measured (on a CPU with ``measure_peak``)."""
     if run is None:
         yield
         return
     with kv_policy(ctx.model.model, run.head_map, prefill_chunk=run.prefill_chunk,
-                   cpu_peak=run.measure_peak) as usage:
+                   question_tokens=run.question_tokens, cpu_peak=run.measure_peak) as usage:
         run.usage = usage
         yield
 
@@ -108,7 +124,7 @@ def kv_running(run: KvRun | None, ctx: Any) -> Iterator[None]:
 def kv_results(ds: xr.Dataset, run: KvRun | None) -> xr.Dataset:
     """``ds`` with what a step with a KV policy stores: ``kv_bytes(layer)`` (bytes held at the end of each
     cache, summed over the step's batches and rows), ``kv_full(layer, kv_head)`` (the map in force, with its
-    attributes), the 0-d ``kv_kept_fraction`` (one per sweep cell once cells are combined) and the attrs
+    attributes; ``question_tokens`` among them when the policy split its prompts), the 0-d ``kv_kept_fraction`` (one per sweep cell once cells are combined) and the attrs
     ``kv_policy``, ``kv_bytes_full``, ``kv_kept_fraction``, ``kv_attention`` (the path that read the caches),
     ``kv_effective``/``kv_note`` when the window covers the context, ``kv_peak_memory`` (bytes) with
     ``kv_peak_memory_measure`` (what was measured: :class:`headlab.kv.KvUsage`)."""
@@ -118,6 +134,8 @@ def kv_results(ds: xr.Dataset, run: KvRun | None) -> xr.Dataset:
     kept = usage.kept_fraction()
     ds = ds.assign(kv_bytes=usage.to_dataarray(), kv_full=head_map.to_dataarray(run.length),
                    kv_kept_fraction=((), kept))
+    if run.question_tokens and not head_map.is_full:
+        ds["kv_full"].attrs["question_tokens"] = run.question_tokens
     paths = sorted(usage.paths) if not head_map.is_full else ["the model's own cache (every KV head full)"]
     ds.attrs.update(kv_policy=run.kind, kv_bytes_full=usage.full_nbytes,
                     kv_kept_fraction=kept, kv_attention=" | ".join(paths))

@@ -13,6 +13,7 @@ from pydantic import BeforeValidator, Field
 
 from headlab import ContractError, StepContext, attention_preview, component, hookimpl
 from headlab.generation import Decoded, DecodeRequest, decode_info, tokenize
+from headlab.kv import KvPolicyError
 from headlab.resources import Estimate, EstimateContext
 from headlab.scoring import metric_values
 from headlab.spec import NonEmptyStr, PositiveInt, SpecTypes, StrictModel
@@ -26,6 +27,8 @@ def generate_config(types: SpecTypes) -> type[StrictModel]:
 
     class Generate(decoding_config(types)):
         """Generate continuations for every example, optionally steered and with a decoding strategy."""
+
+        QUESTION_SPLIT = True
 
         metrics: list[Metric] = Field(default_factory=list)
         max_new_tokens: PositiveInt = Field(16)
@@ -49,6 +52,8 @@ def generate(action: Any, ctx: StepContext) -> xr.Dataset:
     tokenized = [tokenize(ctx.model, chunk) for chunk in batches] if action.kv is not None else None
     longest = max((b.length for b in tokenized), default=0) if tokenized else 0
     kv = compile_kv(action.kv, ctx, longest + action.max_new_tokens)
+    if kv is not None and kv.question_tokens and not kv.head_map.is_full:
+        _check_question(tokenized, kv.question_tokens, action.batch_size)
     with kv_running(kv, ctx):
         for i, chunk in enumerate(ctx.progress(batches, "generating", total=len(batches))):
             batch = tokenized[i] if tokenized else tokenize(ctx.model, chunk)
@@ -85,6 +90,16 @@ def generate(action: Any, ctx: StepContext) -> xr.Dataset:
     if ctx.examples and ctx.examples[0].images:  # the first image with every head's attention, for the report
         ds = ds.merge(attention_preview(ctx.model, ctx.examples[0]))
     return ds
+
+
+def _check_question(batches: list[Any], question_tokens: int, batch_size: int) -> None:
+    """Refuse a prompt of at most ``question_tokens`` tokens: its context, before the question, would be empty."""
+    for i, batch in enumerate(batches):
+        for r, n in enumerate(batch.attention_mask.sum(-1).tolist()):
+            if n <= question_tokens:
+                raise KvPolicyError(f"kv question_tokens {question_tokens}: example {i * batch_size + r} has {n} "
+                                    "prompt tokens, so no context before its question; give fewer question tokens "
+                                    "or longer prompts")
 
 
 @hookimpl

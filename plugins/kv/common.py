@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from pydantic import Field
 
-__all__ = ["BUDGET_FIELD", "GQA_FIELD", "MEASURE_PEAK_FIELD", "PREFILL_CHUNK_FIELD", "PREFILL_FIELD", "SINK_FIELD",
-           "WINDOW_FIELD", "check_prefill", "model_dtype"]
+__all__ = ["BUDGET_FIELD", "GQA_FIELD", "MEASURE_PEAK_FIELD", "PREFILL_CHUNK_FIELD", "PREFILL_FIELD",
+           "QUESTION_TOKENS_FIELD", "SINK_FIELD", "WINDOW_FIELD", "check_prefill", "model_dtype"]
 
 #: StreamingLLM keeps 4 attention-sink tokens (Xiao et al. 2023)
 SINK_FIELD = Field(4, description="first tokens of each row a compressed KV head keeps (attention sinks)")
@@ -22,6 +22,11 @@ PREFILL_CHUNK_FIELD = Field(None, description="feed a longer prompt (or scored r
 PREFILL_FIELD = Field("bounded", description="what a compressed KV head attends in a row's prefill: bounded, its "
                                              "sinks + window as in decode; full, every prompt token (kvpress's and "
                                              "DuoAttention's deployment), the cache then keeping sinks + window")
+QUESTION_TOKENS_FIELD = Field(0, description="with prefill: full, how many of each prompt's last tokens (its "
+                                             "question) are fed after the prefill's compression, in a second "
+                                             "forward whose compressed KV heads attend only the sinks + window "
+                                             "kept, as decode does (kvpress's context/question split; generate "
+                                             "steps only); 0: the whole prompt is prefilled in full")
 MEASURE_PEAK_FIELD = Field(False, description="on a CPU, also measure the step's peak memory (live tensor bytes; "
                                               "slows decoding down about 4x); on CUDA it is always measured")
 BUDGET_FIELD = Field(None, description="keep as many full KV heads as fit: {fraction: f} of the full cache, "
@@ -30,11 +35,16 @@ BUDGET_FIELD = Field(None, description="keep as many full KV heads as fit: {frac
 
 
 def check_prefill(config: Any) -> None:
-    """Refuse ``prefill: full`` with ``prefill_chunk``: a later chunk would attend the earlier chunks' full keys,
-    which the cache no longer holds."""
+    """Refuse ``prefill: full`` with ``prefill_chunk`` (a later chunk would attend the earlier chunks' full keys,
+    which the cache no longer holds), and ``question_tokens`` without ``prefill: full`` (under a bounded prefill
+    every query already attends the compressed cache)."""
     if config.prefill == "full" and config.prefill_chunk is not None:
         raise ValueError("prefill: full attends every head over the whole prompt in one forward; prefill_chunk "
                          "would need the earlier chunks' full keys: give one of them")
+    if config.question_tokens and config.prefill != "full":
+        raise ValueError(f"question_tokens {config.question_tokens}: the question is fed after a full prefill's "
+                         "compression; give prefill: full (under prefill: bounded every query already attends the "
+                         "compressed cache)")
 
 
 def model_dtype(ctx: Any) -> torch.dtype | str:

@@ -4,7 +4,8 @@ The number of full KV heads is the count ``like`` selects (resolved exactly as `
 ``full_heads``), ``n_full``, or as many as ``budget`` fits (the count ``streaming`` keeps under the same budget,
 sink and window); they are drawn without replacement with a generator seeded by the run seed (plus ``seed``, so
 that several controls of one cell differ). The other KV heads keep ``sink`` + ``window`` tokens, as under
-``streaming``: the same budget on other heads, and ``prefill`` as under ``streaming``.
+``streaming``: the same budget on other heads, and ``prefill`` and ``question_tokens`` (kvpress's
+context/question split, with ``prefill: full``) as under ``streaming``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from .common import (
     MEASURE_PEAK_FIELD,
     PREFILL_CHUNK_FIELD,
     PREFILL_FIELD,
+    QUESTION_TOKENS_FIELD,
     SINK_FIELD,
     WINDOW_FIELD,
     check_prefill,
@@ -57,6 +59,7 @@ class RandomKV(ComponentConfig):
     gqa: GqaRule = GQA_FIELD
     prefill_chunk: PositiveInt | None = PREFILL_CHUNK_FIELD
     prefill: Literal["bounded", "full"] = PREFILL_FIELD
+    question_tokens: NonNegativeInt = QUESTION_TOKENS_FIELD
 
     @model_validator(mode="after")
     def _one_count(self) -> RandomKV:

@@ -15,6 +15,13 @@ sinks and window, as in decode (the mask of the issue's definition); ``full``, e
 ``DuoAttentionPress`` and DuoAttention's deployment do, the cache keeping only sinks + window afterwards (the same
 bytes; the prefill holds one layer's full keys and values at a time). ``full`` cannot be combined with
 ``prefill_chunk``.
+
+``question_tokens`` (0 by default; only with ``prefill: full``, in ``generate`` steps) is kvpress's
+context/question split: each prompt's last ``question_tokens`` tokens are fed after the prefill's compression,
+in a second forward whose compressed KV heads attend only the sinks and window they kept (and the question's
+own earlier tokens), as decode steps do; the rest of the prompt is prefilled with every head in full. Use it to
+compare with kvpress's pipeline, which prefills its context in full and runs its question against the
+compressed cache.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from .common import (
     MEASURE_PEAK_FIELD,
     PREFILL_CHUNK_FIELD,
     PREFILL_FIELD,
+    QUESTION_TOKENS_FIELD,
     SINK_FIELD,
     WINDOW_FIELD,
     check_prefill,
@@ -66,6 +74,7 @@ class StreamingKV(ComponentConfig):
     budget: KvBudget | None = BUDGET_FIELD
     prefill_chunk: PositiveInt | None = PREFILL_CHUNK_FIELD
     prefill: Literal["bounded", "full"] = PREFILL_FIELD
+    question_tokens: NonNegativeInt = QUESTION_TOKENS_FIELD
 
     @model_validator(mode="after")
     def _ranked(self) -> StreamingKV:
