@@ -45,6 +45,7 @@ CROSS_FIELD = (
     "a `budget` ranks KV heads", "give exactly one of `fraction`", "circuit: give exactly one of top",
     "length must be at least 2", "words: each must be one word",
     "prefill: full attends every head over the whole prompt",
+    "the question is fed after a full prefill's", "kv question_tokens splits a prompt",
 )
 
 
