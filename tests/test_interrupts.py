@@ -78,20 +78,19 @@ def first_cell_done(out: Path) -> Path | None:
     return None
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["SIGINT", "SIGTERM", "SIGHUP"])
-def test_a_signal_during_run_exits_130_and_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch, signum):
+def signal_after_first_cell(tmp_path: Path, steps: str, signum: int, preexec) -> tuple[int, str, Path]:
+    """Run a 4-cell sweep of ``steps`` with the slow detector through ``python -m headlab.cli run`` (``preexec``
+    run in the child before it starts), send ``signum`` once its first cell is stored: (exit status, stderr,
+    run directory)."""
     site = slow_plugin(tmp_path)
     spec = tmp_path / "s.yaml"
-    spec.write_text(spec_text(STEPS, sweep=SWEEP))
+    spec.write_text(spec_text(steps, sweep=SWEEP))
     out = tmp_path / "runs"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    # started as from a terminal (the signal's default action: a background job of this test's own shell
-    # would inherit SIGINT ignored), with the signal blocked, as a parent process may leave it
     proc = subprocess.Popen([sys.executable, "-m", "headlab.cli", "run", str(spec), "--out", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
-                            preexec_fn=lambda: (signal.signal(signum, signal.SIG_DFL),
-                                                signal.pthread_sigmask(signal.SIG_BLOCK, {signum})))
+                            preexec_fn=preexec)
     deadline = time.time() + 240
     try:
         while (run := first_cell_done(out)) is None:
@@ -103,13 +102,23 @@ def test_a_signal_during_run_exits_130_and_resume_equals_an_uninterrupted_run(tm
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130, stderr  # was 0: `headlab run x && headlab report ...` went on
+    return proc.returncode, stderr, run
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["SIGINT", "SIGTERM", "SIGHUP"])
+def test_a_signal_during_run_exits_130_and_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch, signum):
+    # started as from a terminal (the signal's default action: a background job of this test's own shell
+    # would inherit SIGINT ignored), with the signal blocked, as a parent process may leave it
+    returncode, stderr, run = signal_after_first_cell(
+        tmp_path, STEPS, signum,
+        lambda: (signal.signal(signum, signal.SIG_DFL), signal.pthread_sigmask(signal.SIG_BLOCK, {signum})))
+    assert returncode == 130, stderr  # was 0: `headlab run x && headlab report ...` went on
     assert "Traceback" not in stderr, stderr
     assert f"interrupted: finished cells are stored in {run}; finish with `headlab run --resume {run}`" in stderr
     partial = headlab.open_run(run)
     assert partial.status == "interrupted" and 1 <= partial.cells_done < 4, (partial.status, partial.cells_done)
 
-    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))  # slow_plugin's distribution
     try:
         import slow_detector
 
@@ -129,27 +138,10 @@ def test_a_signal_during_run_exits_130_and_resume_equals_an_uninterrupted_run(tm
 
 
 def test_a_hangup_ignored_by_the_parent_as_nohup_does_leaves_the_run_going(tmp_path):
-    site = slow_plugin(tmp_path)
-    spec = tmp_path / "s.yaml"
-    spec.write_text(spec_text(STEPS.replace("{kind: slow}", "{kind: slow, seconds: 0.5}"), sweep=SWEEP))
-    out = tmp_path / "runs"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "headlab.cli", "run", str(spec), "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
-                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
-    deadline = time.time() + 240
-    try:
-        while (run := first_cell_done(out)) is None:
-            assert proc.poll() is None, proc.communicate()
-            assert time.time() < deadline, "no cell finished in time"
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGHUP)
-        _, stderr = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, stderr  # was 130: the handler replaced the ignore nohup asked for
+    returncode, stderr, run = signal_after_first_cell(
+        tmp_path, STEPS.replace("{kind: slow}", "{kind: slow, seconds: 0.5}"), signal.SIGHUP,
+        lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    assert returncode == 0, stderr  # was 130: the handler replaced the ignore nohup asked for
     finished = headlab.open_run(run)
     assert finished.status == "complete" and finished.cells_done == 4, (finished.status, finished.cells_done)
 

@@ -20,7 +20,8 @@ from headlab.instrument import ATTN_IMPLEMENTATION, register
 from headlab.instrument.kv_split import split_attention
 from headlab.kv import HeadMap, HeadwiseCache, KvPolicyError, kv_policy, split_call
 
-VOCAB = 97
+from fixtures.kv import VOCAB, left_padded
+
 _REF: dict = {}
 
 
@@ -162,17 +163,6 @@ def test_the_razor_component_and_refusals():
         HeadMap(head_map.kv_full, sink=2, window=4, compensate=True, prefill="full")
 
 
-def _left_padded(lengths: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    n = max(lengths)
-    ids = torch.zeros(len(lengths), n, dtype=torch.long)
-    mask = torch.zeros(len(lengths), n, dtype=torch.long)
-    for r, length in enumerate(lengths):
-        ids[r, n - length:] = torch.randint(1, VOCAB, (length,), generator=g)
-        mask[r, n - length:] = 1
-    return ids, mask
-
-
 def _snapshot(cache: HeadwiseCache) -> list[dict[str, torch.Tensor]]:
     """Copies of every layer's groups, slot positions and compensation sums and count."""
     out = []
@@ -245,7 +235,7 @@ def test_a_prompt_fed_in_chunks_equals_one_forward_and_the_reference(sink, windo
     prompt (groups, sinks, ring, compensation sums and count) and after decoding, and the decoded tokens and
     logits are those of the one-forward prefill to 1e-5, and the prompt's logits those of the hand reference."""
     ours, ref = _models()
-    ids, mask = _left_padded([14, 7, 16], seed=5)
+    ids, mask = left_padded([14, 7, 16], seed=5)
     head_map = _map(full, sink, window)
     one = _prompt_then_decode(ours, head_map, ids, mask, 5, None)
     got = _prompt_then_decode(ours, head_map, ids, mask, 5, chunks)
