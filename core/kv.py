@@ -955,7 +955,8 @@ def _press_class(base: type) -> type:
                 raise KvPolicyError(f"the head map has {tuple(self.full_heads.shape)[0]} layers x "
                                     f"{tuple(self.full_heads.shape)[1]} KV heads, this model {shape[0]} x {shape[1]}")
             self.sink_size, self.recent_size = self.sink, self.recent
-            self.streaming_mask = ~self.full_heads.to(model.device)
+            device = model.device  # its first parameter's: meta where accelerate offloads it
+            self.streaming_mask = ~self.full_heads.to("cpu" if device.type == "meta" else device)
 
     HeadMapPress.__qualname__ = HeadMapPress.__name__ = "HeadMapPress"
     return HeadMapPress

@@ -81,12 +81,19 @@ def test_the_press_carries_the_head_map():
 
 
 @needs_kvpress
-def test_after_a_prefill_kvpress_hides_what_the_head_map_drops():
+@pytest.mark.parametrize("offloaded", [False, True], ids=["in-memory", "embedding-on-disk"])
+def test_after_a_prefill_kvpress_hides_what_the_head_map_drops(tmp_path, offloaded):
     from transformers import DynamicCache
 
     hm = _map([[True, False], [False, True]], sink=2, window=5)
     press = to_kvpress(hm)
     model = _tiny_llama()
+    if offloaded:  # accelerate puts the embedding on disk: `model.device`, its first parameter's, is meta
+        from accelerate import dispatch_model
+
+        model = dispatch_model(model, {"model.embed_tokens": "disk", "model.layers": "cpu", "model.norm": "cpu",
+                                       "model.rotary_emb": "cpu", "lm_head": "cpu"}, offload_dir=str(tmp_path))
+        assert model.device.type == "meta"
     seq = 20
     ids = torch.randint(0, 64, (1, seq), generator=torch.Generator().manual_seed(1))
     cache = DynamicCache()
