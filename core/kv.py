@@ -26,9 +26,9 @@ tokens, so the sinks of a left-padded row are its first real tokens. Its ``nbyte
 keys and values it actually holds. Its ``update`` leaves a :class:`SplitCall` that headlab's attention
 (:mod:`headlab.instrument.kv_split`) reads each group from; :func:`kv_policy` runs a model's forwards with
 such caches and measures them (:class:`KvUsage`). Under a :class:`HeadBudgetMap` its layers are
-:class:`HeadBudgetLayer`: the prefill attends every head, then each compressed KV head keeps only the keys
-:func:`snapkv_keep` selects for it (its own buffers, no padding to another head's budget) and every later
-token.
+:class:`HeadBudgetLayer`: the prefill (in one forward or, with ``prefill_chunk``, in several) attends every
+head, then each compressed KV head keeps only the keys :func:`snapkv_keep` selects for it (its own buffers, no
+padding to another head's budget) and every later token.
 """
 
 from __future__ import annotations
@@ -1442,8 +1442,11 @@ class HeadBudgetLayer(HeadwiseLayer):
     row that keeps fewer), and ``new_keys``/``new_values`` ``[batch, n_compressed, n, head_dim]``, the ``n``
     tokens stored after the prefill (every head keeps them all), at padded indices ``prefill_length + t``.
 
-    The first update (the prefill) stores and returns every KV head's keys; the attention attends them all
-    causally and then calls :meth:`compress`, which keeps each compressed head's selection and drops the rest."""
+    The prefill (the first update, or with ``prompt_length`` every update until the prompt's ``prompt_length``
+    padded positions are stored: a prompt fed in several chunks) stores and returns every KV head's keys of the
+    prompt so far; the attention attends them all causally and hands the layer its queries: :meth:`observe`
+    after a chunk before the prompt's last, which keeps (only) the last ``observation_window`` of them, and
+    :meth:`compress` after the last, which keeps each compressed head's selection and drops the rest."""
 
     def __init__(self, full: Sequence[bool], budgets: Sequence[int], pad: torch.Tensor | None = None, *,
                  observation_window: int = 8, kernel_size: int = 7, pooling: Literal["max", "avg"] = "max") -> None:
@@ -1458,6 +1461,12 @@ class HeadBudgetLayer(HeadwiseLayer):
         self.kept_pos: list[torch.Tensor] | None = None
         self.new_keys = self.new_values = None
         self.prefill_length = 0
+        #: padded positions of the prompt (None: the first update is the whole prompt); every update before
+        #: the one that stores the last of them is a chunk of the prefill (:meth:`HeadwiseCache.set_prompt_length`)
+        self.prompt_length: int | None = None
+        #: the last ``observation_window`` queries of the prefill's chunks so far ``[batch, n_heads, <= W,
+        #: head_dim]`` (after the rotary embedding), until :meth:`compress`
+        self.window_queries: torch.Tensor | None = None
 
     @property
     def compressed_budgets(self) -> list[int]:
@@ -1466,22 +1475,30 @@ class HeadBudgetLayer(HeadwiseLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the states of the next tokens; returns the keys and values the attention reads causally: on
-        the first call (the prefill) every KV head's, later the full group's. With compressed heads it leaves a
-        :class:`SplitCall` (``prefill`` on the first call) for the attention (:func:`split_call`)."""
+        """Store the states of the next tokens; returns the keys and values the attention reads causally: in
+        the prefill (the first call, or every chunk of a prompt of ``prompt_length`` positions) every KV head's
+        keys of the prompt so far, later the full group's. With compressed heads it leaves a :class:`SplitCall`
+        (``prefill`` in the prefill) for the attention (:func:`split_call`)."""
         if not len(self.compressed_heads):
             return super().update(key_states, value_states, *args, **kwargs)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         q = key_states.shape[-2]
         if self.kept_keys is None:
-            if self.seen:
+            if self.seen and (self.prompt_length is None or self.seen >= self.prompt_length):
                 raise KvPolicyError("headkv: the prefill's attention did not compress this layer")
-            self.keys, self.values = key_states, value_states
-            self.pending = SplitCall(self, key_states, value_states, 0, prefill=True)
-            _SPLIT.last = (key_states, self.pending)
-            self.seen = q
-            return key_states, value_states
+            if self.prompt_length is not None and self.seen + q > self.prompt_length:
+                raise KvPolicyError(f"headkv: a chunk of {q} tokens after {self.seen} ends past the prompt's "
+                                    f"{self.prompt_length} positions")
+            if self.seen:
+                self.keys = torch.cat([self.keys, key_states], dim=-2)
+                self.values = torch.cat([self.values, value_states], dim=-2)
+            else:
+                self.keys, self.values = key_states, value_states
+            self.pending = SplitCall(self, key_states, value_states, self.seen, prefill=True)
+            _SPLIT.last = (self.keys, self.pending)
+            self.seen += q
+            return self.keys, self.values
         if len(self.full_heads):
             self.keys = torch.cat([self.keys, key_states.index_select(1, self.full_heads)], dim=-2)
             self.values = torch.cat([self.values, value_states.index_select(1, self.full_heads)], dim=-2)
@@ -1497,13 +1514,35 @@ class HeadBudgetLayer(HeadwiseLayer):
         self.seen += q
         return self.keys, self.values
 
+    @property
+    def prompt_complete(self) -> bool:
+        """Whether the layer has stored the whole prompt and not yet compressed it: the prefill's attention then
+        calls :meth:`compress` (else, after an earlier chunk of the prompt, :meth:`observe`)."""
+        return self.kept_keys is None and self.seen > 0 and (self.prompt_length is None
+                                                              or self.seen >= self.prompt_length)
+
+    def observe(self, queries: torch.Tensor) -> None:
+        """After the attention of a chunk of the prompt before its last: keep the last ``observation_window``
+        queries of the prefill so far (``queries`` ``[batch, n_heads, q, head_dim]``, the chunk's, after the
+        rotary embedding), for the selection at the prompt's end; a copy, so that the chunk's queries are freed."""
+        if self.kept_keys is not None:
+            raise KvPolicyError("headkv: the layer's prefill was already compressed")
+        recent = queries[:, :, -self.observation_window:]
+        if self.window_queries is not None:
+            recent = torch.cat([self.window_queries, recent], dim=2)[:, :, -self.observation_window:]
+        self.window_queries = recent.clone()
+
     def compress(self, queries: torch.Tensor, scaling: float | None = None) -> None:
-        """After the prefill's attention: keep, per compressed KV head, the prompt keys :func:`snapkv_keep`
-        selects from the last ``observation_window`` ``queries`` (``[batch, n_heads, >= W, head_dim]``, after
-        the rotary embedding) within its budget, and only the full heads' keys in the full group. A compressed
-        head whose budget covers the prompt keeps every token of its rows."""
+        """After the attention of the prefill's last call: keep, per compressed KV head, the prompt keys
+        :func:`snapkv_keep` selects from the prompt's last ``observation_window`` queries (those of ``queries``,
+        ``[batch, n_heads, q, head_dim]`` after the rotary embedding, preceded by the ones :meth:`observe` kept
+        from earlier chunks when ``q`` is shorter than the window) within its budget, and only the full heads'
+        keys in the full group. A compressed head whose budget covers the prompt keeps every token of its rows."""
         if self.kept_keys is not None or self.keys is None:
             raise KvPolicyError("headkv: a layer is compressed once, after its prefill")
+        if self.window_queries is not None:
+            queries = torch.cat([self.window_queries, queries[:, :, -self.observation_window:]], dim=2)
+            self.window_queries = None
         keys, values = self.keys, self.values
         batch, _, seq, dim = keys.shape
         group = queries.shape[1] // self.n_kv_heads
@@ -1572,12 +1611,12 @@ class HeadBudgetLayer(HeadwiseLayer):
         """Drop every stored token."""
         super().reset()
         self.kept_keys = self.kept_values = self.kept_pos = None
-        self.new_keys = self.new_values = None
+        self.new_keys = self.new_values = self.window_queries = None
         self.prefill_length = 0
 
     def _select_rows(self, pick: Any) -> None:
         super()._select_rows(pick)
-        for name in ("new_keys", "new_values"):
+        for name in ("new_keys", "new_values", "window_queries"):
             if isinstance(getattr(self, name), torch.Tensor):
                 setattr(self, name, pick(getattr(self, name)))
         for name in ("kept_keys", "kept_values", "kept_pos"):
@@ -1632,6 +1671,19 @@ class HeadwiseCache(Cache):
         if bool((mask.sum(dim=1) != mask.shape[1] - pad).any()):
             raise KvPolicyError("a headwise KV cache needs left padding: a row has padding after its first token")
         return cls(head_map, pad)
+
+    def set_prompt_length(self, tokens: int) -> None:
+        """Say that the prompt spans the first ``tokens`` positions of every row (left padding included) and may
+        be fed in several forwards: a :class:`HeadBudgetLayer` attends every head over the prompt until it has
+        stored them all and compresses at the end of that forward (by default the first forward is the whole
+        prompt). Given before the first forward; other layers need nothing."""
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+            raise KvPolicyError(f"a prompt length must be a positive number of tokens, not {tokens!r}")
+        if self.get_seq_length():
+            raise KvPolicyError("the prompt length is given before the cache stores any token")
+        for layer in self.layers:
+            if isinstance(layer, HeadBudgetLayer):
+                layer.prompt_length = tokens
 
     def _layer(self, layer_idx: int) -> HeadwiseLayer:
         if not 0 <= layer_idx < len(self.layers):
@@ -1819,9 +1871,6 @@ def _check_chunkable(head_map: HeadMap, prefill_chunk: int | None) -> None:
         return
     if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
         raise KvPolicyError(f"prefill_chunk must be a positive number of tokens, not {prefill_chunk!r}")
-    if isinstance(head_map, HeadBudgetMap):
-        raise KvPolicyError("headkv: a chunked prefill is not supported (each KV head's keys are selected from "
-                            "the whole prompt's attention); prefill the prompt in one forward")
     if head_map.prefill == "full" and not head_map.is_full:
         raise KvPolicyError("prefill: full: a chunked prefill is not supported (a later chunk would need the full "
                             "keys of the chunks before it); prefill the prompt in one forward")
@@ -1903,6 +1952,8 @@ def _chunked_forward(forward: Any, chunk: int, kwargs: dict[str, Any], new_cache
     if cache is None:
         cache = new_cache(mask if mask is not None else torch.ones(seq.shape[:2], dtype=torch.long,
                                                                    device=seq.device))
+        if isinstance(cache, HeadwiseCache):  # the forward is the prompt: headkv compresses after its last chunk
+            cache.set_prompt_length(n)
     logits, hidden, out = [], None, None
     bounds = list(ends) if ends is not None else list(range(chunk, n, chunk)) + [n]
     for a, b in zip([0, *bounds[:-1]], bounds, strict=True):
@@ -1960,8 +2011,11 @@ def kv_policy(model: torch.nn.Module, head_map: HeadMap, *, prefill_chunk: int |
     ``prefill_chunk``: a forward of more than this many new tokens runs as forwards of at most that many
     tokens into one cache (the same logits, concatenated, up to float rounding), so that the transient memory
     of a long prompt is bounded by the chunk (under ``razor``, each chunk's queries take their compensation
-    tokens from the cache's sums and ring plus the chunk's own prefix); refused under ``headkv`` and
-    ``prefill="full"`` maps.
+    tokens from the cache's sums and ring plus the chunk's own prefix). Under ``headkv`` every chunk of a
+    prompt attends every head over all earlier prompt keys, which the cache holds until the prompt's last
+    chunk, where the selection runs over the prompt's last ``observation_window`` queries (kept across
+    chunks): the same kept keys as one forward; there the chunk bounds the activations, not the prompt's
+    keys. Refused under ``prefill="full"`` maps with compressed heads.
 
     ``question_tokens`` (under a ``prefill="full"`` map with compressed heads; 0: off): a forward that starts
     without a cache runs as two forwards into one cache, every row's tokens but its last ``question_tokens``

@@ -4,7 +4,8 @@ eager reference written here, whose kept positions come from the definition (the
 averaged over the window's queries and the KV head's query heads, max-pooled, the top ``budget - window``
 before the window plus the window), on tiny random Llama and Qwen2 models with GQA, batched with left padding;
 a batch equals its rows one by one; the cache holds exactly the budgeted keys and its bytes the formula; a
-generate step with ``kv: {kind: headkv}`` through the runner stores what its caches held."""
+generate step with ``kv: {kind: headkv}`` through the runner stores what its caches held. A prompt prefilled by
+chunks (``prefill_chunk``) keeps the same keys and gives the same cache, logits and tokens as one forward."""
 
 from __future__ import annotations
 
@@ -304,6 +305,90 @@ def test_a_chunk_after_the_prefill_keeps_every_new_token():
     assert torch.equal(chunk.cache.layers[0].kept_keys_per_head(), cache.layers[0].kept_keys_per_head())
 
 
+# W = 4: chunks of 1 and 3 are shorter than the window (the prompt of 20 ends with a chunk of 2 under 3), and
+# the row of 9 tokens (11 padding) has its first chunks all padding under 3, 5 and 7
+CHUNKS = [1, 3, 5, 7]
+
+
+@pytest.mark.parametrize(("kind", "budgets"), [("llama", BUDGETS), ("qwen2", [[6, 10, 25, 14], [30, 30, 30, 30]])],
+                         ids=["llama-mixed", "qwen2-a-full-layer"])
+def test_a_chunked_prefill_equals_one_forward_and_the_reference(kind, budgets, monkeypatch):
+    """A left-padded GQA batch prefilled by chunks: every chunk attends every head over the earlier prompt keys,
+    the selection runs at the prompt's last chunk over its last W queries (kept across chunks, never more than
+    W of them): the kept positions per KV head, the cache's contents and bytes, the prompt logits and the decoded
+    tokens are those of one forward (1e-5) and of the dense-mask reference. A map with a layer of only full
+    heads runs every forward with transformers' dense mask, the other one without."""
+    ours, ref = _models(kind)
+    ids, mask = _batch(LENGTHS)
+    head_map = _map(budgets)
+    steps = 4
+    one_p, one_s, one_tok, one_cache, one_usage = _decode(ours, ids, mask, steps, head_map)
+    _, ref_s, ref_tok, kept = _reference(ref, ids, mask, steps, head_map)
+    assert torch.equal(one_tok, ref_tok)
+    real, prompt = mask.bool(), ids.shape[1]
+    held: list[tuple[int, int, bool]] = []
+    observe = HeadBudgetLayer.observe
+
+    def recording(self, queries):
+        observe(self, queries)
+        held.append((self.seen, self.window_queries.shape[2], self.implicit_mask))
+
+    monkeypatch.setattr(HeadBudgetLayer, "observe", recording)
+    for chunk in CHUNKS:
+        assert not mask[:, :chunk].any(dim=1).all()  # a row's first chunk is all padding
+        held.clear()
+        p, s, tok, cache, usage = _decode(ours, ids, mask, steps, head_map, prefill_chunk=chunk)
+        torch.testing.assert_close(p[real], one_p[real], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(s, one_s, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(s, ref_s, atol=1e-5, rtol=1e-5)
+        assert torch.equal(tok, one_tok)
+        # one observation per chunk before the last, in every layer with compressed heads, bounded by the window
+        chunks = -(-prompt // chunk)
+        compressed_layers = sum(1 for layer in cache.layers if layer.n_compressed)
+        assert len(held) == (chunks - 1) * compressed_layers
+        assert all(n == min(WINDOW, seen) for seen, n, _ in held)
+        implicit = all(layer.n_compressed for layer in cache.layers)  # else transformers' dense mask
+        assert implicit is (kind == "llama")
+        assert all(mask_left_implicit is implicit for *_, mask_left_implicit in held)
+        for layer_idx, (layer, whole) in enumerate(zip(cache.layers, one_cache.layers, strict=True)):
+            assert isinstance(layer, HeadBudgetLayer) and layer.window_queries is None
+            torch.testing.assert_close(layer.keys, whole.keys, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(layer.values, whole.values, atol=1e-5, rtol=1e-5)
+            assert torch.equal(layer.kept_keys_per_head(), whole.kept_keys_per_head())
+            assert layer.nbytes() == whole.nbytes()
+            for i, head in enumerate(layer.compressed_heads.tolist()):
+                k, v, pos = layer.head_cache(i)
+                wk, wv, wpos = whole.head_cache(i)
+                assert torch.equal(pos, wpos)
+                torch.testing.assert_close(k, wk, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(v, wv, atol=1e-5, rtol=1e-5)
+                for b in range(len(LENGTHS)):
+                    assert {int(x) for x in pos[b] if 0 <= x < prompt} == kept[layer_idx][b, head]
+            if layer.n_compressed:
+                paths = " ".join(layer.attention_paths)
+                assert "headkv prefill chunk" in paths and "then SnapKV selection" in paths
+        assert cache.nbytes() == one_cache.nbytes() == usage.nbytes == one_usage.nbytes
+        assert usage.full_nbytes == one_usage.full_nbytes and usage.nbytes < usage.full_nbytes
+
+
+def test_a_prompt_length_is_given_before_the_cache_stores_and_a_chunk_ends_inside_it():
+    ours, _ = _models("llama")
+    ids, mask = _batch([10, 7])
+    head_map = _map(length=10)
+    cache = HeadwiseCache.from_attention_mask(head_map, mask)
+    cache.set_prompt_length(6)
+    with pytest.raises(headlab.kv.KvPolicyError, match="a chunk of 10 tokens after 0 ends past the prompt's 6"), \
+            torch.no_grad(), kv_policy(ours, head_map):
+        ours(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), cache=cache, use_cache=True)
+    cache = HeadwiseCache.from_attention_mask(head_map, mask)
+    with torch.no_grad(), kv_policy(ours, head_map):
+        ours(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), cache=cache, use_cache=True)
+    with pytest.raises(headlab.kv.KvPolicyError, match="before the cache stores any token"):
+        cache.set_prompt_length(10)
+    with pytest.raises(headlab.kv.KvPolicyError, match="positive number of tokens"):
+        HeadwiseCache(head_map).set_prompt_length(0)
+
+
 def test_rows_can_be_selected_and_reordered():
     ours, _ = _models("llama")
     ids, mask = _batch(LENGTHS)
@@ -355,6 +440,26 @@ def test_a_generate_step_with_headkv_stores_what_its_caches_held(tmp_path):
     assert ds.attrs["kv_kept_fraction"] == pytest.approx(kept) and kept < 1
     assert float(ds["kv_kept_fraction"]) == pytest.approx(kept)
     assert ds["kv_full"].values.tolist() == (budgets >= prompt + 4).tolist()
+
+
+def test_a_generate_step_with_headkv_prefilled_by_chunks(tmp_path):
+    """``prefill_chunk`` (2 and 5: below and above the observation window of 3) changes neither the tokens nor the
+    bytes a headkv step's caches held."""
+    def gen(extra: str) -> str:
+        kv = "{kind: headkv, scores: {from: ind}, budget: {tokens_per_head: 8}, observation_window: 3" + extra + "}"
+        return "  - id: ind\n    detect: {kind: induction}\n  - id: gen\n    generate:\n      max_new_tokens: 4\n" \
+            f"      kv: {kv}\n"
+
+    plain = headlab.run(spec_text(gen(""), task=TASK), out=tmp_path / "plain").results["gen"]
+    assert 0 < plain.attrs["kv_kept_fraction"] < 1
+    for chunk in (2, 5):
+        ds = headlab.run(spec_text(gen(f", prefill_chunk: {chunk}"), task=TASK), out=tmp_path / f"c{chunk}").results["gen"]
+        assert np.array_equal(ds["output_ids"].values, plain["output_ids"].values)
+        assert np.array_equal(ds["kv_bytes"].values, plain["kv_bytes"].values)
+        assert ds.attrs["kv_bytes_full"] == plain.attrs["kv_bytes_full"]
+        assert ds.attrs["kv_kept_fraction"] == plain.attrs["kv_kept_fraction"]
+        assert "headkv prefill chunk" in ds.attrs["kv_attention"]
+        assert "headkv prefill chunk" not in plain.attrs["kv_attention"]
 
 
 CHECKPOINT = Path(__file__).parent.parent / "plugins" / "models" / "tiny" / "headlab-tiny" / "model.safetensors"

@@ -39,7 +39,11 @@ Under ``headkv`` (a :class:`headlab.kv.HeadBudgetLayer`) the prefill attends eve
 whole prompt, as SnapKV and HeadKV do, and hands the call's queries (after the rotary embedding) to the
 layer, which keeps each compressed KV head's selection (only the last ``observation_window`` queries are
 scored, never the full attention matrix); later calls attend each compressed KV head's query heads over its
-kept keys and the tokens stored since, one head at a time (each head holds a different number of keys).
+kept keys and the tokens stored since, one head at a time (each head holds a different number of keys). A
+prompt fed in several chunks (``prefill_chunk``) is attended the same way chunk by chunk, every head over
+every earlier prompt key (the layer holds them all until the prompt's last chunk); a chunk before the last
+hands the layer its queries to keep the last ``observation_window`` of them, and the last chunk's call
+compresses.
 """
 
 from __future__ import annotations
@@ -111,9 +115,12 @@ def split_attention(module: torch.nn.Module, query: Tensor, key: Tensor, value: 
         backend, reason = choose_backend(requested, edits=edits, softcap=softcap, device=query.device)
         margs = _mask_args(attention_mask, cache, Nq, key.shape[2], model_window)
         out = _causal_group(query, key, value, margs, edits, scale, softcap, backend)
-        if isinstance(cache, HeadBudgetLayer):
+        if isinstance(cache, HeadBudgetLayer) and cache.prompt_complete:
             cache.compress(query, scale)
             how = "headkv prefill, then SnapKV selection per KV head"
+        elif isinstance(cache, HeadBudgetLayer):  # a chunk before the prompt's last: no selection yet
+            cache.observe(query)
+            how = "headkv prefill chunk, every KV head's prompt keys kept until the prompt's last chunk"
         else:  # the update stored the compressed heads' sinks and window already
             how = "full prefill, then the compressed heads keep sinks + window"
         paths = [f"every head: {backend} ({reason}; {how})"]

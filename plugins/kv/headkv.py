@@ -11,6 +11,12 @@ default; they sweep 1.005 to 10). Under GQA the unit is the KV head: a KV head's
 heads' by ``gqa`` (``mean`` by default, so that its share of the pool is its query heads' total share).
 A step runs it on :class:`headlab.kv.HeadBudgetLayer` caches: the prefill attends every head in full, then
 each compressed KV head holds only its kept keys and the tokens generated since.
+
+With ``prefill_chunk`` a longer prompt is fed in forwards of at most that many tokens: every chunk attends
+every head over all earlier prompt keys, which the cache holds until the prompt's last chunk, and the
+selection runs at the end of that chunk over the prompt's last ``observation_window`` queries (kept across
+chunks), so the kept keys, the cache and the logits are those of one forward (up to float rounding). The
+chunk bounds the activations (MLP buffers, attention blocks), not the prompt's keys.
 """
 
 from __future__ import annotations
@@ -52,6 +58,10 @@ class HeadKV(ComponentConfig):
     pooling: Literal["max", "avg"] = Field("max", description="pooling of the key scores")
     gqa: GqaRule = Field("mean", description="a KV head's score from its query heads' scores: mean (default), "
                                              "any (the highest) or all (the lowest)")
+    prefill_chunk: PositiveInt | None = Field(
+        None, description="feed a longer prompt (or scored row) in forwards of at most this many tokens: bounds its "
+                          "activations by the chunk; every KV head holds the prompt's keys until its last chunk, "
+                          "where they are compressed as after one forward (default: one forward)")
 
     @model_validator(mode="after")
     def _checks(self) -> HeadKV:
