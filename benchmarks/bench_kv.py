@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -173,8 +174,23 @@ def decode(model, ids, new: int, device: str, prefill_context=None, cache=None, 
     return result
 
 
+def _live_peak(model, mask, args: argparse.Namespace, run):
+    """``run()`` (a :func:`decode`) inside ``headlab.kv.kv_policy(..., cpu_peak=True)`` with a map of every KV
+    head full (the model's own cache, only measured); its result with the live-tensor peak (``live_peak_bytes``)."""
+    import numpy as np
+    import xarray as xr
+
+    from headlab.kv import HeadMap, kv_policy
+
+    every = HeadMap(xr.DataArray(np.ones_like(mask), dims=("layer", "kv_head")), attrs={"policy": "full"})
+    with kv_policy(model, every, cpu_peak=True) as usage:
+        result = run()
+    return {**result, "live_peak_bytes": usage.peak_memory}
+
+
 def measure(args: argparse.Namespace) -> dict:
-    """One case at one length (run in a subprocess of this script)."""
+    """One case at one length (run in a subprocess of this script); with ``--_live``, the live-tensor peak
+    instead of the timings (``live_peak_bytes``, and the KV bytes of that pass)."""
     import torch
 
     if args.threads:
@@ -182,7 +198,9 @@ def measure(args: argparse.Namespace) -> dict:
     ids = torch.randint(3, 1024, (1, args.length), generator=torch.Generator().manual_seed(1)).to(args.device)
     mask = head_mask(args.layers, args.kv_heads, args.full_fraction)
     if args._case == "full":
-        return decode(build_model(args, "sdpa"), ids, args.new, args.device, chunk=args.prefill_chunk)
+        model = build_model(args, "sdpa")
+        run = lambda: decode(model, ids, args.new, args.device, chunk=args.prefill_chunk)  # noqa: E731
+        return _live_peak(model, mask, args, run) if args._live else run()
     if args._case == "streaming":
         import xarray as xr
 
@@ -193,8 +211,9 @@ def measure(args: argparse.Namespace) -> dict:
         model = build_model(args, "headlab")
         head_map = HeadMap(xr.DataArray(mask, dims=("layer", "kv_head")), sink=args.sink, window=args.window,
                            attrs={"policy": "streaming"})
-        with kv_policy(model, head_map, prefill_chunk=args.prefill_chunk or None):
-            return decode(model, ids, args.new, args.device)
+        with kv_policy(model, head_map, prefill_chunk=args.prefill_chunk or None, cpu_peak=args._live) as usage:
+            result = decode(model, ids, args.new, args.device)
+        return {**result, "live_peak_bytes": usage.peak_memory} if args._live else result
     if args._case == "kvpress":
         from kvpress import DuoAttentionPress
 
@@ -210,8 +229,9 @@ def measure(args: argparse.Namespace) -> dict:
         press = FixedMaskDuo(head_compression_ratio=1 - args.full_fraction)
         press.sink_size, press.recent_size = args.sink, args.window
         press.streaming_mask = torch.from_numpy(~mask).to(args.device)
-        return decode(model, ids, args.new, args.device, prefill_context=press(model),
-                      cache=transformers.DynamicCache())
+        run = lambda: decode(model, ids, args.new, args.device, prefill_context=press(model),  # noqa: E731
+                             cache=transformers.DynamicCache())
+        return _live_peak(model, mask, args, run) if args._live else run()
     raise ValueError(args._case)
 
 
@@ -230,13 +250,23 @@ def predicted_bytes(args: argparse.Namespace, length: int) -> tuple[int, int]:
     return int(full), int(np.int64(stream))
 
 
-def predicted_peak(case: dict, full: dict) -> float | None:
+def predicted_peak(case: dict, full: dict, peak: str = "peak_bytes", kv: str = "kv_bytes") -> float | None:
     """The peak memory growth ``case``'s kept bytes predict: ``full``'s peak - ``full``'s KV bytes + the case's KV
-    bytes (None without a ``full`` measurement, or when that is not positive)."""
-    if "error" in case or "error" in full:
+    bytes, read under the keys ``peak`` and ``kv`` (None without both measurements, or when that is not
+    positive)."""
+    if "error" in case or "error" in full or peak not in full or kv not in full or kv not in case:
         return None
-    pred = full["peak_bytes"] - full["kv_bytes"] + case["kv_bytes"]
+    pred = full[peak] - full[kv] + case[kv]
     return pred if pred > 0 else None
+
+
+def peak_cells(case: dict, full: dict, peak: str, kv: str) -> str:
+    """The table cells ``peak MiB, predicted MiB, peak / predicted`` of one measure (``n/a`` where missing)."""
+    if "error" in case or peak not in case:
+        return f"{'n/a':>9} {'n/a':>10} {'n/a':>6}"
+    pred = predicted_peak(case, full, peak, kv)
+    cells = f"{case[peak] / 2**20:>9.1f} "
+    return cells + (f"{pred / 2**20:>10.1f} {case[peak] / pred:>5.2f}x" if pred else f"{'n/a':>10} {'n/a':>6}")
 
 
 def main() -> None:
@@ -257,6 +287,13 @@ def main() -> None:
                    help="prefill full and streaming in forwards of at most this many tokens (0: one forward; "
                         "kvpress always prefills in one, as its press compresses after that forward)")
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
+    p.add_argument("--live-new", type=int, default=4,
+                   help="CPU: decoded tokens of each case's second process, which measures the live-tensor peak "
+                        "(0: no such process)")
+    p.add_argument("--malloc-mmap-threshold", type=int, default=None, metavar="BYTES",
+                   help="glibc malloc: serve blocks of at least BYTES by mmap (returned to the system when freed) "
+                        "in every case's process (MALLOC_MMAP_THRESHOLD_; default: glibc's dynamic threshold)")
+    p.add_argument("--_live", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--kvpress-python", default=str(ROOT / ".venv-kvpress" / "bin" / "python"),
                    help="the interpreter of kvpress's virtual environment")
     add_case_options(p)
@@ -280,6 +317,13 @@ def main() -> None:
                  ".venv-kvpress/bin/pip install kvpress torch==2.13.0)"
     if "kvpress" in args.cases and not kvpress_ok:
         print(f"kvpress: skipped ({reason})")
+    if args.malloc_mmap_threshold is not None:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
+    tunables = [f"{k}={os.environ[k]}" for k in sorted(os.environ) if k.startswith("MALLOC_")
+                or k == "GLIBC_TUNABLES"]
+    print(f"allocator: glibc malloc, {', '.join(tunables) or 'default thresholds'} (every case's process)"
+          if args.device == "cpu" else "allocator: torch's CUDA caching allocator")
+    live = args.device == "cpu" and args.live_new > 0
     forwarded = ["--new", str(args.new), "--device", args.device, "--dtype", args.dtype, "--layers",
                  str(args.layers), "--hidden", str(args.hidden), "--heads", str(args.heads), "--kv-heads",
                  str(args.kv_heads), "--full-fraction", str(args.full_fraction), "--sink", str(args.sink),
@@ -292,23 +336,35 @@ def main() -> None:
                 results[case] = {"error": "skipped"}
                 continue
             python = args.kvpress_python if case == "kvpress" else sys.executable
-            results[case] = run_case([python, __file__, "--_case", case, "--length", str(length), *forwarded],
-                                     args.timeout)
+            cmd = [python, __file__, "--_case", case, "--length", str(length), *forwarded]
+            results[case] = run_case(cmd, args.timeout)
+            if live and "error" not in results[case]:
+                cmd[cmd.index("--new") + 1] = str(args.live_new)
+                r = run_case([*cmd, "--_live"], args.timeout)
+                results[case].update({"live_error": r["error"]} if "error" in r else
+                                     {"live_peak_bytes": r["live_peak_bytes"], "live_kv_bytes": r["kv_bytes"]})
         full_pred, stream_pred = predicted_bytes(args, length)
         print(f"\nprompt {length} tokens (formula: full KV {full_pred / 2**20:.1f} MiB, streaming "
               f"{stream_pred / 2**20:.1f} MiB, {stream_pred / full_pred:.3f}x)")
         full = results.get("full", {"error": "not run"})
-        print(f"{'case':<10} {'KV MiB':>9} {'peak MiB':>9} {'predicted':>10} {'/pred':>6} {'decode pk':>10} "
-              f"{'prefill s':>10} {'decode tok/s':>13}")
+        measure_name = "peak RSS" if args.device == "cpu" else "peak alloc"
+        print(f"{'case':<10} {'KV MiB':>9} {measure_name:>9} {'predicted':>10} {'/pred':>6} "
+              + (f"{'live peak':>9} {'predicted':>10} {'/pred':>6} " if live else "")
+              + f"{'decode pk':>10} {'prefill s':>10} {'decode tok/s':>13}")
         for case, r in results.items():
             if "error" in r:
                 print(f"{case:<10} FAILED/SKIPPED ({r['error']})")
                 continue
-            pred = predicted_peak(r, full)
-            print(f"{case:<10} {r['kv_bytes'] / 2**20:>9.1f} {r['peak_bytes'] / 2**20:>9.1f} "
-                  + (f"{pred / 2**20:>10.1f} {r['peak_bytes'] / pred:>5.2f}x " if pred else f"{'n/a':>10} {'n/a':>6} ")
+            print(f"{case:<10} {r['kv_bytes'] / 2**20:>9.1f} {peak_cells(r, full, 'peak_bytes', 'kv_bytes')} "
+                  + (f"{peak_cells(r, full, 'live_peak_bytes', 'live_kv_bytes')} " if live else "")
                   + (f"{r['decode_peak_bytes'] / 2**20:>10.1f} " if "decode_peak_bytes" in r else f"{'n/a':>10} ")
                   + f"{r['prefill_s']:>10.2f} {r['tokens_per_s']:>13.1f}")
+        if live:
+            for case, r in results.items():
+                if "live_error" in r:
+                    print(f"{case} live peak: n/a ({r['live_error']})")
+            print(f"(live peak: tensor bytes alive at once, headlab.kv.kv_policy(..., cpu_peak=True), in a second "
+                  f"process per case with {args.live_new} decoded tokens; its prediction uses that pass's KV bytes)")
         for case in ("streaming", "kvpress"):
             if case in results:
                 r = results[case]
