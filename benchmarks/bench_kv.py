@@ -4,7 +4,8 @@ kvpress's ``DuoAttentionPress`` with the same head mask, side by side in one run
 
     python benchmarks/bench_kv.py [--lengths 8192 16384 32768] [--new 64] [--device cpu|cuda] [--dtype float32]
         [--layers 8] [--hidden 512] [--heads 8] [--kv-heads 2] [--full-fraction 0.25] [--sink 4] [--window 256]
-        [--threads 1] [--prefill-chunk 0] [--kvpress-python .venv-kvpress/bin/python]
+        [--threads 1] [--prefill-chunk 0] [--kvpress-python .venv-kvpress/bin/python] [--live-new 4]
+        [--malloc-mmap-threshold BYTES]
 
 Model: a seeded random-weight Llama with GQA (``--layers`` x ``--heads`` query heads over ``--kv-heads`` KV
 heads, hidden ``--hidden``, vocabulary 1024); a fixed random ``--full-fraction`` of its KV heads are full (the
@@ -16,18 +17,33 @@ forward of a batch-1 random prompt (logits of the last token only), then ``--new
   overwrites dropped keys with a fake key);
 - the peak memory growth over the case (CPU: peak resident set size over the process's size after loading the
   model; CUDA: ``max_memory_allocated`` over the allocated memory before the prefill);
+- on a CPU, also the **live-tensor peak**: the most bytes of tensor storage created during the case and alive at
+  once (``headlab.kv.kv_policy(..., cpu_peak=True)``; for ``full`` and ``kvpress`` under a map of every KV head
+  full, which only measures), the CPU analogue of CUDA's ``max_memory_allocated``, without what the process's
+  allocator holds beyond live tensors. Its operator tracking slows decode steps down, so it runs in a second
+  process per case (the same prefill, then ``--live-new`` decode steps; 0 skips it), and the timings and the
+  peak RSS come from the first, unmeasured one. ``kvpress``'s needs headlab importable in kvpress's environment
+  (installed there ``--no-deps`` with its other dependencies), else its column says why it is missing;
 - the decode's own peak growth: the peak over the decode steps above what was in use after the prefill
   (CUDA: allocated memory; CPU: resident set size, its peak reset after the prefill through
   ``/proc/self/clear_refs``; not reported where the kernel refuses that reset);
 - the peak the kept bytes predict for a case: ``full``'s peak - ``full``'s KV bytes + the case's KV bytes
   (what the peak would be if the case differed from ``full`` by its cache alone), and the measured peak over
   it (``peak / predicted``; 1.00x for ``full`` by definition, and above 1 where a case holds more transient
-  memory than ``full``);
+  memory than ``full``), for each measure (the live one predicted from its own pass's KV bytes);
 - prefill seconds and decode tokens/s (``--new`` / the decode's wall time).
 
 Cases: ``full`` (transformers' SDPA attention, ``DynamicCache``), ``streaming`` (headlab's attention under
 ``headlab.kv.kv_policy``), ``kvpress`` (SDPA patched by kvpress, in kvpress's own virtual environment,
 ``--kvpress-python``; skipped, with the reason, when that interpreter or kvpress is missing).
+
+The allocator: on a CPU the peak RSS counts what glibc's malloc keeps of freed blocks. By default its mmap
+threshold is dynamic (freeing a block that was mmapped raises it to that block's size, up to 32 MiB), so after
+the first large free, blocks of up to that size come from the heap, whose freed space is reused but not
+returned to the system while a later block lies above it. ``--malloc-mmap-threshold BYTES`` sets
+``MALLOC_MMAP_THRESHOLD_`` in every case's process alike (a fixed threshold: every block of at least BYTES is
+mmapped and unmapped when freed), and the header line names the allocator settings in force (``MALLOC_*`` and
+``GLIBC_TUNABLES`` from the environment are passed on to every case too).
 
 Targets (issue [kv-heads]): at 32K, headlab's KV bytes <= 0.3x full, its peak within 10% of what its kept bytes
 predict (``peak / predicted <= 1.10``) and decode tokens/s >= 2x full; prefill no slower than full.
