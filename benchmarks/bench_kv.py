@@ -43,7 +43,8 @@ the first large free, blocks of up to that size come from the heap, whose freed 
 returned to the system while a later block lies above it. ``--malloc-mmap-threshold BYTES`` sets
 ``MALLOC_MMAP_THRESHOLD_`` in every case's process alike (a fixed threshold: every block of at least BYTES is
 mmapped and unmapped when freed), and the header line names the allocator settings in force (``MALLOC_*`` and
-``GLIBC_TUNABLES`` from the environment are passed on to every case too).
+``GLIBC_TUNABLES`` from the environment are passed on to every case too). The peak RSS is then close to the
+live-tensor peak, but every large block costs fresh page faults: the times under it are not those of the default.
 
 Targets (issue [kv-heads]): at 32K, headlab's KV bytes <= 0.3x full, its peak within 10% of what its kept bytes
 predict (``peak / predicted <= 1.10``) and decode tokens/s >= 2x full; prefill no slower than full.
