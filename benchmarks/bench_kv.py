@@ -4,7 +4,8 @@ kvpress's ``DuoAttentionPress`` with the same head mask, side by side in one run
 
     python benchmarks/bench_kv.py [--lengths 8192 16384 32768] [--new 64] [--device cpu|cuda] [--dtype float32]
         [--layers 8] [--hidden 512] [--heads 8] [--kv-heads 2] [--full-fraction 0.25] [--sink 4] [--window 256]
-        [--threads 1] [--prefill-chunk 0] [--kvpress-python .venv-kvpress/bin/python]
+        [--threads 1] [--prefill-chunk 0] [--kvpress-python .venv-kvpress/bin/python] [--live-new 4]
+        [--malloc-mmap-threshold BYTES]
 
 Model: a seeded random-weight Llama with GQA (``--layers`` x ``--heads`` query heads over ``--kv-heads`` KV
 heads, hidden ``--hidden``, vocabulary 1024); a fixed random ``--full-fraction`` of its KV heads are full (the
@@ -16,18 +17,34 @@ forward of a batch-1 random prompt (logits of the last token only), then ``--new
   overwrites dropped keys with a fake key);
 - the peak memory growth over the case (CPU: peak resident set size over the process's size after loading the
   model; CUDA: ``max_memory_allocated`` over the allocated memory before the prefill);
+- on a CPU, also the **live-tensor peak**: the most bytes of tensor storage created during the case and alive at
+  once (``headlab.kv.kv_policy(..., cpu_peak=True)``; for ``full`` and ``kvpress`` under a map of every KV head
+  full, which only measures), the CPU analogue of CUDA's ``max_memory_allocated``, without what the process's
+  allocator holds beyond live tensors. Its operator tracking slows decode steps down, so it runs in a second
+  process per case (the same prefill, then ``--live-new`` decode steps; 0 skips it), and the timings and the
+  peak RSS come from the first, unmeasured one. ``kvpress``'s needs headlab importable in kvpress's environment
+  (installed there ``--no-deps`` with its other dependencies), else its column says why it is missing;
 - the decode's own peak growth: the peak over the decode steps above what was in use after the prefill
   (CUDA: allocated memory; CPU: resident set size, its peak reset after the prefill through
   ``/proc/self/clear_refs``; not reported where the kernel refuses that reset);
 - the peak the kept bytes predict for a case: ``full``'s peak - ``full``'s KV bytes + the case's KV bytes
   (what the peak would be if the case differed from ``full`` by its cache alone), and the measured peak over
   it (``peak / predicted``; 1.00x for ``full`` by definition, and above 1 where a case holds more transient
-  memory than ``full``);
+  memory than ``full``), for each measure (the live one predicted from its own pass's KV bytes);
 - prefill seconds and decode tokens/s (``--new`` / the decode's wall time).
 
 Cases: ``full`` (transformers' SDPA attention, ``DynamicCache``), ``streaming`` (headlab's attention under
 ``headlab.kv.kv_policy``), ``kvpress`` (SDPA patched by kvpress, in kvpress's own virtual environment,
 ``--kvpress-python``; skipped, with the reason, when that interpreter or kvpress is missing).
+
+The allocator: on a CPU the peak RSS counts what glibc's malloc keeps of freed blocks. By default its mmap
+threshold is dynamic (freeing a block that was mmapped raises it to that block's size, up to 32 MiB), so after
+the first large free, blocks of up to that size come from the heap, whose freed space is reused but not
+returned to the system while a later block lies above it. ``--malloc-mmap-threshold BYTES`` sets
+``MALLOC_MMAP_THRESHOLD_`` in every case's process alike (a fixed threshold: every block of at least BYTES is
+mmapped and unmapped when freed), and the header line names the allocator settings in force (``MALLOC_*`` and
+``GLIBC_TUNABLES`` from the environment are passed on to every case too). The peak RSS is then close to the
+live-tensor peak, but every large block costs fresh page faults: the times under it are not those of the default.
 
 Targets (issue [kv-heads]): at 32K, headlab's KV bytes <= 0.3x full, its peak within 10% of what its kept bytes
 predict (``peak / predicted <= 1.10``) and decode tokens/s >= 2x full; prefill no slower than full.
@@ -37,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -173,8 +191,23 @@ def decode(model, ids, new: int, device: str, prefill_context=None, cache=None, 
     return result
 
 
+def _live_peak(model, mask, args: argparse.Namespace, run):
+    """``run()`` (a :func:`decode`) inside ``headlab.kv.kv_policy(..., cpu_peak=True)`` with a map of every KV
+    head full (the model's own cache, only measured); its result with the live-tensor peak (``live_peak_bytes``)."""
+    import numpy as np
+    import xarray as xr
+
+    from headlab.kv import HeadMap, kv_policy
+
+    every = HeadMap(xr.DataArray(np.ones_like(mask), dims=("layer", "kv_head")), attrs={"policy": "full"})
+    with kv_policy(model, every, cpu_peak=True) as usage:
+        result = run()
+    return {**result, "live_peak_bytes": usage.peak_memory}
+
+
 def measure(args: argparse.Namespace) -> dict:
-    """One case at one length (run in a subprocess of this script)."""
+    """One case at one length (run in a subprocess of this script); with ``--_live``, the live-tensor peak
+    instead of the timings (``live_peak_bytes``, and the KV bytes of that pass)."""
     import torch
 
     if args.threads:
@@ -182,7 +215,9 @@ def measure(args: argparse.Namespace) -> dict:
     ids = torch.randint(3, 1024, (1, args.length), generator=torch.Generator().manual_seed(1)).to(args.device)
     mask = head_mask(args.layers, args.kv_heads, args.full_fraction)
     if args._case == "full":
-        return decode(build_model(args, "sdpa"), ids, args.new, args.device, chunk=args.prefill_chunk)
+        model = build_model(args, "sdpa")
+        run = lambda: decode(model, ids, args.new, args.device, chunk=args.prefill_chunk)  # noqa: E731
+        return _live_peak(model, mask, args, run) if args._live else run()
     if args._case == "streaming":
         import xarray as xr
 
@@ -193,8 +228,9 @@ def measure(args: argparse.Namespace) -> dict:
         model = build_model(args, "headlab")
         head_map = HeadMap(xr.DataArray(mask, dims=("layer", "kv_head")), sink=args.sink, window=args.window,
                            attrs={"policy": "streaming"})
-        with kv_policy(model, head_map, prefill_chunk=args.prefill_chunk or None):
-            return decode(model, ids, args.new, args.device)
+        with kv_policy(model, head_map, prefill_chunk=args.prefill_chunk or None, cpu_peak=args._live) as usage:
+            result = decode(model, ids, args.new, args.device)
+        return {**result, "live_peak_bytes": usage.peak_memory} if args._live else result
     if args._case == "kvpress":
         from kvpress import DuoAttentionPress
 
@@ -210,8 +246,9 @@ def measure(args: argparse.Namespace) -> dict:
         press = FixedMaskDuo(head_compression_ratio=1 - args.full_fraction)
         press.sink_size, press.recent_size = args.sink, args.window
         press.streaming_mask = torch.from_numpy(~mask).to(args.device)
-        return decode(model, ids, args.new, args.device, prefill_context=press(model),
-                      cache=transformers.DynamicCache())
+        run = lambda: decode(model, ids, args.new, args.device, prefill_context=press(model),  # noqa: E731
+                             cache=transformers.DynamicCache())
+        return _live_peak(model, mask, args, run) if args._live else run()
     raise ValueError(args._case)
 
 
@@ -230,13 +267,23 @@ def predicted_bytes(args: argparse.Namespace, length: int) -> tuple[int, int]:
     return int(full), int(np.int64(stream))
 
 
-def predicted_peak(case: dict, full: dict) -> float | None:
+def predicted_peak(case: dict, full: dict, peak: str = "peak_bytes", kv: str = "kv_bytes") -> float | None:
     """The peak memory growth ``case``'s kept bytes predict: ``full``'s peak - ``full``'s KV bytes + the case's KV
-    bytes (None without a ``full`` measurement, or when that is not positive)."""
-    if "error" in case or "error" in full:
+    bytes, read under the keys ``peak`` and ``kv`` (None without both measurements, or when that is not
+    positive)."""
+    if "error" in case or "error" in full or peak not in full or kv not in full or kv not in case:
         return None
-    pred = full["peak_bytes"] - full["kv_bytes"] + case["kv_bytes"]
+    pred = full[peak] - full[kv] + case[kv]
     return pred if pred > 0 else None
+
+
+def peak_cells(case: dict, full: dict, peak: str, kv: str) -> str:
+    """The table cells ``peak MiB, predicted MiB, peak / predicted`` of one measure (``n/a`` where missing)."""
+    if "error" in case or peak not in case:
+        return f"{'n/a':>9} {'n/a':>10} {'n/a':>6}"
+    pred = predicted_peak(case, full, peak, kv)
+    cells = f"{case[peak] / 2**20:>9.1f} "
+    return cells + (f"{pred / 2**20:>10.1f} {case[peak] / pred:>5.2f}x" if pred else f"{'n/a':>10} {'n/a':>6}")
 
 
 def main() -> None:
@@ -257,6 +304,13 @@ def main() -> None:
                    help="prefill full and streaming in forwards of at most this many tokens (0: one forward; "
                         "kvpress always prefills in one, as its press compresses after that forward)")
     p.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
+    p.add_argument("--live-new", type=int, default=4,
+                   help="CPU: decoded tokens of each case's second process, which measures the live-tensor peak "
+                        "(0: no such process)")
+    p.add_argument("--malloc-mmap-threshold", type=int, default=None, metavar="BYTES",
+                   help="glibc malloc: serve blocks of at least BYTES by mmap (returned to the system when freed) "
+                        "in every case's process (MALLOC_MMAP_THRESHOLD_; default: glibc's dynamic threshold)")
+    p.add_argument("--_live", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--kvpress-python", default=str(ROOT / ".venv-kvpress" / "bin" / "python"),
                    help="the interpreter of kvpress's virtual environment")
     add_case_options(p)
@@ -280,6 +334,13 @@ def main() -> None:
                  ".venv-kvpress/bin/pip install kvpress torch==2.13.0)"
     if "kvpress" in args.cases and not kvpress_ok:
         print(f"kvpress: skipped ({reason})")
+    if args.malloc_mmap_threshold is not None:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
+    tunables = [f"{k}={os.environ[k]}" for k in sorted(os.environ) if k.startswith("MALLOC_")
+                or k == "GLIBC_TUNABLES"]
+    print(f"allocator: glibc malloc, {', '.join(tunables) or 'default thresholds'} (every case's process)"
+          if args.device == "cpu" else "allocator: torch's CUDA caching allocator")
+    live = args.device == "cpu" and args.live_new > 0
     forwarded = ["--new", str(args.new), "--device", args.device, "--dtype", args.dtype, "--layers",
                  str(args.layers), "--hidden", str(args.hidden), "--heads", str(args.heads), "--kv-heads",
                  str(args.kv_heads), "--full-fraction", str(args.full_fraction), "--sink", str(args.sink),
@@ -292,23 +353,35 @@ def main() -> None:
                 results[case] = {"error": "skipped"}
                 continue
             python = args.kvpress_python if case == "kvpress" else sys.executable
-            results[case] = run_case([python, __file__, "--_case", case, "--length", str(length), *forwarded],
-                                     args.timeout)
+            cmd = [python, __file__, "--_case", case, "--length", str(length), *forwarded]
+            results[case] = run_case(cmd, args.timeout)
+            if live and "error" not in results[case]:
+                cmd[cmd.index("--new") + 1] = str(args.live_new)
+                r = run_case([*cmd, "--_live"], args.timeout)
+                results[case].update({"live_error": r["error"]} if "error" in r else
+                                     {"live_peak_bytes": r["live_peak_bytes"], "live_kv_bytes": r["kv_bytes"]})
         full_pred, stream_pred = predicted_bytes(args, length)
         print(f"\nprompt {length} tokens (formula: full KV {full_pred / 2**20:.1f} MiB, streaming "
               f"{stream_pred / 2**20:.1f} MiB, {stream_pred / full_pred:.3f}x)")
         full = results.get("full", {"error": "not run"})
-        print(f"{'case':<10} {'KV MiB':>9} {'peak MiB':>9} {'predicted':>10} {'/pred':>6} {'decode pk':>10} "
-              f"{'prefill s':>10} {'decode tok/s':>13}")
+        measure_name = "peak RSS" if args.device == "cpu" else "peak alloc"
+        print(f"{'case':<10} {'KV MiB':>9} {measure_name:>9} {'predicted':>10} {'/pred':>6} "
+              + (f"{'live peak':>9} {'predicted':>10} {'/pred':>6} " if live else "")
+              + f"{'decode pk':>10} {'prefill s':>10} {'decode tok/s':>13}")
         for case, r in results.items():
             if "error" in r:
                 print(f"{case:<10} FAILED/SKIPPED ({r['error']})")
                 continue
-            pred = predicted_peak(r, full)
-            print(f"{case:<10} {r['kv_bytes'] / 2**20:>9.1f} {r['peak_bytes'] / 2**20:>9.1f} "
-                  + (f"{pred / 2**20:>10.1f} {r['peak_bytes'] / pred:>5.2f}x " if pred else f"{'n/a':>10} {'n/a':>6} ")
+            print(f"{case:<10} {r['kv_bytes'] / 2**20:>9.1f} {peak_cells(r, full, 'peak_bytes', 'kv_bytes')} "
+                  + (f"{peak_cells(r, full, 'live_peak_bytes', 'live_kv_bytes')} " if live else "")
                   + (f"{r['decode_peak_bytes'] / 2**20:>10.1f} " if "decode_peak_bytes" in r else f"{'n/a':>10} ")
                   + f"{r['prefill_s']:>10.2f} {r['tokens_per_s']:>13.1f}")
+        if live:
+            for case, r in results.items():
+                if "live_error" in r:
+                    print(f"{case} live peak: n/a ({r['live_error']})")
+            print(f"(live peak: tensor bytes alive at once, headlab.kv.kv_policy(..., cpu_peak=True), in a second "
+                  f"process per case with {args.live_new} decoded tokens; its prediction uses that pass's KV bytes)")
         for case in ("streaming", "kvpress"):
             if case in results:
                 r = results[case]
