@@ -1890,26 +1890,17 @@ def _check_question(head_map: HeadMap, question_tokens: int) -> None:
                             "(give prefill: full)")
 
 
-def _question_split(model: torch.nn.Module, n_question: int, new_cache: Any) -> _ChunkHandle:
-    """``model``'s forward, until the handle is removed, runs a forward that starts without a cache (a prefill)
-    as two forwards into one new cache (``new_cache(attention_mask)``): every row's tokens but the last
-    ``n_question`` (the context), then those last ``n_question`` columns (the question: left padding makes them
-    every row's last tokens); the logits of both concatenated."""
-    previous = model.__dict__.get("forward")
-    plain = model.forward
+def _question_plan(n_question: int) -> Any:
+    """The split of :func:`kv_policy`'s ``question_tokens``, for :func:`_splitting`: a forward that starts without
+    a cache (a prefill) runs as every row's tokens but the last ``n_question`` (the context), then those last
+    ``n_question`` columns (the question: left padding makes them every row's last tokens)."""
 
-    @functools.wraps(plain)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        if len(args) > 1:
+    def plan(named: dict[str, Any], seq: torch.Tensor, positional: bool) -> list[int] | None:
+        if positional:
             raise KvPolicyError("question_tokens: a forward with positional arguments after the input ids cannot be "
                                 "split; pass them by name")
-        named = {"input_ids": args[0], **kwargs} if args else kwargs
         if named.get("cache") is not None or named.get("past_key_values") is not None:
-            return plain(*args, **kwargs)
-        seq = named.get("input_ids")
-        seq = seq if seq is not None else named.get("inputs_embeds")
-        if seq is None:
-            return plain(*args, **kwargs)
+            return None
         mask = named.get("attention_mask")
         real = mask.sum(-1) if isinstance(mask, torch.Tensor) and mask.dim() == 2 else \
             torch.full(seq.shape[:1], seq.shape[1], device=seq.device)
@@ -1919,18 +1910,28 @@ def _question_split(model: torch.nn.Module, n_question: int, new_cache: Any) -> 
                                 f"{int(real[short[0]])} tokens, so no context before its question (the last "
                                 f"{n_question}); give prompts longer than question_tokens")
         n = seq.shape[1]
-        return _chunked_forward(plain, n, named, new_cache, ends=(n - n_question, n), what="question_tokens")
+        return [n - n_question, n]
 
-    model.forward = forward
-    return _ChunkHandle(model, previous)
+    return plan
 
 
-def _chunked_forward(forward: Any, chunk: int, kwargs: dict[str, Any], new_cache: Any, *,
-                     ends: Sequence[int] | None = None, what: str = "prefill_chunk") -> Any:
-    """``forward(**kwargs)`` for a forward of more than ``chunk`` new tokens, fed ``chunk`` tokens at a time
-    (or in forwards ending at the new tokens ``ends``) into one cache (``new_cache(attention_mask)`` when the
-    forward starts none: a cache laid out for every row's padding): the logits (and hidden states) of every
-    chunk concatenated, the cache after the last. ``what`` names the option in errors."""
+def _chunk_plan(chunk: int) -> Any:
+    """The split of :func:`kv_policy`'s ``prefill_chunk``, for :func:`_splitting`: a forward of more than
+    ``chunk`` new tokens runs as forwards of ``chunk`` tokens (the last one shorter)."""
+
+    def plan(named: dict[str, Any], seq: torch.Tensor, positional: bool) -> list[int] | None:
+        n = seq.shape[1]
+        return None if positional or n <= chunk else [*range(chunk, n, chunk), n]
+
+    return plan
+
+
+def _chunked_forward(forward: Any, ends: Sequence[int], kwargs: dict[str, Any], new_cache: Any, *,
+                     what: str = "prefill_chunk") -> Any:
+    """``forward(**kwargs)`` fed as forwards ending at the new tokens ``ends`` (the last: all of them) into one
+    cache (``new_cache(attention_mask)`` when the forward starts none: a cache laid out for every row's padding):
+    the logits (and hidden states) of every chunk concatenated, the cache after the last. ``what`` names the
+    option in errors."""
     ids = kwargs.get("input_ids")
     seq = ids if ids is not None else kwargs["inputs_embeds"]
     n = seq.shape[1]
@@ -1955,8 +1956,7 @@ def _chunked_forward(forward: Any, chunk: int, kwargs: dict[str, Any], new_cache
         if isinstance(cache, HeadwiseCache):  # the forward is the prompt: headkv compresses after its last chunk
             cache.set_prompt_length(n)
     logits, hidden, out = [], None, None
-    bounds = list(ends) if ends is not None else list(range(chunk, n, chunk)) + [n]
-    for a, b in zip([0, *bounds[:-1]], bounds, strict=True):
+    for a, b in zip([0, *ends[:-1]], ends, strict=True):
         part = dict(kwargs)
         for name in ("input_ids", "inputs_embeds", "position_ids", "cache_position"):
             value = kwargs.get(name)
@@ -2081,8 +2081,8 @@ def kv_policy(model: torch.nn.Module, head_map: HeadMap, *, prefill_chunk: int |
     handles = [target.register_forward_pre_hook(before, with_kwargs=True),
                target.register_forward_hook(after, with_kwargs=True)]
     if prefill_chunk is not None:
-        handles.append(_chunking(model, prefill_chunk, lambda mask: HeadwiseCache.from_attention_mask(
-            head_map, mask) if compressed else None))
+        handles.append(_splitting(model, _chunk_plan(prefill_chunk), lambda mask: HeadwiseCache.from_attention_mask(
+            head_map, mask) if compressed else None, "prefill_chunk"))
     if question_tokens and compressed:
         def question_cache(mask: torch.Tensor) -> HeadwiseCache:
             cache = HeadwiseCache.from_attention_mask(head_map, mask)
@@ -2090,7 +2090,7 @@ def kv_policy(model: torch.nn.Module, head_map: HeadMap, *, prefill_chunk: int |
                 layer.question_tokens = question_tokens
             return cache
 
-        handles.append(_question_split(model, question_tokens, question_cache))
+        handles.append(_splitting(model, _question_plan(question_tokens), question_cache, "question_tokens"))
     tracker = _LiveBytes() if cuda is None and cpu_peak else None
     try:
         with tracker if tracker is not None else contextlib.nullcontext():
@@ -2110,7 +2110,7 @@ def kv_policy(model: torch.nn.Module, head_map: HeadMap, *, prefill_chunk: int |
 
 
 class _ChunkHandle:
-    """Undoes :func:`_chunking`."""
+    """Undoes :func:`_splitting`."""
 
     def __init__(self, model: torch.nn.Module, previous: Any) -> None:
         self.model, self.previous = model, previous
@@ -2122,20 +2122,22 @@ class _ChunkHandle:
             self.model.forward = self.previous
 
 
-def _chunking(model: torch.nn.Module, chunk: int, new_cache: Any) -> _ChunkHandle:
-    """``model``'s forward, until the handle is removed, splits a forward of more than ``chunk`` new tokens
-    (:func:`_chunked_forward`)."""
+def _splitting(model: torch.nn.Module, plan: Any, new_cache: Any, what: str) -> _ChunkHandle:
+    """``model``'s forward, until the handle is removed, runs a forward that ``plan(named arguments, input ids or
+    embeddings, positional arguments after them?)`` splits (the ends of the forwards, in new tokens; None: not
+    split) as those forwards into one cache (:func:`_chunked_forward`; ``what`` names the option in errors)."""
     previous = model.__dict__.get("forward")
     plain = model.forward
 
     @functools.wraps(plain)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        named = {"input_ids": args[0], **kwargs} if len(args) == 1 else kwargs
+        named = {"input_ids": args[0], **kwargs} if args else kwargs
         seq = named.get("input_ids")
         seq = seq if seq is not None else named.get("inputs_embeds")
-        if len(args) > 1 or seq is None or seq.shape[1] <= chunk:
+        ends = None if seq is None else plan(named, seq, len(args) > 1)
+        if ends is None:
             return plain(*args, **kwargs)
-        return _chunked_forward(plain, chunk, named, new_cache)
+        return _chunked_forward(plain, ends, named, new_cache, what=what)
 
     model.forward = forward
     return _ChunkHandle(model, previous)

@@ -35,6 +35,7 @@ from headlab.kv import (
 )
 
 from fixtures.kv import greedy_decode as _decode
+from fixtures.kv import greedy_recompute
 from fixtures.kv import left_padded as _batch
 from fixtures.kv import positions as _positions
 from fixtures.specs import TINY_LLAMA, spec_text
@@ -144,20 +145,7 @@ def _map(budgets=BUDGETS, length: int = max(LENGTHS)) -> HeadBudgetMap:
 def _reference(model, ids, mask, steps: int, head_map: HeadBudgetMap):
     _REF.update(pad=(mask == 0).sum(-1), prompt=ids.shape[1], kept={}, full=head_map.kv_full.values,
                 budgets=head_map.kv_budget.values.tolist())
-    step_logits, tokens = [], []
-    with torch.no_grad():
-        for t in range(steps + 1):
-            out = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=False)
-            if t == 0:
-                prompt_logits = out.logits
-            step_logits.append(out.logits[:, -1])
-            if t == steps:
-                break
-            nxt = out.logits[:, -1].argmax(-1)
-            tokens.append(nxt)
-            ids = torch.cat([ids, nxt[:, None]], 1)
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-    return prompt_logits, torch.stack(step_logits, 1), torch.stack(tokens, 1), dict(_REF["kept"])
+    return (*greedy_recompute(model, ids, mask, steps), dict(_REF["kept"]))
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])

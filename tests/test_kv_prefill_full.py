@@ -24,6 +24,7 @@ from headlab import component
 from headlab.instrument import ATTN_IMPLEMENTATION, register
 from headlab.kv import HeadBudgetMap, HeadMap, HeadwiseCache, HeadwiseLayer, KvPolicyError, kv_policy
 
+from fixtures.kv import assert_batch_equals_rows, greedy_recompute
 from fixtures.kv import greedy_decode as _decode
 from fixtures.kv import left_padded as _batch
 from fixtures.kv import positions as _positions
@@ -96,20 +97,7 @@ def _reference(model, ids, mask, steps: int, head_map: HeadMap, question: int = 
     ``question`` queries bounded too, as generated ones)."""
     _REF.update(full=head_map.kv_full.values, sink=head_map.sink, window=head_map.window,
                 pad=(mask == 0).sum(-1), prompt=ids.shape[1] - question)
-    step_logits, tokens = [], []
-    with torch.no_grad():
-        for t in range(steps + 1):
-            out = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), use_cache=False)
-            if t == 0:
-                prompt_logits = out.logits
-            step_logits.append(out.logits[:, -1])
-            if t == steps:
-                break
-            nxt = out.logits[:, -1].argmax(-1)
-            tokens.append(nxt)
-            ids = torch.cat([ids, nxt[:, None]], 1)
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-    return prompt_logits, torch.stack(step_logits, 1), torch.stack(tokens, 1)
+    return greedy_recompute(model, ids, mask, steps)
 
 
 def _real(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -152,16 +140,7 @@ def test_a_layer_of_only_full_heads_and_the_dense_mask():
 
 def test_a_batch_of_three_equals_its_rows_one_by_one():
     ours, _ = _models("qwen2")
-    lengths = [9, 14, 5]
-    ids, mask = _batch(lengths, seed=5)
-    head_map = _map(FULL, 2, 4)
-    p_b, s_b, t_b, _, _ = _decode(ours, ids, mask, 6, head_map)
-    n = ids.shape[1]
-    for r, length in enumerate(lengths):
-        p_r, s_r, t_r, _, _ = _decode(ours, ids[r:r + 1, n - length:], mask[r:r + 1, n - length:], 6, head_map)
-        torch.testing.assert_close(p_b[r, n - length:], p_r[0], rtol=0, atol=1e-5)
-        torch.testing.assert_close(s_b[r], s_r[0], rtol=0, atol=1e-5)
-        assert t_b[r].equal(t_r[0])
+    assert_batch_equals_rows(ours, [9, 14, 5], 6, _map(FULL, 2, 4), seed=5)
 
 
 def test_the_cache_holds_the_bounded_prefills_layout_and_bytes():
