@@ -207,6 +207,36 @@ def test_weight_reading_detectors_on_an_offloaded_model_equal_the_unsplit_model(
     assert np.abs(split.results["dla"]["logit_diff"].values).min() > 0
 
 
+@pytest.mark.parametrize("kind", ["successor", "copy_suppression"])
+def test_ov_circuit_detectors_load_each_offloaded_module_once_per_run(checkpoint, tmp_path, monkeypatch, kind):
+    import accelerate.utils
+
+    from headlab import Example, StepContext
+    from headlab.plugins.detectors import copy_suppression, successor
+
+    split = load_model(ModelSpec(path=str(checkpoint), device_map=ON_DISK, offload_folder=str(tmp_path / "off")))
+    names = {id(m): n for n, m in split.model.named_modules()}
+    loads: dict[str, int] = {}
+    align = accelerate.utils.align_module_device
+
+    def counted(module, *args, **kwargs):
+        loads[names[id(module)]] = loads.get(names[id(module)], 0) + 1
+        return align(module, *args, **kwargs)
+
+    monkeypatch.setattr(accelerate.utils, "align_module_device", counted)
+    ctx = StepContext(model=split, examples=[Example(prompt="a")], results={}, seed=0)
+    if kind == "successor":
+        ds = successor.detect(successor.Successor(), ctx)
+    else:
+        ds = copy_suppression.detect(copy_suppression.CopySuppression(tokens=64, row_block=16, block=100), ctx)
+    assert np.unique(ds["score"].values).size > 1
+    # the embedding, the unembedding, the final norm and each offloaded layer's attention and input norm: once each
+    assert loads and set(loads.values()) == {1}, loads
+    assert {"model.embed_tokens", "lm_head", "model.norm", "model.layers.1.input_layernorm", "model.layers.3.self_attn.v_proj",
+            "model.layers.3.self_attn.o_proj"} \
+        <= set(loads), loads
+
+
 # --------------------------------------------------------------------------- KV policies
 KV_POLICIES = {
     "streaming": "{kind: streaming, full_heads: {from: ind, top: 1}, sink: 1, window: 3}",

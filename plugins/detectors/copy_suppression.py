@@ -25,7 +25,7 @@ from pydantic import Field
 
 from headlab import ComponentConfig, StepContext, hookimpl
 from headlab.dims import head_array
-from headlab.plugins.detectors.ov_circuit import Precision, rank_counts
+from headlab.plugins.detectors.ov_circuit import OVCircuits, Precision
 from headlab.resources import Estimate, EstimateContext
 from headlab.spec import PositiveInt
 
@@ -54,10 +54,10 @@ class CopySuppression(ComponentConfig):
                          f"{g.n_heads} heads x {rows:,} tokens x {ctx.hidden_size} hidden x {width} bytes")]
 
 
-def sample_tokens(lm, n: int, seed: int) -> torch.Tensor:
-    """``n`` distinct token ids of the embedding's vocabulary, special tokens excluded, seeded (all of them,
-    in order, when there are not more than ``n``)."""
-    vocab = int(lm.embedding.shape[0])
+def sample_tokens(lm, n: int, seed: int, vocab: int | None = None) -> torch.Tensor:
+    """``n`` distinct token ids of the embedding's vocabulary (of ``vocab`` rows, read from the model when
+    None), special tokens excluded, seeded (all of them, in order, when there are not more than ``n``)."""
+    vocab = int(lm.embedding.shape[0]) if vocab is None else vocab
     special = set(getattr(lm.tokenizer, "all_special_ids", None) or []) if lm.tokenizer is not None else set()
     ids = np.array([i for i in range(vocab) if i not in special])
     if len(ids) > n:
@@ -66,16 +66,16 @@ def sample_tokens(lm, n: int, seed: int) -> torch.Tensor:
 
 
 def ov_rank_scores(lm, tokens: torch.Tensor, k: int, *, block: int = 4096, row_block: int = 256,
-                   precision: Precision = "float32") -> tuple[np.ndarray, np.ndarray]:
+                   precision: Precision = "float32", ov: OVCircuits | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(copying, suppression)`` (layer, head) arrays: the fractions of ``tokens`` whose own OV logit is in
-    the top-``k`` / bottom-``k`` of their row."""
+    the top-``k`` / bottom-``k`` of their row (of ``ov``, the model's OV circuits in ``precision`` when None)."""
     geo = lm.geometry
     top = np.zeros((geo.n_layers, geo.n_heads))
     bottom = np.zeros_like(top)
+    ov = OVCircuits(lm, precision) if ov is None else ov
     for layer in range(geo.n_layers):
         for start in range(0, len(tokens), row_block):
-            greater, smaller = rank_counts(lm, layer, tokens[start: start + row_block], block=block,
-                                           precision=precision)
+            greater, smaller = ov.rank_counts(layer, tokens[start: start + row_block], block=block)
             top[layer] += (greater < k).sum(-1).cpu().numpy()
             bottom[layer] += (smaller < k).sum(-1).cpu().numpy()
     return top / len(tokens), bottom / len(tokens)
@@ -83,13 +83,14 @@ def ov_rank_scores(lm, tokens: torch.Tensor, k: int, *, block: int = 4096, row_b
 
 def detect(config: CopySuppression, ctx: StepContext) -> xr.Dataset:
     """The ``copy_suppression`` detector on the model's weights."""
-    tokens = sample_tokens(ctx.model, config.tokens, ctx.seed)
     with torch.no_grad():
+        ov = OVCircuits(ctx.model, config.precision)
+        tokens = sample_tokens(ctx.model, config.tokens, ctx.seed, vocab=int(ov.W_E.shape[0]))
         copying, suppression = ov_rank_scores(ctx.model, tokens, config.k, block=config.block,
-                                              row_block=config.row_block, precision=config.precision)
+                                              row_block=config.row_block, ov=ov)
     ds = xr.Dataset({"score": head_array(suppression), "copying": head_array(copying)})
     ds.attrs.update(method="copy_suppression", model=ctx.model.name, k=config.k, n_tokens=len(tokens),
-                    vocab_size=int(ctx.model.unembedding.shape[1]), reference="docs/methods.md#ov-circuits")
+                    vocab_size=int(ov.W_U.shape[1]), reference="docs/methods.md#ov-circuits")
     return ds
 
 

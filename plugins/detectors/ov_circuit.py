@@ -29,36 +29,10 @@ from torch import Tensor
 
 from headlab.plugins.detectors.norms import affine_norm
 
-__all__ = [
-    "POST_ATTENTION_NORMS", "Precision", "attention_output_norm", "fold_out", "folded_inputs", "model_type", "ov_rows",
-    "rank_counts", "single_token",
-]
+__all__ = ["OVCircuits", "POST_ATTENTION_NORMS", "Precision", "attention_output_norm", "model_type", "single_token"]
 
 Precision = Literal["float32", "float64"]
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
-
-
-def folded_inputs(lm: Any, layer: int, tokens: Tensor, precision: Precision = "float32") -> Tensor:
-    """``fold_in(W_E[tokens]) W_V[kv(h)] W_O[h]`` for every head of ``layer``: (head, token, d_model), the
-    heads' outputs before the final norm's fold."""
-    dtype = _DTYPES[precision]
-    W_E = lm.embedding
-    x = W_E[tokens.to(W_E.device)].to(dtype)
-    d_model = int(W_E.shape[1])
-    norm = lm.input_norm(layer)
-    if norm is not None:
-        with lm.weights_loaded(norm):
-            rule = affine_norm(norm, d_model)
-        x = rule.centred(x) * rule.gain.to(x.device, dtype)
-    hw = lm.head_weights(layer)
-    W_V = hw.per_query_head(hw.W_V).to(x.device, dtype)  # (H, d_model, D)
-    out = torch.einsum("tm,hmd,hdn->htn", x, W_V, hw.W_O.to(x.device, dtype))
-    post = attention_output_norm(lm, layer)
-    if post is None:
-        return out
-    with lm.weights_loaded(post):
-        rule = affine_norm(post, d_model)
-    return rule.centred(out) * rule.gain.to(out.device, dtype)
 
 
 #: architectures that normalise the attention output before adding it to the residual stream, and the
@@ -80,47 +54,81 @@ def attention_output_norm(lm: Any, layer: int) -> torch.nn.Module | None:
     return None if name is None else getattr(lm.decoder_layers[layer], name)
 
 
-def fold_out(lm: Any, y: Tensor) -> Tensor:
-    """``centre(y) * g_final`` (the final norm without its scale)."""
-    norm = lm.final_norm
-    with lm.weights_loaded(norm):
-        rule = affine_norm(norm, int(y.shape[-1]))
-    return rule.centred(y) * rule.gain.to(y.device, y.dtype)
+class OVCircuits:
+    """The OV circuits of every head of one model (``lm``, a :class:`headlab.HeadlabModel`), computed in
+    ``precision``. Each weight they read is read once: the embedding, the unembedding and the final norm when
+    this is made, a layer's norms and value/output projections when that layer is first asked for (the last
+    layer asked for is kept), so a model whose modules ``device_map`` offloads loads each of them once per
+    detector run, not once per block."""
 
+    def __init__(self, lm: Any, precision: Precision = "float32") -> None:
+        self.lm = lm
+        self.dtype = _DTYPES[precision]
+        self.W_E = lm.embedding
+        self.W_U = lm.unembedding
+        self.d_model = int(self.W_E.shape[1])
+        with lm.weights_loaded(lm.final_norm):
+            self._final = affine_norm(lm.final_norm, self.d_model)
+        self._layer: tuple[int, tuple[Any, Tensor, Tensor, Any]] | None = None
 
-def ov_rows(lm: Any, layer: int, tokens: Tensor, *, columns: Tensor | None = None, block: int = 4096,
-            precision: Precision = "float32") -> Iterator[tuple[slice, Tensor]]:
-    """``(column slice, OV[tokens][:, :, columns block])`` blocks of every head of ``layer``:
-    (head, token, block) tensors over the vocabulary (or over ``columns``, token ids), ``block`` columns at a
-    time."""
-    out = fold_out(lm, folded_inputs(lm, layer, tokens, precision))
-    W_U = lm.unembedding
-    n = int(W_U.shape[1]) if columns is None else int(columns.numel())
-    for start in range(0, n, block):
-        cols = slice(start, min(start + block, n))
-        ids = torch.arange(cols.start, cols.stop, device=W_U.device) if columns is None \
-            else columns[cols].to(W_U.device)
-        yield cols, out @ W_U[:, ids].to(out.device, out.dtype)
+    def _weights(self, layer: int) -> tuple[Any, Tensor, Tensor, Any]:
+        """Layer ``layer``'s (input norm rule or None, W_V per query head (H, d_model, D), W_O (H, D, d_model),
+        attention output norm rule or None), on the embedding's device."""
+        if self._layer is None or self._layer[0] != layer:
+            device, lm = self.W_E.device, self.lm
+            rules = []
+            for norm in (lm.input_norm(layer), attention_output_norm(lm, layer)):
+                if norm is None:
+                    rules.append(None)
+                    continue
+                with lm.weights_loaded(norm):
+                    rules.append(affine_norm(norm, self.d_model))
+            hw = lm.head_weights(layer)
+            W_V = hw.per_query_head(hw.W_V).to(device, self.dtype)
+            self._layer = (layer, (rules[0], W_V, hw.W_O.to(device, self.dtype), rules[1]))
+        return self._layer[1]
 
+    def head_outputs(self, layer: int, tokens: Tensor) -> Tensor:
+        """``fold_out(fold_in(W_E[tokens]) W_V[kv(h)] W_O[h])`` for every head of ``layer``: (head, token,
+        d_model), what the unembedding turns into the OV logits."""
+        norm_in, W_V, W_O, post = self._weights(layer)
+        x = self.W_E[tokens.to(self.W_E.device)].to(self.dtype)
+        if norm_in is not None:
+            x = norm_in.centred(x) * norm_in.gain.to(x.device, self.dtype)
+        out = torch.einsum("tm,hmd,hdn->htn", x, W_V, W_O)
+        if post is not None:
+            out = post.centred(out) * post.gain.to(out.device, self.dtype)
+        return self._final.centred(out) * self._final.gain.to(out.device, self.dtype)
 
-def rank_counts(lm: Any, layer: int, tokens: Tensor, *, block: int = 4096,
-                precision: Precision = "float32") -> tuple[Tensor, Tensor]:
-    """For every head of ``layer`` and each token ``t`` of ``tokens``: how many entries of the row ``OV[t]``
-    (over the whole vocabulary of ``W_U``, ``t`` itself left out) are greater, and how many are smaller, than its
-    own ``OV[t, t]``:
-    two (head, token) int64 tensors, computed ``block`` columns at a time."""
-    out = fold_out(lm, folded_inputs(lm, layer, tokens, precision))
-    W_U = lm.unembedding
-    own = (out * W_U[:, tokens.to(W_U.device)].T.to(out.device, out.dtype)[None]).sum(-1)  # (H, T)
-    greater = torch.zeros(own.shape, dtype=torch.long, device=own.device)
-    smaller = torch.zeros_like(greater)
-    ids = tokens.to(own.device)
-    for start in range(0, int(W_U.shape[1]), block):
-        logits = out @ W_U[:, start: start + block].to(out.device, out.dtype)
-        others = torch.arange(start, start + logits.shape[-1], device=own.device)[None] != ids[:, None]
-        greater += ((logits > own[..., None]) & others).sum(-1)
-        smaller += ((logits < own[..., None]) & others).sum(-1)
-    return greater, smaller
+    def rows(self, layer: int, tokens: Tensor, *, columns: Tensor | None = None,
+             block: int = 4096) -> Iterator[tuple[slice, Tensor]]:
+        """``(column slice, OV[tokens][:, :, columns block])`` blocks of every head of ``layer``: (head, token,
+        block) tensors over the vocabulary (or over ``columns``, token ids), ``block`` columns at a time."""
+        out = self.head_outputs(layer, tokens)
+        W_U = self.W_U
+        n = int(W_U.shape[1]) if columns is None else int(columns.numel())
+        for start in range(0, n, block):
+            cols = slice(start, min(start + block, n))
+            ids = torch.arange(cols.start, cols.stop, device=W_U.device) if columns is None \
+                else columns[cols].to(W_U.device)
+            yield cols, out @ W_U[:, ids].to(out.device, out.dtype)
+
+    def rank_counts(self, layer: int, tokens: Tensor, *, block: int = 4096) -> tuple[Tensor, Tensor]:
+        """For every head of ``layer`` and each token ``t`` of ``tokens``: how many entries of the row ``OV[t]``
+        (over the whole vocabulary of ``W_U``, ``t`` itself left out) are greater, and how many are smaller,
+        than its own ``OV[t, t]``: two (head, token) int64 tensors, computed ``block`` columns at a time."""
+        out = self.head_outputs(layer, tokens)
+        W_U = self.W_U
+        own = (out * W_U[:, tokens.to(W_U.device)].T.to(out.device, out.dtype)[None]).sum(-1)  # (H, T)
+        greater = torch.zeros(own.shape, dtype=torch.long, device=own.device)
+        smaller = torch.zeros_like(greater)
+        ids = tokens.to(own.device)
+        for start in range(0, int(W_U.shape[1]), block):
+            logits = out @ W_U[:, start: start + block].to(out.device, out.dtype)
+            others = torch.arange(start, start + logits.shape[-1], device=own.device)[None] != ids[:, None]
+            greater += ((logits > own[..., None]) & others).sum(-1)
+            smaller += ((logits < own[..., None]) & others).sum(-1)
+        return greater, smaller
 
 
 def single_token(tokenizer: Any, text: str) -> int | None:

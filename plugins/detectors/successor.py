@@ -24,7 +24,7 @@ from pydantic import Field
 
 from headlab import ComponentConfig, StepContext, hookimpl
 from headlab.dims import head_array
-from headlab.plugins.detectors.ov_circuit import Precision, ov_rows, single_token
+from headlab.plugins.detectors.ov_circuit import OVCircuits, Precision, single_token
 
 __all__ = ["SEQUENCES", "Successor", "detect", "sequence_tokens", "succession_scores"]
 
@@ -77,17 +77,18 @@ def succession_scores(lm, tokens: dict[str, list[int | None]],
     geo = lm.geometry
     hits = np.zeros((geo.n_layers, geo.n_heads))
     scored = 0
-    for ids in tokens.values():
-        kept = [t for t in ids if t is not None]
-        pairs = [(a, b) for a, b in zip(ids, ids[1:], strict=False) if a is not None and b is not None]
-        if not pairs:
-            continue
-        scored += len(pairs)
-        columns = torch.tensor(kept)
-        rows = torch.tensor([a for a, _ in pairs])
-        target = torch.tensor([kept.index(b) for _, b in pairs])
-        for layer in range(geo.n_layers):
-            (_, logits), = ov_rows(lm, layer, rows, columns=columns, block=len(kept), precision=precision)
+    ov = OVCircuits(lm, precision)
+    for layer in range(geo.n_layers):
+        for ids in tokens.values():
+            kept = [t for t in ids if t is not None]
+            pairs = [(a, b) for a, b in zip(ids, ids[1:], strict=False) if a is not None and b is not None]
+            if not pairs:
+                continue
+            scored += len(pairs) if layer == 0 else 0
+            columns = torch.tensor(kept)
+            rows = torch.tensor([a for a, _ in pairs])
+            target = torch.tensor([kept.index(b) for _, b in pairs])
+            (_, logits), = ov.rows(layer, rows, columns=columns, block=len(kept))
             hits[layer] += (logits.argmax(-1).cpu() == target).sum(-1).numpy()
     return hits / max(scored, 1), scored
 
