@@ -176,6 +176,28 @@ def test_chunks_of_pairs_and_rows_do_not_change_the_result():
     one = detect(ActivationPatching(batch_size=64, pair_batch_size=8), ctx)
     many = detect(ActivationPatching(batch_size=3, pair_batch_size=1), ctx)  # unpadded chunks of one pair
     np.testing.assert_allclose(many["patched"].values, one["patched"].values, atol=1e-5, rtol=0)
+    per_layer = lm.geometry.n_heads * len(ctx.examples)  # a layer's rows: every head of every pair
+    assert per_layer < 64 and one.attrs["rows_per_forward"] == per_layer and many.attrs["rows_per_forward"] == 3
+
+
+def test_auto_batch_size_fills_a_quarter_of_the_memory_budget_with_rows(monkeypatch):
+    tok, lm, _ = models("llama")
+    ctx = StepContext(model=lm, examples=pair_examples(tok), results={}, seed=0)
+    fixed = detect(ActivationPatching(batch_size=64), ctx)
+    cfg = lm.model.config
+    T = max(len(tok(ex.prompt)["input_ids"]) for ex in ctx.examples)  # the chunk's padded length
+    g = lm.geometry
+    width = torch.finfo(lm.model.dtype).bits // 8
+    row = T * (4 * cfg.hidden_size + (g.n_heads + 2 * g.n_kv_heads) * g.head_dim + 3 * cfg.intermediate_size
+               + g.n_layers * 2 * g.n_kv_heads * g.head_dim) * width + 2 * cfg.vocab_size * 4
+    for rows in (1, 5):
+        monkeypatch.setenv("HEADLAB_MEMORY_LIMIT", str(4 * rows * row + 3))
+        auto = detect(ActivationPatching(batch_size="auto"), ctx)
+        assert auto.attrs["rows_per_forward"] == rows and auto.attrs["batch_size"] == "auto"
+        np.testing.assert_allclose(auto["patched"].values, fixed["patched"].values, atol=1e-5, rtol=0)
+    monkeypatch.setenv("HEADLAB_MEMORY_LIMIT", "none")  # no limit: every row of a layer in one forward
+    auto = detect(ActivationPatching(batch_size="auto"), ctx)
+    assert auto.attrs["rows_per_forward"] == g.n_heads * len(ctx.examples) > 5
 
 
 @pytest.mark.parametrize("arch", ARCHS)

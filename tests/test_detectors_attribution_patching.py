@@ -130,6 +130,20 @@ def test_comparison_with_an_activation_patching_step():
         detect(AttributionPatching(reference="nope"), ctx)
     with pytest.raises(ValueError, match=r"reference 'patch' has direction 'denoise', this step 'noise'"):
         detect(AttributionPatching(reference="patch", direction="noise"), ctx)
+    assert ds.attrs["reference_chosen"] == "spec"
+    # without reference: the latest earlier activation_patching step that matches, found by itself
+    noise = patch(ActivationPatching(direction="noise"), StepContext(model=lm, examples=examples, results={}, seed=0))
+    other = patch(ActivationPatching(unit="z_position"), StepContext(model=lm, examples=examples, results={}, seed=0))
+    cell = {"patch": exact, "noise": noise, "other": other, "atp": ds}
+    auto = detect(AttributionPatching(top_k=3), StepContext(model=lm, examples=examples, results=cell, seed=0))
+    assert auto.attrs["reference_step"] == "patch" and auto.attrs["reference_chosen"] == "auto"
+    assert auto.attrs["spearman"] == ds.attrs["spearman"] and auto.attrs["top_k_recall"] == ds.attrs["top_k_recall"]
+    auto = detect(AttributionPatching(top_k=3, direction="noise"), StepContext(model=lm, examples=examples,
+                                                                               results=cell, seed=0))
+    want = stats.spearmanr(noise["score"].values.ravel(), auto["score"].values.ravel()).statistic
+    assert auto.attrs["reference_step"] == "noise" and auto.attrs["spearman"] == pytest.approx(want, abs=1e-12)
+    alone = detect(AttributionPatching(normalise="per_example"), ctx)  # no earlier step normalises so: no comparison
+    assert "spearman" not in alone.attrs and "reference_step" not in alone.attrs
 
 
 def test_rank_statistics():

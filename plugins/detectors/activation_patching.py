@@ -23,7 +23,9 @@ patched run behaves like the clean one, 0 = like the corrupted one, in both dire
 One forward over the clean and the corrupted prompts of a chunk of pairs records every head's ``z`` at
 every position (``Probes(z_positions="all")``); the patched runs are then rows of batched forwards, one
 patch per row (:class:`headlab.ReplaceZ`), ``batch_size`` rows at a time, the rows of a forward patching one
-layer. Per token, the tokens before the first one where a pair's prompts differ are not run: their ``z`` is
+layer (``batch_size: auto``: as many of a layer's rows as :func:`patched_row_bytes` fits in a quarter of the
+memory budget of the model's device, :func:`headlab.resources.budget`; ``attrs["rows_per_forward"]`` is the
+most rows a forward ran). Per token, the tokens before the first one where a pair's prompts differ are not run: their ``z`` is
 the same in both runs, so their patched metric is the unpatched target's.
 
 ``resume: true`` (the default) skips, exactly, what a patch cannot change: that forward also records the
@@ -70,10 +72,11 @@ from headlab import (
 )
 from headlab.generation import Batch, tokenize
 from headlab.plugins.detectors.direct_logit_attribution import answer_ids
-from headlab.resources import Estimate, EstimateContext
+from headlab.resources import Estimate, EstimateContext, budget
 from headlab.spec import PositiveInt
 
-__all__ = ["ActivationPatching", "PairRuns", "detect", "metric_of", "normalised_score", "pair_runs"]
+__all__ = ["ActivationPatching", "PairRuns", "detect", "metric_of", "normalised_score", "pair_runs", "patched_row_bytes",
+           "rows_per_forward"]
 
 Metric = Literal["logit_diff", "logprob"]
 Direction = Literal["denoise", "noise"]
@@ -94,7 +97,9 @@ class ActivationPatching(ComponentConfig):
         "z", description="a head's z at every position, at one token, a key/value head's keys and values, or the "
         "residual stream entering a layer at one token")
     normalise: Normalise = Field("means", description="the score's ratio of example means, or the mean of ratios")
-    batch_size: PositiveInt = Field(32, description="rows (one patch each) per patched forward")
+    batch_size: PositiveInt | Literal["auto"] = Field(
+        32, description="rows (one patch each) per patched forward; auto: as many as fit a quarter of the memory "
+        "budget (a GPU's memory fills with rows)")
     pair_batch_size: PositiveInt = Field(8, description="pairs whose clean and corrupted runs share a forward")
     resume: bool = Field(True, description="start each patched forward at the patched layer from the target run's "
                          "residual stream and run only the positions the patch can change (exact); false: every "
@@ -103,13 +108,14 @@ class ActivationPatching(ComponentConfig):
     def estimate(self, ctx: EstimateContext) -> list[Estimate]:
         """Hidden states of a patched forward over the longest prompt (resource guard); with ``resume``, the
         residual stream and the keys and values recorded for a chunk of pairs and a patched forward's KV cache."""
-        out = [ctx.activations(ctx.task.tokens, ctx.rows(max(self.batch_size, 2 * self.pair_batch_size)))]
+        rows = 1 if self.batch_size == "auto" else self.batch_size  # auto: sized to the budget when it runs
+        out = [ctx.activations(ctx.task.tokens, ctx.rows(max(rows, 2 * self.pair_batch_size)))]
         if self.resume:
             pairs = ctx.rows(2 * self.pair_batch_size)
             out += [ctx.activations(ctx.task.tokens * ctx.geometry.n_layers, pairs,
                                     "residual stream of every layer (resume)"),
                     ctx.kv_cache(ctx.task.tokens, pairs, "keys and values of every layer (resume)"),
-                    ctx.kv_cache(ctx.task.tokens, ctx.rows(self.batch_size), "KV cache of a patched forward (resume)")]
+                    ctx.kv_cache(ctx.task.tokens, ctx.rows(rows), "KV cache of a patched forward (resume)")]
         return out
 
 
@@ -348,10 +354,37 @@ def _prefix_cache(model, runs: PairRuns, rows: torch.Tensor, s: int, layer: int,
     return cache
 
 
-def patch_chunk(lm: LoadedModel, runs: PairRuns, unit: str, metric: str, batch_size: int, direction: str = "denoise",
-                resume: bool = False, prefix: bool = False) -> dict[tuple[tuple[int, ...], int], float]:
+def patched_row_bytes(lm: LoadedModel, tokens: int) -> int:
+    """The memory one row of a patched forward over ``tokens`` positions takes, estimated from the model's
+    shape: a layer's activations (4 hidden states, the query, key and value heads and 3 MLP-sized tensors per
+    token), the KV cache of every layer and two float32 rows of logits."""
+    geo = lm.geometry
+    config = lm.model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    d_model = int(text.hidden_size)
+    mlp = int(getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * d_model)
+    vocab = int(getattr(text, "vocab_size", 0) or 0)
+    width = torch.finfo(lm.model.dtype).bits // 8
+    per_token = 4 * d_model + (geo.n_heads + 2 * geo.n_kv_heads) * geo.head_dim + 3 * mlp
+    kv = geo.n_layers * 2 * geo.n_kv_heads * geo.head_dim
+    return int(tokens) * (per_token + kv) * width + 2 * vocab * 4
+
+
+def rows_per_forward(lm: LoadedModel, tokens: int, rows: int) -> int:
+    """How many of ``rows`` patched rows over ``tokens`` positions one forward runs under ``batch_size: auto``:
+    those that fit a quarter of the memory budget of the model's device (at least one, all when unlimited)."""
+    limit = budget(None, str(lm.device)).limit("device")
+    if limit is None:
+        return max(1, rows)
+    return max(1, min(rows, limit // 4 // patched_row_bytes(lm, tokens)))
+
+
+def patch_chunk(lm: LoadedModel, runs: PairRuns, unit: str, metric: str, batch_size: int | Literal["auto"],
+                direction: str = "denoise", resume: bool = False, prefix: bool = False,
+                rows_run: list[int] | None = None) -> dict[tuple[tuple[int, ...], int], float]:
     """The patched metric of every (unit, example) of a chunk of pairs, ``batch_size`` patches per forward
-    (the rows of a forward edit one layer). ``resume``: each forward starts at the patched layer from the
+    (the rows of a forward edit one layer; ``auto``: :func:`rows_per_forward`; ``rows_run`` collects each
+    forward's rows). ``resume``: each forward starts at the patched layer from the
     target run's residual stream (``runs.resid``); ``prefix`` (with ``resume``): it runs only the positions
     from the first one a row's patch can change, the keys and values before them the target run's
     (``runs.k`` / ``runs.v``). Both are exact: what they skip is the target run's own values."""
@@ -389,8 +422,11 @@ def patch_chunk(lm: LoadedModel, runs: PairRuns, unit: str, metric: str, batch_s
             else:
                 pending.append(item)
         pending.sort(key=lambda p: p.start)  # rows whose runs start at the same position share a forward
-        for j in range(0, len(pending), batch_size):
-            run(pending[j:j + batch_size], layer)
+        size = rows_per_forward(lm, ids.shape[1], len(pending)) if batch_size == "auto" else batch_size
+        for j in range(0, len(pending), size):
+            run(pending[j:j + size], layer)
+            if rows_run is not None:
+                rows_run.append(len(pending[j:j + size]))
     return out
 
 
@@ -419,6 +455,7 @@ def detect(config: ActivationPatching, ctx: StepContext) -> xr.Dataset:
     clean, corrupt = np.zeros(n), np.zeros(n)
     chunks = pair_chunks(n, config.pair_batch_size)
     results: dict = {}
+    rows_run: list[int] = []
     n_tokens = 0
     prefix = config.resume and prefix_reusable(ctx.model)
     for idx in ctx.progress(chunks, "activation patching"):
@@ -429,7 +466,8 @@ def detect(config: ActivationPatching, ctx: StepContext) -> xr.Dataset:
         clean[idx], corrupt[idx] = m[:len(idx)], m[len(idx):]
         n_tokens = max(n_tokens, max(runs.ids.shape[1] - p for p in runs.pad))
         for (key, e), value in patch_chunk(ctx.model, runs, config.unit, config.metric, config.batch_size,
-                                           config.direction, resume=config.resume, prefix=prefix).items():
+                                           config.direction, resume=config.resume, prefix=prefix,
+                                           rows_run=rows_run).items():
             results[(key, idx[e])] = value
     coords: dict = {"layer": np.arange(L), "head": np.arange(H)}
     if config.unit == "z":
@@ -465,7 +503,8 @@ def detect(config: ActivationPatching, ctx: StepContext) -> xr.Dataset:
                     convention=CONVENTION if config.normalise == "means" else PER_EXAMPLE,
                     position="last", reference="docs/methods.md#activation-patching",
                     start="patched_layer" if config.resume else "embeddings",
-                    prefix="target_cache" if prefix else "recomputed")
+                    prefix="target_cache" if prefix else "recomputed", batch_size=str(config.batch_size),
+                    rows_per_forward=max(rows_run, default=0))
     return ds
 
 

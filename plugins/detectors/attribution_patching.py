@@ -26,7 +26,9 @@ the plain and the GradDrop gradients, while the forwards recording both prompts'
 the QK fix's forwards run the whole prompts; ``none``) say which path ran.
 
 ``reference: <step id>``: an ``activation_patching`` step of the same cell (same task, unit, metric and
-direction); the attrs then hold ``spearman`` (the Spearman rank correlation of the two scores over every
+direction); without it, the latest earlier ``activation_patching`` step of the cell with the same unit,
+metric, direction, normalisation and score shape, when there is one (``attrs["reference_chosen"]``: ``spec``
+or ``auto``; no attrs when there is none). The attrs then hold ``spearman`` (the Spearman rank correlation of the two scores over every
 unit) and ``top_k_recall`` (the fraction of the reference's ``top_k`` units with the largest effect
 ``|score - s0|``, ``s0`` = 0 to denoise and 1 to noise, that are among AtP's ``top_k``).
 
@@ -119,7 +121,8 @@ class AttributionPatching(ComponentConfig):
                                     "per-token key patches")
     normalise: Normalise = Field("means", description="the score's ratio of example means, or the mean of ratios")
     pair_batch_size: PositiveInt = Field(8, description="pairs per forward and backward")
-    reference: str | None = Field(None, description="the id of an activation_patching step to compare with")
+    reference: str | None = Field(None, description="the id of an activation_patching step to compare with "
+                                  "(unset: the latest earlier one of the same unit, metric and direction, if any)")
     top_k: PositiveInt = Field(10, description="the units compared by top_k_recall")
 
     def estimate(self, ctx: EstimateContext) -> list[Estimate]:
@@ -629,9 +632,22 @@ def detect(config: AttributionPatching, ctx: StepContext) -> xr.Dataset:
     if star:
         ds.attrs.update(qk_fix=int(config.qk_fix), grad_drop=int(config.grad_drop),
                         reference="docs/methods.md#atp-the-qk-fix-and-graddrop")
-    if config.reference is not None:
-        ds.attrs.update(_compare(config, ctx, ds["score"].values))
+    reference = config.reference if config.reference is not None else _latest_reference(config, ctx, ds["score"].shape)
+    if reference is not None:
+        ds.attrs.update(_compare(config.model_copy(update={"reference": reference}), ctx, ds["score"].values),
+                        reference_chosen="spec" if config.reference is not None else "auto")
     return ds
+
+
+def _latest_reference(config: AttributionPatching, ctx: StepContext, shape: tuple[int, ...]) -> str | None:
+    """The id of the latest earlier step of the cell that :func:`_compare` accepts as ``config``'s reference
+    and that normalises its score the same way, or ``None``."""
+    for step, ds in reversed(list(ctx.results.items())):
+        if (ds.attrs.get("method") == "activation_patching" and "score" in ds
+                and all(ds.attrs.get(key) == getattr(config, key) for key in ("unit", "metric", "direction", "normalise"))
+                and ds["score"].shape == shape):
+            return step
+    return None
 
 
 @hookimpl
