@@ -3,7 +3,9 @@
     python benchmarks/gpu_check.py [--lengths 4096 8192 16384 32768] [--skip-model] [--skip-split] [--skip-wave3]
 
 1. Correctness: the Triton path against the torch path (itself tested against a naive reference) on CUDA,
-   fp32 / bf16 / fp16, GQA, left padding, edits, probes, softcap, window, decode with split keys.
+   fp32 / bf16 / fp16, GQA, left padding, edits, probes, softcap, window, decode with split keys; then the
+   Triton tests of tests/test_kernels_triton.py and tests/test_patching_triton.py (the head output replacement
+   of activation patching and the activation_patching detector, Triton == torch == SDPA) on CUDA.
 2. Kernel timings per length (B=1, H=32, Hkv=8, D=128, bf16): SDPA vs Triton without probes, with
    argmax + span mass on every query, and with a PASTA span bias; decode (1 query vs the whole cache).
 3. Model-level ratios through benchmarks/bench_kernels.py --device cuda (unless --skip-model).
@@ -209,10 +211,11 @@ def main():
     print("correctness: triton vs torch path")
     ok = correctness("cuda")
     env = dict(os.environ, HEADLAB_TRITON_CUDA="1")
+    files = ("test_kernels_triton.py", "test_patching_triton.py")
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "triton",
-                        os.path.join(os.path.dirname(__file__), "..", "tests", "test_kernels_triton.py")],
+                        *(os.path.join(os.path.dirname(__file__), "..", "tests", f) for f in files)],
                        env=env, capture_output=True, text=True)
-    print("  pytest tests/test_kernels_triton.py on CUDA:", (r.stdout.strip().splitlines() or ["?"])[-1])
+    print(f"  pytest tests/{{{','.join(files)}}} on CUDA:", (r.stdout.strip().splitlines() or ["?"])[-1])
     ok &= r.returncode == 0
     if not args.skip_split:
         print("a model split across cuda:0 and the CPU (device_map) vs the whole model on cuda:0")
