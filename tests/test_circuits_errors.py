@@ -5,6 +5,9 @@ corrupted prompts, and a unit the architecture lacks are each one located line o
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from test_errors import cli, error_line
@@ -24,6 +27,7 @@ ROWS = [{"clean": "red : blue , green : cat . red :", "corrupt": "red : blue , g
         {"clean": "red : dog , green : bird . green :", "corrupt": "red : dog , green : bird . red :",
          "answer": "bird", "wrong": "dog"}]
 PLUGIN = "plugin headlab.plugins"
+HEADLAB = Path(sys.executable).parent / "headlab"  # the console script a user types
 
 
 def write_spec(folder, steps: str, rows: list[dict], model: dict | None = None, sweep: str = "") -> None:
@@ -44,11 +48,12 @@ def run_cli(folder, capfd, monkeypatch) -> tuple[int, str]:
 def test_a_pair_of_unequal_token_lengths_names_the_file_and_the_row(tmp_path, capfd, monkeypatch):
     rows = [ROWS[0], {**ROWS[1], "corrupt": "red : dog , green : bird bird . red :"}]
     write_spec(tmp_path, "  - id: dla\n    detect: {kind: direct_logit_attribution}\n", rows)
+    want = (f"error: step 'dla' (task 'pairs', {PLUGIN}.tasks.pairs): TaskDataError: pairs task: pairs.jsonl row 2: "
+            "the clean prompt is 11 tokens and the corrupted one 12; a pair needs prompts of equal token length")
     code, line = run_cli(tmp_path, capfd, monkeypatch)
-    assert code == 2
-    assert line == (f"error: step 'dla' (task 'pairs', {PLUGIN}.tasks.pairs): TaskDataError: pairs task: pairs.jsonl "
-                    "row 2: the clean prompt is 11 tokens and the corrupted one 12; a pair needs prompts of equal "
-                    "token length")
+    assert code == 2 and line == want
+    res = subprocess.run([str(HEADLAB), "run", "spec.yaml"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert res.returncode == 2 and error_line(res.stderr) == want, res.stderr
 
 
 @pytest.mark.parametrize("field, value, what", [("answer", "blue green", "the answer ' blue green' is 2 tokens"),
@@ -120,3 +125,19 @@ def test_the_cells_before_a_failing_one_are_kept(tmp_path, capfd, monkeypatch):
     assert float(abs(patch["clean"] - patch["corrupt"]).min()) > 0  # the corruption changes each answer's metric
     for i in range(2):  # the two steps read the same clean runs
         assert float(patch["clean"][i]) == pytest.approx(float(dla["logit_diff"][i]), abs=1e-4)
+
+
+@pytest.mark.parametrize("unit", ["resid", "kv"])
+def test_activation_patching_on_an_architecture_whose_layers_headlab_does_not_know_is_one_line(
+        tmp_path, capfd, monkeypatch, unit):
+    """On a supported architecture every unit runs (tests/test_detectors_activation_patching.py); on one whose
+    decoder layers headlab's anatomy does not know, the residual stream (``resid``) and the forwards started at
+    the patched layer (``resume``, the default) cannot be placed: one line naming the step and the model type."""
+    starcoder2 = {**LLAMA, "model_type": "starcoder2"}
+    write_spec(tmp_path, f"  - id: patch\n    detect: {{kind: activation_patching, unit: {unit}}}\n", ROWS,
+               model=starcoder2)
+    code, line = run_cli(tmp_path, capfd, monkeypatch)
+    assert code == 2
+    assert line.startswith(f"error: step 'patch' (detector 'activation_patching', {PLUGIN}.detectors."
+                           "activation_patching): AnatomyError: headlab.anatomy: model type 'starcoder2' "
+                           "(Starcoder2ForCausalLM) is not supported: its layers and projections are not known"), line
