@@ -1,5 +1,6 @@
 """Exact head-output patching over all positions of every head: headlab vs a per-head hook loop vs
-TransformerLens, and attribution patching (AtP) beside it (not a test).
+TransformerLens, and attribution patching (AtP) and EAP-IG's memory per token (against EAP-IG's dense layout)
+beside it (not a test).
 
 Full size (what the merger runs; 8 layers, short and long regimes, every tool)::
 
@@ -49,6 +50,26 @@ in a fresh process (its peak memory is its own):
 - ``atp``: the ``attribution_patching`` detector (``unit: z``) over the same pairs; its time is also given
   in forwards (one plain forward of the corrupted prompts, last logits, timed in the same process: wall
   time, and CPU time, which a loaded machine disturbs less).
+- ``eap``: the ``edge_attribution`` detector with ``method: eap_ig`` (``--ig-steps`` 5; all pairs in one chunk)
+  over the same pairs: its time and peak growth, and its memory per token per example against EAP-IG's
+  reference layout, a (batch, tokens, sources, d_model) activation-difference tensor, i.e. sources (1 +
+  layers x (heads + 1): the embeddings, every head, every MLP) x d_model x element size
+  (:func:`dense_bytes_per_token`). headlab's figures are the detector's attrs: ``activation_bytes_per_token``
+  (every head's ``z``, head_dim wide, projected through ``W_O`` on the fly, every MLP's output and the
+  embeddings) and ``gradient_bytes_per_token`` (one step's gradients), equal to :func:`kept_bytes_per_token`
+  of the shape; printed with the ratios dense / activations and dense / (activations + gradients). On the
+  long regime it runs again, in another process, at ``--eap-scale-tokens`` tokens (default half of
+  ``--long-tokens``; 0: not): the difference of the two peaks over the difference of the tokens is the
+  measured bytes per added token, printed beside the dense layout's and beside one layer's query, key and
+  value destination gradients (``heads + 2 x kv_heads`` of d_model each, float32), which the detector pulls
+  back through the attention norm together. After the regimes: the same ratios for Llama-3-8B's shape (32
+  layers x 32 heads, 8 KV heads, head dim 128, d_model 4096, bf16), from the shape alone: 1,057 sources x 4096
+  x 2 B = 8.66 MB per token per example dense, 0.53 MB of headlab's activation differences (16.3x less), 1.46
+  MB with one step's gradients (5.9x). A reduced run (``--layers 2 --short-pairs 4 --long-tokens 256 --reps 1
+  --tools eap``, one thread, load average 1.8 on 2 shared CPUs): 10.0 KiB kept per token (+ 22.0 KiB of
+  gradients) against 70.0 KiB dense (7.00x); but the measured peak grew by 1.8 to 1.9 MiB per added token on
+  the long pair (384 MiB at 128 tokens, 622 MiB at 256), 27x the dense tensor and 20x one layer's 48
+  destination gradients: the peak is set by that pull-back, not by what the runs keep (docs/detectors.md).
 
 Heads/s = heads patched (layers x 16, each over all pairs) per second of the whole computation (clean and
 corrupted runs included; model loading excluded), median of ``--reps``; CPU time beside wall time; peak =
