@@ -1,5 +1,6 @@
 """Exact head-output patching over all positions of every head: headlab vs a per-head hook loop vs
-TransformerLens, and attribution patching (AtP) beside it (not a test).
+TransformerLens, and attribution patching (AtP) and EAP-IG's memory per token (against EAP-IG's dense layout)
+beside it (not a test).
 
 Full size (what the merger runs; 8 layers, short and long regimes, every tool)::
 
@@ -49,6 +50,26 @@ in a fresh process (its peak memory is its own):
 - ``atp``: the ``attribution_patching`` detector (``unit: z``) over the same pairs; its time is also given
   in forwards (one plain forward of the corrupted prompts, last logits, timed in the same process: wall
   time, and CPU time, which a loaded machine disturbs less).
+- ``eap``: the ``edge_attribution`` detector with ``method: eap_ig`` (``--ig-steps`` 5; all pairs in one chunk)
+  over the same pairs: its time and peak growth, and its memory per token per example against EAP-IG's
+  reference layout, a (batch, tokens, sources, d_model) activation-difference tensor, i.e. sources (1 +
+  layers x (heads + 1): the embeddings, every head, every MLP) x d_model x element size
+  (:func:`dense_bytes_per_token`). headlab's figures are the detector's attrs: ``activation_bytes_per_token``
+  (every head's ``z``, head_dim wide, projected through ``W_O`` on the fly, every MLP's output and the
+  embeddings) and ``gradient_bytes_per_token`` (one step's gradients), equal to :func:`kept_bytes_per_token`
+  of the shape; printed with the ratios dense / activations and dense / (activations + gradients). On the
+  long regime it runs again, in another process, at ``--eap-scale-tokens`` tokens (default half of
+  ``--long-tokens``; 0: not): the difference of the two peaks over the difference of the tokens is the
+  measured bytes per added token, printed beside the dense layout's and beside one layer's query, key and
+  value destination gradients (``heads + 2 x kv_heads`` of d_model each, float32), which the detector pulls
+  back through the attention norm together. After the regimes: the same ratios for Llama-3-8B's shape (32
+  layers x 32 heads, 8 KV heads, head dim 128, d_model 4096, bf16), from the shape alone: 1,057 sources x 4096
+  x 2 B = 8.66 MB per token per example dense, 0.53 MB of headlab's activation differences (16.3x less), 1.46
+  MB with one step's gradients (5.9x). A reduced run (``--layers 2 --short-pairs 4 --long-tokens 256 --reps 1
+  --tools eap``, one thread, load average 1.8 on 2 shared CPUs): 10.0 KiB kept per token (+ 22.0 KiB of
+  gradients) against 70.0 KiB dense (7.00x); but the measured peak grew by 1.8 to 1.9 MiB per added token on
+  the long pair (384 MiB at 128 tokens, 622 MiB at 256), 27x the dense tensor and 20x one layer's 48
+  destination gradients: the peak is set by that pull-back, not by what the runs keep (docs/detectors.md).
 
 Heads/s = heads patched (layers x 16, each over all pairs) per second of the whole computation (clean and
 corrupted runs included; model loading excluded), median of ``--reps``; CPU time beside wall time; peak =
@@ -77,8 +98,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import memory_base, peak_growth, run_case  # noqa: E402
 
 HEADS, HEAD_DIM, HIDDEN, MLP, VOCAB = 16, 32, 512, 1024, 32000
-TOOLS = ("headlab", "headlab-full", "hooks", "tl", "atp")
+TOOLS = ("headlab", "headlab-full", "hooks", "tl", "atp", "eap")
 SECOND_MENTION = 12
+FLOAT32 = 4
+#: Llama-3-8B's shape (bf16), for the dense layout's bytes per token quoted in the issue (8.66 MB)
+LLAMA3_8B = {"layers": 32, "heads": 32, "kv_heads": 8, "head_dim": 128, "d_model": 4096, "element_size": 2}
 
 
 def build_checkpoint(path: Path, layers: int) -> None:
@@ -184,6 +208,39 @@ def flop_bound(layers: int, n: int, T: int, shared: int) -> dict:
     return {"tl": tl, "headlab": ours, "ratio": tl / ours, "ratio_no_prefix": tl / no_prefix}
 
 
+def n_sources(layers: int, heads: int) -> int:
+    """The sources of edge_attribution's graph: the embeddings, every head and every MLP."""
+    return 1 + layers * (heads + 1)
+
+
+def dense_bytes_per_token(layers: int, heads: int, d_model: int, element_size: int) -> int:
+    """Bytes per token per example of EAP-IG's reference layout: a (batch, tokens, sources, d_model)
+    activation-difference tensor."""
+    return n_sources(layers, heads) * d_model * element_size
+
+
+def kept_bytes_per_token(layers: int, heads: int, kv_heads: int, head_dim: int, d_model: int,
+                         element_size: int) -> dict[str, int]:
+    """Bytes per token per example of what headlab's edge_attribution keeps, from the shape alone:
+    ``activation`` (one set of the sources' outputs: every head's ``z``, head_dim wide, every MLP's output and
+    the embeddings) and ``gradient`` (one step's: the q/k/v projections' outputs, per query and key/value
+    head, the attention norms' inputs, the MLP and logits destinations)."""
+    return {"activation": (layers * heads * head_dim + layers * d_model + d_model) * element_size,
+            "gradient": (layers * (heads + 2 * kv_heads) * head_dim + 2 * layers * d_model + d_model) * element_size}
+
+
+def eap_memory(layers: int, heads: int, kv_heads: int, head_dim: int, d_model: int, element_size: int) -> dict:
+    """:func:`dense_bytes_per_token` against :func:`kept_bytes_per_token`: the bytes and the ratios dense /
+    headlab's activation differences and dense / (activations + gradients); and ``cotangents``, the bytes per
+    token of one layer's query, key and value destination gradients, d_model wide each (float32, the
+    detector's compute dtype below float64), which the detector pulls back through the attention norm at once."""
+    dense = dense_bytes_per_token(layers, heads, d_model, element_size)
+    kept = kept_bytes_per_token(layers, heads, kv_heads, head_dim, d_model, element_size)
+    return {"sources": n_sources(layers, heads), "dense": dense, **kept, "ratio": dense / kept["activation"],
+            "ratio_with_gradients": dense / (kept["activation"] + kept["gradient"]),
+            "cotangents": (heads + 2 * kv_heads) * d_model * FLOAT32}
+
+
 def _examples(clean, corrupt, answer, wrong):
     import headlab
 
@@ -203,10 +260,10 @@ def measure(tool: str, regime: str, args: argparse.Namespace) -> dict:
     clean, corrupt, answer, wrong = pairs(regime, args)
     n, device = len(clean), args.device
     extra: dict = {}
-    if tool in ("headlab", "headlab-full", "atp"):
+    if tool in ("headlab", "headlab-full", "atp", "eap"):
         import headlab
         from headlab.model import load_model
-        from headlab.plugins.detectors import activation_patching, attribution_patching
+        from headlab.plugins.detectors import activation_patching, attribution_patching, edge_attribution
         from headlab.spec import ModelSpec
 
         lm = load_model(ModelSpec(path=args.checkpoint, device=device, dtype="float32"))
@@ -229,6 +286,13 @@ def measure(tool: str, regime: str, args: argparse.Namespace) -> dict:
 
             def once():
                 ds = attribution_patching.detect(config, ctx)
+                return ds["score"].values * 0 + np.nan, ds["score"].values
+        elif tool == "eap":
+            config = edge_attribution.EdgeAttribution(method="eap_ig", ig_steps=args.ig_steps, pair_batch_size=n)
+
+            def once():
+                ds = edge_attribution.detect(config, ctx)
+                extra.update({k: int(ds.attrs[k]) for k in EAP_ATTRS}, edges=int(ds.attrs["n_edges"]))
                 return ds["score"].values * 0 + np.nan, ds["score"].values
         else:
             config = activation_patching.ActivationPatching(unit="z", batch_size=args.batch_size, pair_batch_size=n,
@@ -313,11 +377,57 @@ def measure(tool: str, regime: str, args: argparse.Namespace) -> dict:
             "peak_bytes": peak_growth(device, base), **extra}
 
 
+EAP_ATTRS = ("activation_bytes_per_token", "gradient_bytes_per_token", "dense_bytes_per_token")
+
+
 def _fmt(r: dict, heads: int) -> str:
     if "error" in r:
         return f"- ({r['error']})"
+    if "activation_bytes_per_token" in r:
+        return (f"{r['seconds']:.1f} s (CPU {r['cpu_seconds']:.1f} s), {r['peak_bytes'] / 2**20:,.0f} MiB; "
+                f"EAP-IG, {r['edges']:,} edges")
     return (f"{r['seconds']:.1f} s (CPU {r['cpu_seconds']:.1f} s), {heads / r['seconds']:.1f} heads/s, "
             f"{r['peak_bytes'] / 2**20:,.0f} MiB")
+
+
+def _case_command(tool: str, regime: str, args: argparse.Namespace, out: Path) -> list[str]:
+    """The command line of one tool's measurement on one regime in a fresh process."""
+    python = args.tl_python if tool == "tl" else sys.executable
+    cmd = [python, __file__, "--_case", tool, "--_regime", regime, "--_out", str(out),
+           "--layers", str(args.layers), "--checkpoint", str(args.checkpoint), "--reps", str(args.reps),
+           "--threads", str(args.threads), "--device", args.device, "--batch-size", str(args.batch_size),
+           "--short-pairs", str(args.short_pairs), "--short-tokens", str(args.short_tokens),
+           "--short-differ", str(args.short_differ), "--long-tokens", str(args.long_tokens),
+           "--ig-steps", str(args.ig_steps)]
+    if args.long_differ is not None:
+        cmd += ["--long-differ", str(args.long_differ)]
+    return cmd
+
+
+def _kib(b: float) -> str:
+    return f"{b / 1024:,.1f} KiB"
+
+
+def _eap_lines(r: dict, shape: dict, scaling: dict | None, scale_tokens: int, T: int) -> str:
+    """The eap tool's memory lines: headlab's kept bytes per token (the detector's attrs) against the dense
+    layout's (from the shape), and with ``scaling`` (the long regime at ``scale_tokens``) the measured peak
+    growth per token."""
+    kept, grad = r["activation_bytes_per_token"], r["gradient_bytes_per_token"]
+    dense = shape["dense"]
+    lines = [f"    memory per token per example: headlab keeps {_kib(kept)} of activation differences "
+             f"(+ {_kib(grad)} of one step's gradients); the dense layout {shape['sources']} sources x {HIDDEN} x "
+             f"{FLOAT32} B = {_kib(dense)}: {dense / kept:.2f}x headlab's activations, "
+             f"{dense / (kept + grad):.2f}x with its gradients"]
+    if scaling is not None and "error" in scaling:
+        lines.append(f"    peak growth at {scale_tokens} tokens: - ({scaling['error']})")
+    elif scaling is not None:
+        slope = (r["peak_bytes"] - scaling["peak_bytes"]) / (T - scale_tokens)
+        lines.append(f"    measured: peak growth {scaling['peak_bytes'] / 2**20:,.0f} MiB at {scale_tokens} tokens, "
+                     f"{r['peak_bytes'] / 2**20:,.0f} MiB at {T} ({_kib(r['peak_bytes'] / T)} per token): "
+                     f"{_kib(slope)} per added token, {slope / dense:.2f}x the dense layout's tensor, "
+                     f"{slope / shape['cotangents']:.1f}x one layer's {HEADS} + 2 x {HEADS} destination "
+                     f"cotangents ({_kib(shape['cotangents'])})")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -331,6 +441,10 @@ def main() -> None:
     p.add_argument("--long-tokens", type=int, default=1024)
     p.add_argument("--long-differ", type=int, default=None, help="corrupted position of the long pair (middle)")
     p.add_argument("--batch-size", type=int, default=256, help="headlab rows (patched heads) per forward")
+    p.add_argument("--ig-steps", type=int, default=5, help="eap: EAP-IG interpolation steps")
+    p.add_argument("--eap-scale-tokens", type=int, default=None,
+                   help="eap: also measure the long regime at this many tokens (default: half of --long-tokens; "
+                        "0: not) for the measured peak growth per added token")
     p.add_argument("--checkpoint", default=None, help="default: <tmp>/headlab-bench-patching-<layers>")
     p.add_argument("--tl-python", default=str(Path(__file__).resolve().parent.parent / ".venv-tl" / "bin" / "python"),
                    help="interpreter with transformer-lens installed (a separate virtual environment)")
@@ -344,6 +458,10 @@ def main() -> None:
     p.add_argument("--_out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     args.checkpoint = args.checkpoint or os.path.join(tempfile.gettempdir(), f"headlab-bench-patching-{args.layers}")
+    if args.eap_scale_tokens is None:
+        args.eap_scale_tokens = args.long_tokens // 2
+    if not 0 <= args.eap_scale_tokens < args.long_tokens:
+        p.error(f"--eap-scale-tokens {args.eap_scale_tokens}: give 0 or fewer tokens than --long-tokens")
     if args._case:
         os.environ.setdefault("TQDM_DISABLE", "1")
         print(json.dumps(measure(args._case, args._regime, args)))
@@ -372,16 +490,13 @@ def main() -> None:
             if tool == "tl" and not tl_ok:
                 res[tool] = {"error": f"no interpreter {args.tl_python}"}
                 continue
-            python = args.tl_python if tool == "tl" else sys.executable
-            cmd = [python, __file__, "--_case", tool, "--_regime", regime, "--_out", str(work / f"{tool}-{regime}.npz"),
-                   "--layers", str(args.layers), "--checkpoint", str(ckpt), "--reps", str(args.reps),
-                   "--threads", str(args.threads), "--device", args.device, "--batch-size", str(args.batch_size),
-                   "--short-pairs", str(args.short_pairs), "--short-tokens", str(args.short_tokens),
-                   "--short-differ", str(args.short_differ), "--long-tokens", str(args.long_tokens)]
-            if args.long_differ is not None:
-                cmd += ["--long-differ", str(args.long_differ)]
-            res[tool] = run_case(cmd, args.timeout)
+            res[tool] = run_case(_case_command(tool, regime, args, work / f"{tool}-{regime}.npz"), args.timeout)
             res[tool]["load"] = os.getloadavg()[0]
+        scaling = None
+        if regime == "long" and "eap" in args.tools and args.eap_scale_tokens:
+            half = argparse.Namespace(**{**vars(args), "long_tokens": args.eap_scale_tokens, "long_differ": None})
+            answers(regime, half)
+            scaling = run_case(_case_command("eap", regime, half, work / "eap-scale.npz"), args.timeout)
         diffs: dict[str, dict] = {}
         if "error" not in res.get("headlab", {"error": 1}):
             ours = np.load(work / f"headlab-{regime}.npz")
@@ -395,7 +510,7 @@ def main() -> None:
 
                 diffs["atp"] = {"spearman": spearman(ours["score"], est)}
         rows.append({"regime": regime, "pairs": n, "tokens": T, "first_differing": shared, "gap": gap, "flops": bound,
-                     "results": res, "diffs": diffs})
+                     "results": res, "diffs": diffs, **({"eap_scale": scaling} if scaling else {})})
         hl, tl = res.get("headlab", {"error": "not run"}), res.get("tl", {"error": "not run"})
         print(f"\n== {regime}: {n} pair(s) of {T} tokens, first differing token at position {shared}; clean - "
               f"corrupt logit difference {statistics.mean(gap):.3f} (mean over pairs; smallest {min(gap):.3f})")
@@ -412,11 +527,21 @@ def main() -> None:
                          f"patching's heads/s, {args.layers * HEADS * r['forward_seconds'] / r['seconds']:.0f}x one "
                          f"forward per head's; Spearman vs exact {diffs.get('atp', {}).get('spearman', float('nan')):.3f}")
             print(line)
+            if tool == "eap" and "error" not in r:
+                print(_eap_lines(r, eap_memory(args.layers, HEADS, HEADS, HEAD_DIM, HIDDEN, FLOAT32), scaling,
+                                 args.eap_scale_tokens, T))
         measured = (f"{tl['seconds'] / hl['seconds']:.2f}x (CPU time {tl['cpu_seconds'] / hl['cpu_seconds']:.2f}x)"
                     if "error" not in hl and "error" not in tl else "n/a")
         print(f"  headlab / TransformerLens heads/s: {measured} measured; FLOP bound {bound['ratio']:.2f}x "
               f"(TL {bound['tl'] / 1e12:.2f} TFLOP, headlab {bound['headlab'] / 1e12:.2f} TFLOP; "
               f"{bound['ratio_no_prefix']:.2f}x without the shared prefix)")
+    if "eap" in args.tools:
+        big = eap_memory(**LLAMA3_8B)
+        print(f"\nLlama-3-8B shape (32 layers x 32 heads, 8 KV heads, head dim 128, d_model 4096, bf16), from the "
+              f"shape alone: dense layout {big['sources']:,} sources x 4096 x 2 B = {big['dense'] / 1e6:.2f} MB per "
+              f"token per example; headlab keeps {big['activation'] / 1e6:.2f} MB of activation differences "
+              f"({big['ratio']:.1f}x less), {(big['activation'] + big['gradient']) / 1e6:.2f} MB with one step's "
+              f"gradients ({big['ratio_with_gradients']:.1f}x less)")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
