@@ -61,15 +61,19 @@ in a fresh process (its peak memory is its own):
   long regime it runs again, in another process, at ``--eap-scale-tokens`` tokens (default half of
   ``--long-tokens``; 0: not): the difference of the two peaks over the difference of the tokens is the
   measured bytes per added token, printed beside the dense layout's and beside one layer's query, key and
-  value destination gradients (``heads + 2 x kv_heads`` of d_model each, float32), which the detector pulls
-  back through the attention norm together. After the regimes: the same ratios for Llama-3-8B's shape (32
-  layers x 32 heads, 8 KV heads, head dim 128, d_model 4096, bf16), from the shape alone: 1,057 sources x 4096
-  x 2 B = 8.66 MB per token per example dense, 0.53 MB of headlab's activation differences (16.3x less), 1.46
-  MB with one step's gradients (5.9x). A reduced run (``--layers 2 --short-pairs 4 --long-tokens 256 --reps 1
-  --tools eap``, one thread, load average 1.8 on 2 shared CPUs): 10.0 KiB kept per token (+ 22.0 KiB of
-  gradients) against 70.0 KiB dense (7.00x); but the measured peak grew by 1.8 to 1.9 MiB per added token on
-  the long pair (384 MiB at 128 tokens, 622 MiB at 256), 27x the dense tensor and 20x one layer's 48
-  destination gradients: the peak is set by that pull-back, not by what the runs keep (docs/detectors.md).
+  value destination gradients (``heads + 2 x kv_heads`` of d_model each, float32), which the detector holds
+  while it scores a step (``--malloc-mmap-threshold 65536`` makes the peak RSS follow the live tensors: glibc's
+  default dynamic threshold keeps freed blocks resident, as docs/kv.md explains for bench_kv.py). After the
+  regimes: the same ratios for Llama-3-8B's shape (32 layers x 32 heads, 8 KV heads, head dim 128, d_model
+  4096, bf16), from the shape alone: 1,057 sources x 4096 x 2 B = 8.66 MB per token per example dense, 0.53 MB
+  of headlab's activation differences (16.3x less), 1.46 MB with one step's gradients (5.9x), 2.25 MB with one
+  layer's destination gradients (3.8x). A reduced run (``--layers 2 --short-pairs 4 --long-tokens 256 --reps 1
+  --tools eap --malloc-mmap-threshold 65536``, one thread): 10.0 KiB kept per token (+ 22.0 KiB of gradients)
+  against 70.0 KiB dense (7.00x); the measured peak grew by 201 KiB per added token on the long pair (177 MiB at
+  128 tokens, 202 MiB at 256), 2.1x one layer's 48 destination gradients (the backward's activations are the
+  rest). With two layers the dense tensor is small (35 sources); it grows with the layers, the transient does
+  not. Before the pull-back was computed in closed form it grew by 1.8 to 1.9 MiB per added token (27x the
+  dense tensor; docs/detectors.md).
 
 Heads/s = heads patched (layers x 16, each over all pairs) per second of the whole computation (clean and
 corrupted runs included; model loading excluded), median of ``--reps``; CPU time beside wall time; peak =
@@ -233,7 +237,7 @@ def eap_memory(layers: int, heads: int, kv_heads: int, head_dim: int, d_model: i
     """:func:`dense_bytes_per_token` against :func:`kept_bytes_per_token`: the bytes and the ratios dense /
     headlab's activation differences and dense / (activations + gradients); and ``cotangents``, the bytes per
     token of one layer's query, key and value destination gradients, d_model wide each (float32, the
-    detector's compute dtype below float64), which the detector pulls back through the attention norm at once."""
+    detector's compute dtype below float64), which the detector holds while it scores a step."""
     dense = dense_bytes_per_token(layers, heads, d_model, element_size)
     kept = kept_bytes_per_token(layers, heads, kv_heads, head_dim, d_model, element_size)
     return {"sources": n_sources(layers, heads), "dense": dense, **kept, "ratio": dense / kept["activation"],
@@ -440,7 +444,12 @@ def main() -> None:
     p.add_argument("--short-differ", type=int, default=2, help="first corrupted position of the short pairs")
     p.add_argument("--long-tokens", type=int, default=1024)
     p.add_argument("--long-differ", type=int, default=None, help="corrupted position of the long pair (middle)")
-    p.add_argument("--batch-size", type=int, default=256, help="headlab rows (patched heads) per forward")
+    p.add_argument("--batch-size", type=lambda v: v if v == "auto" else int(v), default=256,
+                   help="headlab rows (patched heads) per forward, or auto (as many as fit the memory budget)")
+    p.add_argument("--malloc-mmap-threshold", type=int, default=None, metavar="BYTES",
+                   help="glibc malloc: serve blocks of at least BYTES by mmap (returned to the system when freed) "
+                        "in every case's process, so that the peak RSS follows the live tensors "
+                        "(MALLOC_MMAP_THRESHOLD_; default: glibc's dynamic threshold)")
     p.add_argument("--ig-steps", type=int, default=5, help="eap: EAP-IG interpolation steps")
     p.add_argument("--eap-scale-tokens", type=int, default=None,
                    help="eap: also measure the long regime at this many tokens (default: half of --long-tokens; "
@@ -462,6 +471,8 @@ def main() -> None:
         args.eap_scale_tokens = args.long_tokens // 2
     if not 0 <= args.eap_scale_tokens < args.long_tokens:
         p.error(f"--eap-scale-tokens {args.eap_scale_tokens}: give 0 or fewer tokens than --long-tokens")
+    if args.malloc_mmap_threshold is not None:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
     if args._case:
         os.environ.setdefault("TQDM_DISABLE", "1")
         print(json.dumps(measure(args._case, args._regime, args)))
@@ -477,7 +488,8 @@ def main() -> None:
     print(f"random Llama {args.layers} layers x {HEADS} heads x d{HEAD_DIM}, hidden {HIDDEN}, MLP {MLP}, vocabulary "
           f"{VOCAB}; head-output patching of all {heads} heads over all positions, logit difference; {args.device}, "
           f"threads={args.threads or 'default'}, reps={args.reps}, headlab batch_size={args.batch_size}; load "
-          f"average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+          f"average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; allocator: glibc malloc, "
+          f"{'MALLOC_MMAP_THRESHOLD_=' + os.environ['MALLOC_MMAP_THRESHOLD_'] if 'MALLOC_MMAP_THRESHOLD_' in os.environ else 'default thresholds'}")
     work = Path(tempfile.mkdtemp(prefix="bench-patching-"))
     rows = []
     for regime in args.regimes:
@@ -541,7 +553,10 @@ def main() -> None:
               f"shape alone: dense layout {big['sources']:,} sources x 4096 x 2 B = {big['dense'] / 1e6:.2f} MB per "
               f"token per example; headlab keeps {big['activation'] / 1e6:.2f} MB of activation differences "
               f"({big['ratio']:.1f}x less), {(big['activation'] + big['gradient']) / 1e6:.2f} MB with one step's "
-              f"gradients ({big['ratio_with_gradients']:.1f}x less)")
+              f"gradients ({big['ratio_with_gradients']:.1f}x less), "
+              f"{(big['activation'] + big['gradient'] + big['cotangents']) / 1e6:.2f} MB with one layer's destination "
+              f"gradients in float32 while a step is scored "
+              f"({big['dense'] / (big['activation'] + big['gradient'] + big['cotangents']):.1f}x less)")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

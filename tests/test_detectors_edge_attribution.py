@@ -10,6 +10,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+import headlab.plugins.detectors.edge_attribution as ea
 from headlab import StepContext, positions_from_mask
 from headlab.plugins.detectors.edge_attribution import (
     EdgeAttribution,
@@ -18,8 +19,10 @@ from headlab.plugins.detectors.edge_attribution import (
     patch_circuit,
     record,
 )
+from headlab.plugins.detectors.norms import affine_norm
+from headlab.plugins.tasks.pairs import pair_example
 
-from fixtures.circuits import models, pair_examples
+from fixtures.circuits import WORDS, models, pair_examples
 
 
 # --------------------------------------------------------------------------- the eager model's parts, by hand
@@ -400,3 +403,30 @@ def test_errors():
     tok, lm, _ = models("gemma2")
     with pytest.raises(ValueError, match="gemma2 normalises each attention output before the residual stream"):
         detect(EdgeAttribution(), StepContext(model=lm, examples=pair_examples(tok), results={}, seed=0))
+
+
+def test_scoring_a_step_holds_one_layers_destination_gradients_beyond_what_it_keeps():
+    from headlab.kv import _LiveBytes  # the live-tensor peak (bench_kv.py's CPU measure)
+
+    tok, lm, _ = models("llama")
+    words = [w for w in WORDS if len(tok(" " + w, add_special_tokens=False)["input_ids"]) == 1][:12]
+    clean = " ".join(words[i % len(words)] for i in range(80))
+    ex = [pair_example(tok, clean, clean.replace(words[3], words[5], 1), words[0], words[1], "long")]
+    runs = record(lm, ex, [ex[0].meta["answer_id"]], [ex[0].meta["wrong_id"]], "logit_diff")
+    g = lm.geometry
+    graph = edge_graph(g.n_layers, g.n_heads, g.n_kv_heads)
+    parts = [ea.block_parts(lm, layer) for layer in range(g.n_layers)]
+    d_model = lm.model.config.hidden_size
+    rules = [affine_norm(p.norm, d_model) for p in parts]
+    p = runs.pairs
+    grads = ea._gradients(lm, parts, p.ids[p.rows("clean")], p.mask[p.rows("clean")], p.answer, p.wrong, "logit_diff")
+    delta = ea._deltas(runs, "clean", "corrupt")
+    with _LiveBytes() as live:
+        scores = ea._step_scores(lm, rules, graph, grads, delta, torch.float32)
+    tokens = p.ids.shape[1]
+    transient = ea.memory_per_token(lm)["transient_bytes_per_token"] * tokens
+    assert transient == (g.n_heads + 2 * g.n_kv_heads + min(g.n_heads, ea.HEAD_BLOCK)) * d_model * 4 * tokens
+    # one layer's gradients are made: the peak is at least them, and at most them and a few (pair, T, d_model)
+    # tensors (the norm's unit vectors, a block's reshapes) more; copies of them (an einsum's permuted operand,
+    # the previous layer's still alive) or of the pulled-back norm's activations would exceed it
+    assert (g.n_heads + 2 * g.n_kv_heads) * d_model * 4 * tokens <= live.peak <= 1.5 * transient + scores.nbytes

@@ -25,9 +25,11 @@ added to the outputs of the query, key and value projections (forward hooks), to
 the final norm's input (forward pre-hooks); their gradients are each head's own ``d metric / d q_h`` (``k``,
 ``v`` per key/value head), and the MLP and logits destinations' gradients. A head's destination gradient is
 ``J^T (d metric / d q_h) W_Q[h]^T`` with ``J`` the attention norm's Jacobian at the layer's input, computed
-after the backward by re-running the norm on copies of that input (one per destination): the gradient a copy
-of the residual per destination would get, without a copy per destination in the forward. The activation
-differences are kept per head (``z``, head_dim wide) and projected through ``W_O`` one source layer at a time.
+after the backward in closed form from the norm's gain and the layer's input (:func:`_norm_vjp`): the gradient
+a copy of the residual per destination would get, without a copy per destination in the forward. The activation
+differences are kept per head (``z``, head_dim wide) and projected through ``W_O`` :data:`HEAD_BLOCK` heads at a
+time, so beyond what it keeps a step holds one layer's destination gradients (``H + 2K`` d_model vectors per
+token) and that block of heads' outputs (``attrs["transient_bytes_per_token"]``).
 
 Circuit (``circuit: {top: k}`` or ``{threshold: t}``): the edges with the ``k`` largest ``|score|`` or those
 with ``|score| >= t``. Exact edge patching runs the clean prompt once; each destination's input becomes its
@@ -65,6 +67,7 @@ from headlab.plugins.detectors.activation_patching import (
     pair_inputs,
     pair_runs,
 )
+from headlab.plugins.detectors.norms import AffineNorm, affine_norm
 from headlab.plugins.detectors.ov_circuit import POST_ATTENTION_NORMS, model_type
 from headlab.resources import Estimate, EstimateContext
 from headlab.spec import NonNegativeFloat, PositiveInt, StrictModel
@@ -372,54 +375,72 @@ def _gradients(lm: LoadedModel, parts: list[BlockParts], ids: Tensor, mask: Tens
     return out
 
 
-def _pull_back(norm: torch.nn.Module, x: Tensor, cotangents: Tensor) -> Tensor:
-    """``J^T c`` for each cotangent ``c`` of ``cotangents`` (n, pair, T, d_model), ``J`` the Jacobian of ``norm``
-    at ``x`` (pair, T, d_model): the gradient at a copy of ``x`` fed to ``norm`` whose output gets ``c``."""
-    with torch.enable_grad():
-        copies = x.detach().unsqueeze(0).expand(cotangents.shape[0], *x.shape).clone().requires_grad_(True)
-        y = norm(copies)
-        (g,) = torch.autograd.grad(y, copies, grad_outputs=cotangents.to(y.dtype))
-    return g
+#: source heads projected through ``W_O`` together: that transient is at most this many d_model vectors per token
+HEAD_BLOCK = 8
 
 
-def _destination_gradients(lm: LoadedModel, parts: list[BlockParts], grads: _Gradients, layer: int,
+def _norm_vjp(rule: AffineNorm, x: Tensor, out: Tensor) -> Tensor:
+    """``J^T c`` for each cotangent ``c`` of ``out`` (n, pair, T, d_model), computed in place, ``J`` the Jacobian
+    at ``x`` (pair, T, d_model) of the norm ``y = centre(x) / s(x) * g`` (``rule``): with ``w = g c`` and ``x^ =
+    centre(x) / s``, ``J^T c = centre((w - x^ mean(w x^)) / s)``."""
+    xd = x.to(out.dtype)
+    scale = rule.scale(xd)
+    unit = rule.centred(xd) / scale
+    out.mul_(rule.gain.to(out.device, out.dtype))
+    along = torch.stack([(row * unit).mean(-1) for row in out])  # (n, pair, T); a row at a time: no copy of out
+    out.addcmul_(unit.unsqueeze(0), along.unsqueeze(-1), value=-1.0)
+    out.div_(scale.unsqueeze(0))
+    if rule.centre:
+        out.sub_(out.mean(-1, keepdim=True))
+    return out
+
+
+def _destination_gradients(lm: LoadedModel, rules: list[AffineNorm], grads: _Gradients, layer: int,
                            dtype: torch.dtype) -> Tensor:
     """(H + 2K, pair, T, d_model): d metric / d (pre-norm input) of layer ``layer``'s query, key and value
-    destinations, in destination order."""
+    destinations, in destination order (``rules``: each layer's attention norm)."""
     hw = lm.head_weights(layer)
-    cot = [torch.einsum("nthe,hme->hntm", grads.q[layer].to(dtype), hw.W_Q.to(dtype)),
-           torch.einsum("nthe,hme->hntm", grads.k[layer].to(dtype), hw.W_K.to(dtype)),
-           torch.einsum("nthe,hme->hntm", grads.v[layer].to(dtype), hw.W_V.to(dtype))]
-    with lm.weights_loaded(parts[layer].norm):
-        return _pull_back(parts[layer].norm, grads.x[layer], torch.cat(cot)).to(dtype)
+    x = grads.x[layer]
+    H, K = int(hw.W_Q.shape[0]), int(hw.W_K.shape[0])
+    out = torch.empty((H + 2 * K, *x.shape), dtype=dtype, device=x.device)
+    for offset, g, W in ((0, grads.q[layer], hw.W_Q), (H, grads.k[layer], hw.W_K), (H + K, grads.v[layer], hw.W_V)):
+        for h in range(int(W.shape[0])):  # one head at a time into its row: no second copy of all the rows
+            torch.matmul(g[:, :, h].to(dtype), W[h].T.to(dtype), out=out[offset + h])
+    return _norm_vjp(rules[layer], x, out)
 
 
-def _step_scores(lm: LoadedModel, parts: list[BlockParts], graph: EdgeGraph, grads: _Gradients, delta: _Deltas,
+def _step_scores(lm: LoadedModel, rules: list[AffineNorm], graph: EdgeGraph, grads: _Gradients, delta: _Deltas,
                  dtype: torch.dtype) -> Tensor:
     """(source, destination) float64: the sums over pairs and positions of ``delta . gradient`` of one step."""
-    L = graph.n_layers
+    L, H = graph.n_layers, graph.n_heads
     S = torch.zeros(len(graph.sources), len(graph.destinations), dtype=torch.float64)
     W_O = [lm.head_weights(layer).W_O.to(dtype) for layer in range(L)]
     demb = delta.emb.to(dtype)
     for layer in range(L + 1):
+        G = flat = None  # the last layer's destination gradients are freed before this layer's are made
         if layer < L:
-            G = _destination_gradients(lm, parts, grads, layer, dtype)  # (n_att, pair, T, d)
+            G = _destination_gradients(lm, rules, grads, layer, dtype)  # (n_att, pair, T, d)
             cols = graph.attention_destinations(layer)
             post, post_col = grads.mlp[layer].to(dtype), graph.mlp_destination(layer)
-            S[0, cols] += torch.einsum("ntd,kntd->k", demb, G).double().cpu()
+            flat = G.flatten(1)  # (n_att, pair * T * d): the contractions below are matrix products on this view
+            S[0, cols] += (flat @ demb.flatten()).double().cpu()
         else:
-            G, post, post_col = None, grads.logits.to(dtype), graph.logits
+            post, post_col = grads.logits.to(dtype), graph.logits
         S[0, post_col] += float((demb * post).sum())
         for src in range(min(layer + 1, L)):
-            a = torch.einsum("nthe,hed->hntd", delta.z[:, src].to(dtype), W_O[src])
-            rows = slice(graph.head_source(src), graph.head_source(src) + graph.n_heads)
-            S[rows, post_col] += torch.einsum("hntd,ntd->h", a, post).double().cpu()
+            dz = delta.z[:, src].to(dtype)
+            for h0 in range(0, H, HEAD_BLOCK):
+                heads = slice(h0, min(h0 + HEAD_BLOCK, H))
+                a = torch.einsum("nthe,hed->hntd", dz[:, :, heads], W_O[src][heads])
+                rows = slice(graph.head_source(src, h0), graph.head_source(src, heads.stop - 1) + 1)
+                S[rows, post_col] += (a.flatten(1) @ post.flatten()).double().cpu()
+                if src < layer and flat is not None:
+                    S[rows, cols] += (a.flatten(1) @ flat.T).double().cpu()
             if src < layer:
                 dm = delta.mlp[:, src].to(dtype)
                 S[graph.mlp_source(src), post_col] += float((dm * post).sum())
-                if G is not None:
-                    S[rows, cols] += torch.einsum("hntd,kntd->hk", a, G).double().cpu()
-                    S[graph.mlp_source(src), cols] += torch.einsum("ntd,kntd->k", dm, G).double().cpu()
+                if flat is not None:
+                    S[graph.mlp_source(src), cols] += (flat @ dm.flatten()).double().cpu()
     return S
 
 
@@ -428,6 +449,10 @@ def edge_scores(lm: LoadedModel, runs: EdgeRuns, graph: EdgeGraph, metric: str, 
     """(source, destination) float64: EAP (``steps=None``) or EAP-IG over ``steps`` interpolation steps, summed
     over the chunk's pairs (module docstring; zero where there is no edge)."""
     parts = [block_parts(lm, layer) for layer in range(graph.n_layers)]
+    rules = []
+    for p in parts:
+        with lm.weights_loaded(p.norm):
+            rules.append(affine_norm(p.norm, int(lm.head_weights(0).d_model)))
     dtype = _compute_dtype(lm)
     base, other = ("clean", "corrupt") if direction == "noise" else ("corrupt", "clean")
     delta = _deltas(runs, base, other)
@@ -443,7 +468,7 @@ def edge_scores(lm: LoadedModel, runs: EdgeRuns, graph: EdgeGraph, metric: str, 
     for k in range(1, m + 1):
         embeds = None if k == m else partial(_interpolate, e_other, k / m)
         grads = _gradients(lm, parts, ids, mask, p.answer, p.wrong, metric, embeds)
-        total += _step_scores(lm, parts, graph, grads, delta, dtype)
+        total += _step_scores(lm, rules, graph, grads, delta, dtype)
     return total / m
 
 
@@ -456,15 +481,18 @@ def _interpolate(start: Tensor, alpha: float, end: Tensor) -> Tensor:
 def memory_per_token(lm: LoadedModel) -> dict[str, int]:
     """Bytes per token (one example's position) of what :func:`edge_scores` keeps: the activation differences
     (``z`` per head, MLP outputs, embeddings) and one step's gradients (the q/k/v projections', the MLP and
-    logits destinations', the attention norms' inputs); and EAP-IG's dense (sources, d_model) layout of the
-    activation differences."""
+    logits destinations', the attention norms' inputs); the most it holds besides while scoring a step (one
+    layer's query, key and value destination gradients and :data:`HEAD_BLOCK` heads' outputs, d_model wide, in
+    the compute dtype); and EAP-IG's dense (sources, d_model) layout of the activation differences."""
     geo = lm.geometry
     L, H, K, D = geo.n_layers, geo.n_heads, geo.n_kv_heads, geo.head_dim
     d_model = int(lm.head_weights(0).d_model)
     item = next(lm.model.parameters()).element_size()
     sources = 1 + L * (H + 1)
+    compute = torch.finfo(_compute_dtype(lm)).bits // 8
     return {"activation_bytes_per_token": (L * H * D + L * d_model + d_model) * item,
             "gradient_bytes_per_token": (L * (H + 2 * K) * D + 2 * L * d_model + d_model) * item,
+            "transient_bytes_per_token": (H + 2 * K + min(H, HEAD_BLOCK)) * d_model * compute,
             "dense_bytes_per_token": sources * d_model * item}
 
 
