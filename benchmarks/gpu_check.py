@@ -15,7 +15,7 @@
    (attention probes), a generation steered by its top heads, successor heads (weights read from the
    offloaded layers) and a generation under a streaming KV policy (its tokens and cache bytes).
 5. The wave-3 benchmarks on the GPU (unless --skip-wave3): head-output patching, headlab batched vs
-   TransformerLens (benchmarks/bench_patching.py --device cuda; target >= 10x TransformerLens' heads/s) and
+   TransformerLens (benchmarks/bench_patching.py --device cuda, batch_size 256 and auto; target >= 10x TransformerLens' heads/s) and
    head-level KV policies after long prompts (benchmarks/bench_kv.py --device cuda: KV bytes, peak memory,
    decode tokens/s of full, streaming and kvpress).
 Without CUDA it runs only a tiny CPU smoke check of the same code (torch path vs SDPA) and says so.
@@ -227,7 +227,9 @@ def main():
                         *map(str, args.lengths), "--eager-max", "16384", "--pasta-length", "8192"])
     if not args.skip_wave3:
         here = os.path.dirname(__file__)
-        subprocess.run([sys.executable, os.path.join(here, "bench_patching.py"), "--device", "cuda", "--threads", "0"])
+        for batch in ("256", "auto"):  # the CPU setting, and rows sized to the GPU's memory
+            subprocess.run([sys.executable, os.path.join(here, "bench_patching.py"), "--device", "cuda", "--threads",
+                            "0", "--batch-size", batch, *(["--tools", "headlab"] if batch == "auto" else [])])
         subprocess.run([sys.executable, os.path.join(here, "bench_kv.py"), "--device", "cuda", "--dtype", "bfloat16",
                         "--lengths", "8192", "32768", "--threads", "0"])
     print("\nCORRECTNESS", "OK" if ok else "FAILED")
