@@ -77,8 +77,9 @@ def test_atp_equals_finite_differences_of_the_patched_metric(arch, metric, direc
         assert not np.isnan(per_token["atp"].values[:, :, :n, e]).any()
 
 
-@pytest.mark.parametrize("method", ["atp", "atp_star"])
-def test_the_model_is_left_as_it_was(method):
+@pytest.mark.parametrize(("method", "unit"), [("atp", "z"), ("atp_star", "z"), ("atp", "kv"), ("atp", "resid"),
+                                             ("atp_star", "kv")])
+def test_the_model_is_left_as_it_was(method, unit):
     """No parameter gets a gradient, every parameter keeps its requires_grad flag, and no hook stays behind: a
     forward after the detector gives the logits of every position that it gave before."""
     tok, lm, _ = models("qwen2")
@@ -89,7 +90,8 @@ def test_the_model_is_left_as_it_was(method):
     examples = pair_examples(tok)
     batch = tokenize(lm, examples)
     before = forward(lm, batch)[0].logits
-    detect(AttributionPatching(method=method), StepContext(model=lm, examples=examples, results={}, seed=0))
+    config = AttributionPatching(method=method, unit=unit, qk_fix=unit == "z")
+    detect(config, StepContext(model=lm, examples=examples, results={}, seed=0))
     assert [p.requires_grad for p in params] == flags
     assert all(p.grad is None for p in params)
     assert torch.equal(forward(lm, batch)[0].logits, before)
@@ -291,18 +293,23 @@ def _unit_finite_differences(lm, examples, unit: str, metric: str, direction: st
     def moved(x: torch.Tensor, t: float) -> torch.Tensor:
         return x[tgt] + t * (x[src] - x[tgt])
 
+    def kv_plan(layer: int, j: int):
+        return lambda t: Plan().patch_kv([(layer, j)], moved(runs.k[:, layer, j], t)[:, None],
+                                         moved(runs.v[:, layer, j], t)[:, None])
+
+    def resid_plan(layer: int, p: int):
+        return lambda t: Plan().patch_resid(layer, moved(runs.resid[:, layer, p], t)[:, None], positions=[p])
+
     if unit == "kv":
         out = np.zeros((L, K, n))
         for layer in range(L):
             for j in range(K):
-                out[layer, j] = derivative(lambda t: Plan().patch_kv(  # noqa: B023
-                    [(layer, j)], moved(runs.k[:, layer, j], t)[:, None], moved(runs.v[:, layer, j], t)[:, None]))
+                out[layer, j] = derivative(kv_plan(layer, j))
         return out
     out = np.full((L, T - min(runs.pad), n), np.nan)
     for layer in range(L):
         for p in range(T):
-            d = derivative(lambda t: Plan().patch_resid(layer, moved(runs.resid[:, layer, p], t)[:, None],  # noqa: B023
-                                                        positions=[p]))
+            d = derivative(resid_plan(layer, p))
             for e in range(n):
                 if p >= runs.pad[e]:
                     out[layer, p - runs.pad[e], e] = d[e]
@@ -339,7 +346,7 @@ def test_kv_and_resid_atp_equal_finite_differences_of_the_patched_metric(arch, u
     assert ds["score"].dims == exact["score"].dims and ds["atp"].dims == exact["patched"].dims
     assert ds["score"].shape == exact["score"].shape
     assert set(ds.coords) == set(exact.coords)
-    L, H, K = lm.geometry.n_layers, lm.geometry.n_heads, lm.geometry.n_kv_heads
+    H, K = lm.geometry.n_heads, lm.geometry.n_kv_heads
     if unit == "kv":
         assert ds["atp"].dims == ("layer", "kv_head", "example") and K == (2 if arch != "gpt2" else H)
         serves = ds.coords["serves"]
@@ -447,3 +454,95 @@ def test_atp_star_refuses_units_it_does_not_define():
     for ok in ("unit: kv, qk_fix: false", "unit: z"):
         headlab.load_spec(spec_text(steps.format(ok), task=task))
     headlab.load_spec(spec_text("  - id: atp\n    detect: {kind: attribution_patching, unit: resid}\n", task=task))
+
+
+@pytest.mark.parametrize(("arch", "unit", "method", "direction"),
+                         [("llama", "kv", "atp", "denoise"), ("qwen2", "kv", "atp", "noise"),
+                          ("llama", "kv", "atp_star", "noise"), ("gpt2", "resid", "atp", "denoise"),
+                          ("llama", "resid", "atp", "noise")])
+def test_kv_and_resid_with_the_shared_prefix_equal_runs_of_the_whole_prompts(arch, unit, method, direction,
+                                                                             monkeypatch):
+    """The shared prefix holds for both units (their source and target values are equal before the first
+    differing token, and later positions do not change earlier ones): the estimates equal those of runs over
+    the whole prompts (float64). The runs after the prefix: the source and target forwards and, for
+    kv, the forward pulling the gradients back through each layer's attention."""
+    tok, lm, _ = models(arch)
+    lm.model.double()
+    examples = pair_examples(tok)
+    ctx = StepContext(model=lm, examples=examples, results={}, seed=0)
+    config = AttributionPatching(unit=unit, method=method, direction=direction, qk_fix=False)
+    results, queries = {}, {}
+    for prefix in (True, False):
+        if not prefix:
+            monkeypatch.setattr(attribution_patching, "prefix_reusable", lambda lm: False)
+        seen, handles = _attention_queries(lm)
+        try:
+            results[prefix] = detect(config, ctx)
+        finally:
+            for h in handles:
+                h.remove()
+        queries[prefix] = seen
+    fast, full = results[True], results[False]
+    assert fast.attrs["prefix"] == "shared_cache" and full.attrs["prefix"] == "recomputed"
+    assert fast.attrs["unit"] == unit and full.attrs["prefix_runs"] == "none"
+    for name in ("atp", "score", "clean", "corrupt"):
+        scale = np.nanmax(np.abs(full[name].values))
+        assert scale > 1e-3
+        np.testing.assert_allclose(fast[name].values, full[name].values, rtol=1e-9, atol=1e-12 * scale)
+    runs = pair_runs(lm, examples, [0] * 3, [1] * 3, "logit_diff")
+    n, T, L = 3, runs.ids.shape[1], lm.geometry.n_layers
+    shared = min(int((runs.ids[e] != runs.ids[n + e]).nonzero()[0, 0]) for e in range(n))
+    assert 0 < shared < T - 1
+    pull_back = 1 if unit == "kv" else 0
+    for ly in range(L):
+        if method == "atp":  # prefix once, the source and the target prompts after it (and the pull-back)
+            assert queries[False][ly] == (2 + pull_back) * n * T
+            assert queries[True][ly] == n * shared + (2 + pull_back) * n * (T - shared)
+        else:  # both prompts (pair_runs), then the gradient pass over L + 1 copies, then the pull-back
+            assert queries[False][ly] == 2 * n * T + (L + 1 + pull_back) * n * T
+            assert queries[True][ly] == 2 * n * T + n * shared + (L + 1 + pull_back) * n * (T - shared)
+
+
+def test_kv_and_resid_compare_with_exact_patching_of_the_same_unit():
+    """``reference`` (given, or the latest earlier activation_patching step of the same unit, metric, direction
+    and normalisation) compares kv and resid scores with the exact ones: Spearman and top-k recall."""
+    stats = pytest.importorskip("scipy.stats")
+    tok, lm, _ = models("llama")
+    examples = pair_examples(tok)
+    fresh = StepContext(model=lm, examples=examples, results={}, seed=0)
+    exact = {unit: patch(ActivationPatching(unit=unit), fresh) for unit in ("z", "kv", "resid")}
+    cell = {f"patch_{unit}": ds for unit, ds in exact.items()}
+    ctx = StepContext(model=lm, examples=examples, results=cell, seed=0)
+    for unit in ("kv", "resid"):
+        ref = exact[unit]["score"].values
+        given = detect(AttributionPatching(unit=unit, reference=f"patch_{unit}", top_k=3), ctx)
+        auto = detect(AttributionPatching(unit=unit, top_k=3), ctx)
+        assert given.attrs["reference_chosen"] == "spec" and auto.attrs["reference_chosen"] == "auto"
+        assert auto.attrs["reference_step"] == f"patch_{unit}"
+        est = given["score"].values
+        keep = np.isfinite(ref) & np.isfinite(est)
+        assert keep.sum() >= 4
+        want = stats.spearmanr(ref[keep], est[keep]).statistic
+        assert given.attrs["spearman"] == pytest.approx(want, abs=1e-12) == auto.attrs["spearman"]
+        top = lambda s: set(np.argsort(-np.nan_to_num(np.abs(s.ravel()), nan=-np.inf), kind="mergesort")[:3].tolist())  # noqa: E731
+        assert given.attrs["top_k_recall"] == pytest.approx(len(top(ref) & top(est)) / 3)
+        other = "resid" if unit == "kv" else "kv"
+        with pytest.raises(ValueError, match=rf"reference 'patch_{other}' has unit '{other}', this step '{unit}'"):
+            detect(AttributionPatching(unit=unit, reference=f"patch_{other}"), ctx)
+
+
+@pytest.mark.parametrize("unit", ["kv", "resid"])
+def test_kv_and_resid_on_a_sliding_window_model(unit):
+    """Mistral with a sliding window shorter than the prompts (its cache drops keys, so the prompts run whole and
+    the target's keys and values are recorded by probes): the estimates equal finite differences (float64)."""
+    tok = word_tokenizer()
+    lm, _ = build_models(tiny_config(len(tok), model_type="mistral", sliding_window=4, initializer_range=0.2),
+                         tokenizer=tok)
+    lm.model.double()
+    examples = pair_examples(tok)
+    ds = detect(AttributionPatching(unit=unit), StepContext(model=lm, examples=examples, results={}, seed=0))
+    assert ds.attrs["prefix"] == "recomputed"
+    fd = _unit_finite_differences(lm, examples, unit, "logit_diff", "denoise")
+    scale = np.nanmax(np.abs(fd))
+    assert scale > 1e-2
+    np.testing.assert_allclose(np.nan_to_num(ds["atp"].values), np.nan_to_num(fd), rtol=1e-3, atol=1e-4 * scale)

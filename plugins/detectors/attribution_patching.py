@@ -96,6 +96,7 @@ from headlab.plugins.detectors.activation_patching import (
     pair_runs,
     prefix_reusable,
 )
+from headlab.plugins.detectors.activation_patching import prefix_reusable as _cache_keeps_every_position
 from headlab.resources import Estimate, EstimateContext
 from headlab.spec import PositiveInt
 
@@ -268,7 +269,7 @@ def _keep_kv(lm, kwargs: dict, plan: Plan) -> None:
     else recorded by the plan's probes on the torch path (differentiable, like the native one)."""
     if "cache" in kwargs:
         return
-    if prefix_reusable(lm):
+    if _cache_keeps_every_position(lm):
         from transformers import DynamicCache
 
         model = lm.model if isinstance(lm, LoadedModel) else lm
