@@ -6,7 +6,13 @@ gradient taken on the corrupted run; ``noise`` swaps the roles (``z_corrupt - z_
 clean run). ``atp`` estimates ``patched - target`` (the metric of the run patched with that head's source
 value minus the unpatched run's), so the estimated patched metric is ``target + atp``, normalised like
 ``activation_patching`` (docs/methods.md#metrics-for-circuit-analysis): ``score`` is comparable to its score.
-``unit: z_position`` keeps one term per token of the prompt (the sum over ``head_dim`` only).
+``unit: z_position`` keeps one term per token of the prompt (the sum over ``head_dim`` only). ``unit: kv``: per
+``(layer, kv_head)``, ``sum over positions and head_dim of (k_source - k_target) . d metric / d k + (v_source -
+v_target) . d metric / d v``, the keys as attention reads them (after the rotary embedding and any key norm),
+the coordinate ``serves (kv_head, head)`` marking the query heads each one serves. ``unit: resid``: per
+``(layer, token)``, ``(resid_source - resid_target) . d metric / d resid`` over ``d_model``, the residual stream
+entering the decoder layer (layer 0: the embedding output). The units, dims and coordinates are
+``activation_patching``'s.
 
 Per chunk of pairs (``method: atp``): one forward without gradients over the source prompts records every
 head's ``z`` (the input of each layer's attention output projection); one forward of the target prompts with
@@ -15,12 +21,20 @@ the paths through the later layers' heads) records the target's ``z`` and its me
 ``d metric / d z`` for all heads at once (``torch.autograd.grad`` with respect to those tensors only: no
 parameter gets a gradient, none is computed). Both forwards run the last layer's output projection and MLP at
 the last position only, and with ``logit_diff`` the output layer's rows of the answer and wrong tokens only.
+The residual stream's gradient is taken the same way at each decoder layer's input (``resid``). A layer's keys
+and values reach the metric only through that layer's head outputs, so their gradient (``kv``) is ``d metric /
+d z`` pulled back through the layer's attention alone (:func:`_kv_pull_back`): one more forward of the target
+prompts, every layer's keys and values replaced by leaves of their own values (:class:`headlab.ReplaceKV`; read
+from the target forward's KV cache, or recorded by probes on the torch path where the cache drops positions)
+and the layers above a layer's ``z`` reading a detached copy of it, stopped at the last layer's output
+projection, and one backward through the attention only (one per GradDrop variant).
 The shared prefix (the positions before the first one where some pair of the chunk differs, left padding
 included) is run once, without gradients, into a KV cache that both forwards read, and they and the backward
-cover the positions after it: there the source and target ``z`` are the same (each term is 0), and a later
-position does not change an earlier one, so the estimates are those of runs over the whole prompts. Under three
-forwards' time per chunk. Where the model's KV cache is not made of plain growing layers (a sliding window)
-the whole prompts are run; ``attrs["prefix"]`` (``shared_cache`` / ``recomputed``) and ``attrs["prefix_runs"]``
+cover the positions after it (with ``kv`` the pull-back forward too): there the source and target ``z``, keys,
+values and residual stream are the same (each term is 0), and a later position does not change an earlier one,
+so the estimates are those of runs over the whole prompts. Under three forwards' time per chunk (``kv``:
+four). Where the model's KV cache is not made of plain growing layers (a sliding window) the whole prompts are
+run; ``attrs["prefix"]`` (``shared_cache`` / ``recomputed``) and ``attrs["prefix_runs"]``
 (the runs that skip it: ``source, target, gradients``; with ``atp_star`` ``gradients``, the gradient pass of
 the plain and the GradDrop gradients, while the forwards recording both prompts' ``z``, keys and values and
 the QK fix's forwards run the whole prompts; ``none``) say which path ran.
@@ -50,10 +64,14 @@ two changes, each with its switch:
   source's keys (patched keys; ``unit: z_position``: at one key position per row). Under GradDrop the same
   combination applies.
 
-Outputs: ``score (layer, head[, token])``, ``atp (layer, head[, token], example)`` (NaN at a token an
-example does not have), ``clean (example)``, ``corrupt (example)``; with the QK fix also ``query`` /
-``query_score`` ``(layer, head[, token][, example])`` and ``key`` / ``key_score`` ``(layer, kv_head[, token][,
-example])``, normalised like ``score``.
+``unit: kv`` takes ``atp_star`` with GradDrop alone (``qk_fix: false``: the QK fix is defined for the query and
+key patches of a head's output); ``unit: resid`` takes ``atp`` only (the residual stream entering a layer is
+no node inside one layer, which GradDrop's ``L - 1`` assumes): the spec is refused otherwise.
+
+Outputs: ``score (layer, head[, token])`` (``(layer, kv_head)`` for ``kv``, ``(layer, token)`` for
+``resid``), ``atp (..., example)`` (NaN at a token an example does not have), ``clean (example)``,
+``corrupt (example)``; with the QK fix also ``query`` / ``query_score`` ``(layer, head[, token][,
+example])`` and ``key`` / ``key_score`` ``(layer, kv_head[, token][, example])``, normalised like ``score``.
 """
 
 from __future__ import annotations
