@@ -120,7 +120,7 @@ from headlab.spec import PositiveInt
 
 __all__ = ["AttributionPatching", "SharedPrefix", "attribution", "attribution_runs", "detect", "grad_drop",
            "key_patched_z", "query_patched_z", "run_prefix", "shared_prefix_length", "spearman", "target_gradients",
-           "top_k_recall"]
+           "top_k_recall", "unit_activations"]
 
 
 class AttributionPatching(ComponentConfig):
