@@ -12,9 +12,10 @@ from .attention import (
     ProbeRequest,
     attention,
     choose_backend,
+    needs_grad,
     pairs_from_csr,
     triton_available,
 )
 
 __all__ = ["BACKENDS", "PAIR_PATHS", "AttentionStats", "HeadEdits", "ProbeRequest", "attention",
-           "choose_backend", "pairs_from_csr", "triton_available"]
+           "choose_backend", "needs_grad", "pairs_from_csr", "triton_available"]

@@ -63,6 +63,7 @@ def choose_backend(
     device: torch.device | str | None = None,
     native: bool = False,
     reads_outputs: bool = False,
+    grad: bool = False,
 ) -> tuple[str, str]:
     """The path that computes one attention call, and why: ``(backend, reason)``. The only place that decides.
 
@@ -77,13 +78,18 @@ def choose_backend(
       to a callback that may recompute them through :func:`attention`, so they come from the kernels).
     - ``"sdpa"``: ``scaled_dot_product_attention`` through :func:`attention` otherwise.
 
-    Else (``"auto"``) ``"triton"`` on CUDA when triton is installed, ``"torch"`` elsewhere. ``"torch"`` and
-    ``"triton"`` are taken as requested; ``"sdpa"`` requested for a call SDPA cannot compute raises
+    Else (``"auto"``) ``"triton"`` on CUDA when triton is installed, ``"torch"`` elsewhere; ``"torch"`` also
+    when the call is differentiated (``grad``: autograd records it, :func:`needs_grad`), the Triton path being
+    forward-only. ``"torch"`` and ``"triton"`` are taken as requested (``"triton"`` under ``grad`` raises
+    ``ValueError``); ``"sdpa"`` requested for a call SDPA cannot compute raises
     ``ValueError``. ``edits``/``probes`` may be unchecked (as given to :func:`attention`). When the probes
     ask for pairs, the reason ends with how the chosen path computes them (:data:`PAIR_PATHS`).
     """
     if requested not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {requested!r}")
+    if requested == "triton" and grad:
+        raise ValueError("backend='triton' is forward-only and this call is differentiated (autograd records it): "
+                         "request backend 'torch' or 'auto'")
     if requested in ("torch", "triton"):
         return requested, "requested" + _pair_path(probes, requested)
     blocker = _sdpa_blocker(edits, probes, softcap)
@@ -106,7 +112,14 @@ def choose_backend(
         return "torch", f"{blocker}; not on CUDA" + _pair_path(probes, "torch")
     if not triton_available():
         return "torch", f"{blocker}; triton is not installed" + _pair_path(probes, "torch")
+    if grad:
+        return "torch", f"{blocker}; gradients (the Triton path is forward-only)" + _pair_path(probes, "torch")
     return "triton", f"{blocker}; CUDA" + _pair_path(probes, "triton")
+
+
+def needs_grad(*tensors: Tensor | None) -> bool:
+    """Whether autograd records an operation on ``tensors``: grad mode is on and one of them requires grad."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 #: how each kernel path computes pair probes (``ProbeRequest.pairs``), as :func:`choose_backend` reports it
@@ -205,7 +218,8 @@ def attention(
     if window is not None and window <= 0:
         raise ValueError("window must be positive")
 
-    backend, reason = choose_backend(backend, edits=edits, probes=probes, softcap=softcap, device=dev)
+    backend, reason = choose_backend(backend, edits=edits, probes=probes, softcap=softcap, device=dev,
+                                     grad=needs_grad(q, k, v, edits.q_scale, edits.out_scale, edits.key_bias))
     if backend == "sdpa":
         kbias = None if edits.key_spans is None else span_bias(edits.key_spans, edits.key_bias, Nk)
         out = _sdpa(q, k, v, scale, causal, key_padding_mask, attn_mask, window, edits.q_scale, edits.out_scale,

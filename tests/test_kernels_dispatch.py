@@ -72,6 +72,65 @@ def test_choose_backend_table(call, expected, monkeypatch):
     assert got == expected
 
 
+def test_a_differentiated_call_takes_the_torch_path_on_cuda(monkeypatch):
+    monkeypatch.setattr(kattn, "triton_available", lambda: True)
+    forward_only = "(the Triton path is forward-only)"
+    assert choose_backend(probes=ARGMAX, device="cuda", grad=True) == ("torch", f"probes; gradients {forward_only}")
+    assert choose_backend(softcap=30.0, device="cuda", native=True, grad=True) == (
+        "torch", f"softcap; gradients {forward_only}")
+    assert choose_backend(probes=PAIRS, device="cuda", grad=True) == (
+        "torch", f"probes; gradients {forward_only}; {TORCH_PAIRS}")
+    assert choose_backend(device="cuda", native=True, grad=True) == ("native", "no edits or probes")  # SDPA: autograd
+    assert choose_backend(probes=ARGMAX, device="cpu", grad=True) == ("torch", "probes; not on CUDA")
+    with pytest.raises(ValueError, match="backend='triton' is forward-only and this call is differentiated"):
+        choose_backend("triton", probes=ARGMAX, device="cuda", grad=True)
+    q = torch.zeros(1, 2, 3, 4)
+    with torch.no_grad():
+        assert not kattn.needs_grad(q.requires_grad_(True))
+    assert kattn.needs_grad(None, q) and not kattn.needs_grad(torch.zeros(2), None)
+
+
+def test_the_instrument_asks_for_gradients_only_where_autograd_records(monkeypatch):
+    """A forward whose later layers are differentiated (AtP's leaf on a head output): on CUDA those layers'
+    attention would be Triton's, which is forward-only; the dispatcher is told, layer by layer."""
+    from headlab.instrument import Plan, Probes, instrument
+
+    from fixtures.circuits import models
+
+    _, lm, _ = models("llama")
+    seen: list[bool] = []
+    real = kattn.choose_backend
+
+    def spy(*args, grad=False, **kwargs):
+        seen.append(grad)
+        return real(*args, grad=grad, **kwargs)
+
+    import headlab.instrument.attention as iattn
+
+    monkeypatch.setattr(iattn, "choose_backend", spy)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    leaf = torch.zeros(1, 4, lm.model.config.hidden_size, requires_grad=True)
+    hook = lm.model.model.layers[0].register_forward_hook(lambda m, a, o: (o[0] + leaf, *o[1:]) if isinstance(o, tuple)
+                                                          else o + leaf)
+    try:
+        with instrument(lm.model, Plan(probes=Probes(argmax=True))):
+            out = lm.model(input_ids=ids)
+        assert seen == [True, True]  # the weights require grad: autograd records every layer
+        seen.clear()
+        lm.model.requires_grad_(False)
+        with instrument(lm.model, Plan(probes=Probes(argmax=True))):
+            out = lm.model(input_ids=ids)
+        assert seen == [False, True]  # frozen weights: layer 0 reads no leaf, layer 1 reads layer 0's output + leaf
+        seen.clear()
+        with torch.no_grad(), instrument(lm.model, Plan(probes=Probes(argmax=True))):
+            lm.model(input_ids=ids)
+        assert seen == [False, False]
+    finally:
+        hook.remove()
+    out.logits.sum().backward()
+    assert leaf.grad is not None and leaf.grad.abs().sum() > 0
+
+
 def test_choose_backend_without_triton(monkeypatch):
     monkeypatch.setattr(kattn, "triton_available", lambda: False)
     assert choose_backend(probes=ARGMAX, device="cuda") == ("torch", "probes; triton is not installed")

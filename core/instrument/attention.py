@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from headlab.kernels import HeadEdits, ProbeRequest, choose_backend
+from headlab.kernels import HeadEdits, ProbeRequest, choose_backend, needs_grad
 from headlab.kernels import attention as kernel_attention
 from headlab.kv import split_call
 
@@ -110,7 +110,8 @@ def attention_forward(
     request = _request(call)
     backend, reason = choose_backend("auto" if call.plan is None else call.plan.backend, edits=request.edits,
                                      probes=request.probes, softcap=call.softcap, device=query.device,
-                                     native=True, reads_outputs=request.reads_z)
+                                     native=True, reads_outputs=request.reads_z,
+                                     grad=needs_grad(query, key, value))
     if call.layer is not None:
         call.session.rec.backends[call.layer] = (backend, reason)
     if backend == "native":
