@@ -16,8 +16,6 @@ import pytest
 import xarray as xr
 import zarr
 from pydantic import Field
-from test_circuits_errors import ROWS, write_spec
-from test_errors import error_line
 
 import headlab
 from headlab import ComponentConfig, StepError, hookimpl
@@ -29,6 +27,28 @@ from headlab.runner import CellError, Job, ModelCache, execute_cell
 from fixtures.specs import spec_text
 
 PATCHING = "plugin headlab.plugins.detectors.activation_patching"
+# a tiny random model on the embedded model's word tokenizer (every word of the pairs below is one token)
+LLAMA = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 811, "max_position_embeddings": 256,
+         "tokenizer": "headlab-tiny"}
+ROWS = [{"clean": "red : blue , green : cat . red :", "corrupt": "red : blue , green : cat . green :",
+         "answer": "blue", "wrong": "cat"},
+        {"clean": "red : dog , green : bird . green :", "corrupt": "red : dog , green : bird . red :",
+         "answer": "bird", "wrong": "dog"}]
+
+
+def write_spec(folder: Path, steps: str, rows: list[dict]) -> None:
+    """``spec.yaml`` and its ``pairs.jsonl`` (a path relative to the folder the user runs in)."""
+    (folder / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (folder / "spec.yaml").write_text(f"name: circuits\nmodel: {{config: {json.dumps(LLAMA)}}}\n"
+                                      f"task: {{kind: pairs, path: pairs.jsonl}}\nsteps:\n{steps}")
+
+
+def error_line(stderr: str) -> str:
+    """The one ``error:`` line of ``stderr`` (asserted to be the only one, with no traceback)."""
+    lines = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    return lines[0]
 
 
 def command(args: list[str], capfd) -> tuple[int, str, str]:
