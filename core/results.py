@@ -428,7 +428,8 @@ class Run:
 
     @property
     def status(self) -> str:
-        """``running``, ``interrupted``, ``complete``, or ``damaged: <what>`` when :attr:`problems` finds any."""
+        """``running``, ``interrupted``, ``failed``, ``complete``, or ``damaged: <what>`` when :attr:`problems`
+        finds any (partial cells leave a run ``failed`` or ``interrupted``)."""
         if getattr(self, "_status", None):
             return str(self._status)
         if self.problems:
