@@ -342,12 +342,20 @@ def _print_summary(result: Any) -> None:
 
 @app.command()
 def show(run_path: Annotated[Path, typer.Argument(metavar="RUN", help="a run store directory")]) -> None:
-    """Print a run's summary: top heads of detect steps, metric means of generate steps."""
+    """Print a run's summary: top heads of detect steps, metric means of generate steps; the kept steps of
+    partial cells (included in the summary)."""
     from .results import open_run
 
     result = open_run(run_path)
     console.print(f"[bold]{result.name}[/bold] {result.status}, {result.cells_done}/{result.cells_total} cells, "
                   f"model {result.attrs.get('model')}")
+    for name, info in sorted(result.partial_cells.items()):
+        values = ", ".join(f"{k}={v!r}" for k, v in info["values"].items())
+        stop = f"interrupted in step '{info['failed_step']}'" if info["error"] == "interrupted" else \
+            f"step '{info['failed_step']}' failed: {info['error']}"
+        console.print(Text(f"partial cell {name}{f' ({values})' if values else ''}: kept steps "
+                           f"{', '.join(info['steps'])} (shown below); {stop}; `headlab run --resume "
+                           f"{result.location}` computes the cell again"), soft_wrap=True)
     _print_summary(result)
 
 

@@ -404,6 +404,9 @@ def render_report(run: Run | str | Path, *, n_examples: int = 8) -> str:
                  "n_layers", "n_heads", "seed", "headlab_version", "torch_version", "transformers_version", "host"]
     meta = [[k, str(a[k])] for k in meta_keys if k in a]
     meta.insert(1, ["cells", f"{run.cells_done}/{run.cells_total}"])
+    meta[2:2] = [[f"partial cell {name}", f"kept steps {', '.join(info['steps'])} (shown with the finished cells); "
+                  f"stopped in step '{info['failed_step']}': {info['error']}"]
+                 for name, info in sorted(run.partial_cells.items())]
     if run.sweep:
         meta.append(["sweep", json.dumps(run.sweep)])
     parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',

@@ -8,8 +8,9 @@ place, so a run directory is never half-created. Each sweep cell is written as i
 local run verifies it: a missing cell of a complete run, or a missing or changed chunk, is a
 :class:`RunDamaged` error naming it, never fill values. Cells are disjoint groups, so workers of a
 distributed executor write them side by side while the driver alone writes the run's attributes and the
-``done`` marks. ``Run.results`` combines the cells of a step into one Dataset with one dimension per
-sweep key.
+``done`` marks. A cell that a step stopped keeps the steps completed before it, marked ``partial`` (never
+``done``), read and verified like a finished cell and computed again as a whole on resume. ``Run.results``
+combines the cells of a step into one Dataset with one dimension per sweep key.
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ def stored_cells(path: Path) -> list[tuple[str, dict[str, Any] | None]]:
 
 
 def cell_problems(path: Path, cell: str, attrs: Mapping[str, Any]) -> list[str]:
-    """What is missing or changed in a finished cell of the run store at ``path``, compared with the list
+    """What is missing or changed in a finished (or partial) cell of the run store at ``path``, compared with the list
     of arrays it recorded when it was written (cells written before that list existed are checked for
     their step groups only)."""
     problems = []
@@ -265,12 +266,19 @@ class RunWriter:
                 if attrs and attrs.get("done") and not cell_problems(path, name, attrs)}
 
     def write_cell(self, cell_name: str, values: Mapping[str, Any], results: Mapping[str, xr.Dataset],
-                   timing: Mapping[str, Any], *, done: bool = True) -> None:
+                   timing: Mapping[str, Any], *, done: bool = True, failed: Mapping[str, Any] | None = None) -> None:
         """Write every step dataset of a finished cell, then mark the cell done with the list of arrays
         it wrote (one atomic update of the cell's attributes).
 
         ``done=False`` leaves the mark to :meth:`mark_done` (a distributed executor's worker writes the
-        cell, its driver records completion); until then the cell is not read as finished."""
+        cell, its driver records completion); until then the cell is not read as finished.
+
+        ``failed`` (``{"step": id, "error": line}``) writes a cell that a step stopped: ``results`` are the
+        steps completed before ``failed["step"]``, and the same atomic update marks the cell ``partial``
+        (never done) with ``failed_step`` and ``error``. A partial cell is read (:attr:`Run.results`,
+        :attr:`Run.partial_cells`) and verified like a finished one, and computed again as a whole on resume."""
+        if failed is not None and done:
+            raise ValueError("a partial cell (failed=...) is never done: pass done=False")
         cells = self.root()["cells"]
         if is_url(self.location):
             if cell_name in cells:
@@ -286,17 +294,23 @@ class RunWriter:
                                        consolidated=False, zarr_format=3)
         arrays = {} if is_url(self.location) else {
             step_id: step_manifest(Path(self.location) / "cells" / cell_name / step_id) for step_id in results}
-        group.attrs.update(_json_attr({"done": done, "arrays": arrays, **timing}))
+        mark = {} if failed is None else {"partial": True, "failed_step": failed.get("step"),
+                                          "error": failed.get("error", "")}
+        group.attrs.update(_json_attr({"done": done, "arrays": arrays, **timing, **mark}))
 
     def forget_cells(self) -> None:
-        """Mark every stored cell not done, so each is computed (and written) again."""
+        """Mark every stored cell neither done nor partial, so each is computed (and written) again and none
+        is read until then."""
         for _, group in self.root()["cells"].groups():
-            if group.attrs.get("done"):
-                group.attrs.update({"done": False})
+            if group.attrs.get("done") or group.attrs.get("partial"):
+                group.attrs.update({"done": False, "partial": False})
 
     def mark_done(self, cell_name: str, **attrs: Any) -> None:
         """Record that a written cell is complete (with attributes such as its timing)."""
         group = self.root()["cells"][cell_name]
+        if group.attrs.get("partial"):
+            raise ValueError(f"cell {cell_name} holds only the steps completed before step "
+                             f"'{group.attrs.get('failed_step')}' failed; it is never marked done")
         missing = set(group.attrs.get("steps", [])) - set(group.group_keys())
         if missing:
             raise ValueError(f"cell {cell_name} is not completely written (no {', '.join(sorted(missing))})")
@@ -372,8 +386,9 @@ class Run:
 
     @property
     def problems(self) -> list[str]:
-        """What is missing or changed in the store (empty when it is intact): a finished cell whose
-        recorded arrays or chunks are gone, or a cell missing from a run marked complete."""
+        """What is missing or changed in the store (empty when it is intact): a finished or partial cell whose
+        recorded arrays or chunks are gone, or a cell missing from a run marked complete. (An intact partial
+        cell is no problem: it is listed in :attr:`partial_cells`.)"""
         if self._problems is None:
             from .spec import Cell
 
@@ -382,8 +397,9 @@ class Run:
             for name, attrs in self._stored():
                 if attrs is None:
                     problems.append(f"cells/{name} is unreadable")
-                elif attrs.get("done"):
-                    done.add(name)
+                elif attrs.get("done") or _is_partial(attrs):
+                    if attrs.get("done"):
+                        done.add(name)
                     problems += [] if is_url(self.location) else cell_problems(self.path, name, attrs)
             if self.attrs.get("status") == "complete":
                 missing = [c for c in (Cell(i, ()).name for i in range(self.cells_total)) if c not in done]
@@ -412,7 +428,8 @@ class Run:
 
     @property
     def status(self) -> str:
-        """``running``, ``interrupted``, ``complete``, or ``damaged: <what>`` when :attr:`problems` finds any."""
+        """``running``, ``interrupted``, ``failed``, ``complete``, or ``damaged: <what>`` when :attr:`problems`
+        finds any (partial cells leave a run ``failed`` or ``interrupted``)."""
         if getattr(self, "_status", None):
             return str(self._status)
         if self.problems:
@@ -461,6 +478,12 @@ class Run:
             if attrs and attrs.get("done"):
                 yield name, attrs
 
+    def _readable(self) -> Iterator[tuple[str, dict[str, Any]]]:
+        """(name, attributes) of the cells whose steps are read: the finished cells and the partial ones."""
+        for name, attrs in self._stored():
+            if attrs and (attrs.get("done") or _is_partial(attrs)):
+                yield name, attrs
+
     @property
     def cells_done(self) -> int:
         return sum(1 for _ in self._cells())
@@ -470,8 +493,19 @@ class Run:
         """Cells recorded as failed and not completed since: ``{cell: {values, step, error, attempts}}``."""
         return dict(self.attrs.get("failed_cells", {}))
 
+    @property
+    def partial_cells(self) -> dict[str, dict[str, Any]]:
+        """Cells that a step stopped (it raised, or the run was interrupted in it) whose earlier steps are
+        stored and read with :attr:`results`: ``{cell: {"values": {sweep key: value}, "steps": [the kept step
+        ids], "failed_step": id, "error": line}}``. They do not count as done; resume computes each again as a
+        whole."""
+        return {name: {"values": dict(attrs.get("values", {})), "steps": list(attrs.get("steps", [])),
+                       "failed_step": attrs.get("failed_step"), "error": str(attrs.get("error", ""))}
+                for name, attrs in self._stored() if attrs and _is_partial(attrs)}
+
     def cell(self, name: str, step: str) -> xr.Dataset:
-        """The dataset one cell produced for one step (verified against what the cell recorded)."""
+        """The dataset one cell produced for one step (verified against what the cell recorded; a partial
+        cell's kept steps too)."""
         self.check()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -479,7 +513,10 @@ class Run:
 
     @property
     def results(self) -> dict[str, xr.Dataset]:
-        """Step id -> Dataset over the finished cells, one dimension per sweep key."""
+        """Step id -> Dataset over the finished cells, one dimension per sweep key.
+
+        The steps a partial cell kept (:attr:`partial_cells`: a later step of the cell failed) are included; a
+        step's Dataset that holds any has the attribute ``partial_cells``, the names of those cells."""
         if self._results is None:
             self.check()
             self._results = {step: self._combine(step) for step in self.steps}
@@ -488,13 +525,23 @@ class Run:
 
     def _combine(self, step: str) -> xr.Dataset | None:
         keys = list(self.sweep)
-        parts, labels = [], []
-        for name, attrs in self._cells():
+        parts, labels, partial = [], [], []
+        for name, attrs in self._readable():
             if step in attrs.get("steps", []):
                 parts.append(self.cell(name, step))
                 labels.append(attrs.get("values", {}))
+                if _is_partial(attrs):
+                    partial.append(name)
         if not parts:
             return None
+        ds = self._concat(parts, labels, keys)
+        if partial:
+            ds.attrs["partial_cells"] = partial
+        return ds
+
+    @staticmethod
+    def _concat(parts: list[xr.Dataset], labels: list[dict[str, Any]], keys: list[str]) -> xr.Dataset:
+        """One step's datasets of several cells as one, with a dimension per sweep key."""
         if not keys:
             return parts[0]
         # dims without coordinates (`step`: cells swept over max_new_tokens generate different numbers of
@@ -600,6 +647,11 @@ class Run:
         return (f"<div><b>headlab run</b> {escape(self.name)} &middot; {escape(self.status)} &middot; "
                 f"{self.cells_done}/{self.cells_total} cells &middot; model {escape(str(self.attrs.get('model')))}"
                 f"<table><tr><th>step</th><th>action</th><th>summary</th></tr>{''.join(rows)}</table></div>")
+
+
+def _is_partial(attrs: Mapping[str, Any]) -> bool:
+    """Whether cell attributes are those of a partial cell (:meth:`RunWriter.write_cell` with ``failed``)."""
+    return bool(attrs.get("partial")) and not attrs.get("done")
 
 
 def open_run(path: str | Path) -> Run:

@@ -44,7 +44,7 @@ from . import resources
 from .context import Example, Reporter, StepContext
 from .contract import OutOfMemory, StoreWriteError, meta_problem, result_problems
 from .dims import DIMENSIONS
-from .errors import ContractError, StepError, step_error
+from .errors import ContractError, StepError, describe, step_error
 from .inputs import check_resume, input_digests
 from .model import LoadedModel, ModelLoadError, load_model
 from .plugin_manager import get_manager, plugins_for_workers, register_worker_plugins
@@ -274,14 +274,28 @@ def run_cell(loaded: LoadedSpec, cell: Cell, models: ModelCache, reporter: Repor
     """Run every step of one sweep cell in this process; returns step id -> Dataset.
 
     ``on_step(step_id)`` is called as each step starts (an executor reports which step failed); ``store``
-    is the run store the cell is written to (:attr:`StepContext.store`).
+    is the run store the cell is written to (:attr:`StepContext.store`). The exception that stops the cell
+    (a :class:`StepError`, a ``KeyboardInterrupt``) is raised as it is, with the attribute ``completed_steps``:
+    step id -> Dataset of the steps that completed before it (empty when none did).
     """
+    results: dict[str, xr.Dataset] = {}
+    try:
+        return _run_steps(loaded, cell, models, reporter, cancel, on_step, store, results)
+    except BaseException as e:
+        with contextlib.suppress(Exception):  # an exception type that takes no attributes: nothing is kept
+            e.completed_steps = dict(results)  # type: ignore[attr-defined]
+        raise
+
+
+def _run_steps(loaded: LoadedSpec, cell: Cell, models: ModelCache, reporter: Reporter | None,
+               cancel: Callable[[], bool] | None, on_step: Callable[[str], None] | None, store: str,
+               results: dict[str, xr.Dataset]) -> dict[str, xr.Dataset]:
+    """:func:`run_cell`, each completed step's Dataset put into ``results`` as it completes."""
     spec = loaded.for_cell(cell)
     reporter = reporter or Reporter()
     lm = models.get(spec.model, seed=loaded.spec.seed)
     preflight(loaded, spec, lm, cell)
     _seed(spec.seed)
-    results: dict[str, xr.Dataset] = {}
     example_cache: dict[str, list[Example]] = {}
     token_cache: dict[int, int] = {}
     for step in spec.steps:
@@ -452,6 +466,28 @@ def write_cell(writer: RunWriter, cell: Cell, results: Mapping[str, xr.Dataset],
                               f"{writer.location}`") from e
 
 
+def _keep_completed(store: RunWriter | str, cell: Cell, step: str | None, exc: BaseException,
+                    timing: Mapping[str, Any]) -> bool:
+    """Write the steps of ``cell`` that completed before ``exc`` stopped it in step ``step`` (the
+    ``completed_steps`` :func:`run_cell` attaches) into the cell's group, marked partial. Best effort: a
+    failure to write is a note on ``exc`` and never replaces it. Returns whether anything was kept."""
+    completed = getattr(exc, "completed_steps", None)
+    if step is None or not completed:
+        return False
+    cause = exc.cause if isinstance(exc, StepError) else exc
+    error = "interrupted" if isinstance(exc, KeyboardInterrupt) else describe(cause)
+    try:
+        writer = store if isinstance(store, RunWriter) else RunWriter(store)
+        writer.write_cell(cell.name, cell.as_dict(), completed, timing, done=False,
+                          failed={"step": step, "error": error})
+    except Exception as e:  # noqa: BLE001 - the error that stopped the cell is the one to report
+        with contextlib.suppress(Exception):
+            exc.add_note(f"the steps of cell {cell.name} completed before step '{step}' were not kept: "
+                         f"{describe(e)}")
+        return False
+    return True
+
+
 # --- executing cells: what an executor and its workers use ----------------------------------------
 
 @dataclass
@@ -548,7 +584,8 @@ def execute_cell(task: CellTask, models: ModelCache, reporter: Reporter | None =
     The worker's half of a distributed executor: registers the driver's in-process plugins (once per
     run), validates the spec (cached), runs the cell's steps exactly as locally (:func:`run_cell`, with
     the worker's ``models``) and writes them into the cell's own group of the store. The driver marks
-    the cell done with :meth:`Job.cell_done`. Any failure raises :class:`CellError` (cell, step, error).
+    the cell done with :meth:`Job.cell_done`. Any failure raises :class:`CellError` (cell, step, error);
+    a step that fails (or is interrupted) leaves the steps completed before it written as a partial cell.
     """
     step: list[str | None] = [None]
     cell = task.cell
@@ -565,7 +602,11 @@ def execute_cell(task: CellTask, models: ModelCache, reporter: Reporter | None =
         step[0] = None
         write_cell(RunWriter(task.store), cell, results, {"started": started, "seconds": seconds,
                                                           "host": platform.node()}, done=False)
-    except Exception as e:
+    except (Exception, KeyboardInterrupt) as e:
+        _keep_completed(task.store, cell, step[0], e, {"started": started, "seconds": time.time() - started,
+                                                        "host": platform.node()})
+        if isinstance(e, KeyboardInterrupt):
+            raise
         raise CellError(CellFailure.from_exception(cell, step[0], e)) from None
     return CellResult(cell, started, seconds, platform.node(), lm.provenance())
 
@@ -642,7 +683,8 @@ class Job:
 
     def run_cell(self, cell: Cell) -> None:
         """Run ``cell`` in this process with the driver's models, write it and record it done. A failure
-        is recorded (:meth:`cell_failed`) and re-raised."""
+        is recorded (:meth:`cell_failed`) and re-raised; the steps completed before a step that failed (or
+        was interrupted) are written as a partial cell."""
         writer = self.writer
         step: list[str | None] = [None]
         started = time.time()
@@ -651,8 +693,10 @@ class Job:
                                on_step=lambda s: step.__setitem__(0, s), store=writer.location)
             step[0] = None
             write_cell(writer, cell, results, {"started": started, "seconds": time.time() - started})
-        except Exception as e:
-            self.cell_failed(CellFailure.from_exception(cell, step[0], e))
+        except (Exception, KeyboardInterrupt) as e:
+            if not isinstance(e, KeyboardInterrupt):
+                self.cell_failed(CellFailure.from_exception(cell, step[0], e))
+            _keep_completed(writer, cell, step[0], e, {"started": started, "seconds": time.time() - started})
             raise
         self._finished(cell)
 

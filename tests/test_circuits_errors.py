@@ -107,8 +107,8 @@ def test_path_patching_with_a_head_the_model_lacks_is_one_line(tmp_path, capfd, 
 
 def test_the_cells_before_a_failing_one_are_kept(tmp_path, capfd, monkeypatch):
     """A sweep whose second cell's pairs file has a multi-token answer: the first cell (both steps) is on disk,
-    the run is marked failed and the line names the failing cell. (Within one cell, the steps' results are
-    written together when the cell finishes: a step that fails leaves none of its cell's steps on disk.)"""
+    the run is marked failed and the line names the failing cell. (Within a cell, the steps completed before a
+    failing one are kept as a partial cell: tests/test_partial_cells.py.)"""
     steps = ("  - id: dla\n    detect: {kind: direct_logit_attribution}\n"
              "  - id: patch\n    detect: {kind: activation_patching}\n")
     write_spec(tmp_path, steps, ROWS, sweep="  task.path: [pairs.jsonl, bad.jsonl]\n")

@@ -111,7 +111,8 @@ def test_a_result_that_breaks_the_contract_is_refused_naming_plugin_and_variable
     stored = headlab.open_run(run)
     assert stored.status == "failed" and stored.cells_done == 1
     assert float(stored.cell("c0000", "o")["score"].sum()) == sum(range(8))  # the earlier cell is intact
-    assert "c0001" in stored.failed_cells and not (run / "cells" / "c0001").exists()  # nothing of it written
+    assert "c0001" in stored.failed_cells and not (run / "cells" / "c0001" / "o").exists()  # nothing of the step
+    assert stored.partial_cells["c0001"]["steps"] == ["ind"]  # the step before it is kept, marked partial
 
 
 def test_a_good_result_is_stored_as_returned(odd_plugin, tmp_path):
