@@ -10,9 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_errors import cli, error_line
 
 import headlab
+
+from fixtures.cli import cli, error_line
 
 # a tiny random model on the embedded model's word tokenizer (every word of the pairs below is one token)
 LLAMA = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,

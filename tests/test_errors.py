@@ -17,33 +17,15 @@ import torch
 
 import headlab
 from headlab import ComponentConfig, StepError, hookimpl
-from headlab.cli import main
 from headlab.model import ModelLoadError
 from headlab.spec import SpecError
 
+from fixtures.cli import cli, error_line
 from fixtures.specs import TINY_LLAMA, spec_error, spec_text
 
 ROOT = Path(__file__).parent.parent
 STEPS = "  - id: ind\n    detect: {kind: induction}\n"
 MODEL_LINE = f"model: {{config: {json.dumps(TINY_LLAMA)}}}"
-
-
-def cli(args: list[str], capfd) -> tuple[int, str]:
-    """Run the command in process; returns (exit code, stderr)."""
-    capfd.readouterr()
-    try:
-        main(args)
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    return code, capfd.readouterr().err
-
-
-def error_line(stderr: str) -> str:
-    lines = [line for line in stderr.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1, stderr
-    assert "Traceback" not in stderr, stderr
-    return lines[0]
 
 
 # --- a broken plugin: named with its step, exit 1 (a bug) or 2 (it refused its input) -------------------

@@ -18,29 +18,12 @@ import xarray as xr
 
 import headlab
 from headlab import ComponentConfig, StepError, hookimpl
-from headlab.cli import main
 from headlab.dims import head_array
 
+from fixtures.cli import cli, error_line
 from fixtures.specs import spec_text
 
 STEPS = "  - id: ind\n    detect: {kind: induction}\n"
-
-
-def cli(args: list[str], capfd) -> tuple[int, str]:
-    """Run the command in this process; returns (exit code, stderr)."""
-    capfd.readouterr()
-    try:
-        main(args)
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    return code, capfd.readouterr().err
-
-
-def error_line(stderr: str) -> str:
-    lines = [line for line in stderr.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and "Traceback" not in stderr, stderr
-    return lines[0]
 
 
 # --------------------------------------------------------------------------- a result's contract

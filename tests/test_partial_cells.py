@@ -24,6 +24,7 @@ from headlab.report import render_report
 from headlab.results import RunWriter
 from headlab.runner import CellError, Job, ModelCache, execute_cell
 
+from fixtures.cli import error_line
 from fixtures.specs import spec_text
 
 PATCHING = "plugin headlab.plugins.detectors.activation_patching"
@@ -42,13 +43,6 @@ def write_spec(folder: Path, steps: str, rows: list[dict]) -> None:
     (folder / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (folder / "spec.yaml").write_text(f"name: circuits\nmodel: {{config: {json.dumps(LLAMA)}}}\n"
                                       f"task: {{kind: pairs, path: pairs.jsonl}}\nsteps:\n{steps}")
-
-
-def error_line(stderr: str) -> str:
-    """The one ``error:`` line of ``stderr`` (asserted to be the only one, with no traceback)."""
-    lines = [line for line in stderr.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and "Traceback" not in stderr, stderr
-    return lines[0]
 
 
 def command(args: list[str], capfd) -> tuple[int, str, str]:
