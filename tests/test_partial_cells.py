@@ -19,12 +19,11 @@ from pydantic import Field
 
 import headlab
 from headlab import ComponentConfig, StepError, hookimpl
-from headlab.cli import main
 from headlab.report import render_report
 from headlab.results import RunWriter
 from headlab.runner import CellError, Job, ModelCache, execute_cell
 
-from fixtures.cli import error_line
+from fixtures.cli import command, error_line
 from fixtures.specs import spec_text
 
 PATCHING = "plugin headlab.plugins.detectors.activation_patching"
@@ -43,18 +42,6 @@ def write_spec(folder: Path, steps: str, rows: list[dict]) -> None:
     (folder / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (folder / "spec.yaml").write_text(f"name: circuits\nmodel: {{config: {json.dumps(LLAMA)}}}\n"
                                       f"task: {{kind: pairs, path: pairs.jsonl}}\nsteps:\n{steps}")
-
-
-def command(args: list[str], capfd) -> tuple[int, str, str]:
-    """``headlab ARGS`` in this process: (exit code, stdout, stderr)."""
-    capfd.readouterr()
-    try:
-        main(args)
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    out, err = capfd.readouterr()
-    return code, out, err
 
 
 def without_mark(ds: xr.Dataset) -> xr.Dataset:
