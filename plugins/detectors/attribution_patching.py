@@ -99,6 +99,7 @@ from headlab import (
     hookimpl,
     positions_from_mask,
 )
+from headlab.plugins.detectors import activation_patching
 from headlab.plugins.detectors.activation_patching import (
     CONVENTION,
     PER_EXAMPLE,
@@ -114,7 +115,6 @@ from headlab.plugins.detectors.activation_patching import (
     pair_runs,
     prefix_reusable,
 )
-from headlab.plugins.detectors.activation_patching import prefix_reusable as _cache_keeps_every_position
 from headlab.resources import Estimate, EstimateContext
 from headlab.spec import PositiveInt
 
@@ -287,7 +287,7 @@ def _keep_kv(lm, kwargs: dict, plan: Plan) -> None:
     else recorded by the plan's probes on the torch path (differentiable, like the native one)."""
     if "cache" in kwargs:
         return
-    if _cache_keeps_every_position(lm):
+    if activation_patching.prefix_reusable(lm):  # the module's own: tests stub this module's name
         from transformers import DynamicCache
 
         model = lm.model if isinstance(lm, LoadedModel) else lm

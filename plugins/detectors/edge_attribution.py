@@ -449,10 +449,11 @@ def edge_scores(lm: LoadedModel, runs: EdgeRuns, graph: EdgeGraph, metric: str, 
     """(source, destination) float64: EAP (``steps=None``) or EAP-IG over ``steps`` interpolation steps, summed
     over the chunk's pairs (module docstring; zero where there is no edge)."""
     parts = [block_parts(lm, layer) for layer in range(graph.n_layers)]
+    d_model = int(lm.head_weights(0).d_model)
     rules = []
     for p in parts:
         with lm.weights_loaded(p.norm):
-            rules.append(affine_norm(p.norm, int(lm.head_weights(0).d_model)))
+            rules.append(affine_norm(p.norm, d_model))
     dtype = _compute_dtype(lm)
     base, other = ("clean", "corrupt") if direction == "noise" else ("corrupt", "clean")
     delta = _deltas(runs, base, other)
