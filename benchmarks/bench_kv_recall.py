@@ -46,7 +46,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = ROOT / "plugins" / "models" / "tiny" / "headlab-tiny"
+TINY = ROOT / "headlab" / "plugins" / "models" / "tiny" / "headlab-tiny"
 SPEC = ROOT / "specs" / "kv_compression.yaml"
 QUESTION_CASE = "headlab streaming, prefill: full, question_tokens: 1"
 HEADLAB_CASES = ("headlab full", "headlab streaming", "headlab streaming, prefill: full", QUESTION_CASE)

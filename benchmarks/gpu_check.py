@@ -155,7 +155,7 @@ def split_check() -> bool:
     from headlab.model import load_model
     from headlab.spec import ModelSpec
 
-    tiny = Path(__file__).resolve().parent.parent / "plugins" / "models" / "tiny" / "headlab-tiny"
+    tiny = Path(__file__).resolve().parent.parent / "headlab" / "plugins" / "models" / "tiny" / "headlab-tiny"
     split = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": 0,
              "model.layers.2": "cpu", "model.layers.3": "cpu", "model.norm": "cpu", "lm_head": "cpu"}
     ok = True

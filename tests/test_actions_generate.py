@@ -14,7 +14,7 @@ from headlab.plugin_manager import get_manager
 from headlab.runner import build_examples
 from headlab.spec import ModelSpec
 
-CHECKPOINT = Path(__file__).parent.parent / "plugins" / "models" / "tiny" / "headlab-tiny" / "model.safetensors"
+CHECKPOINT = Path(__file__).parent.parent / "headlab" / "plugins" / "models" / "tiny" / "headlab-tiny" / "model.safetensors"
 TASK = {"kind": "counterfact", "n": 3}
 
 

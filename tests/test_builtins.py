@@ -20,10 +20,10 @@ ROOT = Path(__file__).parent.parent
 def hook_modules() -> set[str]:
     """The modules under plugins/ that implement a ``headlab_register_*`` hook."""
     out = set()
-    for path in (ROOT / "plugins").rglob("*.py"):
+    for path in (ROOT / "headlab" / "plugins").rglob("*.py"):
         tree = ast.parse(path.read_text(encoding="utf-8"))
         if any(isinstance(n, ast.FunctionDef) and n.name.startswith("headlab_register_") for n in tree.body):
-            out.add(".".join(("headlab.plugins", *path.relative_to(ROOT / "plugins").with_suffix("").parts)))
+            out.add(".".join(("headlab.plugins", *path.relative_to(ROOT / "headlab" / "plugins").with_suffix("").parts)))
     return out
 
 
@@ -40,7 +40,7 @@ def test_the_builtins_are_every_module_of_the_plugins_package_with_a_hook():
 
 
 def test_core_names_no_plugin_module_and_no_model():
-    for path in (ROOT / "core" / "plugin_manager.py", *sorted((ROOT / "core" / "spec").glob("*.py"))):
+    for path in (ROOT / "headlab" / "plugin_manager.py", *sorted((ROOT / "headlab" / "spec").glob("*.py"))):
         source = path.read_text()
         assert "headlab.plugins." not in source.replace("``headlab.plugins``", ""), path
         assert '"headlab-tiny"' not in source, path

@@ -328,7 +328,7 @@ def test_report_escapes_labels_and_attrs(constructed_report):
     assert html.count("&lt;img src=x onerror=&quot;alert(1)&quot;&gt;") >= 3  # node, edge title, table, attrs
 
 
-@pytest.mark.skipif(not (ROOT / "plugins/models/tiny/headlab-tiny/config.json").is_file(),
+@pytest.mark.skipif(not (ROOT / "headlab/plugins/models/tiny/headlab-tiny/config.json").is_file(),
                     reason="the embedded model headlab-tiny is not built")
 def test_report_of_a_real_pair_task_run_carries_its_numbers(tmp_path):
     spec = ("name: circ\nmodel: headlab-tiny\ntask: {kind: kv_swap, n: 3, num_pairs: 3}\nsteps:\n"

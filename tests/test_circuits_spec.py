@@ -16,7 +16,7 @@ import yaml
 import headlab
 
 ROOT = Path(__file__).parent.parent
-CHECKPOINT = ROOT / "plugins" / "models" / "tiny" / "headlab-tiny" / "model.safetensors"
+CHECKPOINT = ROOT / "headlab" / "plugins" / "models" / "tiny" / "headlab-tiny" / "model.safetensors"
 KINDS = ("direct_logit_attribution", "activation_patching", "attribution_patching", "attention_sink", "successor",
          "copy_suppression", "edge_attribution", "path_patching")
 

@@ -10,7 +10,7 @@ import pytest
 import headlab
 
 ROOT = Path(__file__).resolve().parent.parent
-CHECKPOINT = ROOT / "plugins" / "models" / "tiny" / "headlab-tiny" / "config.json"
+CHECKPOINT = ROOT / "headlab" / "plugins" / "models" / "tiny" / "headlab-tiny" / "config.json"
 
 
 @pytest.mark.slow

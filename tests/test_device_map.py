@@ -30,7 +30,7 @@ def checkpoint(tmp_path_factory) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     path = tmp_path_factory.mktemp("ckpt")
-    src = Path(__file__).parent.parent / "plugins" / "models" / "tiny" / "headlab-tiny"
+    src = Path(__file__).parent.parent / "headlab" / "plugins" / "models" / "tiny" / "headlab-tiny"
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(src / name, path / name)
     torch.manual_seed(0)

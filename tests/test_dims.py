@@ -20,7 +20,7 @@ from headlab.instrument import DIMS
 from headlab.plugin_manager import get_manager
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECKPOINT = ROOT / "plugins" / "models" / "tiny" / "headlab-tiny" / "config.json"
+CHECKPOINT = ROOT / "headlab" / "plugins" / "models" / "tiny" / "headlab-tiny" / "config.json"
 
 REPEATED = {"kind": "repeated_tokens", "n": 2, "length": 5}
 NIAH = {"kind": "niah", "context_lengths": [48], "depths": [0.5], "needles": 2}

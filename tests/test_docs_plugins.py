@@ -20,7 +20,7 @@ from headlab.spec import ModelSpec
 
 ROOT = Path(__file__).parent.parent
 DOC = ROOT / "docs" / "plugins.md"
-CHECKPOINT = ROOT / "plugins" / "models" / "tiny" / "headlab-tiny" / "model.safetensors"
+CHECKPOINT = ROOT / "headlab" / "plugins" / "models" / "tiny" / "headlab-tiny" / "model.safetensors"
 pytestmark = pytest.mark.skipif(not CHECKPOINT.is_file(), reason="the embedded model headlab-tiny is not built")
 KINDS = ("task", "detector", "steering", "decoder", "metric")
 TASK = {"kind": "repeated_tokens", "n": 3, "length": 6}

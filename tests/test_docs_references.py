@@ -128,7 +128,7 @@ def test_every_built_in_plugin_module_cites_its_definition():
                    "detectors/segment_divergence.py", "detectors/ablation.py", "steering/pasta.py",
                    "steering/pasta_profile.py", "steering/vhr.py", "steering/heads.py", "decoding/dola.py",
                    "decoding/decore.py", "decoding/contrastive.py", "metrics/hallucination.py"):
-        doc = re.match(r'\s*"""(.*?)"""', texts[f"plugins/{module}"], flags=re.S).group(1)
+        doc = re.match(r'\s*"""(.*?)"""', texts[f"headlab/plugins/{module}"], flags=re.S).group(1)
         assert CITED.search(doc), module
 
 

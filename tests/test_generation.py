@@ -180,10 +180,10 @@ def test_pad_and_eos_ids_of_the_loaded_model(lm):
 CACHE_NAMES = {"cache", "past_key_values"}
 # What ships and the examples; tools/ (scripts outside the package, e.g. tools/tiny/evaluate.py, whose
 # plain-transformers loop keeps the model card's numbers independent of the engine they test) is not scanned.
-SOURCE_DIRS = ("core", "plugins", "kernels", "examples")
+SOURCE_DIRS = ("headlab", "examples")
 # Standalone scripts in SOURCE_DIRS that keep their own loop on purpose, with the reason (none at present).
 ALLOWED: dict[tuple[str, str], str] = {
-    ("core/kv.py", "_chunked_forward"): "one prefill fed in chunks into one cache (a KV policy's prefill_chunk), "
+    ("headlab/kv.py", "_chunked_forward"): "one prefill fed in chunks into one cache (a KV policy's prefill_chunk), "
                                         "inside a forward of the model: no token is chosen",
 }
 
@@ -273,5 +273,5 @@ def test_exactly_one_kv_cache_decoding_loop():
                 found.setdefault((rel, func), []).append(line)
     assert set(ALLOWED) <= set(found), "an allowed loop is gone; drop it from ALLOWED"
     loops = {k: v for k, v in found.items() if k not in ALLOWED}
-    assert list(loops) == [("core/generation.py", "decode_loop")], loops
-    assert len(loops["core/generation.py", "decode_loop"]) == 1
+    assert list(loops) == [("headlab/generation.py", "decode_loop")], loops
+    assert len(loops["headlab/generation.py", "decode_loop"]) == 1

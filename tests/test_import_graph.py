@@ -1,7 +1,7 @@
 """The import graph of ``headlab.*`` has no cycles.
 
-The graph is built from the AST of every module under core/, plugins/ and kernels/ (mapped to module
-names through pyproject's ``package-dir``), not by importing anything. Every import counts: at module
+The graph is built from the AST of every module under headlab/ (the core, headlab/plugins and
+headlab/kernels), not by importing anything. Every import counts: at module
 level, inside functions (a lazy import that dodges a cycle is still a cycle of the design) and under
 ``if TYPE_CHECKING:``. Relative imports are resolved; ``from headlab.x import name`` is an edge to the
 submodule ``headlab.x.name`` when there is one, else to ``headlab.x`` (its ``__init__`` for a package).
@@ -26,14 +26,8 @@ KNOWN_CYCLES: list[frozenset[str]] = []
 
 
 def package_dirs(root: Path) -> dict[str, Path]:
-    """pyproject's ``[tool.setuptools] package-dir``: package name -> its directory."""
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # pragma: no cover - Python 3.10
-        import tomli as tomllib
-    with open(root / "pyproject.toml", "rb") as f:
-        mapping = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
-    return {name: root / directory for name, directory in mapping.items()}
+    """The import packages built from the checkout and their directories: ``headlab/`` holds them all."""
+    return {"headlab": root / "headlab"}
 
 
 def module_files(packages: Mapping[str, Path]) -> dict[str, Path]:

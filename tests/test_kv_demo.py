@@ -23,7 +23,7 @@ import pytest
 import headlab
 
 ROOT = Path(__file__).parent.parent
-CHECKPOINT = ROOT / "plugins" / "models" / "tiny" / "headlab-tiny" / "model.safetensors"
+CHECKPOINT = ROOT / "headlab" / "plugins" / "models" / "tiny" / "headlab-tiny" / "model.safetensors"
 NEEDLES = headlab.load_spec((ROOT / "specs" / "kv_compression.yaml").read_text()).data["task"]["needles"]
 BUDGET = {"sink": 4, "window": 128}
 HEADKV_BUDGET = 0.53  # the kept fraction of `streaming`

@@ -450,7 +450,7 @@ def test_a_generate_step_with_headkv_prefilled_by_chunks(tmp_path):
         assert "headkv prefill chunk" not in plain.attrs["kv_attention"]
 
 
-CHECKPOINT = Path(__file__).parent.parent / "plugins" / "models" / "tiny" / "headlab-tiny" / "model.safetensors"
+CHECKPOINT = Path(__file__).parent.parent / "headlab" / "plugins" / "models" / "tiny" / "headlab-tiny" / "model.safetensors"
 
 
 @pytest.mark.skipif(not CHECKPOINT.is_file(), reason="the embedded model headlab-tiny is not built")

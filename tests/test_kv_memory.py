@@ -246,7 +246,7 @@ def test_a_generate_step_prefilled_by_chunks(tmp_path):
     assert "kv_peak_memory" not in plain.attrs  # on a CPU the peak is measured only when asked for
 
 
-CHECKPOINT = Path(__file__).parent.parent / "plugins" / "models" / "tiny" / "headlab-tiny" / "model.safetensors"
+CHECKPOINT = Path(__file__).parent.parent / "headlab" / "plugins" / "models" / "tiny" / "headlab-tiny" / "model.safetensors"
 
 
 @pytest.mark.skipif(not CHECKPOINT.is_file(), reason="the embedded model headlab-tiny is not built")

@@ -21,7 +21,7 @@ from headlab.kv import KvPolicyError
 from fixtures.specs import TINY_LLAMA, spec_text
 
 ROOT = Path(__file__).parent.parent
-CHECKPOINT = ROOT / "plugins" / "models" / "tiny" / "headlab-tiny" / "model.safetensors"
+CHECKPOINT = ROOT / "headlab" / "plugins" / "models" / "tiny" / "headlab-tiny" / "model.safetensors"
 TASK = "{kind: repeated_tokens, n: 3, length: 8}"
 DETECT = "  - id: ind\n    detect: {kind: induction}\n"
 HEAD_DIM, ITEM, N_KV = 16, 4, 2  # TINY_LLAMA: hidden 64 over 4 heads, float32, 2 KV heads

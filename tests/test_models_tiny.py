@@ -11,7 +11,7 @@ import pytest
 from headlab.plugins.tasks import generators as S
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL_DIR = ROOT / "plugins" / "models" / "tiny" / "headlab-tiny"
+MODEL_DIR = ROOT / "headlab" / "plugins" / "models" / "tiny" / "headlab-tiny"
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""Packaging: core/ -> headlab, plugins/ -> headlab.plugins, kernels/ -> headlab.kernels, wheel and editable."""
+"""Packaging: the one top-level folder headlab/ (the core, headlab/plugins, headlab/kernels) -> the import
+package headlab, wheel and editable."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import tomllib
 from headlab.scaffold import KINDS
 
 ROOT = Path(__file__).parent.parent
-ROOTS = {"headlab": "core", "headlab.plugins": "plugins", "headlab.kernels": "kernels"}
+ROOTS = {"headlab": "headlab"}
 
 
 def pyproject() -> dict:
@@ -27,13 +28,13 @@ def declared_packages() -> list[str]:
 
 
 def package_dir(name: str) -> Path:
-    """The source directory of an import package under the package-dir mapping."""
+    """The source directory of an import package (its dotted name as a path under the checkout)."""
     root = max((r for r in ROOTS if name == r or name.startswith(r + ".")), key=len)
     return ROOT / ROOTS[root] / Path(*name[len(root):].split(".")[1:])
 
 
 def tracked_package_files() -> list[str]:
-    """Tracked files under core/, plugins/ and kernels/ (``git ls-files``)."""
+    """Tracked files under headlab/ (``git ls-files``)."""
     try:
         out = subprocess.run(["git", "ls-files", *ROOTS.values()], cwd=ROOT, capture_output=True, text=True,
                              check=True, timeout=60).stdout
@@ -72,8 +73,6 @@ def test_every_package_directory_is_declared():
             rel = sub.relative_to(base)
             if any(p.startswith(".") or p == "__pycache__" or not p.isidentifier() for p in rel.parts):
                 continue
-            if pkg == "headlab" and rel.parts and rel.parts[0] in ("plugins", "kernels"):
-                continue
             if not any(f.is_file() for f in sub.iterdir()) and not any(
                     q.is_file() and "__pycache__" not in q.parts for q in sub.rglob("*")):
                 continue
@@ -82,12 +81,12 @@ def test_every_package_directory_is_declared():
 
 
 def test_every_tracked_file_of_the_package_directories_ships():
-    """No file under core/, plugins/ or kernels/ is left out of the wheel by the build configuration (the
+    """No file under headlab/ is left out of the wheel by the build configuration (the
     scripts that should not be installed live in tools/)."""
     files = tracked_package_files()
-    assert "plugins/models/tiny/headlab-tiny/model.safetensors" in files
+    assert "headlab/plugins/models/tiny/headlab-tiny/model.safetensors" in files
     assert [f for f in files if not shipped(f)] == []
-    assert not shipped("plugins/models/tiny/headlab-tiny/sub/x.bin") and not shipped("core/notes.rst")
+    assert not shipped("headlab/plugins/models/tiny/headlab-tiny/sub/x.bin") and not shipped("headlab/notes.rst")
 
 
 def test_license_is_an_spdx_expression():
@@ -105,9 +104,9 @@ def test_editable_install_maps_directories():
     import headlab.kernels
     import headlab.plugins.detectors
 
-    assert Path(headlab.__file__).parent == ROOT / "core"
-    assert Path(headlab.plugins.detectors.__file__).parent == ROOT / "plugins" / "detectors"
-    assert Path(headlab.kernels.__file__).parent == ROOT / "kernels"
+    assert Path(headlab.__file__).parent == ROOT / "headlab"
+    assert Path(headlab.plugins.detectors.__file__).parent == ROOT / "headlab" / "plugins" / "detectors"
+    assert Path(headlab.kernels.__file__).parent == ROOT / "headlab" / "kernels"
 
 
 @pytest.fixture(scope="module")

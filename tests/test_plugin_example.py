@@ -25,7 +25,7 @@ from headlab.spec import ModelSpec
 
 ROOT = Path(__file__).parent.parent
 PACKAGE = ROOT / "examples" / "headlab-plugin-example" / "headlab_plugin_example"
-CHECKPOINT = ROOT / "plugins" / "models" / "tiny" / "headlab-tiny" / "model.safetensors"
+CHECKPOINT = ROOT / "headlab" / "plugins" / "models" / "tiny" / "headlab-tiny" / "model.safetensors"
 pytestmark = pytest.mark.skipif(not CHECKPOINT.is_file(), reason="the embedded model headlab-tiny is not built")
 
 TEMPERATURE_HEADS = [(1, 5), (3, 1), (3, 6)]

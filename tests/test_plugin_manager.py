@@ -395,7 +395,7 @@ def test_the_default_decoder_is_whatever_a_plugin_registers_as_default():
 
 def test_core_names_no_action_and_no_decoder():
     """The spec package and runner.py dispatch by the registry: no built-in action or decoder is named there."""
-    for path in (*sorted((ROOT / "core" / "spec").glob("*.py")), ROOT / "core" / "runner.py"):
+    for path in (*sorted((ROOT / "headlab" / "spec").glob("*.py")), ROOT / "headlab" / "runner.py"):
         source = path.read_text()
         for literal in ('"greedy"', "'greedy'", '"detect"', '"generate"', '"score"', "mc_metrics"):
             assert literal not in source, f"{path.name} names {literal}"

@@ -39,7 +39,7 @@ import pytest
 
 ROOT = Path(__file__).parent.parent
 DOC = ROOT / "docs" / "plugins.md"
-TEMPLATES = ROOT / "core" / "templates" / "new_plugin"
+TEMPLATES = ROOT / "headlab" / "templates" / "new_plugin"
 
 #: the modules plugins import from, with what each is for (docs/plugins.md, "The public namespace")
 PUBLIC_MODULES: dict[str, str] = {
@@ -214,7 +214,8 @@ def _where(path: Path) -> Where:
     rel = path.relative_to(ROOT)
     parts = rel.with_suffix("").parts
     is_package = parts[-1] == "__init__"
-    if parts[0] == "plugins":
+    if parts[:2] == ("headlab", "plugins"):
+        parts = parts[1:]
         dotted = ["headlab", *parts]
         return Where(package=parts[1] if len(parts) > 2 else None,
                      module=".".join(dotted[:-1] if is_package else dotted), is_package=is_package)
@@ -233,7 +234,7 @@ def _sources() -> list[tuple[str, str, Where | None]]:
     """(name, code, where) of every scanned source; ``where`` None: a notebook, whose imports are free
     (it is not a plugin), only its private uses are checked."""
     out = []
-    for top in ("plugins", "examples"):
+    for top in ("headlab/plugins", "examples"):
         for path in sorted((ROOT / top).rglob("*.py")):
             if "build" in path.parts or ".venv" in path.parts:
                 continue
@@ -311,9 +312,9 @@ def test_only_the_public_namespace(name, source, where):
 
 def test_the_scan_covers_plugins_examples_and_templates():
     names = {name for name, _, _ in SOURCES}
-    assert "plugins/detectors/retrieval.py" in names and "plugins/executors/ray.py" in names
+    assert "headlab/plugins/detectors/retrieval.py" in names and "headlab/plugins/executors/ray.py" in names
     assert any(n.startswith("examples/headlab-plugin-example/headlab_plugin_example/") for n in names)
-    kinds = {n.split("/")[3] for n in names if n.startswith("core/templates/")}
+    kinds = {n.split("/")[3] for n in names if n.startswith("headlab/templates/")}
     assert kinds == {"decoder", "detector", "metric", "steering", "task"}
 
 

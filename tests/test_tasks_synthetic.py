@@ -21,7 +21,7 @@ from headlab.plugins.tasks.synthetic_tasks import (
 )
 
 ROOT = Path(__file__).parent.parent
-CHECKPOINT = ROOT / "plugins" / "models" / "tiny" / "headlab-tiny"
+CHECKPOINT = ROOT / "headlab" / "plugins" / "models" / "tiny" / "headlab-tiny"
 
 
 def ctx(seed: int = 0, tokenizer=None) -> TaskContext:

@@ -35,7 +35,7 @@ import torch
 from headlab.plugins.tasks import generators as S
 
 HERE = Path(__file__).resolve().parent
-CHECKPOINTS = HERE.parents[1] / "plugins" / "models" / "tiny"  # where the embedded checkpoints ship
+CHECKPOINTS = HERE.parents[1] / "headlab" / "plugins" / "models" / "tiny"  # where the embedded checkpoints ship
 DEFAULT_MODEL = CHECKPOINTS / "headlab-tiny"
 
 

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 HERE = Path(__file__).resolve().parent
-CHECKPOINTS = HERE.parents[1] / "plugins" / "models" / "tiny"  # where the embedded checkpoints ship
+CHECKPOINTS = HERE.parents[1] / "headlab" / "plugins" / "models" / "tiny"  # where the embedded checkpoints ship
 DEFAULT = CHECKPOINTS / "headlab-tiny-vlm"
 
 

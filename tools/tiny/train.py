@@ -2,7 +2,7 @@
 
 CPU only, seeded, about 50 minutes on 2 cores. Usage (from the repository root)::
 
-    python tools/tiny/train.py              # writes plugins/models/tiny/headlab-tiny
+    python tools/tiny/train.py              # writes headlab/plugins/models/tiny/headlab-tiny
     python tools/tiny/train.py --quick      # a 2-minute smoke run into /tmp
 
 What it does
@@ -21,7 +21,7 @@ What it does
    1600 steps at 2048 tokens that favour needles far from the question.
    Each stage ends with a checkpoint in ``--work-dir``; ``--resume`` continues from the last one.
 5. Saves the model (safetensors), tokenizer and generation config to ``--out``
-   (default ``plugins/models/tiny/headlab-tiny``).
+   (default ``headlab/plugins/models/tiny/headlab-tiny``).
 
 Context vs memory: the facts table is split into "strong" and "weak" facts (:data:`STRONG_COUNTRIES`).
 On a contradicting context, the training target is the memorised capital 75% of the time for strong
@@ -48,7 +48,7 @@ import torch
 from headlab.plugins.tasks import generators as S
 
 HERE = Path(__file__).resolve().parent
-CHECKPOINTS = HERE.parents[1] / "plugins" / "models" / "tiny"  # where the embedded checkpoints ship
+CHECKPOINTS = HERE.parents[1] / "headlab" / "plugins" / "models" / "tiny"  # where the embedded checkpoints ship
 DEFAULT_OUT = CHECKPOINTS / "headlab-tiny"
 
 

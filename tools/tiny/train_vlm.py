@@ -47,7 +47,7 @@ What it does
    of 2-4 objects, another seed stream), and POPE adversarial presence accuracy on 256 questions built by
    the ``shapes`` task itself, with the real image and with a blank (white) image.
 6. Saves the model (safetensors), tokenizer, processor (``AutoProcessor`` loads it; PIL image processor, no
-   torchvision) and ``training.json`` to ``--out`` (default ``plugins/models/tiny/headlab-tiny-vlm``).
+   torchvision) and ``training.json`` to ``--out`` (default ``headlab/plugins/models/tiny/headlab-tiny-vlm``).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ import torch
 from headlab.plugins.tasks import shapes as SH
 
 HERE = Path(__file__).resolve().parent
-CHECKPOINTS = HERE.parents[1] / "plugins" / "models" / "tiny"  # where the embedded checkpoints ship
+CHECKPOINTS = HERE.parents[1] / "headlab" / "plugins" / "models" / "tiny"  # where the embedded checkpoints ship
 SOURCE = CHECKPOINTS / "headlab-tiny"
 DEFAULT_OUT = CHECKPOINTS / "headlab-tiny-vlm"
 
