@@ -1,7 +1,9 @@
 # Sourced by .ci/setup-*: make .venv, bring uv into it, install from constraints.txt with uv.
 UV_VERSION=0.13.8  # the uv that installs; tools/refresh-constraints uses the same
 
-step() { echo "==> $*" >&2; }
+HEADLAB_SETUP_T0=${HEADLAB_SETUP_T0:-$(date +%s)}
+export HEADLAB_SETUP_T0
+step() { echo "==> [$(( $(date +%s) - HEADLAB_SETUP_T0 ))s] $*" >&2; }
 
 headlab_venv() {
   local py=${PYTHON:-python3}
@@ -11,7 +13,8 @@ headlab_venv() {
   fi
   if [ "$(.venv/bin/python -m uv --version 2>/dev/null | cut -d' ' -f2)" != "$UV_VERSION" ]; then
     step "installing uv $UV_VERSION into .venv (pip)"
-    .venv/bin/python -m pip install -q --disable-pip-version-check "uv==$UV_VERSION"
+    .venv/bin/python -m pip install -q --disable-pip-version-check "uv==$UV_VERSION" 2>&1 \
+      | { grep -v "^WARNING: Location .* is ignored" || true; } >&2
   fi
 }
 

@@ -228,3 +228,22 @@ def test_more_than_the_cluster_has_is_refused_at_once(cluster, tmp_path, ask, na
                     execution={"executor": "ray", **ask})
     assert time.monotonic() - start < 15  # it waited forever for a worker the cluster cannot hold
     assert not any(tmp_path.iterdir())  # refused before the store exists
+
+
+def test_a_sweep_started_in_the_repository_root_equals_local(tmp_path):
+    """The command as a user types it in the checkout's root: the driver and its Ray workers (which inherit
+    the driver's directory, first on their sys.path) import transformers and Hugging Face's ``kernels``,
+    not a folder of the checkout. Its own local cluster (``--address local``), two cells, equal to the
+    local executor's run."""
+    spec = ROOT / "specs" / "quickstart.yaml"
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PYTHONSAFEPATH")}
+    env["HEADLAB_PLUGINS"] = "none"
+    res = subprocess.run([sys.executable, "-m", "headlab.cli", "run", "specs/quickstart.yaml", "--set", "task.n=4",
+                          "--executor", "ray", "--address", "local", "--out", str(tmp_path / "ray")],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    (path,) = [r.path for r in headlab.list_runs(tmp_path / "ray")]
+    remote = headlab.open_run(path)
+    assert remote.status == "complete" and remote.attrs["executor"] == "ray" and remote.cells_total == 2
+    local = headlab.run(spec, out=tmp_path / "local", overrides={"task.n": 4})
+    assert_same_store(local, remote)
