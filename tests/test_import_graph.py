@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ast
 import importlib
-import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
