@@ -9,6 +9,8 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one thread per worker: -n auto already uses every core
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Triton kernels run under the interpreter on CPU; it is read when kernels are decorated, so it must be set
 # before any test module imports triton. HEADLAB_TRITON_CUDA=1 keeps compiled kernels on a GPU machine.
 if os.environ.get("HEADLAB_TRITON_CUDA") != "1":
