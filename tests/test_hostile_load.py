@@ -276,6 +276,9 @@ QA_SPEC = ("name: t\nmodel: headlab-tiny\ntask: {kind: jsonl, path: qa.jsonl, pr
            "'{{ choices }}', label: label}\nsteps:\n  - id: sc\n    score: {}\n")
 
 
+# slow: four runs through the command line; test_input_digests_cover_swept_files_and_name_the_one_that_changed
+# checks the same refusal and digests in process in the default set
+@pytest.mark.slow
 def test_resume_refuses_a_changed_data_file_and_recompute_recomputes(tmp_path):
     _qa(tmp_path / "qa.jsonl", 3)
     (tmp_path / "s.yaml").write_text(QA_SPEC)

@@ -197,6 +197,9 @@ def kill_resume():
     return module
 
 
+# slow: a reference run and three killed ones; the default set's signal tests and test_runner's
+# interrupt-then-resume check the same equality at one point each
+@pytest.mark.slow
 def test_kill_9_at_random_points_then_resume_equals_the_uninterrupted_run(tmp_path):
     """Three seeded points of tools/reliability/kill_resume.py's sweep (the first while the store is being created);
     the script itself runs >= 20."""
