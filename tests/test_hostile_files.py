@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
+
 from fixtures.cli import cli, error_line
 
 TASK = "{kind: repeated_tokens, n: 2, length: 4}"
@@ -52,3 +54,27 @@ def test_a_huge_spec_file_is_refused_by_its_size_before_it_is_read(tmp_path, cap
                            "(MAX_SPEC_BYTES"), line
     assert not Path("runs").exists()
     assert cli(["validate", "big.yaml"], capfd)[0] == 2
+
+
+# --------------------------------------------------------------------------- a PASTA head map
+def pasta_spec(heads: str) -> str:
+    return (f"name: t\nmodel: headlab-tiny\ntask: {{kind: emphasis, n: 2}}\nsteps:\n  - id: gen\n    generate:\n"
+            f"      max_new_tokens: 1\n      steer: [{{kind: pasta, heads: {heads}}}]\n")
+
+
+@pytest.mark.parametrize("heads, key, col", [('{"abc": [0]}', "abc", 37), ('{"1": [0], "x": [1]}', "x", 47),
+                                             ('{"-1": [0]}', "-1", 37)])
+def test_a_pasta_head_map_whose_layer_is_not_a_number_is_refused_when_validated(tmp_path, capfd, monkeypatch, heads,
+                                                                                 key, col):
+    monkeypatch.chdir(tmp_path)
+    Path("p.yaml").write_text(pasta_spec(heads))
+    for command in (["validate", "p.yaml"], ["run", "p.yaml", "--out", "runs"]):
+        code, err = cli(command, capfd)
+        line = error_line(err)
+        assert code == 2, err
+        assert line.startswith(f"error: p.yaml:8:{col}: steps[0].generate.steer[0].heads.{key}: layer key '{key}' "
+                               "is not a layer number"), line
+        assert 'a head map is {"<layer>": [heads]} with each layer written as a number 0 .. 2,147,483,647' in line
+    assert not Path("runs").exists()  # refused before the store (it was a bare ValueError mid-run)
+    Path("p.yaml").write_text(pasta_spec('{"1": [0], 2: [1]}'))  # digits, or a YAML integer key
+    assert cli(["validate", "p.yaml"], capfd)[0] == 0
