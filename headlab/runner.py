@@ -363,33 +363,44 @@ def preflight(loaded: LoadedSpec, spec: Any, lm: LoadedModel, cell: Cell | None 
     resources.check(spec, lm, swept)
 
 
+def _checked_configs(spec: Any) -> Iterator[tuple[list[Any], Any]]:
+    """``(key path, config)`` of every config whose ``preflight()`` :func:`check_steps` runs: the spec's task,
+    and each step's own task and action config."""
+    if getattr(spec, "task", None) is not None:
+        yield ["task"], spec.task
+    for i, step in enumerate(spec.steps):
+        if getattr(step, "task", None) is not None:
+            yield ["steps", i, "task"], step.task
+        yield ["steps", i, step.action], getattr(step, step.action)
+
+
 def check_steps(loaded: LoadedSpec, cells: list[Cell] | None = None) -> None:
-    """Run the ``preflight()`` check of every step config that has one (an ``evaluate`` step's lm-eval tasks)
-    for ``cells`` (default: the first :data:`PREFLIGHT_CELLS`), each distinct config once: before a run's store
-    is created, and in ``headlab validate``. A failure is a :class:`SpecError` located at the step's key (the
-    check's ``ValueError`` may carry a ``path`` within the config)."""
+    """Run the ``preflight()`` check of every step config and task config that has one (an ``evaluate``
+    step's lm-eval tasks, the size of a task's data file) for ``cells`` (default: the first
+    :data:`PREFLIGHT_CELLS`), each distinct config once: before a run's store is created, and in ``headlab
+    validate``. A failure is a :class:`SpecError` located at the step's key or the task's (the check's
+    ``ValueError`` may carry a ``path`` within the config)."""
     from .spec import SpecError, _position, format_path
 
-    if not any(callable(getattr(getattr(step, step.action), "preflight", None)) for step in loaded.spec.steps):
+    if not any(callable(getattr(config, "preflight", None)) for _, config in _checked_configs(loaded.spec)):
         return
     seen: set[str] = set()
     if cells is None:
         cells = [cell for _, cell in zip(range(PREFLIGHT_CELLS), loaded.cells, strict=False)]
     for cell in cells:
         spec = loaded.for_cell(cell)
-        for i, step in enumerate(spec.steps):
-            config = getattr(step, step.action)
+        for at, config in _checked_configs(spec):
             check = getattr(config, "preflight", None)
             if not callable(check):
                 continue
-            key = f"{step.id}:{_jsonable(config)}"
+            key = f"{format_path(at[:2])}:{type(config).__name__}:{_jsonable(config)}"
             if key in seen:
                 continue
             seen.add(key)
             try:
                 check()
             except ValueError as e:
-                where = ["steps", i, step.action, *getattr(e, "path", ())]
+                where = [*at, *getattr(e, "path", ())]
                 line, col = _position(loaded.tree, where) if loaded.tree is not None else (None, None)
                 swept = f" in cell {cell.name} ({', '.join(f'{k}={v!r}' for k, v in cell.values)})" \
                     if cell.values else ""

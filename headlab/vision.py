@@ -32,7 +32,8 @@ QWEN_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_p
 
 
 def load_image(image: Any) -> Any:
-    """A PIL image in RGB from a PIL image or a local file path (a clear error for a missing file)."""
+    """A PIL image in RGB from a PIL image or a local file path (a clear error for a missing file, one that is
+    not an image, and a decompression bomb: ``ValueError``, exit code 2)."""
     from PIL import Image
 
     if isinstance(image, Image.Image):
@@ -46,6 +47,8 @@ def load_image(image: Any) -> Any:
                 return img.convert("RGB")
         except OSError as e:
             raise ValueError(f"image file '{path}' cannot be read as an image: {e}") from None
+        except Image.DecompressionBombError as e:  # a header claiming billions of pixels: refused, not decoded
+            raise ValueError(f"image file '{path}' is too large to decode ({e}); resize it") from None
     raise TypeError(f"an image is a PIL image or a local file path, not {type(image).__name__}")
 
 

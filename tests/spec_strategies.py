@@ -58,6 +58,10 @@ def from_schema(node: dict[str, Any], defs: dict[str, Any] | None = None, name: 
         return st.one_of([from_schema({**node, "type": k}, defs, name) for k in kind])
     if kind == "object":
         props = node.get("properties")
+        if props is None and len(node.get("patternProperties") or {}) == 1:  # keys of a pattern (layer numbers)
+            ((pattern, values),) = node["patternProperties"].items()
+            keys = st.from_regex(pattern, fullmatch=True).filter(lambda s: len(s) <= 6)
+            return st.dictionaries(keys, from_schema(values, defs, name), max_size=3)
         if props is None:
             extra = node.get("additionalProperties")
             values = from_schema(extra if isinstance(extra, dict) else {}, defs, name)

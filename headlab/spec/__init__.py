@@ -51,13 +51,22 @@ from .heads import HeadSelection, HeadsFile, HeadsFrom
 from .limits import Limits, parse_size
 from .loading import LoadedSpec, load_spec, validate_data
 from .model_spec import DEVICE_PATTERN, ModelSpec, default_model
-from .safe_yaml import MAX_DEPTH, MAX_NODES, MAX_SPEC_CHARS, MAX_YAML_INT, SAFE_TAGS, parse_yaml
+from .safe_yaml import (
+    MAX_DEPTH,
+    MAX_NODES,
+    MAX_SPEC_BYTES,
+    MAX_SPEC_CHARS,
+    MAX_YAML_INT,
+    SAFE_TAGS,
+    parse_yaml,
+)
 from .spec_model import SpecTypes, build_spec_model, json_schema
 from .sweep import MAX_CELLS, MAX_SWEEP_VALUES, UNSWEEPABLE, Cell, Cells, set_path
 
 __all__ = [
     "DEVICE_PATTERN", "ID_MAX", "ID_PATTERN", "MAX_CELLS", "MAX_DEPTH", "MAX_FLOAT", "MAX_INT", "MAX_NODES", "MAX_SEED",
-    "MAX_SPEC_CHARS", "MAX_SWEEP_VALUES", "MAX_YAML_INT", "NAME_MAX", "NAME_PATTERN", "SAFE_TAGS", "UNSWEEPABLE",
+    "MAX_SPEC_BYTES", "MAX_SPEC_CHARS", "MAX_SWEEP_VALUES", "MAX_YAML_INT", "NAME_MAX", "NAME_PATTERN", "SAFE_TAGS",
+    "UNSWEEPABLE",
     "Cell", "Cells", "ComponentConfig", "FiniteFloat", "HeadSelection", "HeadsFile", "HeadsFrom", "Limits",
     "LoadedSpec", "ModelSpec", "NonEmptyStr", "NonNegativeFloat", "NonNegativeInt", "PositiveFloat", "PositiveInt",
     "Probability", "Seed", "SpecError", "SpecTypes", "StrictModel", "build_spec_model", "default_model",

@@ -7,13 +7,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Annotated, Any, Union
 
-from pydantic import Discriminator, Field, Tag, model_validator
+from pydantic import BeforeValidator, Discriminator, Field, Tag, model_validator
+from pydantic_core import PydanticCustomError
 
 from ..config import StrictModel, suggest
 from .errors import SpecError, _position, format_path
-from .fields import FiniteFloat, NonEmptyStr, NonNegativeInt, PositiveInt, Seed
+from .fields import MAX_INT, FiniteFloat, NonEmptyStr, NonNegativeInt, PositiveInt, Seed
 
-__all__ = ["HeadSelection", "HeadsFile", "HeadsFrom"]
+__all__ = ["HeadSelection", "HeadsFile", "HeadsFrom", "LayerKey"]
 
 
 class HeadsFrom(StrictModel):
@@ -46,6 +47,23 @@ class HeadsFile(StrictModel):
     top: PositiveInt | None = Field(None, description="take the k best heads of the file (at most the model's heads)")
 
 
+def _layer_key(value: Any) -> Any:
+    """A key of PASTA's ``{"<layer>": [heads]}``: a layer number, written as digits (a YAML integer key is
+    taken as its digits); anything else is refused here, naming the key, rather than mid-run."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_INT:
+        return str(value)
+    if isinstance(value, str) and value.isascii() and value.isdigit() and int(value) <= MAX_INT:
+        return value
+    raise PydanticCustomError(
+        "layer_key", "layer key {key} is not a layer number: a head map is {\"<layer>\": [heads]} with each layer "
+        "written as a number 0 .. {most}, e.g. {\"3\": [0, 5]}", {"key": repr(value)[:60], "most": f"{MAX_INT:,}"})
+
+
+LayerKey = Annotated[str, Field(pattern=r"^[0-9]+$"), BeforeValidator(_layer_key)]
+"""A layer of PASTA's head map ``{"<layer>": [heads]}``: digits (``"3"``; a YAML integer key ``3`` is taken as
+``"3"``), at most :data:`~headlab.spec.MAX_INT`."""
+
+
 def _heads_form(value: Any) -> str:
     """Which form of head selection ``value`` is, so an error names the form's own key (``top``), not another's."""
     if isinstance(value, HeadsFrom) or (isinstance(value, Mapping) and ("from" in value or "from_" in value)):
@@ -59,7 +77,7 @@ HeadSelection = Annotated[
     Union[  # noqa: UP007
         Annotated[HeadsFrom, Tag("heads[from]")], Annotated[HeadsFile, Tag("heads[file]")],
         Annotated[list[tuple[NonNegativeInt, NonNegativeInt]], Tag("heads[pairs]")],
-        Annotated[dict[str, list[NonNegativeInt]], Tag("heads[layers]")]],
+        Annotated[dict[LayerKey, list[NonNegativeInt]], Tag("heads[layers]")]],
     Discriminator(_heads_form)]
 """How a spec names heads: ``{from: step, top: k}``, ``[[layer, head], ...]``, ``{"<layer>": [heads]}``
 or ``{file: heads.json}``."""

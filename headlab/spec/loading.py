@@ -13,11 +13,11 @@ from pydantic import ValidationError
 from ..plugin_manager import Registry, get_manager
 from .errors import SpecError, first_error
 from .heads import _check_references
-from .safe_yaml import parse_yaml
+from .safe_yaml import MAX_SPEC_BYTES, MAX_SPEC_CHARS, parse_yaml
 from .spec_model import build_spec_model
 from .sweep import Cell, Cells, _check_sweep, set_path
 
-__all__ = ["LoadedSpec", "load_spec", "validate_data"]
+__all__ = ["LoadedSpec", "load_spec", "read_spec_file", "validate_data"]
 
 
 @dataclass
@@ -74,6 +74,35 @@ class LoadedSpec:
         return validate_data(data, text=self.text, source=self.source, tree=None, registry=self.registry)
 
 
+def _too_big(path: Path, size: int, at_least: bool = False) -> SpecError:
+    return SpecError(f"the spec file is {'over ' if at_least else ''}{size:,} bytes; the limit is {MAX_SPEC_BYTES:,} "
+                     f"bytes (MAX_SPEC_BYTES, for at most {MAX_SPEC_CHARS:,} characters of spec); is it the spec you "
+                     "meant? (data belongs in a task's data file)", source=str(path))
+
+
+def read_spec_file(path: Path) -> str:
+    """The text of the spec file ``path``: its size checked (``os.stat``) before anything is read, then
+    decoded as UTF-8 (newlines as text mode reads them). A file over :data:`MAX_SPEC_BYTES`, or bytes that
+    are not UTF-8, is one :class:`SpecError` naming the file (and the line, column and byte offset)."""
+    size = path.stat().st_size
+    if size > MAX_SPEC_BYTES:
+        raise _too_big(path, size)
+    with path.open("rb") as fh:  # read at most the limit: a file that grows, or one whose size stat cannot tell
+        raw = fh.read(MAX_SPEC_BYTES + 1)
+    if len(raw) > MAX_SPEC_BYTES:
+        raise _too_big(path, MAX_SPEC_BYTES, at_least=True)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        start = raw.rfind(b"\n", 0, e.start) + 1
+        col = len(raw[start:e.start].decode("utf-8", errors="replace")) + 1
+        raise SpecError(f"the file is not UTF-8: byte 0x{raw[e.start]:02x} at byte offset {e.start:,} (line {line}, "
+                        f"column {col}) is not valid UTF-8 (text saved as Latin-1 or Windows-1252?); save it as "
+                        "UTF-8", source=str(path), line=line, col=col) from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
 def validate_data(data: dict[str, Any], *, text: str = "", source: str = "<spec>", tree: Any = None,
                   registry: Registry | None = None) -> LoadedSpec:
     """Validate raw spec data, sweep included; raise SpecError located in the YAML.
@@ -104,7 +133,7 @@ def load_spec(source: str | Path | Mapping[str, Any], *, registry: Registry | No
         if not path.is_file():
             raise SpecError(f"no such spec file; check the path{' (it is a directory)' if path.is_dir() else ''}",
                             source=str(path))
-        text, name = path.read_text(encoding="utf-8"), str(path)
+        text, name = read_spec_file(path), str(path)
     else:
         text, name = str(source), "<spec>"
     data, tree = parse_yaml(text, name)

@@ -14,13 +14,16 @@ from typing import Any
 
 from .errors import SpecError, _position, format_path
 
-__all__ = ["MAX_DEPTH", "MAX_NODES", "MAX_SPEC_CHARS", "MAX_YAML_INT", "SAFE_TAGS", "parse_yaml"]
+__all__ = ["MAX_DEPTH", "MAX_NODES", "MAX_SPEC_BYTES", "MAX_SPEC_CHARS", "MAX_YAML_INT", "SAFE_TAGS", "parse_yaml"]
 
 
 # Limits on what a spec may be: YAML is parsed within them, so a hostile file fails fast with one line.
 MAX_SPEC_CHARS = 65_536
 """Longest spec text (characters); data belongs in a task's data file, not in the spec. (The YAML parser
 that locates errors reads about 30 KB a second, so this also bounds the time to load a spec.)"""
+MAX_SPEC_BYTES = 4 * MAX_SPEC_CHARS
+"""Largest spec file (bytes), checked with ``os.stat`` before the file is read: no text of
+:data:`MAX_SPEC_CHARS` characters takes more in UTF-8 (at most 4 bytes a character)."""
 MAX_DEPTH = 64
 """Deepest nesting of mappings and lists (aliases included)."""
 MAX_NODES = 50_000

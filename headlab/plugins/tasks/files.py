@@ -19,7 +19,11 @@ renders one record; it loads nothing). Mistakes are caught early and named:
 - a row that lacks a variable a template uses is an error naming the file, the row (and line) and
   the variable;
 - a missing file, invalid JSON or UTF-8, a CSV field over the csv module's size limit, a label that
-  is not a choice, span offsets outside the prompt: one clear error each, naming the file and line.
+  is not a choice, span offsets outside the prompt: one clear error each, naming the file and line;
+- a file over :data:`MAX_DATA_FILE_BYTES` (checked with ``os.stat`` before it is read, and before the run's
+  store is created), a row over :data:`MAX_ROW_CHARS`, a value or a list cell nested deeper than
+  :data:`MAX_DATA_DEPTH`, an image over :data:`MAX_IMAGE_PIXELS` (a decompression bomb: read from the image
+  file's header): one error each, naming the file, the row and the limit.
 
 ``target`` and every choice are *continuations* of the prompt: ``target_delimiter`` (default
 ``" "``, as in lm-eval) is put in front of each, so ``prompt + target`` is the full text.
@@ -45,6 +49,7 @@ import io
 import json
 import random
 import re
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,14 +62,30 @@ from pydantic import Field, field_validator, model_validator
 
 from headlab import IMAGE_MARKER, ComponentConfig, Example, TaskContext, hookimpl
 from headlab import strip_tags as core_strip_tags
+from headlab.resources import format_bytes
 from headlab.sandbox import ENV, TemplateLimitError, is_jinja, lint_template, single_brace_names
 from headlab.spec import PositiveInt, Seed
 
 __all__ = [
     "TaskDataError", "TemplateLimitError", "Row", "Template", "lint_template", "strip_tags", "read_rows", "load_hf",
     "resolve_path", "resolve_image", "parse_list", "resolve_label", "select_rows", "DataSource", "JsonlTask",
-    "CsvTask", "build_file_task", "MAX_WORD_CHARS", "long_word", "word_error",
+    "CsvTask", "build_file_task", "MAX_WORD_CHARS", "long_word", "word_error", "MAX_DATA_FILE_BYTES", "MAX_ROW_CHARS",
+    "MAX_DATA_DEPTH", "MAX_IMAGE_PIXELS", "check_data_file", "check_image", "nested_deeper",
 ]
+
+MAX_DATA_FILE_BYTES = 2**30
+"""Largest task data file (1 GiB), checked with ``os.stat`` before the file is read: a task reads its whole
+file (also with ``n:``), and parsed rows take several times the file's size in memory."""
+MAX_ROW_CHARS = 10_000_000
+"""Longest row of a data file (a JSON Lines line, a CSV record), in characters: twice what a template may
+render (:data:`headlab.sandbox.MAX_TEMPLATE_CHARS`)."""
+MAX_DATA_DEPTH = 64
+"""Deepest nesting of a row's values (a JSON row, a cell or field holding a list literal), as for specs
+(:data:`headlab.spec.MAX_DEPTH`): deeper data overflows the parser's stack."""
+MAX_IMAGE_PIXELS = 89_478_485
+"""Most pixels (width x height) of an image a task names: Pillow's own warning threshold
+(``PIL.Image.MAX_IMAGE_PIXELS``); a larger image is a decompression bomb or needs resizing anyway (a
+processor resizes every image to a few hundred pixels a side)."""
 
 MAX_WORD_CHARS = 100_000
 """The longest run of characters without whitespace a task's text may hold: a fast tokenizer's pre-tokenizer
@@ -183,7 +204,64 @@ def resolve_path(path: str | Path, task: str) -> Path:
                             "relative paths are relative to the working directory)")
     if not p.is_file():
         raise TaskDataError(f"{task} task: {str(path)!r} is not a file")
+    check_data_file(path, task)
     return p
+
+
+def _file_too_big(path: str | Path, task: str, size: int, at_least: bool = False) -> TaskDataError:
+    more = "over " if at_least else ""
+    return TaskDataError(f"{task} task: data file {str(path)!r} is {more}{size:,} bytes ({format_bytes(size)}), over "
+                         f"the limit of {MAX_DATA_FILE_BYTES:,} bytes ({format_bytes(MAX_DATA_FILE_BYTES)}) for a "
+                         "task's data file (MAX_DATA_FILE_BYTES); put the rows you use into a smaller file (the "
+                         "task reads the whole file, also with `n:`)")
+
+
+def check_data_file(path: str | Path, task: str, key: str | None = None) -> None:
+    """Refuse (:class:`TaskDataError`, naming the file, its size and the limit) a data file over
+    :data:`MAX_DATA_FILE_BYTES`, from ``os.stat`` alone: nothing is read. A path that is not a file passes
+    (reading it says what is wrong). ``key``: the config's key naming the file, given to the error as its
+    ``path`` (a task config's ``preflight()`` is then located at that key in the spec)."""
+    p = Path(path).expanduser()
+    try:
+        size = p.stat().st_size if p.is_file() else 0
+    except OSError:
+        return
+    if size > MAX_DATA_FILE_BYTES:
+        err = _file_too_big(path, task, size)
+        err.path = (key,) if key else ()  # type: ignore[attr-defined]
+        raise err
+
+
+def check_image(image: Any, row: Row, task: str) -> None:
+    """Refuse (:class:`TaskDataError`, naming the image, the row and both pixel counts) an image over
+    :data:`MAX_IMAGE_PIXELS`: a ``PIL`` image by its size, a file by its header (Pillow reads no pixel data
+    to open it); a file that is not an image is refused too."""
+    name = getattr(image, "filename", "") or "the row's image"
+    if hasattr(image, "size") and hasattr(image, "getbands"):
+        width, height = image.size
+        pixels: int | None = width * height
+        shape = f"{width:,} x {height:,} = "
+    else:
+        from PIL import Image  # noqa: PLC0415 - Pillow is imported only for tasks with images
+
+        name = str(image)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+                with Image.open(image) as img:
+                    width, height = img.size
+            pixels, shape = width * height, f"{width:,} x {height:,} = "
+        except Image.DecompressionBombError as e:  # over twice Pillow's limit: refused while reading the header
+            found = re.search(r"\((\d+) pixels\)", str(e))
+            pixels, shape = (int(found.group(1)) if found else None), ""
+        except (OSError, ValueError) as e:
+            raise TaskDataError(f"{task} task: {row.where()}: image {name!r} cannot be read as an image: "
+                                f"{' '.join(str(e).split())[:200]}") from None
+    if pixels is None or pixels > MAX_IMAGE_PIXELS:
+        count = f"{shape}{pixels:,} pixels" if pixels is not None else "more pixels than Pillow allows"
+        raise TaskDataError(f"{task} task: {row.where()}: image {name!r} has {count}, over the limit of "
+                            f"{MAX_IMAGE_PIXELS:,} pixels (MAX_IMAGE_PIXELS; a decompression bomb?); resize it "
+                            "(a model's processor shrinks it to a few hundred pixels a side anyway) or drop the row")
 
 
 def resolve_image(value: Any, base: Path | None, row: Row, task: str, hint: str = "set `image_dir:`") -> Any:
@@ -191,6 +269,7 @@ def resolve_image(value: Any, base: Path | None, row: Row, task: str, hint: str 
     directory) to an existing local file; anything else is a clear error naming the row, the path it
     looked at and ``hint`` (the fix)."""
     if hasattr(value, "getbands") and hasattr(value, "size"):  # a decoded PIL image (datasets' Image feature)
+        check_image(value, row, task)
         return value
     if not isinstance(value, (str, Path)) or not str(value).strip():
         raise TaskDataError(f"{task} task: {row.where()}: image must be a local file path, got {str(value)[:60]!r}")
@@ -203,12 +282,16 @@ def resolve_image(value: Any, base: Path | None, row: Row, task: str, hint: str 
         p = base / p
     if not p.is_file():
         raise TaskDataError(f"{task} task: {row.where()}: image not found: {str(p.resolve())!r}; {hint}")
+    check_image(p, row, task)
     return p
 
 
 def _read_text(p: Path, task: str) -> str:
     """A data file's text: UTF-8 (a byte-order mark is dropped); bad bytes name the file and line."""
-    data = p.read_bytes()
+    with p.open("rb") as fh:  # at most the limit: a file that grew since it was checked, or a special file
+        data = fh.read(MAX_DATA_FILE_BYTES + 1)
+    if len(data) > MAX_DATA_FILE_BYTES:
+        raise _file_too_big(p, task, MAX_DATA_FILE_BYTES, at_least=True)
     if data.startswith(b"\xef\xbb\xbf"):
         data = data[3:]
     try:
@@ -220,20 +303,67 @@ def _read_text(p: Path, task: str) -> str:
                             f"column {col}); save the file as UTF-8") from None
 
 
+_NESTING = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|[\[\]{}()]', re.DOTALL)
+
+
+def nested_deeper(text: str, limit: int = MAX_DATA_DEPTH) -> bool:
+    """Whether the brackets of ``text`` (a JSON or Python literal) nest deeper than ``limit``, outside quoted
+    strings; the scan stops once past ``limit`` (a hostile ``[[[[...`` costs ``limit`` steps)."""
+    if text.count("[") + text.count("{") + text.count("(") <= limit:
+        return False
+    depth = 0
+    for m in _NESTING.finditer(text):
+        c = m.group()
+        if c in "[{(":
+            depth += 1
+            if depth > limit:
+                return True
+        elif c in "]})":
+            depth = max(0, depth - 1)
+    return False
+
+
+def _too_deep(value: Any, limit: int = MAX_DATA_DEPTH) -> bool:
+    """Whether ``value`` (a parsed row, itself level 1) nests lists and mappings deeper than ``limit``."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
+def _deep_error(task: str, where: str, what: str = "a value") -> TaskDataError:
+    return TaskDataError(f"{task} task: {where}: {what} is nested more than {MAX_DATA_DEPTH} levels deep, over the "
+                         "limit for data (MAX_DATA_DEPTH); flatten it or drop the row")
+
+
+def _long_row(task: str, where: str, chars: int) -> TaskDataError:
+    return TaskDataError(f"{task} task: {where}: the row is {chars:,} characters long, over the limit of "
+                         f"{MAX_ROW_CHARS:,} for one row (MAX_ROW_CHARS); shorten it or drop the row")
+
+
 def _read_jsonl(text: str, name: str, task: str) -> list[Row]:
     rows = []
     for line_no, line in enumerate(io.StringIO(text, newline=None), 1):
         if not line.strip():
             continue
+        where = Row(len(rows) + 1, {}, name, line_no).where()
+        if len(line) > MAX_ROW_CHARS:
+            raise _long_row(task, where, len(line.rstrip("\n")))
         try:
             data = json.loads(line)
         except json.JSONDecodeError as e:
             raise TaskDataError(f"{task} task: {name} line {line_no}: invalid JSON: {e.msg}") from None
         except RecursionError:
-            raise TaskDataError(f"{task} task: {name} line {line_no}: JSON nested too deeply") from None
+            raise _deep_error(task, where) from None
         if not isinstance(data, dict):
             raise TaskDataError(f"{task} task: {name} line {line_no}: expected a JSON object, "
                                 f"got {type(data).__name__}")
+        if line.count("[") + line.count("{") > MAX_DATA_DEPTH and _too_deep(data):
+            raise _deep_error(task, where)
         rows.append(Row(len(rows) + 1, data, name, line_no))
     return rows
 
@@ -244,14 +374,18 @@ def _read_json(text: str, name: str, task: str) -> list[Row]:
     except json.JSONDecodeError as e:
         raise TaskDataError(f"{task} task: {name} line {e.lineno}: invalid JSON: {e.msg}") from None
     except RecursionError:
-        raise TaskDataError(f"{task} task: {name}: JSON nested too deeply") from None
+        raise _deep_error(task, name) from None
     if isinstance(data, dict):  # {"data": [...]} and similar single-key wrappers
         lists = [v for v in data.values() if isinstance(v, list)]
         if len(lists) == 1:
             data = lists[0]
     if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
         raise TaskDataError(f"{task} task: {name}: expected a JSON array of objects")
-    return [Row(i + 1, r, name) for i, r in enumerate(data)]
+    rows = [Row(i + 1, r, name) for i, r in enumerate(data)]
+    for row in rows:
+        if _too_deep(row.data):
+            raise _deep_error(task, row.where())
+    return rows
 
 
 def _read_csv(text: str, name: str, task: str, delimiter: str) -> list[Row]:
@@ -265,7 +399,11 @@ def _read_csv(text: str, name: str, task: str, delimiter: str) -> list[Row]:
         for rec in reader:
             if None in rec:
                 raise TaskDataError(f"{task} task: {name} line {line}: more cells than header columns")
-            rows.append(Row(len(rows) + 1, {k: v for k, v in rec.items()}, name, line))
+            row = Row(len(rows) + 1, {k: v for k, v in rec.items()}, name, line)
+            chars = sum(len(v) for v in rec.values() if isinstance(v, str))
+            if chars > MAX_ROW_CHARS:
+                raise _long_row(task, row.where(), chars)
+            rows.append(row)
             line = reader.line_num + 1
     except csv.Error as e:
         detail = (f"a field is longer than the csv module's limit of {csv.field_size_limit():,} characters"
@@ -317,11 +455,13 @@ def parse_list(value: Any, what: str, row: Row, task: str) -> list[Any]:
         return list(value)
     if isinstance(value, str):
         text = value.strip()
+        if text.startswith("[") and nested_deeper(text):
+            raise _deep_error(task, row.where(), what)
         if text.startswith("["):
             for parse in (json.loads, ast.literal_eval):
                 try:
                     parsed = parse(text)
-                except (ValueError, SyntaxError):
+                except (ValueError, SyntaxError, RecursionError, MemoryError):
                     continue
                 if isinstance(parsed, list):
                     return parsed
@@ -395,6 +535,12 @@ class DataSource(ComponentConfig):
         if (self.path is None) == (self.hf_dataset is None):
             raise ValueError(f"{self.kind}: give exactly one of `path` (a local file) or `hf_dataset`")
         return self
+
+    def preflight(self) -> None:
+        """Before a run's store is created (and in ``headlab validate``): a data file over
+        :data:`MAX_DATA_FILE_BYTES` is refused from its size alone, located at ``path``."""
+        if self.path is not None:
+            check_data_file(self.path, self.kind, key="path")
 
     def rows(self, ctx: TaskContext, *, fmt: str | None = None, delimiter: str = ",") -> list[Row]:
         """The selected records."""

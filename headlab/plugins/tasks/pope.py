@@ -35,7 +35,7 @@ from headlab import IMAGE_MARKER, ComponentConfig, Example, TaskContext, hookimp
 from headlab.resources import TaskSize
 from headlab.spec import PositiveInt
 
-from .files import Row, TaskDataError, Template, read_rows, resolve_image
+from .files import Row, TaskDataError, Template, check_data_file, read_rows, resolve_image
 from .shapes import IMAGE_TOKENS, with_marker
 
 __all__ = ["Pope", "build_pope", "question_object"]
@@ -68,6 +68,10 @@ class Pope(ComponentConfig):
                              "one image")
         Template(v, "prompt", "pope")  # lints: Jinja2 syntax, single braces
         return v
+
+    def preflight(self) -> None:
+        """Before a run's store is created: a POPE file over the data-file limit is refused by its size."""
+        check_data_file(self.path, "pope", key="path")
 
     def size(self) -> TaskSize | None:
         """``n`` questions of one image (:data:`headlab.plugins.tasks.shapes.IMAGE_TOKENS`) and a question each;

@@ -30,7 +30,7 @@ from headlab.resources import TaskSize
 from headlab.spec import NonNegativeInt, PositiveInt, Probability, Seed, StrictModel
 
 from . import generators as S
-from .files import TaskDataError, long_word, resolve_path, strip_tags, word_error
+from .files import TaskDataError, check_data_file, long_word, resolve_path, strip_tags, word_error
 
 
 def length_function(tokenizer: Any) -> Callable[[str], int] | None:
@@ -130,6 +130,11 @@ class Niah(ComponentConfig):
         if isinstance(v, list) and not v:
             raise ValueError("needles: give at least one")
         return v
+
+    def preflight(self) -> None:
+        """Before a run's store is created: a haystack file over the data-file limit is refused by its size."""
+        if self.haystack is not None:
+            check_data_file(self.haystack, "niah", key="haystack")
 
     def size(self) -> TaskSize:
         """How many examples and how long, computed without building the grid (for the resource guard)."""
