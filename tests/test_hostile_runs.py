@@ -1,0 +1,70 @@
+"""Hostile input, round two (issue [robustness]), where runs are stored, listed and computed: a stored run whose
+attributes are JSON of the wrong types, `headlab runs` of what is no directory, a plugin's resource estimate that
+raises, a result dataset with its own `prompt`, disk-write errors of every kind, and Ray that cannot start under
+an address-space limit. Each case goes through the command line as a user types it: exit code and one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from fixtures.cli import cli, command, error_line
+from fixtures.specs import spec_text
+
+STEPS = "  - id: ind\n    detect: {kind: induction}\n"
+
+
+# --------------------------------------------------------------------------- stored runs of the wrong types
+@pytest.fixture
+def good_run(tmp_path, capfd, monkeypatch):
+    """A finished run under ./runs (relative, so the listing's columns stay short), the cwd being tmp_path."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "s.yaml").write_text(spec_text(STEPS))
+    code, err = cli(["run", "s.yaml", "--out", "runs"], capfd)
+    assert code == 0, err
+    (run,) = (tmp_path / "runs").iterdir()
+    return run
+
+
+def _damage(run, name: str, **attrs) -> str:
+    bad = run.parent / name
+    shutil.copytree(run, bad)
+    meta = json.loads((bad / "zarr.json").read_text())
+    meta["attributes"].update(attrs)
+    (bad / "zarr.json").write_text(json.dumps(meta))
+    return f"runs/{name}"
+
+
+@pytest.mark.parametrize("attrs, message", [
+    ({"cells_total": "x", "status": "failed"}, "attribute cells_total is 'x' (str), not a non-negative integer"),
+    ({"steps": "ind"}, "attribute steps is 'ind' (str), not a list of step ids"),
+    ({"sweep": [1, 2], "status": "running"}, "attribute sweep is [1, 2] (list), not a mapping of sweep keys"),
+    ({"failed_cells": "c0000"}, "attribute failed_cells is 'c0000' (str), not a mapping of cells"),
+])
+def test_a_run_of_the_wrong_types_is_listed_damaged_beside_the_good_one(good_run, capfd, attrs, message):
+    bad = _damage(good_run, "bad", **attrs)
+    code, out, err = command(["runs", "runs"], capfd)
+    assert code == 0 and "Traceback" not in err and "error:" not in err, err  # was: invalid literal for int()
+    rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.startswith("│")}
+    assert "complete" in rows[good_run.name], out
+    assert f"damaged: {bad}/zarr.json: {message}" in rows[bad], out
+    # `show` of it: one line naming the file, the attribute and the fix, exit 2
+    code, err = cli(["show", bad], capfd)
+    line = error_line(err)
+    assert code == 2, err
+    assert line.startswith(f"error: '{bad}' is a damaged run store: {bad}/zarr.json: {message}"), line
+    assert "restore that file, or delete the run and run its spec again" in line, line
+
+
+def test_runs_of_a_missing_directory_or_a_file_is_one_line(tmp_path, capfd, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, err = cli(["runs", "nowhere"], capfd)
+    assert code == 2 and error_line(err).startswith("error: runs: no directory 'nowhere'; name the directory a "
+                                                    "run's --out"), err
+    (tmp_path / "s.yaml").write_text("name: t\n")
+    code, err = cli(["runs", "s.yaml"], capfd)
+    assert code == 2 and error_line(err).startswith("error: runs: 's.yaml' is a file, not a directory of runs"), err
+    (tmp_path / "empty").mkdir()  # an empty directory is an empty listing, as before
+    assert command(["runs", "empty"], capfd)[0] == 0
