@@ -360,7 +360,12 @@ def preflight(loaded: LoadedSpec, spec: Any, lm: LoadedModel, cell: Cell | None 
             line, col = _position(loaded.tree, where) if loaded.tree is not None else (None, None)
             raise SpecError(f"{e}" + (f" in {swept}" if swept else ""), source=loaded.source, line=line, col=col,
                             path=format_path(where)) from None
-    resources.check(spec, lm, swept)
+    try:
+        resources.check(spec, lm, swept)
+    except resources.EstimateFailed as e:  # a plugin's size() or estimate() raised: name it, its step and plugin
+        raise step_error(e.cause, step=e.step, config=None if e.task else e.config,
+                         task=e.config if e.task else None, cell=cell,
+                         during="size()" if e.task else "estimate()") from e.cause
 
 
 def check_steps(loaded: LoadedSpec, cells: list[Cell] | None = None) -> None:

@@ -5,10 +5,15 @@ an address-space limit. Each case goes through the command line as a user types 
 
 from __future__ import annotations
 
+import builtins
 import json
 import shutil
+from typing import Literal
 
 import pytest
+
+import headlab
+from headlab import ComponentConfig, hookimpl
 
 from fixtures.cli import cli, command, error_line
 from fixtures.specs import spec_text
@@ -68,3 +73,68 @@ def test_runs_of_a_missing_directory_or_a_file_is_one_line(tmp_path, capfd, monk
     assert code == 2 and error_line(err).startswith("error: runs: 's.yaml' is a file, not a directory of runs"), err
     (tmp_path / "empty").mkdir()  # an empty directory is an empty listing, as before
     assert command(["runs", "empty"], capfd)[0] == 0
+
+
+# --------------------------------------------------------------------------- a plugin's resource estimate raises
+class Costly(ComponentConfig):
+    """A detector whose resource estimate (or, for a task, size) raises."""
+
+    kind: Literal["costly"] = "costly"
+    error: str = "RuntimeError"
+
+    def estimate(self, ctx):
+        raise getattr(builtins, self.error)("the estimate's formula divided by zero heads")
+
+
+def costly(config: Costly, ctx):
+    raise AssertionError("the step never runs")
+
+
+class CostlyTask(ComponentConfig):
+    """A task whose size() raises."""
+
+    kind: Literal["costly_task"] = "costly_task"
+
+    def size(self):
+        raise KeyError("n")
+
+
+def costly_task(config: CostlyTask, ctx):
+    return [headlab.Example(prompt="a b")]
+
+
+class CostlyPlugin:
+    @hookimpl
+    def headlab_register_detectors(self, register):
+        register(Costly, costly)
+
+    @hookimpl
+    def headlab_register_tasks(self, register):
+        register(CostlyTask, costly_task)
+
+
+@pytest.fixture
+def costly_plugin():
+    name = headlab.register_plugin(CostlyPlugin(), "costly-plugin")
+    yield name
+    headlab.unregister_plugin(name)
+
+
+@pytest.mark.parametrize("error, code", [("RuntimeError", 1), ("ValueError", 2)])
+def test_an_estimate_that_raises_names_the_step_the_component_and_its_plugin(costly_plugin, tmp_path, capfd,
+                                                                            error, code):
+    spec = tmp_path / "s.yaml"
+    spec.write_text(spec_text(STEPS + f"  - id: c\n    detect: {{kind: costly, error: {error}}}\n"))
+    got, err = cli(["run", str(spec), "--out", str(tmp_path / "runs")], capfd)
+    line = error_line(err)
+    assert got == code, err
+    assert line.startswith(f"error: step 'c' (detector 'costly', plugin {costly_plugin}, in its estimate()): "
+                           f"{error}: the estimate's formula divided by zero heads"), line
+    assert not (tmp_path / "runs").exists()  # estimated before the store exists
+    # a task's size() that raises: the task is named
+    spec.write_text(spec_text(STEPS, task="{kind: costly_task}"))
+    got, err = cli(["run", str(spec), "--out", str(tmp_path / "runs")], capfd)
+    line = error_line(err)
+    assert got == 1 and line.startswith(f"error: step 'ind' (task 'costly_task', plugin {costly_plugin}, in its "
+                                        "size()): KeyError: 'n'"), line
+
