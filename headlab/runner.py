@@ -194,11 +194,20 @@ def check_meta(examples: list[Example]) -> None:
             raise ValueError(f"the task's {problem}")
 
 
+#: the variables of the task's inputs that :func:`examples_dataset` stores with a step's results
+STORED_INPUTS = {"prompt": "prompts", "target": "targets", "input_ids": "token ids"}
+
+
 def check_result(ds: xr.Dataset, step: Any, config: Any, lm: LoadedModel, n_examples: int) -> None:
-    """Refuse a step's result that breaks the contract of stored results (:func:`headlab.contract.result_problems`)
-    with a :class:`ContractError` naming the component that made it (the detector of a ``detect`` step, else
+    """Refuse a step's result that breaks the contract of stored results (:func:`headlab.contract.result_problems`),
+    or that has a variable of the task's stored inputs (:data:`STORED_INPUTS`), with a :class:`ContractError`
+    naming the component that made it (the detector of a ``detect`` step, else
     the action) and the variable."""
     problems = result_problems(ds, lm.geometry, None if "example_source" in ds.attrs else n_examples)
+    if "example_source" not in ds.attrs:  # the task's inputs are stored beside the result: never in its place
+        problems = [f"it has its own variable {name!r}, which would replace the task's {what} that headlab stores "
+                    f"with every step's results; rename that variable" for name, what in STORED_INPUTS.items()
+                    if name in ds.variables] + problems
     if not problems:
         return
     detector = get_manager().components["detectors"].get(getattr(config, "kind", ""))

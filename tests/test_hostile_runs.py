@@ -10,10 +10,13 @@ import json
 import shutil
 from typing import Literal
 
+import numpy as np
 import pytest
+import xarray as xr
 
 import headlab
 from headlab import ComponentConfig, hookimpl
+from headlab.dims import head_array
 
 from fixtures.cli import cli, command, error_line
 from fixtures.specs import spec_text
@@ -138,3 +141,41 @@ def test_an_estimate_that_raises_names_the_step_the_component_and_its_plugin(cos
     assert got == 1 and line.startswith(f"error: step 'ind' (task 'costly_task', plugin {costly_plugin}, in its "
                                         "size()): KeyError: 'n'"), line
 
+
+# --------------------------------------------------------------------------- a result with its own `prompt`
+class Prompted(ComponentConfig):
+    """A detector whose result has a variable of the task's stored inputs."""
+
+    kind: Literal["prompted"] = "prompted"
+    variable: str = "prompt"
+
+
+def prompted(config: Prompted, ctx):
+    g = ctx.model.geometry
+    score = head_array(np.ones((g.n_layers, g.n_heads)))
+    values = np.array(["forged"] * len(ctx.examples), dtype=object)
+    return xr.Dataset({"score": score, config.variable: ("example", values)})
+
+
+class PromptedPlugin:
+    @hookimpl
+    def headlab_register_detectors(self, register):
+        register(Prompted, prompted)
+
+
+@pytest.mark.parametrize("variable, what", [("prompt", "prompts"), ("target", "targets")])
+def test_a_result_with_its_own_prompt_is_refused_naming_the_variable(tmp_path, capfd, variable, what):
+    name = headlab.register_plugin(PromptedPlugin(), "prompted-plugin")
+    try:
+        spec = tmp_path / "s.yaml"
+        spec.write_text(spec_text(STEPS + f"  - id: p\n    detect: {{kind: prompted, variable: {variable}}}\n"))
+        code, err = cli(["run", str(spec), "--out", str(tmp_path / "runs")], capfd)
+    finally:
+        headlab.unregister_plugin(name)
+    line = error_line(err)
+    assert code == 1, err
+    assert line.startswith(f"error: step 'p' (detector 'prompted', plugin {name}): ContractError: the result cannot "
+                           f"be stored: it has its own variable '{variable}', which would replace the task's {what} "
+                           "that headlab stores"), line
+    (run,) = (tmp_path / "runs").iterdir()
+    assert headlab.open_run(run).partial_cells["c0000"]["steps"] == ["ind"]  # nothing forged was stored
