@@ -123,6 +123,8 @@ def input_error(exc: BaseException) -> bool:
     from .spec import SpecError
 
     missing_extra = isinstance(exc, ImportError) and "pip install 'headlab[" in str(exc)
+    if getattr(exc, "invalid", None) is True:  # a run store where none can be written (StoreWriteError)
+        return True
     return missing_extra or isinstance(exc, (SpecError, ModelLoadError, PluginError, RunNotFound, ValueError,
                                              FileNotFoundError, FileExistsError, IsADirectoryError,
                                              NotADirectoryError, PermissionError))

@@ -42,7 +42,7 @@ from pydantic_core import to_jsonable_python
 
 from . import resources
 from .context import Example, Reporter, StepContext
-from .contract import OutOfMemory, StoreWriteError, meta_problem, result_problems
+from .contract import OutOfMemory, StoreWriteError, meta_problem, result_problems, write_advice
 from .dims import DIMENSIONS
 from .errors import ContractError, StepError, describe, step_error
 from .inputs import check_resume, input_digests
@@ -475,9 +475,9 @@ def write_cell(writer: RunWriter, cell: Cell, results: Mapping[str, xr.Dataset],
         where = f"{str(writer.location).rstrip('/')}/cells/{cell.name}"
         file = f" ({e.filename})" if getattr(e, "filename", None) else ""
         reason = e.strerror or str(e) or type(e).__name__
-        raise StoreWriteError(e.errno, f"cannot write cell {cell.name} into {where}{file}: {reason}; free space (or "
-                              f"raise the file-size limit), then finish the run with `headlab run --resume "
-                              f"{writer.location}`") from e
+        raise StoreWriteError(e.errno, f"cannot write cell {cell.name} into {where}{file}: {reason}; "
+                              f"{write_advice(e.errno, created=True)}, then finish the run with `headlab run "
+                              f"--resume {writer.location}`") from e
 
 
 def _keep_completed(store: RunWriter | str, cell: Cell, step: str | None, exc: BaseException,
@@ -814,14 +814,16 @@ def run(spec: str | Path | Mapping[str, Any] | LoadedSpec | None, *, out: str | 
             "steps": [s.id for s in loaded.spec.steps], "cells_total": len(cells), "seed": loaded.spec.seed,
             "model": loaded.spec.model.name, "input_digests": input_digests(loaded.spec), **prov,
         }
-        where = _run_dir(str(out or loaded.spec.output), loaded.spec.name)
+        output = str(out or loaded.spec.output)
+        where = f"{output.rstrip('/')}/{loaded.spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         try:
+            where = _run_dir(output, loaded.spec.name)  # looking for a free name may fail too (a name too long)
             return RunWriter.create(where, attrs)
-        except (FileExistsError, PermissionError, NotADirectoryError):
+        except (FileExistsError, NotADirectoryError):
             raise
-        except OSError as e:  # no space left, a file-size limit: nothing was kept (creation is atomic)
-            raise StoreWriteError(e.errno, f"cannot create the run store {where}: {e.strerror or e}; free space "
-                                  "(or raise the file-size limit) and run again") from e
+        except OSError as e:  # no space left, read-only, a name too long: nothing was kept (creation is atomic)
+            raise StoreWriteError(e.errno, f"cannot create the run store {where}: {e.strerror or e}; "
+                                  f"{write_advice(e.errno, created=False)} and run again") from e
 
     job = Job(loaded, todo, writer=writer, create=create, total=len(cells), reporter=reporter, cancel=cancel,
               on_cell=on_cell, executor=comp.kind)

@@ -6,7 +6,9 @@ an address-space limit. Each case goes through the command line as a user types 
 from __future__ import annotations
 
 import builtins
+import errno
 import json
+import os
 import shutil
 from typing import Literal
 
@@ -179,3 +181,70 @@ def test_a_result_with_its_own_prompt_is_refused_naming_the_variable(tmp_path, c
                            "that headlab stores"), line
     (run,) = (tmp_path / "runs").iterdir()
     assert headlab.open_run(run).partial_cells["c0000"]["steps"] == ["ind"]  # nothing forged was stored
+
+
+# --------------------------------------------------------------------------- disk-write errors by errno
+@pytest.mark.parametrize("code, advice, exit_code", [  # ENOSPC: tests/test_hostile_run.py
+    (errno.EDQUOT, "free space (or raise the disk quota)", 1),
+    (errno.EFBIG, "raise the file-size limit (ulimit -f) or free space", 1),
+    (errno.EROFS, "make the store writable again", 2),
+    (errno.EACCES, "make the store writable again", 2),
+    (errno.EPERM, "make the store writable again", 2),
+    (errno.EIO, "the system said errno 5 (EIO) while writing; fix that", 1),
+])
+def test_a_cell_write_error_gets_the_advice_of_its_errno(tmp_path, capfd, monkeypatch, code, advice, exit_code):
+    from headlab.results import RunWriter
+
+    def refuse(self, *args, **kwargs):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(RunWriter, "write_cell", refuse)
+    spec = tmp_path / "s.yaml"
+    spec.write_text(spec_text(STEPS))
+    got, err = cli(["run", str(spec), "--out", str(tmp_path / "runs")], capfd)
+    (run,) = (tmp_path / "runs").iterdir()
+    line = error_line(err)
+    assert got == exit_code, err
+    assert f"cannot write cell c0000 into {run}/cells/c0000: {os.strerror(code)}; {advice}, then finish the run " \
+           f"with `headlab run --resume {run}`" in line, line
+    if code not in (errno.EDQUOT, errno.EFBIG):
+        assert "free space" not in line, line
+
+
+@pytest.mark.parametrize("code, advice, exit_code", [
+    (errno.EDQUOT, "free space (or raise the disk quota) and run again", 1),
+    (errno.EROFS, "choose a writable --out (or the spec's output:) and run again", 2),
+    (errno.EACCES, "choose a writable --out (or the spec's output:) and run again", 2),
+    (errno.EPERM, "choose a writable --out (or the spec's output:) and run again", 2),
+    (errno.ENAMETOOLONG, "choose a shorter --out path (or the spec's output:; at most 255 bytes a part)", 2),
+    (errno.EIO, "the system said errno 5 (EIO) while writing; fix that and run again", 1),
+])
+def test_a_store_that_cannot_be_created_gets_the_advice_of_its_errno(tmp_path, capfd, monkeypatch, code, advice,
+                                                                      exit_code):
+    from headlab.results import RunWriter
+
+    def refuse(cls, path, attrs):
+        raise OSError(code, os.strerror(code), str(path))
+
+    monkeypatch.setattr(RunWriter, "create", classmethod(refuse))
+    spec = tmp_path / "s.yaml"
+    spec.write_text(spec_text(STEPS))
+    got, err = cli(["run", str(spec), "--out", str(tmp_path / "runs")], capfd)
+    line = error_line(err)
+    assert got == exit_code, err
+    assert f"cannot create the run store {tmp_path / 'runs'}/test-" in line, line
+    assert f": {os.strerror(code)}; {advice}" in line, line
+    if code != errno.EDQUOT:
+        assert "free space" not in line, line
+
+
+def test_an_out_path_with_a_name_too_long_is_one_line(tmp_path, capfd):
+    spec = tmp_path / "s.yaml"
+    spec.write_text(spec_text(STEPS))
+    out = tmp_path / ("x" * 300)  # a real component over the file system's 255 bytes
+    got, err = cli(["run", str(spec), "--out", str(out)], capfd)
+    line = error_line(err)
+    assert got == 2, err
+    assert f"cannot create the run store {out}/test-" in line and "File name too long" in line, line
+    assert "choose a shorter --out path (or the spec's output:; at most 255 bytes a part) and run again" in line
+    assert "free space" not in line, line
