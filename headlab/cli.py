@@ -304,12 +304,18 @@ def plugins(as_json: Annotated[bool, typer.Option("--json", help="machine-readab
 @app.command()
 def runs(directory: Annotated[Path, typer.Argument(help="store directory")] = Path("./headlab-runs")) -> None:
     """List the runs in a store directory."""
-    from .results import list_runs
+    from .results import RunNotFound, list_runs
 
+    if not directory.exists():
+        raise RunNotFound(f"runs: no directory '{directory}'; name the directory a run's --out (or the spec's "
+                          "output:) wrote to, default ./headlab-runs")
+    if not directory.is_dir():
+        raise RunNotFound(f"runs: '{directory}' is a file, not a directory of runs; name the directory a run's "
+                          "--out (or the spec's output:) wrote to (`headlab show RUN` reads one run)")
     table = _table("run", "name", "status", "cells", "created", "model")
     for r in list_runs(directory):
         a = r.attrs
-        table.add_row(r.path.name, r.name, r.status, f"{r.cells_done}/{r.cells_total}", str(a.get("created", "")),
+        table.add_row(str(r.path) if r.status.startswith("damaged") else r.path.name, r.name, r.status, f"{r.cells_done}/{r.cells_total}", str(a.get("created", "")),
                       str(a.get("model", "")))
     console.print(table)
 

@@ -9,6 +9,7 @@ before the step runs: one type per field, integers that fit 64 bits.
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,11 +26,42 @@ class OutOfMemory(MemoryError):
 
 
 class StoreWriteError(OSError):
-    """Writing a cell into its run store failed (no space left, a file-size limit): the path and the command
-    that finishes the run."""
+    """Writing a cell into its run store failed (no space left, a file-size limit, a read-only file system, a
+    name too long): the path, advice that fits the errno (:func:`write_advice`) and the command that finishes
+    the run. A store the user placed where nothing can be written (read-only, not permitted, a name too long) is
+    invalid input (exit code 2, :attr:`invalid`); a full disk is a failed run (1)."""
 
     def __str__(self) -> str:
         return str(self.strerror)
+
+    @property
+    def invalid(self) -> bool:
+        """Whether the place the user chose cannot hold a store (the command exits 2, not 1)."""
+        return self.errno in _WRONG_PLACE or self.errno == errno.ENAMETOOLONG
+
+
+_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", -1), errno.EFBIG}
+_WRONG_PLACE = {errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def write_advice(code: int | None, *, created: bool) -> str:
+    """What to do about an ``OSError`` with errno ``code`` while writing a run store: free space or raise the
+    limit (a full disk, a quota, a file-size limit), choose a writable ``--out`` (a read-only file system, no
+    permission), a shorter ``--out`` path (a name too long), else the errno named. ``created``: whether the
+    store exists (its cells are finished with ``--resume`` in place), or was being created (run again)."""
+    if code == errno.EFBIG:
+        return "raise the file-size limit (ulimit -f) or free space"
+    if code == getattr(errno, "EDQUOT", -1):
+        return "free space (or raise the disk quota)"
+    if code in _FULL:
+        return "free space (or raise the file-size limit)"
+    if code in _WRONG_PLACE:
+        return ("make the store writable again" if created else
+                "choose a writable --out (or the spec's output:)")
+    if code == errno.ENAMETOOLONG:
+        return "choose a shorter --out path (or the spec's output:; at most 255 bytes a part)"
+    name = errno.errorcode.get(code, "") if code is not None else ""
+    return f"the system said errno {code}{f' ({name})' if name else ''} while writing; fix that"
 
 
 INT64 = (-(2**63), 2**63 - 1)

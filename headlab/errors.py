@@ -38,21 +38,24 @@ class StepError(Exception):
     """
 
     def __init__(self, cause: BaseException, *, step: str, action: str, category: str, kind: str, plugin: str,
-                 cell: str = "", values: dict[str, Any] | None = None) -> None:
+                 cell: str = "", values: dict[str, Any] | None = None, during: str = "") -> None:
         self.cause, self.step, self.action = cause, step, action
         self.category, self.kind, self.plugin = category, kind, plugin
         self.cell, self.values = cell, dict(values or {})
+        self.during = during  # the component's method that raised, when it is not the step's work ("estimate()")
         Exception.__init__(self, str(self))
 
     def __str__(self) -> str:
         where = f"step '{self.step}'"
         if self.values:
             where += f" of cell {self.cell} (" + ", ".join(f"{k}={v!r}" for k, v in self.values.items()) + ")"
-        return f"{where} ({self.category} '{self.kind}', plugin {self.plugin}): {describe(self.cause, full=True)}"
+        during = f", in its {self.during}" if getattr(self, "during", "") else ""
+        return (f"{where} ({self.category} '{self.kind}', plugin {self.plugin}{during}): "
+                f"{describe(self.cause, full=True)}")
 
     def __reduce__(self) -> Any:
         return (_rebuild, (self.cause, self.step, self.action, self.category, self.kind, self.plugin, self.cell,
-                           self.values))
+                           self.values, self.during))
 
     @classmethod
     def wrap(cls, cause: BaseException, **fields: Any) -> StepError:
@@ -61,9 +64,9 @@ class StepError(Exception):
 
 
 def _rebuild(cause: BaseException, step: str, action: str, category: str, kind: str, plugin: str, cell: str,
-             values: dict[str, Any]) -> StepError:
+             values: dict[str, Any], during: str = "") -> StepError:
     return StepError.wrap(cause, step=step, action=action, category=category, kind=kind, plugin=plugin, cell=cell,
-                          values=values)
+                          values=values, during=during)
 
 
 @functools.cache
@@ -120,6 +123,8 @@ def input_error(exc: BaseException) -> bool:
     from .spec import SpecError
 
     missing_extra = isinstance(exc, ImportError) and "pip install 'headlab[" in str(exc)
+    if getattr(exc, "invalid", None) is True:  # a run store where none can be written (StoreWriteError)
+        return True
     return missing_extra or isinstance(exc, (SpecError, ModelLoadError, PluginError, RunNotFound, ValueError,
                                              FileNotFoundError, FileExistsError, IsADirectoryError,
                                              NotADirectoryError, PermissionError))
@@ -161,9 +166,12 @@ def _functions(comp: Any) -> list[Any]:
     return [f for f in (comp.impl, getattr(comp, "score", None)) if f is not None]
 
 
-def step_error(exc: BaseException, *, step: Any, config: Any, task: Any = None, cell: Any = None) -> StepError:
+def step_error(exc: BaseException, *, step: Any, config: Any, task: Any = None, cell: Any = None,
+               during: str = "") -> StepError:
     """A :class:`StepError` for ``exc`` raised by step ``step`` (``task`` set: while building its examples),
-    naming the component whose code raised it (see :func:`culprit`)."""
+    naming the component whose code raised it (see :func:`culprit`). ``during``: the method of ``config`` (or
+    ``task``), the one config whose own code raised outside the step's work (``"estimate()"``), named in the
+    message; that component is named even when its code is not among the traceback's modules."""
     from .plugin_manager import CATEGORIES, get_manager
     from .resources import configs_in
 
@@ -180,7 +188,7 @@ def step_error(exc: BaseException, *, step: Any, config: Any, task: Any = None, 
                 if comp is not None and isinstance(cfg, comp.config):
                     comps.append(comp)
     comps = [c for c in comps if c is not None]
-    found = culprit(exc, comps) or (comps[0] if task is not None and comps else None)
+    found = culprit(exc, comps) or (comps[0] if (task is not None or during) and comps else None)
     if isinstance(exc, ContractError):
         found = registry.components.get(exc.category, {}).get(exc.kind, found)
     if found is None:
@@ -189,5 +197,6 @@ def step_error(exc: BaseException, *, step: Any, config: Any, task: Any = None, 
     values = cell.as_dict() if cell is not None else {}
     err = StepError.wrap(exc, step=step.id, action=step.action, category=label,
                     kind=found.kind if found is not None else step.action,
-                    plugin=found.plugin if found is not None else "?", cell=getattr(cell, "name", ""), values=values)
+                    plugin=found.plugin if found is not None else "?", cell=getattr(cell, "name", ""), values=values,
+                    during=during)
     return err

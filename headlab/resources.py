@@ -200,8 +200,18 @@ def task_size(task: Any) -> TaskSize | None:
     return size()
 
 
+class EstimateFailed(Exception):
+    """A component's ``size()`` or ``estimate()`` raised: ``step`` (the spec's step), ``config`` (the config whose
+    method raised), ``task`` (whether it is the step's task) and the exception (``cause``, also ``__cause__``)."""
+
+    def __init__(self, cause: BaseException, step: Any, config: Any, task: bool = False) -> None:
+        self.cause, self.step, self.config, self.task = cause, step, config, task
+        super().__init__(str(cause))
+
+
 def estimates(spec: Any, lm: Any) -> Iterator[tuple[str, Estimate]]:
-    """``(step id, estimate)`` for every step of one cell's spec (``""`` for the model itself)."""
+    """``(step id, estimate)`` for every step of one cell's spec (``""`` for the model itself). A component's
+    ``size()`` or ``estimate()`` that raises is an :class:`EstimateFailed` naming the step and the config."""
     import torch
 
     dtype_bytes = torch.tensor([], dtype=lm.model.dtype).element_size() if hasattr(lm.model, "dtype") else 4
@@ -210,7 +220,10 @@ def estimates(spec: Any, lm: Any) -> Iterator[tuple[str, Estimate]]:
     vocab = int(getattr(text, "vocab_size", 0) or 0)
     for step in spec.steps:
         task = step.task or spec.task
-        size = task_size(task)
+        try:
+            size = task_size(task)
+        except Exception as e:
+            raise EstimateFailed(e, step, task, task=True) from e
         if size is not None:
             yield step.id, Estimate(f"examples of task '{task.kind}'",
                                     size.examples * (EXAMPLE_OVERHEAD + BYTES_PER_TOKEN * size.tokens),
@@ -221,7 +234,11 @@ def estimates(spec: Any, lm: Any) -> Iterator[tuple[str, Estimate]]:
         for config in configs_in(getattr(step, step.action)):
             estimate = getattr(config, "estimate", None)
             if callable(estimate):
-                for item in estimate(ctx) or ():
+                try:
+                    items = list(estimate(ctx) or ())
+                except Exception as e:
+                    raise EstimateFailed(e, step, config) from e
+                for item in items:
                     yield step.id, item
 
 

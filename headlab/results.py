@@ -336,6 +336,40 @@ class RunWriter:
         self.root().attrs.update(_json_attr(attrs))
 
 
+#: the run-level attributes headlab reads, and the JSON type each must have: (check, what it must be)
+_ATTR_TYPES: dict[str, tuple[Any, str]] = {
+    "name": (lambda v: isinstance(v, str), "a string"),
+    "status": (lambda v: isinstance(v, str), "a string"),
+    "created": (lambda v: isinstance(v, str), "a string"),
+    "finished": (lambda v: isinstance(v, str), "a string"),
+    "model": (lambda v: isinstance(v, str), "a string"),
+    "executor": (lambda v: isinstance(v, str), "a string"),
+    "spec_text": (lambda v: isinstance(v, str), "a string"),
+    "spec_data": (lambda v: isinstance(v, str), "a string"),
+    "resolved": (lambda v: isinstance(v, str), "a string"),
+    "cells_total": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "a non-negative integer"),
+    "seed": (lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)), "an integer"),
+    "steps": (lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v), "a list of step ids"),
+    "sweep": (lambda v: isinstance(v, Mapping) and all(isinstance(x, list) for x in v.values()),
+              "a mapping of sweep keys to lists of values"),
+    "failed_cells": (lambda v: isinstance(v, Mapping) and all(isinstance(x, Mapping) for x in v.values()),
+                     "a mapping of cells to their failures"),
+    "input_digests": (lambda v: isinstance(v, Mapping), "a mapping"),
+}
+
+
+def attr_problems(attrs: Mapping[str, Any]) -> list[str]:
+    """What is wrong with the types of a run's attributes (valid JSON of the wrong type, such as
+    ``cells_total: "x"``): one line per attribute, empty when they are as headlab writes them."""
+    problems = []
+    for key, (ok, what) in _ATTR_TYPES.items():
+        if key in attrs and not ok(attrs[key]):
+            value = repr(attrs[key])
+            value = value if len(value) <= 40 else value[:37] + "..."
+            problems.append(f"attribute {key} is {value} ({type(attrs[key]).__name__}), not {what}")
+    return problems
+
+
 class Run:
     """A run store opened for reading: attributes, per-cell datasets, combined step results."""
 
@@ -366,6 +400,11 @@ class Run:
             raise RunNotFound(f"'{path}' is a zarr store but not a headlab run")
         if not is_url(self.location) and _read_meta(self.path / "cells" / "zarr.json") is None:
             raise RunDamaged(f"'{path}' is a damaged run store: its `cells` group is missing")
+        bad = attr_problems(self._root.attrs)
+        if bad:
+            more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+            raise RunDamaged(f"'{path}' is a damaged run store: {self.path / 'zarr.json'}: {bad[0]}{more}; "
+                             "restore that file, or delete the run and run its spec again")
 
     @classmethod
     def _unreadable(cls, path: Path, reason: str, status: str | None = None) -> Run:
@@ -677,7 +716,7 @@ def list_runs(directory: str | Path) -> list[Run]:
             run = Run._unreadable(sub, str(e), status=f"newer format ({str(e).split('format ', 1)[1].split(',')[0]}): "
                                                         "upgrade headlab")
         except RunDamaged as e:
-            run = Run._unreadable(sub, str(e).split(": ", 1)[-1])
+            run = Run._unreadable(sub, str(e).split(": ", 1)[-1].split("; restore that file")[0])
         except RunNotFound:
             continue
         except Exception as e:  # an unreadable store must not hide the runs beside it

@@ -42,7 +42,7 @@ from pydantic_core import to_jsonable_python
 
 from . import resources
 from .context import Example, Reporter, StepContext
-from .contract import OutOfMemory, StoreWriteError, meta_problem, result_problems
+from .contract import OutOfMemory, StoreWriteError, meta_problem, result_problems, write_advice
 from .dims import DIMENSIONS
 from .errors import ContractError, StepError, describe, step_error
 from .inputs import check_resume, input_digests
@@ -194,11 +194,20 @@ def check_meta(examples: list[Example]) -> None:
             raise ValueError(f"the task's {problem}")
 
 
+#: the variables of the task's inputs that :func:`examples_dataset` stores with a step's results
+STORED_INPUTS = {"prompt": "prompts", "target": "targets", "input_ids": "token ids"}
+
+
 def check_result(ds: xr.Dataset, step: Any, config: Any, lm: LoadedModel, n_examples: int) -> None:
-    """Refuse a step's result that breaks the contract of stored results (:func:`headlab.contract.result_problems`)
-    with a :class:`ContractError` naming the component that made it (the detector of a ``detect`` step, else
+    """Refuse a step's result that breaks the contract of stored results (:func:`headlab.contract.result_problems`),
+    or that has a variable of the task's stored inputs (:data:`STORED_INPUTS`), with a :class:`ContractError`
+    naming the component that made it (the detector of a ``detect`` step, else
     the action) and the variable."""
     problems = result_problems(ds, lm.geometry, None if "example_source" in ds.attrs else n_examples)
+    if "example_source" not in ds.attrs:  # the task's inputs are stored beside the result: never in its place
+        problems = [f"it has its own variable {name!r}, which would replace the task's {what} that headlab stores "
+                    f"with every step's results; rename that variable" for name, what in STORED_INPUTS.items()
+                    if name in ds.variables] + problems
     if not problems:
         return
     detector = get_manager().components["detectors"].get(getattr(config, "kind", ""))
@@ -360,7 +369,12 @@ def preflight(loaded: LoadedSpec, spec: Any, lm: LoadedModel, cell: Cell | None 
             line, col = _position(loaded.tree, where) if loaded.tree is not None else (None, None)
             raise SpecError(f"{e}" + (f" in {swept}" if swept else ""), source=loaded.source, line=line, col=col,
                             path=format_path(where)) from None
-    resources.check(spec, lm, swept)
+    try:
+        resources.check(spec, lm, swept)
+    except resources.EstimateFailed as e:  # a plugin's size() or estimate() raised: name it, its step and plugin
+        raise step_error(e.cause, step=e.step, config=None if e.task else e.config,
+                         task=e.config if e.task else None, cell=cell,
+                         during="size()" if e.task else "estimate()") from e.cause
 
 
 def _checked_configs(spec: Any) -> Iterator[tuple[list[Any], Any]]:
@@ -472,9 +486,9 @@ def write_cell(writer: RunWriter, cell: Cell, results: Mapping[str, xr.Dataset],
         where = f"{str(writer.location).rstrip('/')}/cells/{cell.name}"
         file = f" ({e.filename})" if getattr(e, "filename", None) else ""
         reason = e.strerror or str(e) or type(e).__name__
-        raise StoreWriteError(e.errno, f"cannot write cell {cell.name} into {where}{file}: {reason}; free space (or "
-                              f"raise the file-size limit), then finish the run with `headlab run --resume "
-                              f"{writer.location}`") from e
+        raise StoreWriteError(e.errno, f"cannot write cell {cell.name} into {where}{file}: {reason}; "
+                              f"{write_advice(e.errno, created=True)}, then finish the run with `headlab run "
+                              f"--resume {writer.location}`") from e
 
 
 def _keep_completed(store: RunWriter | str, cell: Cell, step: str | None, exc: BaseException,
@@ -811,14 +825,16 @@ def run(spec: str | Path | Mapping[str, Any] | LoadedSpec | None, *, out: str | 
             "steps": [s.id for s in loaded.spec.steps], "cells_total": len(cells), "seed": loaded.spec.seed,
             "model": loaded.spec.model.name, "input_digests": input_digests(loaded.spec), **prov,
         }
-        where = _run_dir(str(out or loaded.spec.output), loaded.spec.name)
+        output = str(out or loaded.spec.output)
+        where = f"{output.rstrip('/')}/{loaded.spec.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         try:
+            where = _run_dir(output, loaded.spec.name)  # looking for a free name may fail too (a name too long)
             return RunWriter.create(where, attrs)
-        except (FileExistsError, PermissionError, NotADirectoryError):
+        except (FileExistsError, NotADirectoryError):
             raise
-        except OSError as e:  # no space left, a file-size limit: nothing was kept (creation is atomic)
-            raise StoreWriteError(e.errno, f"cannot create the run store {where}: {e.strerror or e}; free space "
-                                  "(or raise the file-size limit) and run again") from e
+        except OSError as e:  # no space left, read-only, a name too long: nothing was kept (creation is atomic)
+            raise StoreWriteError(e.errno, f"cannot create the run store {where}: {e.strerror or e}; "
+                                  f"{write_advice(e.errno, created=False)} and run again") from e
 
     job = Job(loaded, todo, writer=writer, create=create, total=len(cells), reporter=reporter, cancel=cancel,
               on_cell=on_cell, executor=comp.kind)
