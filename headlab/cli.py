@@ -304,8 +304,9 @@ def plugins(as_json: Annotated[bool, typer.Option("--json", help="machine-readab
 @app.command()
 def runs(directory: Annotated[Path, typer.Argument(help="store directory")] = Path("./headlab-runs")) -> None:
     """List the runs in a store directory."""
-    from .results import RunNotFound, list_runs
+    from .results import RunNotFound, list_runs, store_location
 
+    directory = Path(store_location(directory))  # ~ expanded, a file:// URL as its path, as --out takes them
     if not directory.exists():
         raise RunNotFound(f"runs: no directory '{directory}'; name the directory a run's --out (or the spec's "
                           "output:) wrote to, default ./headlab-runs")
@@ -315,8 +316,8 @@ def runs(directory: Annotated[Path, typer.Argument(help="store directory")] = Pa
     table = _table("run", "name", "status", "cells", "created", "model")
     for r in list_runs(directory):
         a = r.attrs
-        table.add_row(str(r.path) if r.status.startswith("damaged") else r.path.name, r.name, r.status, f"{r.cells_done}/{r.cells_total}", str(a.get("created", "")),
-                      str(a.get("model", "")))
+        table.add_row(str(r.path) if r.status.startswith("damaged") else r.path.name, r.name, r.status,
+                      f"{r.cells_done}/{r.cells_total}", str(a.get("created", "")), str(a.get("model", "")))
     console.print(table)
 
 
