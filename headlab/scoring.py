@@ -25,7 +25,7 @@ from typing import Any
 
 from .context import Example, StepContext, TaskContext
 from .generation import Batch, Decoded, DecodeRequest, Scored, ScoreRequest, continuation_batch, tokenize
-from .model import LoadedModel
+from .model import LoadedModel, embedding_rows
 
 __all__ = ["as_model", "build_examples", "component", "generate", "logprobs", "metric_values", "steering_plan"]
 
@@ -81,8 +81,9 @@ def component(category: str, value: Any) -> Any:
 
 def build_examples(task: Any, lm: LoadedModel, seed: int) -> list[Example]:
     """The examples of a task config (``task.kind`` a registered task), built by its plugin for ``lm``'s
-    tokenizer and vocabulary as a run builds a step's task; an empty task, or an example whose prompt is empty
-    (no text but whitespace, no token ids, no image), is a ``ValueError`` naming the example."""
+    tokenizer and vocabulary as a run builds a step's task; an empty task, an example whose prompt is empty
+    (no text but whitespace, no token ids, no image), or whose token ids are not rows of the model's input
+    embedding, is a ``ValueError`` naming the example."""
     from .plugin_manager import get_manager
 
     comp = get_manager().get("tasks", task.kind)
@@ -90,10 +91,17 @@ def build_examples(task: Any, lm: LoadedModel, seed: int) -> list[Example]:
     examples = comp.impl(task, TaskContext(tokenizer=lm.tokenizer, seed=seed, vocab_size=vocab))
     if not examples:
         raise ValueError(f"task '{task.kind}' produced no examples")
+    rows = embedding_rows(lm.model)
     for i, ex in enumerate(examples):
+        row = ex.meta.get("row") if isinstance(ex.meta, dict) else None
+        where = f"example {i}" + (f" (data row {row})" if row is not None else "")
+        if ex.input_ids is not None and len(ex.input_ids) and rows is not None:
+            bad = next((int(t) for t in ex.input_ids if not 0 <= int(t) < rows), None)
+            if bad is not None:
+                raise ValueError(f"task '{task.kind}' {where} has token id {bad:,}, but the model's input embedding "
+                                 f"has {rows:,} rows (ids 0 to {rows - 1:,}), so the forward would fail; give the "
+                                 "task ids of this model's vocabulary (or a model whose vocab_size covers them)")
         if not ex.images and (len(ex.input_ids) == 0 if ex.input_ids is not None else not ex.prompt.strip()):
-            row = ex.meta.get("row") if isinstance(ex.meta, dict) else None
-            where = f"example {i}" + (f" (data row {row})" if row is not None else "")
             raise ValueError(f"task '{task.kind}' {where} has an empty prompt: a score or a generation would be "
                              "conditioned on nothing and averaged in with the others; fix the row (or the template "
                              "that renders it empty)")
