@@ -69,6 +69,11 @@ class Pope(ComponentConfig):
         Template(v, "prompt", "pope")  # lints: Jinja2 syntax, single braces
         return v
 
+    def example_fields(self) -> frozenset[str]:
+        """The yes/no label, the image and the question's object (for ``requires()`` checks)."""
+        return frozenset({"target", "images", "meta.label", "meta.answers", "meta.question_id", "meta.image",
+                          "meta.object", "meta.setting"})
+
     def size(self) -> TaskSize | None:
         """``n`` questions of one image (:data:`headlab.plugins.tasks.shapes.IMAGE_TOKENS`) and a question each;
         unknown without ``n``."""
