@@ -14,7 +14,7 @@ import pytest
 
 import headlab
 from headlab import ComponentConfig, Example, hookimpl
-from headlab.model import embedding_rows, largest_token_id, load_model
+from headlab.model import load_model
 from headlab.spec import ModelSpec
 
 from fixtures.cli import cli, error_line
@@ -86,6 +86,8 @@ def test_embeddings_larger_than_the_tokenizer_still_load(tmp_path, capfd, monkey
     code, err = cli(["run", "spec.yaml", "--out", "runs"], capfd)
     assert code == 0, err
     # the shipped models and the tiny config models the tests use
+    from headlab.model import embedding_rows, largest_token_id
+
     for spec, rows in [(ModelSpec(id="headlab-tiny"), 832), (ModelSpec(id="headlab-tiny-vlm"), 896),
                        (ModelSpec(config={**TINY_LLAMA, "vocab_size": 811, "tokenizer": "headlab-tiny"}), 811),
                        (ModelSpec(config=TINY_LLAMA), 97)]:
