@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,8 +24,8 @@ from .spec import ModelSpec
 from .vision import image_token_id, processor_for_config, vision_tokens_for_config
 
 __all__ = ["DTYPES", "HUB_PROBE_SECONDS", "Geometry", "LoadedModel", "ModelLoadError", "check_architecture",
-           "check_vocabulary", "from_config", "from_pretrained", "geometry_of", "is_vision_checkpoint", "load_model",
-           "load_model_by_name_tokenizer", "resolve_device", "state_digest", "weights_digest"]
+           "check_vocabulary", "embedding_rows", "from_config", "from_pretrained", "geometry_of",
+           "is_vision_checkpoint", "largest_token_id", "load_model", "load_model_by_name_tokenizer", "resolve_device", "state_digest", "weights_digest"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -248,6 +249,7 @@ def from_pretrained(path_or_id: str, spec: ModelSpec, *, name: str | None = None
     finally:
         if bars:
             hf_logging.enable_progress_bar()
+    check_vocabulary(tokenizer, None, path_or_id, rows=embedding_rows(model))  # the rows the weights have
     if spec.device_map is None:
         model.to(device)
     else:
@@ -351,23 +353,56 @@ def check_architecture(config: Any, name: str) -> None:
                              f"e.g. {max(d for d in range(1, min(max(kv, 1), heads) + 1) if heads % d == 0)}")
 
 
+def largest_token_id(tokenizer: Any) -> int | None:
+    """The largest token id ``tokenizer`` can produce: the largest id of its vocabulary (added tokens included),
+    and at least ``len(tokenizer) - 1``; None for a tokenizer that says neither. A vocabulary with gaps (an
+    added token at id 50,000 of a 32,000-token tokenizer) has a largest id beyond its length."""
+    largest = -1
+    with contextlib.suppress(TypeError):
+        largest = len(tokenizer) - 1
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:  # noqa: BLE001 - a tokenizer without a readable vocabulary: its length is what is known
+        vocab = None
+    if isinstance(vocab, Mapping):
+        ids = [i for i in vocab.values() if isinstance(i, int) and not isinstance(i, bool)]
+        largest = max([largest, *ids])
+    return largest if largest >= 0 else None
+
+
+def embedding_rows(model: Any) -> int | None:
+    """The rows of ``model``'s input embedding matrix (token ids ``0 .. rows - 1`` have one), or None when the
+    model has no input embedding headlab can find."""
+    try:
+        embed = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+    weight = getattr(embed, "weight", None)
+    return int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
+
+
 def check_vocabulary(tokenizer: Any, config: Any, name: str, rows: int | None = None) -> None:
     """Refuse a tokenizer whose token ids do not all have a row in the model's input embedding (``rows``, else
-    the config's ``vocab_size``): the first prompt holding such a token would fail inside the forward. A
-    :class:`ModelLoadError` naming the model, both sizes and the fix."""
+    the config's ``vocab_size``): the first prompt holding such a token would fail inside the forward. The
+    tokenizer's largest id (:func:`largest_token_id`: its vocabulary's largest id, gaps included) is compared;
+    an embedding larger than the tokenizer (padded for speed, or reserving ids) is fine. A
+    :class:`ModelLoadError` naming the model, the tokenizer's size and largest id, the embedding's rows and
+    the fix."""
     if tokenizer is None:
         return
     if rows is None:
         rows = getattr(_text_config(config), "vocab_size", None)
-    try:
-        tokens = len(tokenizer)
-    except TypeError:
+    largest = largest_token_id(tokenizer)
+    if largest is None or not isinstance(rows, int) or isinstance(rows, bool) or rows <= 0 or largest < rows:
         return
-    if isinstance(rows, int) and rows > 0 and tokens > rows:
-        raise ModelLoadError(f"model '{name}': its tokenizer has {tokens:,} tokens (ids up to {tokens - 1:,}) but "
-                             f"its input embedding has {rows:,} rows, so a prompt with a token id from {rows:,} up "
-                             f"would fail in the forward; give the tokenizer the model was trained with, or a model "
-                             f"with vocab_size of at least {tokens:,}")
+    try:
+        size = f"{len(tokenizer):,} tokens"
+    except TypeError:
+        size = "a vocabulary"
+    raise ModelLoadError(f"model '{name}': its tokenizer has {size} (ids up to {largest:,}) but its input "
+                         f"embedding has {rows:,} rows, so a prompt with a token id from {rows:,} up would fail in "
+                         f"the forward; give the tokenizer the model was trained with, or a model with vocab_size of "
+                         f"at least {largest + 1:,}")
 
 
 def _check_device_map(spec: ModelSpec) -> str:
@@ -548,10 +583,7 @@ def load_model(spec: ModelSpec, seed: int = 0) -> LoadedModel:
     if comp is not None:
         lm = comp.impl(spec)
         check_architecture(lm.model.config, lm.name)
-        embedding = lm.model.get_input_embeddings() if hasattr(lm.model, "get_input_embeddings") else None
-        weight = getattr(embedding, "weight", None)
-        check_vocabulary(lm.tokenizer, lm.model.config, lm.name,
-                         rows=int(weight.shape[0]) if isinstance(weight, torch.Tensor) else None)
+        check_vocabulary(lm.tokenizer, lm.model.config, lm.name, rows=embedding_rows(lm.model))
         return lm
     if spec.path is not None and not Path(spec.path).expanduser().exists():
         raise ModelLoadError(f"model path '{spec.path}' does not exist")

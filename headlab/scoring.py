@@ -25,9 +25,11 @@ from typing import Any
 
 from .context import Example, StepContext, TaskContext
 from .generation import Batch, Decoded, DecodeRequest, Scored, ScoreRequest, continuation_batch, tokenize
-from .model import LoadedModel
+from .model import LoadedModel, embedding_rows
 
-__all__ = ["as_model", "build_examples", "component", "generate", "logprobs", "metric_values", "steering_plan"]
+__all__ = ["EXAMPLE_FIELDS", "as_model", "build_examples", "component", "declared_fields", "field_label",
+           "fitting_tasks", "generate", "has_field", "logprobs", "metric_values", "required_fields", "requirement_message",
+           "steering_plan", "unmet_by_examples", "unmet_by_task"]
 
 Text = str | Example | Sequence[int]
 
@@ -81,8 +83,9 @@ def component(category: str, value: Any) -> Any:
 
 def build_examples(task: Any, lm: LoadedModel, seed: int) -> list[Example]:
     """The examples of a task config (``task.kind`` a registered task), built by its plugin for ``lm``'s
-    tokenizer and vocabulary as a run builds a step's task; an empty task, or an example whose prompt is empty
-    (no text but whitespace, no token ids, no image), is a ``ValueError`` naming the example."""
+    tokenizer and vocabulary as a run builds a step's task; an empty task, an example whose prompt is empty
+    (no text but whitespace, no token ids, no image), or whose token ids are not rows of the model's input
+    embedding, is a ``ValueError`` naming the example."""
     from .plugin_manager import get_manager
 
     comp = get_manager().get("tasks", task.kind)
@@ -90,10 +93,17 @@ def build_examples(task: Any, lm: LoadedModel, seed: int) -> list[Example]:
     examples = comp.impl(task, TaskContext(tokenizer=lm.tokenizer, seed=seed, vocab_size=vocab))
     if not examples:
         raise ValueError(f"task '{task.kind}' produced no examples")
+    rows = embedding_rows(lm.model)
     for i, ex in enumerate(examples):
+        row = ex.meta.get("row") if isinstance(ex.meta, dict) else None
+        where = f"example {i}" + (f" (data row {row})" if row is not None else "")
+        if ex.input_ids is not None and len(ex.input_ids) and rows is not None:
+            bad = next((int(t) for t in ex.input_ids if not 0 <= int(t) < rows), None)
+            if bad is not None:
+                raise ValueError(f"task '{task.kind}' {where} has token id {bad:,}, but the model's input embedding "
+                                 f"has {rows:,} rows (ids 0 to {rows - 1:,}), so the forward would fail; give the "
+                                 "task ids of this model's vocabulary (or a model whose vocab_size covers them)")
         if not ex.images and (len(ex.input_ids) == 0 if ex.input_ids is not None else not ex.prompt.strip()):
-            row = ex.meta.get("row") if isinstance(ex.meta, dict) else None
-            where = f"example {i}" + (f" (data row {row})" if row is not None else "")
             raise ValueError(f"task '{task.kind}' {where} has an empty prompt: a score or a generation would be "
                              "conditioned on nothing and averaged in with the others; fix the row (or the template "
                              "that renders it empty)")
@@ -106,6 +116,118 @@ def build_examples(task: Any, lm: LoadedModel, seed: int) -> list[Example]:
                                  "tokenizer is given at once (a longer one can abort the process); break it with "
                                  "spaces or newlines")
     return examples
+
+
+EXAMPLE_FIELDS = ("target", "choices", "label", "spans", "input_ids", "images")
+"""The fields of an :class:`~headlab.Example` a component may declare it reads (``requires()``) or a task that
+it gives (``example_fields()``), besides ``meta.<key>`` for a key of ``Example.meta``."""
+
+
+def has_field(example: Example, name: str) -> bool:
+    """Whether ``example`` has the field ``name`` (one of :data:`EXAMPLE_FIELDS` or ``meta.<key>``): set, and
+    not an empty text, list or mapping (``target`` and ``label``: not None)."""
+    if name.startswith("meta."):
+        meta = example.meta if isinstance(example.meta, Mapping) else {}
+        value = meta.get(name[len("meta."):])
+        return value is not None and not (isinstance(value, (str, list, tuple, dict)) and len(value) == 0)
+    if name in ("target", "label"):
+        return getattr(example, name, None) is not None
+    value = getattr(example, name, None)
+    return value is not None and len(value) > 0
+
+
+def field_label(name: str) -> str:
+    """How a line names an example field: ``meta['answer']``, ``target``."""
+    return f"meta['{name[len('meta.'):]}']" if name.startswith("meta.") else name
+
+
+def required_fields(config: Any) -> list[tuple[str, ...]]:
+    """The example fields a component config declares it reads, through its optional ``requires()`` method:
+    one tuple per need, holding the fields of which any one will do (``[("meta.answers", "meta.answer",
+    "target")]``). ``[]`` for a config that declares nothing (it is not checked)."""
+    declare = getattr(config, "requires", None)
+    if not callable(declare):
+        return []
+    out = []
+    for need in declare() or ():
+        group = (need,) if isinstance(need, str) else tuple(str(n) for n in need)
+        if group:
+            out.append(group)
+    return out
+
+
+def declared_fields(task: Any) -> frozenset[str] | None:
+    """The fields a task config says its examples can have (its optional ``example_fields()`` method), or None
+    when it does not say."""
+    declare = getattr(task, "example_fields", None)
+    if not callable(declare):
+        return None
+    return frozenset(declare())
+
+
+def unmet_by_task(config: Any, fields: frozenset[str]) -> tuple[str, ...] | None:
+    """The first need of ``config`` (:func:`required_fields`) none of whose fields is among ``fields``."""
+    return next((group for group in required_fields(config) if not fields & set(group)), None)
+
+
+def unmet_by_examples(config: Any, examples: Sequence[Example]) -> tuple[tuple[str, ...], list[int]] | None:
+    """The first need of ``config`` that some of ``examples`` lack (none of its fields :func:`has_field`), with
+    the indices of the examples that lack it; None when every example has what the config reads."""
+    for group in required_fields(config):
+        lacking = [i for i, ex in enumerate(examples) if not any(has_field(ex, f) for f in group)]
+        if lacking:
+            return group, lacking
+    return None
+
+
+def fitting_tasks(config: Any) -> list[str]:
+    """The registered task kinds whose declared fields (:func:`declared_fields`, for the task's defaults) meet
+    every need of ``config``: first those that give the first field of every need (the one the component reads
+    first), then the others, each by name."""
+    from .plugin_manager import get_manager
+
+    out = []
+    for kind, comp in get_manager().components["tasks"].items():
+        try:
+            fields = declared_fields(comp.config.model_construct())
+        except Exception:  # noqa: BLE001 - a task that cannot say without its options is not listed
+            continue
+        needs = required_fields(config)
+        if fields is not None and all(fields & set(group) for group in needs):
+            out.append((not all(group[0] in fields for group in needs), kind))
+    return [kind for _, kind in sorted(out)]
+
+
+MAX_LISTED_TASKS = 6
+"""Task kinds a requirement line lists by name (the rest are counted)."""
+
+
+def requirement_message(config: Any, group: tuple[str, ...], lacks: str, category: str = "metric") -> str:
+    """The line saying that ``config`` (a component of ``category``) reads a field of ``group`` that ``lacks``
+    (``"task 'niah' does not give"``) and which tasks give it: ``metric 'context_memory' reads
+    meta['context_answer'] (or meta['context_answers']), which task 'niah' does not give; context_memory
+    fits counterfact, memotrap, nq_swap, or csv/jsonl with meta: [context_answer, memory_answer]``."""
+    from .plugin_manager import get_manager
+
+    first, *others = [field_label(f) for f in group]
+    alternatives = f" (or {', '.join(others)})" if others else ""
+    needs = required_fields(config)
+    tasks = fitting_tasks(config)
+    named = ", ".join(tasks[:MAX_LISTED_TASKS]) + (f" and {len(tasks) - MAX_LISTED_TASKS} more"
+                                                   if len(tasks) > MAX_LISTED_TASKS else "")
+    files = sorted(kind for kind, comp in get_manager().components["tasks"].items()
+                   if {"meta", "target"} <= set(getattr(comp.config, "model_fields", {})))
+    options = []
+    if any("target" in g for g in needs):
+        options.append("a target: template")
+    meta = [g[0][len("meta."):] for g in needs if "target" not in g and g[0].startswith("meta.")]
+    if meta:
+        options.append(f"meta: [{', '.join(meta)}]")
+    ways = [named] if named else []
+    if files and options and all("target" in g or g[0].startswith("meta.") for g in needs):
+        ways.append(f"{'/'.join(files)} with {' and '.join(options)}")
+    fix = f"{config.kind} fits {', or '.join(ways)}" if ways else f"give {config.kind} a task whose examples have it"
+    return f"{category} '{config.kind}' reads {first}{alternatives}, which {lacks}; {fix}"
 
 
 MAX_WORD_CHARS = 100_000

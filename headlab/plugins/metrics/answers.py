@@ -70,6 +70,10 @@ class ContextMemory(_AnswerMatch):
 
     kind: Literal["context_memory"] = "context_memory"
 
+    def requires(self) -> list[tuple[str, ...]]:
+        """The context's answer and the memorised one (``counterfact``, ``nq_swap``, ``memotrap``)."""
+        return [("meta.context_answer", "meta.context_answers"), ("meta.memory_answer", "meta.memory_answers")]
+
 
 def context_memory(config: ContextMemory, examples: list[Example], outputs: list[str]) -> np.ndarray:
     """Per example: 1.0 (context), 0.0 (memory) or NaN (neither)."""
@@ -96,6 +100,10 @@ class AnyAnswer(_AnswerMatch):
     """1 if the output matches any acceptable answer (meta['answers'], else the target), else 0."""
 
     kind: Literal["any_answer"] = "any_answer"
+
+    def requires(self) -> list[tuple[str, ...]]:
+        """The acceptable answers, else the target."""
+        return [("meta.answers", "meta.answer", "target")]
 
 
 def any_answer(config: AnyAnswer, examples: list[Example], outputs: list[str]) -> np.ndarray:

@@ -86,6 +86,10 @@ class PopeMetric(ComponentConfig):
     first_line: bool = Field(True, description="read only the output's first non-empty line (false: the "
                              "whole output, as POPE's reference)")
 
+    def requires(self) -> list[tuple[str, ...]]:
+        """The true yes/no answer: ``meta['label']``, else the target."""
+        return [("meta.label", "target")]
+
 
 def pope(config: PopeMetric, examples: list[Example], outputs: list[str]) -> np.ndarray:
     """Per example: 1.0 if the parsed answer equals the true one, else 0.0."""
@@ -223,6 +227,10 @@ class Chair(ComponentConfig):
         None, description="category -> phrases, or a JSON / YAML / CHAIR synonyms.txt file of them (default: the "
         "shapes task's colour x shape objects)")
     unique: bool = Field(False, description="count each category once per caption")
+
+    def requires(self) -> list[tuple[str, ...]]:
+        """The objects in the image (``meta['objects']``: ``shapes``, or a data file's meta field)."""
+        return [("meta.objects",)]
 
 
 def _objects(ex: Example, i: int) -> list[str]:

@@ -32,6 +32,10 @@ class NeedleRecall(ComponentConfig):
         "answer", description="answer: meta['answer'] when the example has it (niah, kv_retrieval), "
         "else the target; target: always the target")
 
+    def requires(self) -> list[tuple[str, ...]]:
+        """The answer (``meta['answer']``, else the target) or, with ``reference: target``, the target."""
+        return [("meta.answer", "target") if self.reference == "answer" else ("target",)]
+
 
 def _reference(ex: Example, which: str, metric: str, i: int) -> str:
     if which == "answer" and isinstance(ex.meta.get("answer"), str):
@@ -56,6 +60,10 @@ class RougeL(ComponentConfig):
     kind: Literal["rouge_l"] = "rouge_l"
     score: Literal["f1", "precision", "recall"] = Field("f1", description="which ROUGE-L value")
     stemmer: bool = Field(False, description="Porter stemming (rouge-score's use_stemmer)")
+
+    def requires(self) -> list[tuple[str, ...]]:
+        """The target (the reference summary or answer)."""
+        return [("target",)]
 
 
 def rouge_l_metric(config: RougeL, examples: list[Example], outputs: list[str]) -> np.ndarray:

@@ -140,6 +140,15 @@ class TruthfulQA(_Benchmark):
     primer: bool = Field(True, description="prepend the paper's six-shot QA primer")
     close: bool = Field(True, description="CSV answers: end each with a period, as the TruthfulQA code does")
 
+    def example_fields(self) -> frozenset[str]:
+        """Generation: the best answer and the correct ones; MC: the choices and their labels (for ``requires()``
+        checks)."""
+        fields = {"target", "meta.question", "meta.mode", "meta.type", "meta.category", "meta.source"}
+        if self.mode == "generation":
+            return frozenset(fields | {"meta.best_answer", "meta.correct_answers", "meta.incorrect_answers",
+                                       "meta.answers"})
+        return frozenset(fields | {"choices", "label", "meta.labels"})
+
 
 def build_truthfulqa(config: TruthfulQA, ctx: TaskContext) -> list[Example]:
     """MC examples (choices, label, meta labels) or generation examples (target: the best answer)."""
@@ -200,6 +209,10 @@ class NqOpen(_Benchmark):
 
     kind: Literal["nq_open"] = "nq_open"
 
+    def example_fields(self) -> frozenset[str]:
+        """The first answer as the target, every answer in meta (for ``requires()`` checks)."""
+        return frozenset({"target", "meta.answer", "meta.answers", "meta.question"})
+
 
 def build_nq_open(config: NqOpen, ctx: TaskContext) -> list[Example]:
     """``Q: <question>?\\nA:`` -> `` <first answer>``; every answer in ``meta["answers"]``."""
@@ -222,6 +235,11 @@ class NqSwap(_Benchmark):
     kind: Literal["nq_swap"] = "nq_swap"
     context: Literal["substituted", "original"] = Field(
         "substituted", description="use the entity-substituted context (sub_context) or the original")
+
+    def example_fields(self) -> frozenset[str]:
+        """The context's and the memorised answers, the context span (for ``requires()`` checks)."""
+        return frozenset({"target", "spans", "meta.context_answer", "meta.memory_answer", "meta.context_answers",
+                          "meta.memory_answers", "meta.answers", "meta.question", "meta.substituted"})
 
 
 def build_nq_swap(config: NqSwap, ctx: TaskContext) -> list[Example]:
@@ -253,6 +271,10 @@ class MemoTrap(_Benchmark):
 
     kind: Literal["memotrap"] = "memotrap"
 
+    def example_fields(self) -> frozenset[str]:
+        """The choices, the instructed ending and (two classes) the memorised one (for ``requires()`` checks)."""
+        return frozenset({"target", "choices", "label", "meta.labels", "meta.context_answer", "meta.memory_answer"})
+
 
 def build_memotrap(config: MemoTrap, ctx: TaskContext) -> list[Example]:
     """The prompt as given; choices = classes (they already start with a space); label = answer_index."""
@@ -283,6 +305,10 @@ class XSum(_Benchmark):
     """XSum: one-sentence summaries of BBC articles (ROUGE-L, faithfulness)."""
 
     kind: Literal["xsum"] = "xsum"
+
+    def example_fields(self) -> frozenset[str]:
+        """The reference summary, the document's span and its id (for ``requires()`` checks)."""
+        return frozenset({"target", "spans", "meta.id"})
 
 
 def build_xsum(config: XSum, ctx: TaskContext) -> list[Example]:

@@ -595,6 +595,22 @@ class _FileTask(DataSource):
             raise ValueError("`image_dir` needs `image` (the field holding the image path)")
         return self
 
+    def example_fields(self) -> frozenset[str]:
+        """What the templates and options give each example: the target, choices, label, spans, images, the data
+        row and the fields copied into meta (for ``requires()`` checks)."""
+        fields = {"meta.row", *(f"meta.{name}" for name in self.meta)}
+        if self.target is not None or (self.choices is not None and self.label is not None):
+            fields.add("target")
+        if self.choices is not None:
+            fields.add("choices")
+        if self.label is not None:
+            fields.add("label")
+        if self.spans or self.span_tags:
+            fields.add("spans")
+        if self.image is not None:
+            fields.add("images")
+        return frozenset(fields)
+
     def image_base(self) -> Path | None:
         """The folder relative image paths are relative to (None: the working directory)."""
         if self.image_dir is not None:

@@ -40,12 +40,15 @@ from headlab.resources import TaskSize
 from headlab.spec import PositiveInt, Seed
 
 __all__ = [
-    "FIELDS", "IOI_TEMPLATES", "IoiPairs", "KvSwap", "PairTask", "RepeatedPairs", "answer_token", "build_ioi",
+    "FIELDS", "IOI_TEMPLATES", "PAIR_FIELDS", "IoiPairs", "KvSwap", "PairTask", "RepeatedPairs", "answer_token", "build_ioi",
     "build_kv_swap", "build_pairs", "build_repeated_pairs", "pair_example",
 ]
 
 #: the fields of a record of a ``pairs`` file
 FIELDS = ("clean", "corrupt", "answer", "wrong")
+PAIR_FIELDS = frozenset({"target", "choices", "label", "meta.corrupt_prompt", "meta.answer", "meta.wrong",
+                         "meta.answer_id", "meta.wrong_id"})
+"""The example fields of every pair (:func:`pair_example`), as a task's ``example_fields()`` names them."""
 
 #: the default IOI templates: ``{A}`` the indirect object (the answer), ``{B}`` the subject, ``{place}``,
 #: ``{object}``; the clean prompt names ``{B}`` in the second clause, the corrupted one ``{A}``
@@ -107,6 +110,10 @@ class PairTask(DataSource):
     target_delimiter: str = Field(" ", description="put in front of the answer and the wrong answer")
     delimiter: str = Field(",", min_length=1, max_length=1, description="CSV cell delimiter ('\\t' for TSV)")
 
+    def example_fields(self) -> frozenset[str]:
+        """A pair's fields and the data row (for ``requires()`` checks)."""
+        return PAIR_FIELDS | {"meta.row"}
+
 
 def build_pairs(config: PairTask, ctx: TaskContext) -> list[Example]:
     """One example per record of the file (fields ``clean``, ``corrupt``, ``answer``, ``wrong``)."""
@@ -140,6 +147,10 @@ class KvSwap(ComponentConfig):
         if not 2 <= v <= len(S.KEYS):
             raise ValueError(f"num_pairs must be between 2 and {len(S.KEYS)} (the distinct keys)")
         return v
+
+    def example_fields(self) -> frozenset[str]:
+        """A pair's fields and the keys (for ``requires()`` checks)."""
+        return PAIR_FIELDS | {"meta.query_key", "meta.swap_key", "meta.num_pairs"}
 
     def size(self) -> TaskSize:
         """``n`` examples; a pair is a key, a colon, the value and a comma."""
@@ -195,6 +206,10 @@ class RepeatedPairs(ComponentConfig):
         if v is not None and any(not w or w != w.strip() or " " in w for w in v):
             raise ValueError("words: each must be one word without spaces")
         return v
+
+    def example_fields(self) -> frozenset[str]:
+        """A pair's fields and the repeat's place (for ``requires()`` checks)."""
+        return PAIR_FIELDS | {"meta.length", "meta.repeat_index", "meta.corrupt_index"}
 
     def size(self) -> TaskSize:
         """``n`` examples of at most ``2 x length`` words (and a BOS token)."""
@@ -276,6 +291,10 @@ class IoiPairs(ComponentConfig):
         if v is not None and len(set(v)) < 2:
             raise ValueError("names: give at least two different names")
         return v
+
+    def example_fields(self) -> frozenset[str]:
+        """A pair's fields and the template's index (for ``requires()`` checks)."""
+        return PAIR_FIELDS | {"meta.template"}
 
     def size(self) -> TaskSize:
         """``n`` examples of about two tokens per word of the longest template."""

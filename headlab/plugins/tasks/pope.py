@@ -73,6 +73,11 @@ class Pope(ComponentConfig):
         """Before a run's store is created: a POPE file over the data-file limit is refused by its size."""
         check_data_file(self.path, "pope", key="path")
 
+    def example_fields(self) -> frozenset[str]:
+        """The yes/no label, the image and the question's object (for ``requires()`` checks)."""
+        return frozenset({"target", "images", "meta.label", "meta.answers", "meta.question_id", "meta.image",
+                          "meta.object", "meta.setting"})
+
     def size(self) -> TaskSize | None:
         """``n`` questions of one image (:data:`headlab.plugins.tasks.shapes.IMAGE_TOKENS`) and a question each;
         unknown without ``n``."""

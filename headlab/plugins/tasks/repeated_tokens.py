@@ -25,6 +25,10 @@ class RepeatedTokens(ComponentConfig):
     length: PositiveInt | Annotated[list[PositiveInt], Field(min_length=1)] = Field(24, description="length of the random segment (or several, cycled)")
     bos: bool = Field(True, description="prepend the tokenizer's BOS token when it has one")
 
+    def example_fields(self) -> frozenset[str]:
+        """Token ids, and the segment's length in meta (for ``requires()`` checks)."""
+        return frozenset({"input_ids", "meta.segment_length"})
+
     def size(self) -> TaskSize:
         """``n`` examples of at most ``1 + 2 x length`` tokens (for the resource guard)."""
         lengths = self.length if isinstance(self.length, list) else [self.length]

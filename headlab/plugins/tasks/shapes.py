@@ -157,6 +157,17 @@ class Shapes(ComponentConfig):
         """Examples each image gives."""
         return {"presence": 2 * self.per_image, "caption": 1}.get(self.question, self.per_image)
 
+    def example_fields(self) -> frozenset[str]:
+        """The image, its objects and, but for captions, the answer (for ``requires()`` checks)."""
+        fields = {"images", "meta.objects", "meta.image", "meta.question", "meta.scene"}
+        if self.question != "caption":
+            fields |= {"target", "meta.label", "meta.answers", "meta.object"}
+        if self.question == "presence":
+            fields.add("meta.setting")
+        if self.question == "count":
+            fields.add("meta.count")
+        return frozenset(fields)
+
     def size(self) -> TaskSize:
         """``n`` images times the questions per image; a prompt is an image (:data:`IMAGE_TOKENS`) and a question."""
         return TaskSize(self.n * self.examples_per_image(), IMAGE_TOKENS + 64 + len(self.prompt))

@@ -136,6 +136,11 @@ class Niah(ComponentConfig):
         if self.haystack is not None:
             check_data_file(self.haystack, "niah", key="haystack")
 
+    def example_fields(self) -> frozenset[str]:
+        """The answer, the needle's spans and its place (for ``requires()`` checks)."""
+        return frozenset({"target", "spans", "meta.context_length", "meta.depth", "meta.needle_index", "meta.answer",
+                          "meta.question"})
+
     def size(self) -> TaskSize:
         """How many examples and how long, computed without building the grid (for the resource guard)."""
         cl = self.context_lengths
@@ -227,6 +232,10 @@ class KvRetrieval(ComponentConfig):
         return v
 
 
+    def example_fields(self) -> frozenset[str]:
+        """The value asked for, its span and the query (for ``requires()`` checks)."""
+        return frozenset({"target", "spans", "meta.num_pairs", "meta.query_index", "meta.query_key", "meta.answer"})
+
     def size(self) -> TaskSize:
         """``n`` examples per entry of ``num_pairs``; a pair is a key, a colon, the value and a comma."""
         sizes = [self.num_pairs] if isinstance(self.num_pairs, int) else self.num_pairs
@@ -257,6 +266,13 @@ class Counterfact(ComponentConfig):
     filler_sentences: FillerRange = Field((0, 2), description="filler sentences before/after the fact: [lo, hi]")
     seed: Seed = Field(0, description="offset added to the run seed")
 
+
+    def example_fields(self) -> frozenset[str]:
+        """The context's and the memorised answer (closed book: the memorised one only), for ``requires()`` checks."""
+        if self.closed_book:
+            return frozenset({"target", "meta.memory_answer", "meta.country", "meta.strength"})
+        return frozenset({"target", "spans", "meta.context_answer", "meta.memory_answer", "meta.country",
+                          "meta.conflict", "meta.strength", "meta.question"})
 
     def size(self) -> TaskSize:
         """One example per fact (or ``n``); filler sentences are at most 32 tokens each."""
@@ -296,6 +312,10 @@ class Emphasis(ComponentConfig):
     filler_sentences: FillerRange = Field((0, 2), description="filler sentences between the statements: [lo, hi]")
     seed: Seed = Field(0, description="offset added to the run seed")
 
+
+    def example_fields(self) -> frozenset[str]:
+        """The emphasised and the default answer, the emphasis span (for ``requires()`` checks)."""
+        return frozenset({"target", "spans", "meta.emphasis_answer", "meta.default_answer", "meta.name"})
 
     def size(self) -> TaskSize:
         """``n`` examples; filler sentences are at most 32 tokens each."""
