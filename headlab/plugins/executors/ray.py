@@ -18,6 +18,7 @@ finished only once the driver marked it done, so nothing a dead worker half-wrot
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 from collections import deque
@@ -49,6 +50,8 @@ class RayExecutor(ComponentConfig):
     models_per_worker: PositiveInt = Field(1, description="loaded models a worker keeps (least recently used go)")
     keep_workers: bool = Field(False, description="keep the workers and their models for this process's next run "
                                                   "(they hold their CPUs and GPUs meanwhile)")
+    start_timeout: float = Field(120, gt=0, description="seconds to wait for the first worker to start before giving "
+                                                        "up (a worker that cannot start would be waited for forever)")
 
 
 class CellWorker:
@@ -164,21 +167,89 @@ def _failure(ray: Any, error: BaseException, cell: Cell) -> tuple[CellFailure, b
     return CellFailure(cell.name, cell.as_dict(), None, line), True
 
 
+def _address_space_limit() -> int | None:
+    """This process's address-space limit in bytes (``ulimit -v``), or None where there is none."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+STORE_MINIMUM = 256 * 2**20
+"""The smallest object store :func:`_store_under_limit` gives a local cluster (cells pass small messages)."""
+
+WORKER_HEADROOM = 5 * 2**29
+"""What a worker maps beside the object store: torch, a small model, Ray's threads and their malloc arenas."""
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.3g} GiB"
+
+
+def _store_under_limit(limit: int) -> int:
+    """The object store for a local cluster started under an address-space limit of ``limit`` bytes.
+
+    Every Ray process maps the whole object store into its address space, and by default it is 30% of
+    the machine's memory: past the limit, its workers die at start and ``ray.init`` waits for them forever,
+    deaf to Ctrl-C, or Ray aborts the process. Half of what a worker leaves free of the limit beside
+    :data:`WORKER_HEADROOM` (at most Ray's default) keeps every process inside it; a limit too low for
+    :data:`STORE_MINIMUM` is a :class:`PluginError`, before anything starts."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    store = min(int(0.3 * memory), (limit - WORKER_HEADROOM) // 2)  # Ray's default is 30% of memory
+    if store < STORE_MINIMUM:
+        need = WORKER_HEADROOM + 2 * STORE_MINIMUM
+        raise PluginError(f"executor 'ray': this process's address-space limit (ulimit -v) is {_gib(limit)}, too low "
+                          f"for a local Ray cluster, whose workers need at least {_gib(need)} each (torch, the model "
+                          "and Ray's object store); raise it (`ulimit -v unlimited`) or run without Ray "
+                          "(--executor local)")
+    return store
+
+
+def _init(ray: Any, config: RayExecutor) -> None:
+    """Connect to (or start) the Ray cluster of ``config.address``; what cannot is a :class:`PluginError`."""
+    _reachable(config.address)
+    options: dict[str, Any] = {}
+    if config.address in (None, "local"):  # a new local cluster (None: unless one is running)
+        # Ray holds the first driver's connection until the workers it starts with have come up, deaf to
+        # Ctrl-C: one that never does would hold it forever; :func:`_await_start` waits for them instead
+        options["_system_config"] = {"prestart_worker_first_driver": False}
+        limit = _address_space_limit()
+        if limit is not None:
+            options["object_store_memory"] = _store_under_limit(limit)
+    init = functools.partial(ray.init, address=config.address, include_dashboard=False, log_to_driver=False,
+                             logging_level="WARNING")
+    try:
+        try:
+            init(**options)
+        except ValueError as e:  # address None found a running cluster, which keeps its own settings
+            if not options or not str(e).startswith("When connecting to an existing cluster"):
+                raise
+            init()
+    except (ConnectionError, TimeoutError, ValueError, RuntimeError) as e:
+        ray.shutdown()  # stop whatever it started
+        text = str(e).strip().splitlines()
+        raise PluginError(f"executor 'ray': cannot connect to a Ray cluster at address {config.address!r}"
+                          + (f": {text[0]}" if text else "")) from None
+    except BaseException:  # Ctrl-C while the cluster starts: nothing of it stays behind
+        ray.shutdown()
+        raise
+
+
 def execute(config: RayExecutor, job: Job) -> None:
     """Run ``job.cells`` as Ray tasks on a pool of workers; retry, then record failures."""
     ray = _ray()
     started_here = False
     if not ray.is_initialized():
-        _reachable(config.address)
-        try:
-            ray.init(address=config.address, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
-        except (ConnectionError, TimeoutError, ValueError, RuntimeError) as e:
-            text = str(e).strip().splitlines()
-            raise PluginError(f"executor 'ray': cannot connect to a Ray cluster at address {config.address!r}"
-                              + (f": {text[0]}" if text else "")) from None
+        _init(ray, config)
         started_here = True
     try:
         n = _size(ray, config, len(job.cells)) if job.cells else 0  # a cluster too small is refused before the store
+        if job.cells:
+            try:  # workers that cannot start are refused before the store too
+                _await_start(ray, config, job, _pool(ray, config, n))
+            except BaseException:
+                _release(ray, config)
+                raise
         job.start()
         if job.cells:
             _schedule(ray, config, job, n)
@@ -186,6 +257,34 @@ def execute(config: RayExecutor, job: Job) -> None:
         if started_here:
             _pools.clear()
             ray.shutdown()
+
+
+def _await_start(ray: Any, config: RayExecutor, job: Job, pool: list[Any]) -> None:
+    """Wait (at most ``config.start_timeout`` seconds, Ctrl-C heard) until a worker of ``pool`` answers: one
+    that dies as it starts (out of memory, a low ``ulimit -v``) is restarted by Ray without end."""
+    import time
+
+    pending = [actor.info.remote() for actor in pool]
+    deadline = time.monotonic() + config.start_timeout
+    while True:
+        if job.cancelled():
+            raise KeyboardInterrupt
+        ready, _ = ray.wait(pending, num_returns=1, timeout=0.5)
+        if ready:
+            return
+        if time.monotonic() > deadline:
+            limit = _address_space_limit()
+            why = (f"; this process's address-space limit (ulimit -v) is {_gib(limit)}: raise it "
+                   "(`ulimit -v unlimited`)" if limit is not None else "")
+            raise PluginError(f"executor 'ray': no worker started within {config.start_timeout:g} s (see the Ray "
+                              f"logs under {_logs()}){why}, give it longer (execution.start_timeout) or run "
+                              "without Ray (--executor local)")
+
+
+def _logs() -> str:
+    """Where a local Ray cluster writes its logs."""
+    base = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"  # Ray's own choice on Linux
+    return os.path.join(base, "ray", "session_latest", "logs")
 
 
 def _schedule(ray: Any, config: RayExecutor, job: Job, n: int) -> None:
