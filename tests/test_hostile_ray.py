@@ -18,6 +18,8 @@ import pytest
 
 import headlab
 
+from fixtures.cli import error_line
+
 pytest.importorskip("ray")
 
 ROOT = Path(__file__).parent.parent
@@ -91,12 +93,6 @@ def headlab_run(tmp_path: Path, spec: str = "specs/quickstart.yaml", limit: int 
         proc.kill()
         out, err = proc.communicate()
     return subprocess.CompletedProcess(command, proc.returncode, out, err), marker
-
-
-def error_line(stderr: str) -> str:
-    lines = [line for line in stderr.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
-    return lines[0]
 
 
 def test_a_run_under_an_8_gib_address_space_limit_completes_and_stops_its_cluster(tmp_path):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import os
 import platform
+import time
 from collections import deque
 from typing import Any, Literal
 
@@ -262,8 +263,6 @@ def execute(config: RayExecutor, job: Job) -> None:
 def _await_start(ray: Any, config: RayExecutor, job: Job, pool: list[Any]) -> None:
     """Wait (at most ``config.start_timeout`` seconds, Ctrl-C heard) until a worker of ``pool`` answers: one
     that dies as it starts (out of memory, a low ``ulimit -v``) is restarted by Ray without end."""
-    import time
-
     pending = [actor.info.remote() for actor in pool]
     deadline = time.monotonic() + config.start_timeout
     while True:
