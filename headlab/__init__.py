@@ -40,6 +40,7 @@ from .results import Run, list_runs, open_run
 from .runner import run
 from .scoring import generate, logprobs
 from .spec import ComponentConfig, HeadSelection, SpecError, json_schema, load_spec
+from .summary import Estimate, estimate
 from .version import __version__
 from .vision import token_runs
 
@@ -60,6 +61,6 @@ __all__ = [
     "SteeringConflictError",
     "instrumented", "shared_trunk", "span_tensor", "start_at_layer",
     # heads and result arrays
-    "DIMENSIONS", "attention_preview", "draw_like", "from_pasta_json", "from_retrieval_json", "to_pasta_json",
+    "DIMENSIONS", "Estimate", "attention_preview", "estimate", "draw_like", "from_pasta_json", "from_retrieval_json", "to_pasta_json",
     "to_retrieval_json",
 ]

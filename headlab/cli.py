@@ -19,6 +19,7 @@ finishes the run). ``--debug`` (anywhere on the command line, or ``HEADLAB_DEBUG
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import sys
@@ -334,12 +335,15 @@ def _print_summary(result: Any) -> None:
             for r in info["tasks"]:
                 table.add_row(*(str(r["cell"].get(k, "")) for k in keys), r["task"],
                               *(f"{r['metrics'][m]:.4f}" if m in r["metrics"] else "" for m in names))
-        else:  # one row per sweep cell, never a mean across sweep values
+        else:  # one row per sweep cell and metric, never a mean across sweep values
             keys = list(dict.fromkeys(k for r in info["cells"] for k in r["cell"]))
-            names = list(dict.fromkeys(m for r in info["cells"] for m in r["metrics"]))
-            table = _table(*keys, *names, title=f"{step}: {info['kind']} metrics (mean over examples)")
+            table = _table(*keys, "metric", "mean", "95% interval", "n", "dropped",
+                           title=f"{step}: {info['kind']} metrics (mean over the examples where defined)")
             for r in info["cells"]:
-                table.add_row(*(str(r["cell"][k]) for k in keys), *(f"{r['metrics'][m]:.4f}" for m in names))
+                for m, e in r["estimates"].items():
+                    mean = f"{e.mean:.4f}" if math.isfinite(e.mean) else "undefined"
+                    table.add_row(*(str(r["cell"][k]) for k in keys), m, mean, e.interval_text(4), str(e.n),
+                                  e.dropped_text())
         console.print(table)
         for row in info.get("kv", []):
             where = ", ".join(f"{k}={v}" for k, v in row["cell"].items())

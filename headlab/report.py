@@ -158,10 +158,12 @@ def _generate_section(run: Run, step: str, ds: xr.Dataset, n_examples: int) -> s
     dims = _sweep_dims(run, ref)
     if metrics:
         rows = []
-        for c in cells:
-            sub = ds.sel(c) if c else ds
-            rows.append([_label(c)] + [float(np.nanmean(sub[m].values.astype(float))) for m in metrics])
-        out.append("<h3>metrics (mean over examples)</h3>" + _table(["cell", *metrics], rows, "metrics"))
+        for r in run.summary().get(step, {}).get("cells", []):  # the numbers `headlab show` prints
+            for m, e in r["estimates"].items():
+                rows.append([_label(r["cell"]), m, e.mean if math.isfinite(e.mean) else "undefined",
+                             e.interval_text(4), e.n, e.dropped_text()])
+        out.append("<h3>metrics (mean over the examples where defined, 95% interval)</h3>"
+                   + _table(["cell", "metric", "mean", "95% interval", "n", "dropped"], rows, "metrics"))
         if dims and len(cells) > 1:
             means = {m: ds[m].mean("example") if "example" in ds[m].dims else ds[m] for m in metrics}
             out.append(_sweep_plots(run, dims, cells, means, "metric"))

@@ -33,6 +33,7 @@ import numpy as np
 import xarray as xr
 import zarr
 
+from .summary import metric_estimate
 from .version import __version__
 
 __all__ = ["FORMAT", "Run", "RunDamaged", "RunFormatTooNew", "RunNotFound", "RunWriter", "list_runs", "open_run"]
@@ -641,8 +642,9 @@ class Run:
             yield cell, (ds.sel(cell) if cell else ds)
 
     def _cell_rows(self, ds: xr.Dataset, metrics: list[str]) -> list[dict[str, Any]]:
-        """``[{"cell": {sweep key: value}, "metrics": {name: mean over the cell's examples}}]``; a step whose
-        attrs name ``summary_dims`` (the ablation's ``k``) has one row per value of those too."""
+        """``[{"cell": {sweep key: value}, "metrics": {name: mean over the cell's examples}, "estimates": {name:
+        Estimate}}]`` (:func:`metric_estimate`: the mean with its n, drops and interval); a step whose attrs name
+        ``summary_dims`` (the ablation's ``k``) has one row per value of those too."""
         import itertools
 
         rows = []
@@ -652,8 +654,9 @@ class Run:
             for combo in itertools.product(*grids):
                 at = dict(zip(dims, combo, strict=True))
                 values = {m: sub[m].sel({d: v for d, v in at.items() if d in sub[m].dims}) for m in metrics}
-                rows.append({"cell": {**cell, **at},
-                             "metrics": {m: float(np.nanmean(v.values)) for m, v in values.items()}})
+                estimates = {m: metric_estimate(v, m) for m, v in values.items()}
+                rows.append({"cell": {**cell, **at}, "metrics": {m: e.mean for m, e in estimates.items()},
+                             "estimates": estimates})
         return rows
 
     def _task_rows(self, ds: xr.Dataset, metrics: list[str]) -> list[dict[str, Any]]:

@@ -26,6 +26,7 @@ from typing import Any
 from .context import Example, StepContext, TaskContext
 from .generation import Batch, Decoded, DecodeRequest, Scored, ScoreRequest, continuation_batch, tokenize
 from .model import LoadedModel, embedding_rows
+from .summary import UNDEFINED_ATTR
 
 __all__ = ["EXAMPLE_FIELDS", "as_model", "build_examples", "component", "declared_fields", "field_label",
            "fitting_tasks", "generate", "has_field", "logprobs", "metric_values", "required_fields", "requirement_message",
@@ -249,7 +250,9 @@ def metric_values(config: Any, examples: Sequence[Example], outputs: Sequence[st
     """What a step stores for the metric ``config`` (a metric config, a mapping with ``kind`` or a bare kind)
     on ``outputs`` of ``examples``: ``{kind: per-example values over "example"}`` and, for a metric
     registered with ``aggregate=``, ``{f"{kind}_{name}": value}`` for each of its step-level aggregates
-    (0-d, without the ``example`` dimension). All are ``xarray.DataArray`` of floats, in that order.
+    (0-d, without the ``example`` dimension). All are ``xarray.DataArray`` of floats, in that order. A metric
+    whose config class declares ``undefined_when`` (a ``ClassVar[str]``: when its value is NaN) has that text in
+    the per-example array's attrs, where :func:`headlab.summary.estimate`'s callers find the reason for a drop.
 
     A metric raising ``TypeError``/``ValueError`` or returning something other than one number per example,
     or an aggregate that is not a mapping of identifiers to numbers, is a :class:`headlab.errors.ContractError`
@@ -273,7 +276,11 @@ def metric_values(config: Any, examples: Sequence[Example], outputs: Sequence[st
     if values.shape != (len(examples),):
         raise ContractError(f"the metric returned shape {values.shape}, not one number per example",
                             category="metrics", kind=kind)
-    out: dict[str, Any] = {kind: xr.DataArray(values, dims="example")}
+    per_example = xr.DataArray(values, dims="example")
+    reason = getattr(type(config), UNDEFINED_ATTR, None)
+    if isinstance(reason, str) and reason:  # the metric's words for a NaN value (headlab.summary reports it)
+        per_example.attrs[UNDEFINED_ATTR] = reason
+    out: dict[str, Any] = {kind: per_example}
     if comp.aggregate is None:
         return out
     result = comp.aggregate(config, examples, outputs, values)

@@ -103,7 +103,10 @@ def test_report_contents_match_the_run(sweep_run, tmp_path):
     for length in (5, 9):
         em = float(ds["exact_match"].sel({"task.length": length}).mean())
         co = float(ds["contains"].sel({"task.length": length}).mean())
-        assert f"<td>task.length={length}</td><td class=\"num\">{em:.4g}</td><td class=\"num\">{co:.4g}</td>" in gen
+        n = int(ds["exact_match"].sel({"task.length": length}).notnull().sum())
+        for name, mean in (("exact_match", em), ("contains", co)):
+            assert f'<td>task.length={length}</td><td>{name}</td><td class="num">{mean:.4g}</td>' in gen
+        assert f'<td class="num">{n}</td><td>0</td>' in gen
     plot_points = [a for t, a in parse(gen).tags if t == "circle" and a.get("data-series") == "contains"]
     assert [float(p["data-y"]) for p in plot_points] == pytest.approx(
         [float(ds["contains"].sel({"task.length": v}).mean()) for v in (5, 9)])

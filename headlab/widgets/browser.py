@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import ipywidgets as w
-import numpy as np
 import pandas as pd
 import xarray as xr
 
 from ..heads import ranked
 from ..results import Run, list_runs, open_run
+from ..summary import metric_estimate
 
 __all__ = ["Compare", "RunBrowser", "diff_html", "generation_columns", "generation_table", "generations_html",
            "metric_table", "side_by_side", "top_heads_table"]
@@ -61,7 +61,9 @@ def _is_generate(ds: xr.Dataset) -> bool:
 
 
 def metric_table(runs: Iterable[Run | str | Path], steps: Sequence[str] | None = None) -> pd.DataFrame:
-    """One row per (run, generate step, sweep cell), one column per metric (mean over examples).
+    """One row per (run, generate step, sweep cell), one column per metric (mean over the examples where it
+    is defined) with ``{metric}_n``, ``{metric}_dropped`` (undefined values) and the 95% interval
+    ``{metric}_low``/``{metric}_high`` (:func:`headlab.estimate`).
 
     Sweep keys become columns too, so cells of one run and runs of different specs line up.
     """
@@ -76,7 +78,10 @@ def metric_table(runs: Iterable[Run | str | Path], steps: Sequence[str] | None =
                 row: dict[str, Any] = {"run": run.path.name, "step": step, "decode": ds.attrs.get("decode", ""),
                                        "steer": ",".join(ds.attrs.get("steer", []))}
                 row.update({k: _label_value(v) for k, v in cell.items()})
-                row.update({m: float(np.nanmean(sub[m].values.astype(float))) for m in metrics})
+                for m in metrics:  # the numbers `headlab show` and the report print
+                    e = metric_estimate(sub[m], m)
+                    row.update({m: e.mean, f"{m}_n": e.n, f"{m}_dropped": e.dropped, f"{m}_low": e.low,
+                                f"{m}_high": e.high})
                 row["n"] = int(sub.sizes.get("example", 0))
                 rows.append(row)
     return pd.DataFrame(rows)

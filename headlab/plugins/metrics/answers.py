@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 from pydantic import Field
@@ -69,6 +69,7 @@ class ContextMemory(_AnswerMatch):
     """1 if the output gives the context's answer, 0 if the memorised one, NaN if neither."""
 
     kind: Literal["context_memory"] = "context_memory"
+    undefined_when: ClassVar[str] = "the output matches neither answer"
 
     def requires(self) -> list[tuple[str, ...]]:
         """The context's answer and the memorised one (``counterfact``, ``nq_swap``, ``memotrap``)."""
