@@ -340,10 +340,11 @@ def _print_summary(result: Any) -> None:
             table = _table(*keys, "metric", "mean", "95% interval", "n", "dropped",
                            title=f"{step}: {info['kind']} metrics (mean over the examples where defined)")
             for r in info["cells"]:
-                for m, e in r["estimates"].items():
-                    mean = f"{e.mean:.4f}" if math.isfinite(e.mean) else "undefined"
-                    table.add_row(*(str(r["cell"][k]) for k in keys), m, mean, e.interval_text(4), str(e.n),
-                                  e.dropped_text())
+                for m, value in r["metrics"].items():
+                    e = r["estimates"].get(m)  # None: a step-level value, not a mean over examples
+                    mean = f"{value:.4f}" if math.isfinite(value) else "undefined"
+                    table.add_row(*(str(r["cell"][k]) for k in keys), m, mean, e.interval_text(4) if e else "-",
+                                  str(e.n) if e else "-", e.dropped_text() if e else "-")
         console.print(table)
         for row in info.get("kv", []):
             where = ", ".join(f"{k}={v}" for k, v in row["cell"].items())

@@ -159,9 +159,10 @@ def _generate_section(run: Run, step: str, ds: xr.Dataset, n_examples: int) -> s
     if metrics:
         rows = []
         for r in run.summary().get(step, {}).get("cells", []):  # the numbers `headlab show` prints
-            for m, e in r["estimates"].items():
-                rows.append([_label(r["cell"]), m, e.mean if math.isfinite(e.mean) else "undefined",
-                             e.interval_text(4), e.n, e.dropped_text()])
+            for m, value in r["metrics"].items():
+                e = r["estimates"].get(m)  # None: a step-level value, not a mean over examples
+                rows.append([_label(r["cell"]), m, value if math.isfinite(value) else "undefined",
+                             e.interval_text(4) if e else "-", e.n if e else "-", e.dropped_text() if e else "-"])
         out.append("<h3>metrics (mean over the examples where defined, 95% interval)</h3>"
                    + _table(["cell", "metric", "mean", "95% interval", "n", "dropped"], rows, "metrics"))
         if dims and len(cells) > 1:

@@ -643,7 +643,8 @@ class Run:
 
     def _cell_rows(self, ds: xr.Dataset, metrics: list[str]) -> list[dict[str, Any]]:
         """``[{"cell": {sweep key: value}, "metrics": {name: mean over the cell's examples}, "estimates": {name:
-        Estimate}}]`` (:func:`metric_estimate`: the mean with its n, drops and interval); a step whose attrs name
+        Estimate}}]`` (:func:`metric_estimate`: the mean with its n, drops and interval; for metrics over
+        ``example`` only, a step-level value has none); a step whose attrs name
         ``summary_dims`` (the ablation's ``k``) has one row per value of those too."""
         import itertools
 
@@ -654,8 +655,10 @@ class Run:
             for combo in itertools.product(*grids):
                 at = dict(zip(dims, combo, strict=True))
                 values = {m: sub[m].sel({d: v for d, v in at.items() if d in sub[m].dims}) for m in metrics}
-                estimates = {m: metric_estimate(v, m) for m, v in values.items()}
-                rows.append({"cell": {**cell, **at}, "metrics": {m: e.mean for m, e in estimates.items()},
+                estimates = {m: metric_estimate(v, m) for m, v in values.items() if "example" in v.dims}
+                rows.append({"cell": {**cell, **at},
+                             "metrics": {m: estimates[m].mean if m in estimates else float(np.nanmean(v.values))
+                                         for m, v in values.items()},
                              "estimates": estimates})
         return rows
 
