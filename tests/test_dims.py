@@ -47,6 +47,8 @@ DETECT = {
     "attribution_patching": ({"unit": "z_position"}, KV_SWAP),
     "edge_attribution": ({"method": "eap_ig", "ig_steps": 2, "circuit": {"top": 20}}, KV_SWAP),
     "path_patching": ({"receivers": {"heads": [[1, 0]], "input": "q"}}, REPEATED_PAIRS),
+    "head_importance": ({}, COUNTERFACT),
+    "ships": ({"per_prompt": True}, REPEATED),
 }
 DECODE = {
     "greedy": {},

@@ -115,6 +115,7 @@ from headlab.plugins.detectors.activation_patching import (
     pair_runs,
     prefix_reusable,
 )
+from headlab.plugins.detectors.head_gradients import by_head, head_outputs, out_projections
 from headlab.resources import Estimate, EstimateContext
 from headlab.spec import PositiveInt
 
@@ -173,21 +174,6 @@ class AttributionPatching(ComponentConfig):
         return self
 
 
-def _out_projections(lm) -> list[torch.nn.Module]:
-    """Each decoder layer's attention output projection, whose input is the layer's head outputs ``z`` as
-    (rows, positions, head * head_dim); a ValueError naming the layer where there is none."""
-    projections = []
-    for layer in range(lm.geometry.n_layers):
-        attn = lm.attention_module(layer)
-        proj = next((m for m in (getattr(attn, name, None) for name in ("o_proj", "c_proj"))
-                     if isinstance(m, torch.nn.Module)), None)
-        if proj is None:
-            raise ValueError(f"attribution_patching: the attention of layer {layer} ({type(attn).__name__}) has no "
-                             "output projection (o_proj or c_proj) whose input is the heads' z")
-        projections.append(proj)
-    return projections
-
-
 @dataclass
 class SharedPrefix:
     """The positions ``0..length-1`` (of the padded batch) where every pair of a chunk has the same tokens in its
@@ -239,8 +225,8 @@ def run_prefix(lm, ids: torch.Tensor, mask: torch.Tensor, length: int, resid: bo
     def stop(module, args):
         raise _PrefixDone
 
-    with _head_outputs(lm) as (zs, _), _layer_inputs(lm, record=resid) as inputs:
-        handle = _out_projections(lm)[-1].register_forward_pre_hook(stop)  # after _head_outputs' recording hook
+    with head_outputs(lm) as (zs, _), _layer_inputs(lm, record=resid) as inputs:
+        handle = out_projections(lm)[-1].register_forward_pre_hook(stop)  # after head_outputs' recording hook
         try:
             forward(lm, ids[:, :length], attention_mask=mask[:, :length], cache=cache, use_cache=True,
                     logits_to_keep=1)
@@ -249,7 +235,7 @@ def run_prefix(lm, ids: torch.Tensor, mask: torch.Tensor, length: int, resid: bo
         finally:
             handle.remove()
     kv = [(layer.keys, layer.values) for layer in cache.layers]
-    return SharedPrefix(length, kv, _by_head(lm, torch.stack(zs, dim=1)),
+    return SharedPrefix(length, kv, by_head(lm, torch.stack(zs, dim=1)),
                         torch.stack(inputs, dim=1) if resid else None)
 
 
@@ -356,47 +342,6 @@ def _with_prefix(prefix: SharedPrefix | None, x: torch.Tensor, fill: torch.Tenso
     return torch.cat([front, x], dim=-2)
 
 
-@contextlib.contextmanager
-def _head_outputs(lm, grad: bool = False,
-                  last_only: bool = False) -> Iterator[tuple[list[torch.Tensor], list[torch.Tensor]]]:
-    """Inside the block, ``(z, leaves)``: every layer's head outputs (rows, position, head * head_dim) of one
-    forward, in layer order and detached; with ``grad``, each layer's ``z`` in the autograd graph (rows,
-    position, head * head_dim), whose gradient is ``d output / d z`` (a leaf of the same values in its place
-    where nothing before it requires grad). ``last_only``: the
-    last layer's output projection and MLP run at the last position only (the residual stream there is
-    exact, the other positions' is not: for forwards that read the last position's logits only)."""
-    projections = _out_projections(lm)
-    zs: list[torch.Tensor] = []
-    leaves: list[torch.Tensor] = []
-
-    def pre(module, args):
-        x = args[0]
-        zs.append(x.detach())
-        if grad:
-            if not x.requires_grad:
-                x = x.detach().requires_grad_()
-            leaves.append(x)
-        if last_only and module is projections[-1]:
-            x = x[:, -1:]
-        return None if x is args[0] else (x, *args[1:])
-
-    handles = [m.register_forward_pre_hook(pre) for m in projections]
-    mlp = getattr(lm.decoder_layers[-1], "mlp", None)
-    if last_only and isinstance(mlp, torch.nn.Module):  # its output is added to the residual stream by broadcasting
-        handles.append(mlp.register_forward_pre_hook(
-            lambda module, args: (args[0][:, -1:], *args[1:]) if args else None))
-    try:
-        yield zs, leaves
-    finally:
-        for h in handles:
-            h.remove()
-
-
-def _by_head(lm, x: torch.Tensor) -> torch.Tensor:
-    """(..., position, head * head_dim) as a (..., head, position, head_dim) view."""
-    return x.view(*x.shape[:-1], lm.geometry.n_heads, -1).transpose(-2, -3)
-
-
 def _target_pass(lm, ids: torch.Tensor, mask: torch.Tensor, answer: torch.Tensor, wrong: torch.Tensor, metric: str,
                  drops: Sequence[int | None], last_only: bool = False, prefix: SharedPrefix | None = None,
                  unit: str = "z") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -406,7 +351,8 @@ def _target_pass(lm, ids: torch.Tensor, mask: torch.Tensor, answer: torch.Tensor
     of the residual stream entering the layer for ``resid``): one forward over a copy of them per entry of
     ``drops`` and one backward (see :func:`target_gradients`); ``z``, the activations and the metric are the
     first copy's. ``last_only``: see
-    :func:`_head_outputs`. ``prefix``: the forward runs the positions after it only, the prefix's keys and values
+    :func:`~headlab.plugins.detectors.head_gradients.head_outputs`. ``prefix``: the forward runs the positions
+    after it only, the prefix's keys and values
     from its cache; the gradient there is not computed (zeros), the activations there are the prefix's.
     ``kv``: the keys' and values' gradients are pulled back from the heads' by :func:`_kv_pull_back`."""
     n, k = ids.shape[0], len(drops)
@@ -419,7 +365,7 @@ def _target_pass(lm, ids: torch.Tensor, mask: torch.Tensor, answer: torch.Tensor
     if unit == "kv":
         _keep_kv(lm, kwargs, plan)
     with _answer_head(lm, answer, wrong, metric) as (a, w), \
-            _head_outputs(lm, grad=unit != "resid", last_only=last_only) as (zs, leaves), \
+            head_outputs(lm, grad=unit != "resid", last_only=last_only) as (zs, leaves), \
             _layer_inputs(lm, record=unit == "resid", grad=True) as inputs:
         out, rec = forward(lm, ids[:, s:], plan, copies=k, attention_mask=mask, grad=True, logits_to_keep=1,
                            **kwargs)
@@ -428,14 +374,14 @@ def _target_pass(lm, ids: torch.Tensor, mask: torch.Tensor, answer: torch.Tensor
     wrt = inputs if unit == "resid" else leaves
     grads = torch.autograd.grad(m.sum(), wrt, allow_unused=True)
     g = torch.stack([torch.zeros_like(x) if d is None else d for x, d in zip(wrt, grads, strict=True)], dim=1)
-    z = _with_prefix(prefix, _by_head(lm, torch.stack([z[:n] for z in zs], dim=1)),
+    z = _with_prefix(prefix, by_head(lm, torch.stack([z[:n] for z in zs], dim=1)),
                      None if prefix is None else prefix.z)
     if unit == "resid":
         g = _with_prefix(prefix, g[:, :, None])
         acts = torch.stack([x[:n].detach() for x in inputs], dim=1)[:, :, None]
         acts = _with_prefix(prefix, acts, None if prefix is None else prefix.resid[:, :, None])
         return g.view(k, n, *g.shape[1:]), m[:n].detach(), z, acts
-    g = _with_prefix(prefix, _by_head(lm, g))
+    g = _with_prefix(prefix, by_head(lm, g))
     g = g.view(k, n, *g.shape[1:])
     if unit == "kv":
         kv = _kept_kv(kwargs, rec, n)
@@ -460,7 +406,7 @@ def _kv_pull_back(lm, ids: torch.Tensor, mask: torch.Tensor, kv: torch.Tensor, g
     leaves = [kv[:, layer, :, s:].detach().clone().requires_grad_() for layer in range(L)]
     plan = Plan().add(*[ReplaceKV([(layer, j) for j in range(K)], leaf[..., :D], leaf[..., D:],
                                   positions=range(s, T)) for layer, leaf in enumerate(leaves)])
-    projections = _out_projections(lm)
+    projections = out_projections(lm)
     zs: list[torch.Tensor] = []
 
     def pre(module, args):
@@ -550,7 +496,7 @@ def attribution_runs(lm, examples: list[Example], answer: list[int], wrong: list
     if unit == "kv":
         plan = Plan()
         _keep_kv(lm, kwargs, plan)
-    with _answer_head(lm, a, w, metric) as (a_index, w_index), _head_outputs(lm, last_only=True) as (zs, _), \
+    with _answer_head(lm, a, w, metric) as (a_index, w_index), head_outputs(lm, last_only=True) as (zs, _), \
             _layer_inputs(lm, record=unit == "resid") as inputs:
         out, rec = forward(lm, ids[source, length:], plan, attention_mask=mask[source], logits_to_keep=1, **kwargs)
     device = out.logits.device
@@ -558,7 +504,7 @@ def attribution_runs(lm, examples: list[Example], answer: list[int], wrong: list
     m_source = metric_of(out.logits[:, -1], a_index.to(device), w_index.to(device), metric)
     grads, m_target, z_target, acts = _target_pass(lm, ids[target], mask[target], a, w, metric, (None,),
                                                    last_only=True, prefix=shared, unit=unit)
-    z_source = _with_prefix(shared, _by_head(lm, torch.stack(zs, dim=1)), None if shared is None else shared.z)
+    z_source = _with_prefix(shared, by_head(lm, torch.stack(zs, dim=1)), None if shared is None else shared.z)
 
     def both(src: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
         return torch.cat([src, tgt] if direction == "denoise" else [tgt, src])
@@ -572,7 +518,7 @@ def attribution_runs(lm, examples: list[Example], answer: list[int], wrong: list
         resid = both(resid_source, acts)[:, :, 0]
     pair = [z_source, z_target] if direction == "denoise" else [z_target, z_source]
     # one (rows, layer, position, head * head_dim) block, viewed per head like its parts
-    z = _by_head(lm, torch.cat([t.transpose(2, 3).flatten(-2) for t in pair]))
+    z = by_head(lm, torch.cat([t.transpose(2, 3).flatten(-2) for t in pair]))
     m = both(m_source, m_target)
     return PairRuns(ids, mask, z, m, a, w, [int(p) for p in batch.pad[:n]], k, v, resid), grads
 
