@@ -12,7 +12,7 @@ sets its pre-softmax scores to 0, ``output`` zeroes its output ``z``. Under grou
 alone is ablated (its key/value head is shared).
 
 One prompt at a time, its unablated run and one row per head (row ``r`` ablates one head,
-:class:`headlab.QueryScale` / :class:`headlab.ScoreZero` / :class:`headlab.OutputScale` with ``rows=[r]``) run as
+:meth:`headlab.Plan.scale_queries` / :meth:`headlab.Plan.mask_heads` with ``rows=[r]``) run as
 rows of batched forwards of ``batch_size`` rows: ``ceil((L * H + 1) / batch_size)`` forwards per prompt, where the
 reference runs ``1 + L * H`` forwards at batch 1. Only the last position's logits are computed.
 
@@ -29,11 +29,10 @@ import xarray as xr
 from pydantic import Field
 
 from headlab import ComponentConfig, Plan, StepContext, forward, hookimpl, tokenize
-from headlab.instrument import OutputScale, QueryScale, ScoreZero
 from headlab.resources import Estimate, EstimateContext
 from headlab.spec import NonNegativeFloat, PositiveInt
 
-__all__ = ["Ships", "ablation_edit", "detect", "kl", "prompt_kl"]
+__all__ = ["Ships", "ablate", "detect", "kl", "prompt_kl"]
 
 Mode = Literal["query", "score", "output"]
 
@@ -60,15 +59,12 @@ def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
     return (p * (torch.log(p + 1e-12) - torch.log(q + 1e-12))).sum(-1)
 
 
-def ablation_edit(head: tuple[int, int], row: int, mode: str, epsilon: float) -> QueryScale | ScoreZero | OutputScale:
-    """The edit ablating ``head`` on batch row ``row``."""
+def ablate(plan: Plan, head: tuple[int, int], row: int, mode: str, epsilon: float) -> Plan:
+    """Add to ``plan`` the edit ablating ``head`` on batch row ``row``: its query times ``epsilon`` (``query``),
+    its scores zeroed (``score``) or its output zeroed (``output``)."""
     if mode == "query":
-        return QueryScale([head], epsilon, [row])
-    if mode == "score":
-        return ScoreZero([head], [row])
-    if mode == "output":
-        return OutputScale([head], 0.0, [row])
-    raise ValueError(f"mode: unknown ablation {mode!r} (query, score or output)")
+        return plan.scale_queries([head], epsilon, [row])
+    return plan.mask_heads([head], [row], mode=mode)
 
 
 def prompt_kl(lm, batch, heads: list[tuple[int, int]], mode: str = "query", epsilon: float = 1e-4,
@@ -80,7 +76,10 @@ def prompt_kl(lm, batch, heads: list[tuple[int, int]], mode: str = "query", epsi
     out = []
     for start in range(0, len(rows), batch_size):
         chunk = rows[start:start + batch_size]
-        plan = Plan().add(*[ablation_edit(h, r, mode, epsilon) for r, h in enumerate(chunk) if h is not None])
+        plan = Plan()
+        for r, h in enumerate(chunk):
+            if h is not None:
+                ablate(plan, h, r, mode, epsilon)
         res, _ = forward(lm, batch, plan, copies=len(chunk), logits_to_keep=1)
         logits = res.logits[:, -1]
         if base is None:
