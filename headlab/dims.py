@@ -48,6 +48,7 @@ DIMENSIONS: dict[str, str] = {
     "draw": "a random draw of heads (ablation's control)",
     "rank": "a place in a ranked list of heads (0 = first)",
     "slot": "a place in a list of heads, padded with -1",
+    "fraction": "a fraction of a model's heads masked together (a pruning curve)",
     "patch_row": "a row of an image's token grid (image patches, top to bottom)",
     "patch_col": "a column of an image's token grid (image patches, left to right)",
     "pixel_y": "a pixel row of a stored image (top to bottom)",

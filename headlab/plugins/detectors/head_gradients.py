@@ -79,15 +79,16 @@ def by_head(lm, x: torch.Tensor) -> torch.Tensor:
 
 
 def head_gradients(lm, batch: Batch, metric: Callable[[torch.Tensor], torch.Tensor], logits_to_keep: int = 1,
-                   method: str = "head_importance") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   method: str = "head_importance",
+                   plan: Plan | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(z, d metric / d z, metric)`` of a tokenized batch: ``z`` and its gradient (row, layer, head, position,
     head_dim) for every head, ``metric`` (row,) detached. ``metric`` maps the logits of the last
     ``logits_to_keep`` positions (row, position, vocab) to one differentiable number per row; a row's gradient is
     that of its own number (rows do not interact). One forward (``headlab.forward(..., grad=True)``) and one
     backward; with ``logits_to_keep=1`` the last layer's output projection and MLP run at the last position
-    only."""
+    only. ``plan``: edits the forward runs under (a head mask), none by default."""
     with head_outputs(lm, grad=True, last_only=logits_to_keep == 1, method=method) as (zs, leaves):
-        out, _ = forward(lm, batch, Plan(), grad=True, logits_to_keep=logits_to_keep)
+        out, _ = forward(lm, batch, plan if plan is not None else Plan(), grad=True, logits_to_keep=logits_to_keep)
         m = metric(out.logits[:, -logits_to_keep:])
     grads = torch.autograd.grad(m.sum(), leaves, allow_unused=True)
     g = torch.stack([torch.zeros_like(x) if d is None else d for x, d in zip(leaves, grads, strict=True)], dim=1)

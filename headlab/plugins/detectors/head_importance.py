@@ -43,7 +43,7 @@ import torch
 import xarray as xr
 from pydantic import Field, model_validator
 
-from headlab import ComponentConfig, Example, PluginError, StepContext, component, hookimpl
+from headlab import ComponentConfig, Example, Plan, PluginError, StepContext, component, hookimpl
 from headlab.generation import Batch, continuation_batch, tokenize
 from headlab.plugins.detectors.activation_patching import metric_of
 from headlab.plugins.detectors.direct_logit_attribution import answer_ids
@@ -119,11 +119,11 @@ def _target_loss(n_tokens: list[int], ids: torch.Tensor):
     return loss, K
 
 
-def example_gradients(lm, examples: list[Example], metric: str = "cross_entropy",
+def example_gradients(lm, examples: list[Example], metric: str = "cross_entropy", plan: Plan | None = None,
                       ) -> tuple[torch.Tensor, torch.Tensor, Batch]:
     """``(terms (example, layer, head, position), loss (example,), batch)`` for one batch of examples:
     ``terms = z . d L_e / d z`` per head and position in float64 (0 at padding), ``loss`` each example's ``L``
-    (module docstring), ``batch`` the left-padded batch that ran."""
+    (module docstring), ``batch`` the left-padded batch that ran (under ``plan``'s edits, if any)."""
     if metric == "cross_entropy":
         missing = [i for i, ex in enumerate(examples) if not ex.target]
         if missing:
@@ -140,7 +140,7 @@ def example_gradients(lm, examples: list[Example], metric: str = "cross_entropy"
             return metric_of(logits[:, -1], a.to(logits.device), w.to(logits.device), metric)
 
         keep = 1
-    z, g, loss = head_gradients(lm, batch, fn, logits_to_keep=keep)
+    z, g, loss = head_gradients(lm, batch, fn, logits_to_keep=keep, plan=plan)
     terms = (z.double() * g.double()).sum(-1)
     real = batch.attention_mask.to(terms.device).bool()[:, None, None, :]
     return torch.where(real, terms, 0.0).cpu(), loss.cpu(), batch
@@ -170,17 +170,20 @@ def normalized(raw: np.ndarray, normalize: str) -> np.ndarray:
     return out
 
 
-def detect(config: HeadImportance, ctx: StepContext) -> xr.Dataset:
-    """The ``head_importance`` detector over the task's examples."""
+def detect(config: HeadImportance, ctx: StepContext, mask: list[tuple[int, int]] | None = None,
+           mode: str = "output") -> xr.Dataset:
+    """The ``head_importance`` detector over the task's examples; ``mask``: heads masked (``mode`` of
+    :meth:`headlab.Plan.mask_heads`) in every forward, for a pruning curve that ranks again under its mask."""
     geo = ctx.model.geometry
     n = len(ctx.examples)
     if n == 0:
         raise ValueError("head_importance: the task has no examples")
     total = torch.zeros(geo.n_layers, geo.n_heads, dtype=torch.float64)
     loss = np.zeros(n)
+    plan = Plan().mask_heads(mask, mode=mode) if mask else None
     chunks = [list(range(j, min(j + config.batch_size, n))) for j in range(0, n, config.batch_size)]
     for idx in ctx.progress(chunks, "head importance"):
-        terms, m, _ = example_gradients(ctx.model, [ctx.examples[i] for i in idx], config.metric)
+        terms, m, _ = example_gradients(ctx.model, [ctx.examples[i] for i in idx], config.metric, plan)
         total += importance(terms, config.abs)
         loss[idx] = m.numpy()
     raw = (total / n).numpy()
