@@ -41,7 +41,7 @@ from typing import Literal
 import numpy as np
 import torch
 import xarray as xr
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator
 
 from headlab import ComponentConfig, Example, Plan, PluginError, StepContext, component, hookimpl
 from headlab.generation import Batch, continuation_batch, tokenize
@@ -68,8 +68,8 @@ def check_gradient_metric(metric: str) -> None:
     try:
         component("metrics", metric)
     except PluginError:
-        raise ValueError(f"metric: unknown metric {metric!r} (one of {', '.join(GRADIENT_METRICS)})") from None
-    raise ValueError(f"metric: {metric!r} scores generated text and has no gradient with respect to the heads' "
+        raise ValueError(f"unknown metric {metric!r} (one of {', '.join(GRADIENT_METRICS)})") from None
+    raise ValueError(f"{metric!r} scores generated text and has no gradient with respect to the heads' "
                      f"outputs; use one of {', '.join(GRADIENT_METRICS)} (cross_entropy: the task's targets)")
 
 
@@ -86,10 +86,11 @@ class HeadImportance(ComponentConfig):
     batch_size: PositiveInt = Field(8, description="examples per forward and backward (and per batch for "
                                     "abs: per_batch)")
 
-    @model_validator(mode="after")
-    def _metric(self) -> HeadImportance:
-        check_gradient_metric(self.metric)
-        return self
+    @field_validator("metric")
+    @classmethod
+    def _metric(cls, value: str) -> str:
+        check_gradient_metric(value)
+        return value
 
     def requires(self) -> list[tuple[str, ...]]:
         """The targets (cross_entropy), or a pair task's answer and wrong tokens."""
