@@ -24,7 +24,8 @@ ROOT = Path(__file__).parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 HEADLAB = Path(sys.executable).parent / "headlab"  # the console script the README's commands call
 FAST = ["quickstart"]
-SLOW = ["retrieval_heads", "pasta_emphasis", "decoding_counterfact", "vhr_shapes", "kv_compression"]
+SLOW = ["retrieval_heads", "pasta_emphasis", "decoding_counterfact", "vhr_shapes", "kv_compression",
+        "head_importance"]
 
 
 def test_every_example_spec_is_covered():
@@ -139,6 +140,22 @@ def test_decoding_counterfact_as_typed(workdir):
               [("decore", "DeCoRe"), ("cad", "CAD"), ("greedy", "greedy"), ("decore_random", "does not")]}
     context = {step: round(float((run.results[step]["context_memory"] == 1).mean()), 2) for step in quoted}
     assert context == quoted
+
+
+@pytest.mark.slow
+def test_head_importance_as_typed(workdir):
+    """The README quotes the pruning curves at one fraction each: the ranked curve, the unmasked recall, the random
+    control's mean and the reverse ranking."""
+    run = run_spec("head_importance", workdir)
+    row = readme_row("head_importance")
+    grad = re.search(r"keeps recall at ([0-9.]+) \(unmasked: ([0-9.]+)\), a random quarter leaves ([0-9.]+) \(mean of "
+                     r"3 draws\) and the top quarter ([0-9.]+)", row).groups()
+    ships = re.search(r"by Ships keeps ([0-9.]+), random ([0-9.]+), the top 37.5% ([0-9.]+)", row).groups()
+    for step, fraction, quoted in (("curve", 0.25, grad), ("curve_ships", 0.375, (ships[0], grad[1], *ships[1:]))):
+        ds = run.results[step].sel(fraction=fraction)
+        got = [ds["metric"], ds["base"], ds["random_mean"], ds["reverse"]]
+        assert [round(float(v), 2) for v in got] == [float(q) for q in quoted], step
+    assert run.results["imp"].attrs["abs"] == "per_example" and "kl" not in run.results["ships"]
 
 
 # --------------------------------------------------------------------------- slow

@@ -20,7 +20,8 @@ ranked last.
 Outputs: ``base`` (the unmasked metric), ``metric (fraction)``, ``reverse (fraction)``, ``random (draw,
 fraction)`` with ``random_mean`` and ``random_std (fraction)``, ``masked (fraction)`` (heads masked),
 ``mask (fraction, layer, head)`` (the heads masked at each fraction), ``order_layer`` / ``order_head (rank)``
-(the ranking, most important first; under ``recompute`` the first step's).
+(the ranking, most important first; under ``recompute`` the first step's). ``headlab show`` lists the three
+curves, one row per fraction.
 """
 
 from __future__ import annotations
@@ -221,7 +222,8 @@ def prune_curve(config: Any, ctx: StepContext) -> xr.Dataset:
     name, _ = config.measure.action()
     ds.attrs.update(method="prune_curve", ranking=step, measure=name, mode=config.mode,
                     min_per_layer=config.min_per_layer, recompute=int(config.recompute),
-                    reference="docs/methods.md#pruning-curve")
+                    reference="docs/methods.md#pruning-curve",
+                    metrics=["metric", "reverse", "random_mean"], summary_dims=["fraction"])
     return ds
 
 
