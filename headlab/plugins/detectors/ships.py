@@ -11,10 +11,12 @@ the head's query by ``epsilon`` (default 1e-4; at 0 its attention is uniform ove
 sets its pre-softmax scores to 0, ``output`` zeroes its output ``z``. Under grouped-query attention the query head
 alone is ablated (its key/value head is shared).
 
-One prompt at a time, its unablated run and one row per head (row ``r`` ablates one head,
-:meth:`headlab.Plan.scale_queries` / :meth:`headlab.Plan.mask_heads` with ``rows=[r]``) run as
-rows of batched forwards of ``batch_size`` rows: ``ceil((L * H + 1) / batch_size)`` forwards per prompt, where the
-reference runs ``1 + L * H`` forwards at batch 1. Only the last position's logits are computed.
+One prompt at a time: its unablated run records the residual stream entering every decoder layer; then the
+heads of each layer are rows of batched forwards (row ``r`` ablates one head, :meth:`headlab.Plan.scale_queries`
+/ :meth:`headlab.Plan.mask_heads` with ``rows=[r]``; ``batch_size`` rows per forward) that start at that layer
+from the recorded residual stream (:func:`headlab.start_at_layer`: an ablation at layer ``l`` changes nothing
+below it), so a prompt costs one forward plus ``L * ceil(H / batch_size)`` forwards of the upper layers only,
+where the reference runs ``1 + L * H`` whole forwards at batch 1. Only the last position's logits are computed.
 
 Outputs: ``score (layer, head)``; with ``per_prompt: true`` also ``kl (example, layer, head)``.
 """
@@ -28,7 +30,16 @@ import torch
 import xarray as xr
 from pydantic import Field
 
-from headlab import ComponentConfig, Plan, StepContext, forward, hookimpl, tokenize
+from headlab import (
+    ComponentConfig,
+    LoadedModel,
+    Plan,
+    StepContext,
+    forward,
+    hookimpl,
+    start_at_layer,
+    tokenize,
+)
 from headlab.resources import Estimate, EstimateContext
 from headlab.spec import NonNegativeFloat, PositiveInt
 
@@ -67,25 +78,45 @@ def ablate(plan: Plan, head: tuple[int, int], row: int, mode: str, epsilon: floa
     return plan.mask_heads([head], [row], mode=mode)
 
 
+def _layer_inputs(lm, batch) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``(last-position logits (1, vocab), the residual stream entering each decoder layer)`` of the unablated
+    run of a one-prompt ``batch``."""
+    inputs: list[torch.Tensor] = []
+
+    def keep(module, args, kwargs):
+        inputs.append((args[0] if args else kwargs["hidden_states"]).detach())
+
+    handles = [layer.register_forward_pre_hook(keep, with_kwargs=True) for layer in lm.decoder_layers]
+    try:
+        out, _ = forward(lm, batch, None, logits_to_keep=1)
+    finally:
+        for h in handles:
+            h.remove()
+    return out.logits[:, -1], inputs
+
+
 def prompt_kl(lm, batch, heads: list[tuple[int, int]], mode: str = "query", epsilon: float = 1e-4,
               batch_size: int = 32) -> np.ndarray:
-    """``KL(p || q_h)`` (float64, one per head of ``heads``) for a one-prompt ``batch``: the unablated run and
-    one row per ablated head, ``batch_size`` rows per forward."""
-    rows: list[tuple[int, int] | None] = [None, *heads]
-    base = None
-    out = []
-    for start in range(0, len(rows), batch_size):
-        chunk = rows[start:start + batch_size]
-        plan = Plan()
-        for r, h in enumerate(chunk):
-            if h is not None:
-                ablate(plan, h, r, mode, epsilon)
-        res, _ = forward(lm, batch, plan, copies=len(chunk), logits_to_keep=1)
-        logits = res.logits[:, -1]
-        if base is None:
-            base, logits = logits[:1], logits[1:]
-        out.append(kl(base.expand_as(logits), logits).cpu())
-    return torch.cat(out).numpy()
+    """``KL(p || q_h)`` (float64, one per head of ``heads``) for a one-prompt ``batch``: the unablated run, then
+    the heads of each layer as rows of forwards (``batch_size`` rows each) that start at that layer from the
+    unablated run's residual stream (:func:`headlab.start_at_layer`; the layers below are not changed by the
+    ablation)."""
+    model = lm.model if isinstance(lm, LoadedModel) else lm
+    base, resid = _layer_inputs(lm, batch)
+    out = np.zeros(len(heads))
+    by_layer: dict[int, list[int]] = {}
+    for i, (layer, _) in enumerate(heads):
+        by_layer.setdefault(layer, []).append(i)
+    for layer, index in sorted(by_layer.items()):
+        for start in range(0, len(index), batch_size):
+            chunk = index[start:start + batch_size]
+            plan = Plan()
+            for r, i in enumerate(chunk):
+                ablate(plan, heads[i], r, mode, epsilon)
+            with start_at_layer(model, layer, resid[layer].expand(len(chunk), -1, -1)):
+                res, _ = forward(lm, batch, plan, copies=len(chunk), logits_to_keep=1)
+            out[chunk] = kl(base.expand(len(chunk), -1), res.logits[:, -1]).cpu().numpy()
+    return out
 
 
 def detect(config: Ships, ctx: StepContext) -> xr.Dataset:
