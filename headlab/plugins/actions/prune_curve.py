@@ -34,6 +34,7 @@ import xarray as xr
 from pydantic import Field, field_validator, model_validator
 
 from headlab import StepContext, component, hookimpl
+from headlab.resources import Estimate, EstimateContext
 from headlab.spec import NonNegativeInt, PositiveInt, Seed, SpecTypes, StrictModel
 
 from .evaluate import evaluate, evaluate_config
@@ -91,6 +92,21 @@ def prune_curve_config(types: SpecTypes) -> type[StrictModel]:
         seed: Seed = Field(0, description="offset added to the run seed for the random rankings")
         recompute: bool = Field(False, description="rank again under the current mask before each step (the "
                                 "ranking step must be head_importance)")
+
+        def estimate(self, ctx: EstimateContext) -> list[Estimate]:
+            """The measuring step's estimate (resource guard): each point of a curve runs that step."""
+            _, action = self.measure.action()
+            return action.estimate(ctx) if hasattr(action, "estimate") else []
+
+        def preflight(self) -> None:
+            """The measuring step's checks before a run (an evaluate step's lm-eval tasks)."""
+            name, action = self.measure.action()
+            if hasattr(action, "preflight"):
+                try:
+                    action.preflight()
+                except ValueError as e:
+                    e.path = ("measure", name, *tuple(getattr(e, "path", ()) or ()))
+                    raise
 
         @field_validator("fractions")
         @classmethod
