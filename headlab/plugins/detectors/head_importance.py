@@ -51,7 +51,8 @@ from headlab.plugins.detectors.head_gradients import head_gradients
 from headlab.resources import Estimate, EstimateContext
 from headlab.spec import PositiveInt
 
-__all__ = ["GRADIENT_METRICS", "HeadImportance", "detect", "example_gradients", "importance", "normalized"]
+__all__ = ["GRADIENT_METRICS", "HeadImportance", "check_gradient_metric", "detect", "example_gradients", "importance",
+           "normalized"]
 
 #: the metrics with a gradient with respect to the heads' outputs
 GRADIENT_METRICS = ("cross_entropy", "logit_diff", "logprob")
