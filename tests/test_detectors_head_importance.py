@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from headlab import Example, StepContext
+from headlab import Example, StepContext, forward, tokenize
 from headlab.plugins.detectors.head_importance import HeadImportance, detect
 
 from fixtures.circuits import ARCHS, models, pair_examples
@@ -109,10 +109,16 @@ def test_raw_equals_finite_differences_of_a_scale_on_z(arch):
     np.testing.assert_allclose(ds["loss"].values, losses, rtol=1e-10)
 
 
-def test_normalisations():
+def test_normalisations_and_the_model_is_left_as_it_was():
     tok, lm, _ = models("llama")
-    ctx = StepContext(model=lm, examples=[Example(prompt=p, target=t) for p, t in ITEMS], results={}, seed=0)
+    examples = [Example(prompt=p, target=t) for p, t in ITEMS]
+    ctx = StepContext(model=lm, examples=examples, results={}, seed=0)
+    batch = tokenize(lm, examples)
+    before = forward(lm, batch)[0].logits
     l2 = detect(HeadImportance(), ctx)
+    # no parameter gets a gradient and no hook stays behind
+    assert all(p.grad is None for p in lm.model.parameters())
+    assert torch.equal(forward(lm, batch)[0].logits, before)
     raw = l2["raw"].values
     by_layer = raw / np.sqrt((raw ** 2).sum(-1, keepdims=True))
     np.testing.assert_allclose(l2["score"].values, by_layer, rtol=1e-12)
