@@ -53,6 +53,10 @@ DIMENSIONS: dict[str, str] = {
     "pixel_y": "a pixel row of a stored image (top to bottom)",
     "pixel_x": "a pixel column of a stored image (left to right)",
     "channel": "a colour channel of a stored image (red, green, blue)",
+    "src_layer": "the layer of the earlier (source) head of a pair of heads, e.g. a composition score's writer; "
+                 "coordinates are layer indices",
+    "src_head": "the head (in src_layer) of the earlier (source) head of a pair of heads; coordinates are head "
+                "indices",
     "source": "a source node of a model's computational graph (the embeddings, a head's output, an MLP's "
               "output: emb, a3.h1, m2), in a dense (source, destination) edge score",
     "destination": "a destination node of a model's computational graph (a head's query, key or value input, "

@@ -43,6 +43,7 @@ DETECT = {
     "attention_sink": ({}, REPEATED),
     "successor": ({}, REPEATED),
     "copy_suppression": ({}, REPEATED),
+    "composition": ({"baseline_samples": 10}, REPEATED),
     "activation_patching": ({"unit": "z_position"}, KV_SWAP),
     "attribution_patching": ({"unit": "z_position"}, KV_SWAP),
     "edge_attribution": ({"method": "eap_ig", "ig_steps": 2, "circuit": {"top": 20}}, KV_SWAP),
