@@ -97,7 +97,7 @@ def require(what: str, read: Any) -> Any:
     try:
         return read()
     except AnatomyError as e:
-        raise AnatomyError(f"the model's anatomy has no {what}: {e}") from None
+        raise AnatomyError(f"composition: the model's anatomy has no {what}: {e}") from None
 
 
 def _gain(lm: Any, norm: torch.nn.Module, width: int) -> Any:
@@ -175,7 +175,7 @@ def composition_scores(lm: Any, precision: Precision = "float32", progress: Any 
     dtype = _DTYPES[precision]
     L, H = lm.geometry.n_layers, lm.geometry.n_heads
     out = np.zeros((3, L, H, L, H))
-    device = require("W_E (the embedding)", lambda: lm.embedding).device
+    device = folded_heads(lm, 0).W_Q.device
     layers = range(1, L)
     with torch.no_grad():
         for layer in (progress(layers, "composition") if progress is not None else layers):
@@ -212,7 +212,7 @@ def detect(config: Composition, ctx: StepContext) -> xr.Dataset:
     lm = ctx.model
     L, H, D = lm.geometry.n_layers, lm.geometry.n_heads, lm.geometry.head_dim
     scores = composition_scores(lm, config.precision, ctx.progress)
-    d_model = int(require("W_E (the embedding)", lambda: lm.embedding).shape[1])
+    d_model = int(require("W_Q, W_K, W_V, W_O of layer 0", lambda: lm.head_weights(0)).d_model)
     baseline = random_baseline(d_model, D, config.baseline_samples, ctx.seed, config.precision)
     dims = ("src_layer", "src_head", "layer", "head")
     coords = {"src_layer": np.arange(L), "src_head": np.arange(H), "layer": np.arange(L), "head": np.arange(H)}
