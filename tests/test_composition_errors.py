@@ -72,3 +72,17 @@ def test_a_vocabulary_block_over_the_memory_budget_is_one_line(tmp_path, capfd, 
     code, err = run_cli(tmp_path, capfd, monkeypatch, step.replace("row_block: 1", "row_block: 1, block: 256"),
                         model, "--memory-limit", "640KiB")
     assert code == 0 and "error" not in err, err  # the fix the line names: a smaller block
+
+
+def test_copying_eigen_on_a_circuit_that_is_not_square_names_both_sizes():
+    import torch
+
+    from headlab.plugins.detectors.copy_suppression import CopySuppression
+    from headlab.plugins.detectors.copy_suppression import detect as detect_copy
+
+    lm = load_model(ModelSpec(config={k: v for k, v in LLAMA.items() if k != "tokenizer"}, device="cpu"))
+    lm.model.lm_head = torch.nn.Linear(64, 800, bias=False)  # an unembedding of 800 columns, 811 embedding rows
+    ctx = StepContext(model=lm, examples=[Example(prompt="x")], results={}, seed=0)
+    with pytest.raises(ValueError, match=r"^copy_suppression: copying: eigen: the embedding has 811 rows and the "
+                                         r"unembedding 800 columns: the OV circuit is not a square matrix"):
+        detect_copy(CopySuppression(copying="eigen", tokens=4), ctx)

@@ -145,14 +145,14 @@ def _left(w: FoldedHeads) -> Tensor:
     return _r(w.W_V) @ w.W_O
 
 
-def _right(w: FoldedHeads) -> tuple[Tensor, Tensor, Tensor]:
+def _right(w: FoldedHeads) -> tuple[Tensor, Tensor]:
     """The right factors (head, d_model, d_head) ``W_Q R_K^T``, ``W_K R_Q^T``, ``W_V R_O^T`` (Q, K, V side),
     and the norms (3, head) of ``QK``, ``QK^T`` and ``OV``."""
     r_q, r_k, r_o = _r(w.W_Q), _r(w.W_K), _r(w.W_O.transpose(1, 2))
     right = torch.stack([w.W_Q @ r_k.transpose(1, 2), w.W_K @ r_q.transpose(1, 2), w.W_V @ r_o.transpose(1, 2)])
     qk = torch.linalg.matrix_norm(r_q @ r_k.transpose(1, 2))
     ov = torch.linalg.matrix_norm(_r(w.W_V) @ r_o.transpose(1, 2))
-    return right, torch.stack([qk, qk, ov]), ov
+    return right, torch.stack([qk, qk, ov])
 
 
 def _ratio(num: Tensor, den: Tensor) -> Tensor:
@@ -175,11 +175,11 @@ def composition_scores(lm: Any, precision: Precision = "float32", progress: Any 
     dtype = _DTYPES[precision]
     L, H = lm.geometry.n_layers, lm.geometry.n_heads
     out = np.zeros((3, L, H, L, H))
-    device = folded_heads(lm, 0).W_Q.device
+    device = require("W_Q, W_K, W_V, W_O of layer 0", lambda: lm.head_weights(0)).W_Q.device
     layers = range(1, L)
     with torch.no_grad():
         for layer in (progress(layers, "composition") if progress is not None else layers):
-            right, right_norm, _ = _right(folded_heads(lm, layer, dtype, device))
+            right, right_norm = _right(folded_heads(lm, layer, dtype, device))
             for src in range(layer):
                 left = _left(folded_heads(lm, src, dtype, device))
                 left_norm = torch.linalg.matrix_norm(left)

@@ -114,14 +114,16 @@ def detect(config: CopySuppression, ctx: StepContext) -> xr.Dataset:
     """The ``copy_suppression`` detector on the model's weights."""
     with torch.no_grad():
         ov = OVCircuits(ctx.model, config.precision)
+        eigen = None
+        if config.copying == "eigen":
+            try:
+                eigen = eigen_copying(ctx.model, block=config.block, ov=ov)
+            except ValueError as e:
+                raise ValueError(f"copy_suppression: copying: eigen: {e}") from None
         tokens = sample_tokens(ctx.model, config.tokens, ctx.seed, vocab=int(ov.W_E.shape[0]))
         copying, suppression = ov_rank_scores(ctx.model, tokens, config.k, block=config.block,
                                               row_block=config.row_block, ov=ov)
-        if config.copying == "eigen":
-            try:
-                copying = eigen_copying(ctx.model, block=config.block, ov=ov)
-            except ValueError as e:
-                raise ValueError(f"copy_suppression: copying: eigen: {e}") from None
+        copying = copying if eigen is None else eigen
     ds = xr.Dataset({"score": head_array(suppression), "copying": head_array(copying)})
     ds.attrs.update(method="copy_suppression", model=ctx.model.name, k=config.k, n_tokens=len(tokens),
                     vocab_size=int(ov.W_U.shape[1]), copying=config.copying, reference="docs/methods.md#ov-circuits")
