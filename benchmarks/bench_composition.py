@@ -1,7 +1,7 @@
 """Composition scores: headlab's ``composition`` detector vs TransformerLens ``all_composition_scores`` (not a test).
 
     python benchmarks/bench_composition.py [--cases llama-4x8 gpt2-4x8 llama-6x12] --threads 1 \
-        [--tl-python /work/venvs/tl/bin/python] [--reps 3]
+        [--tl-python .venv-tl/bin/python] [--reps 3]
 
 Per case, one seeded random checkpoint is built locally and saved once (no weights are downloaded): a Llama
 with grouped-query attention (half as many key/value heads as query heads, RMS norms) or a GPT-2 (LayerNorm),
@@ -14,7 +14,8 @@ run in fresh processes of their own (so each peak memory is its own):
 - ``tl``: ``TransformerBridge.boot_transformers(checkpoint)`` with ``enable_compatibility_mode()`` (fold_ln,
   center_writing_weights, as ``HookedTransformer`` processes weights), then ``all_composition_scores`` for "Q",
   "K" and "V" (``FactoredMatrix`` products broadcast over every pair of heads), float32. TransformerLens runs
-  in its own interpreter (``--tl-python``: a separate virtual environment, its pins conflict with headlab's).
+  in its own interpreter (``--tl-python``: a separate virtual environment, its pins conflict with headlab's;
+  ``python3 -m venv .venv-tl && .venv-tl/bin/pip install transformer-lens torch==2.13.0``); skipped when absent.
 
 Time: the median of ``--reps`` runs in one process (loading excluded), wall clock and CPU time; peak memory:
 growth of the peak RSS over the RSS after loading. Both write their (3, layer, head, layer, head) scores; the
@@ -155,7 +156,7 @@ def _fmt(r: dict) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", nargs="+", default=["llama-4x8", "gpt2-4x8", "llama-6x12"], choices=sorted(CASES))
-    p.add_argument("--tl-python", default="/work/venvs/tl/bin/python",
+    p.add_argument("--tl-python", default=str(Path(__file__).resolve().parent.parent / ".venv-tl" / "bin" / "python"),
                    help="interpreter with transformer-lens installed (a separate virtual environment)")
     p.add_argument("--reps", type=int, default=3, help="runs per tool and case (the median is shown)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (0 = torch's default)")
