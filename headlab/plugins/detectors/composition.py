@@ -54,8 +54,8 @@ from headlab.plugins.detectors.ov_circuit import attention_output_norm
 from headlab.resources import Estimate, EstimateContext
 from headlab.spec import PositiveInt
 
-__all__ = ["Composition", "FoldedHeads", "composition_scores", "detect", "folded_heads", "random_baseline",
-           "require"]
+__all__ = ["Composition", "FoldedHeads", "composition_scores", "detect", "folded_heads", "pair_scores",
+           "random_baseline", "require"]
 
 Precision = Literal["float32", "float64"]
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
