@@ -212,7 +212,7 @@ def test_weight_reading_detectors_on_an_offloaded_model_equal_the_unsplit_model(
     assert np.abs(split.results["dla"]["logit_diff"].values).min() > 0
 
 
-@pytest.mark.parametrize("kind", ["successor", "copy_suppression"])
+@pytest.mark.parametrize("kind", ["successor", "copy_suppression", "copying_eigen"])
 def test_ov_circuit_detectors_load_each_offloaded_module_once_per_run(checkpoint, tmp_path, monkeypatch, kind):
     import accelerate.utils
 
@@ -233,7 +233,9 @@ def test_ov_circuit_detectors_load_each_offloaded_module_once_per_run(checkpoint
     if kind == "successor":
         ds = successor.detect(successor.Successor(), ctx)
     else:
-        ds = copy_suppression.detect(copy_suppression.CopySuppression(tokens=64, row_block=16, block=100), ctx)
+        copying = "eigen" if kind == "copying_eigen" else "top_k"
+        ds = copy_suppression.detect(copy_suppression.CopySuppression(tokens=64, row_block=16, block=100,
+                                                                      copying=copying), ctx)
     assert np.unique(ds["score"].values).size > 1
     # the embedding, the unembedding, the final norm and each offloaded layer's attention and input norm: once each
     assert loads and set(loads.values()) == {1}, loads
