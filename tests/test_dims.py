@@ -61,6 +61,7 @@ STEER = {
     "vhr": ({"segment": "context"}, COUNTERFACT),
     "head_mask": ({"heads": [[0, 1]]}, COUNTERFACT),
     "head_scale": ({"heads": [[0, 1]], "factor": 0.5}, COUNTERFACT),
+    "iti": ({"probe": "probe", "heads": {"from": "probe", "top": 2}}, COUNTERFACT),  # the `probe` detect step
 }
 
 
