@@ -90,7 +90,7 @@ def _geometry_of(ds: xr.Dataset, name: str) -> tuple[int, ...]:
     want = ("layer", "head", "head_dim") if name != "sigma" else ("layer", "head")
     if tuple(da.dims) != want:
         raise ValueError(f"iti: the probe's {name} has dims {tuple(da.dims)}, not {want}: ITI steers along one "
-                         "direction per head (a probe with more than two classes has none)")
+                         "direction per head")
     return tuple(int(s) for s in da.shape)
 
 
