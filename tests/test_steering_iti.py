@@ -199,9 +199,12 @@ def test_heads_from_the_probe_step_and_errors():
     batch = tokenize(loaded(mh), emphasis_examples(2, seed=3))
 
 
+    flat = probe_dataset(5)
+    flat["direction"][0, 1] = np.nan  # a head whose classes have equal means
     ctx = step_ctx(mh, batch.examples, results={**RESULTS, "dla": xr.Dataset(
         {"score": (("layer", "head"), np.zeros((L, H)))}, attrs={"method": "direct_logit_attribution"}),
-        "other": probe_dataset(2, layers=3, heads=4), "huge": probe_dataset(3, sigma_scale=1e30)})
+        "other": probe_dataset(2, layers=3, heads=4), "huge": probe_dataset(3, sigma_scale=1e30),
+        "means": probe_dataset(4).drop_vars("probe_direction"), "flat": flat})
     plan = Plan()
     I.steer(I.Iti(probe="pr", heads={"from": "pr", "top": 3}), ctx, batch, plan)
     top3 = sorted(np.argsort(-RESULTS["pr"]["score"].values.ravel())[:3])
@@ -217,3 +220,8 @@ def test_heads_from_the_probe_step_and_errors():
     with pytest.raises(ValueError, match=r"iti: alpha 1e\+10 times sigma .* of head \(0, 1\) is .*, beyond the "
                                          r"model's float32 range; lower alpha"):
         I.steer(I.Iti(probe="pr", sigma_from="huge", alpha=1e10, heads=[[0, 1]]), ctx, batch, Plan())
+    with pytest.raises(ValueError, match=r"iti: direction: probe: step 'means' has no probe_direction"):
+        I.steer(I.Iti(probe="means", direction="probe", heads=[[0, 1]]), ctx, batch, Plan())
+    I.steer(I.Iti(probe="flat", heads=[[0, 2]]), ctx, batch, Plan())
+    with pytest.raises(ValueError, match=r"iti: step 'flat' has no finite direction for head\(s\) \[\(0, 1\)\]"):
+        I.steer(I.Iti(probe="flat", heads=[[0, 2], [0, 1]]), ctx, batch, Plan())

@@ -42,7 +42,7 @@ from .common import resolve_heads
 
 Direction = Literal["mass_mean", "probe", "random"]
 Positions = Literal["last", "all", "answer"]
-DIRECTION_VARIABLE = {"mass_mean": "direction", "probe": "probe_direction", "random": "direction"}
+DIRECTION_VARIABLE = {"mass_mean": "direction", "probe": "probe_direction"}
 
 
 class Iti(ComponentConfig):
@@ -124,28 +124,29 @@ def steering_vectors(config: Iti, ctx: StepContext, heads: list[tuple[int, int]]
         sds = ds
     if config.direction == "random":
         theta_all = random_directions((geo.n_layers, geo.n_heads, geo.head_dim), config.seed)
+        name = "direction"
     else:
         name = DIRECTION_VARIABLE[config.direction]
         if name not in ds:
-            raise ValueError(f"iti: direction: {config.direction}: step '{config.probe}' has no {name}")
+            raise ValueError(f"iti: direction: {config.direction}: step '{config.probe}' has no {name} (a probe with "
+                             "classifier: logistic has one)")
         _geometry_of(ds, name)
         theta_all = np.asarray(ds[name].values, dtype=np.float64)
     sigma_all = np.asarray(sds["sigma"].values, dtype=np.float64)
     idx = (np.array([h[0] for h in heads], dtype=int), np.array([h[1] for h in heads], dtype=int))
     theta, sigma = theta_all[idx], sigma_all[idx]
-    for values, what, step in ((theta, "direction", config.probe), (sigma, "sigma", config.sigma_from or config.probe)):
+    for values, what, source in ((theta, name, config.probe), (sigma, "sigma", config.sigma_from or config.probe)):
         bad = [heads[i] for i in np.flatnonzero(~np.isfinite(values.reshape(len(heads), -1)).all(-1))]
         if bad:
-            raise ValueError(f"iti: step '{step}' has no finite {what} for head(s) {bad[:4]} (its examples do not "
-                             "separate the classes there); steer other heads")
-    step = config.alpha * sigma
+            raise ValueError(f"iti: step '{source}' has no finite {what} for head(s) {bad[:4]}; steer other heads")
+    length = config.alpha * sigma
     dtype = getattr(ctx.model.model, "dtype", torch.float32)
-    finite = torch.isfinite(torch.as_tensor(step, dtype=torch.float64).to(dtype))
+    finite = torch.isfinite(torch.as_tensor(length, dtype=torch.float64).to(dtype))
     if not bool(finite.all()):
         i = int((~finite).nonzero()[0, 0])
         raise ValueError(f"iti: alpha {config.alpha:g} times sigma {sigma[i]:.4g} of head {heads[i]} is "
-                         f"{step[i]:.4g}, beyond the model's {str(dtype).removeprefix('torch.')} range; lower alpha")
-    return torch.as_tensor(step[:, None] * theta, dtype=torch.float64)
+                         f"{length[i]:.4g}, beyond the model's {str(dtype).removeprefix('torch.')} range; lower alpha")
+    return torch.as_tensor(length[:, None] * theta, dtype=torch.float64)
 
 
 def start_positions(batch: Batch, positions: Positions) -> list[int]:
