@@ -197,8 +197,6 @@ def test_combined_with_another_steering_method_and_decoders():
 def test_heads_from_the_probe_step_and_errors():
     mh = tiny("headlab")
     batch = tokenize(loaded(mh), emphasis_examples(2, seed=3))
-
-
     flat = probe_dataset(5)
     flat["direction"][0, 1] = np.nan  # a head whose classes have equal means
     ctx = step_ctx(mh, batch.examples, results={**RESULTS, "dla": xr.Dataset(
