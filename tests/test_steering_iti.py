@@ -2,7 +2,7 @@
 against an eager copy of the model whose ``o_proj`` gets a hand-written forward pre-hook adding ``alpha * sigma
 * theta`` to the steered heads' slices of its input at exactly the asked positions: greedy generation under the
 KV cache (``positions: last`` and ``answer``) and scored log-likelihoods (``answer``, ``last``, ``all``) of a
-left-padded batch, alone, with another steering method, and under DeCoRe. The probe step's dataset is
+left-padded batch, alone, with another steering method, and under DeCoRe and DoLa. The probe step's dataset is
 built here with the ``probe`` detector's contract (``direction``, ``probe_direction``, ``sigma``)."""
 
 from __future__ import annotations
@@ -173,7 +173,8 @@ def test_scored_loglikelihoods_equal_the_eager_hook(positions):
 def test_combined_with_another_steering_method_and_decoders():
     """ITI plus an output scale of another head equals both hooks; under DeCoRe with alpha 0 (its base copy's
     greedy choice) ITI's edits reach the rows it decodes from, and with alpha 1 the layers below its masked
-    head, run once for both copies (ITI steers head (0, 1) there), give what they give run apart."""
+    head, run once for both copies (ITI steers head (0, 1) there), give what they give run apart; under DoLa
+    (its early exits read the steered forward) it equals DoLa on the eager model carrying the hooks."""
     mh, me = tiny("headlab"), tiny("eager")
     ps = prompts()
     batch = tokenize(loaded(mh), emphasis_examples(3, seed=3))
@@ -192,6 +193,11 @@ def test_combined_with_another_steering_method_and_decoders():
     apart = generate(loaded(mh), ps, steer=[cfg], decode={**decore, "alpha": 1.0, "share_trunk": False},
                      max_new_tokens=5, results=RESULTS)
     assert shared.tokens == apart.tokens
+    dola = {"kind": "dola", "layers": [0, 1]}  # the same DoLa decoder on the eager model carrying the ITI hooks
+    with iti_hooks(me, vectors(cfg), [batch.length - 1] * batch.size):
+        ref_dola = generate(loaded(me), ps, decode=dola, max_new_tokens=5).tokens
+    assert generate(loaded(mh), ps, steer=[cfg], decode=dola, max_new_tokens=5, results=RESULTS).tokens == ref_dola
+    assert ref_dola != generate(loaded(me), ps, decode=dola, max_new_tokens=5).tokens
 
 
 def test_heads_from_the_probe_step_and_errors():
