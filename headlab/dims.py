@@ -41,6 +41,7 @@ DIMENSIONS: dict[str, str] = {
     "pair": "a (query, key) position pair of a pair probe, in the order given per row (the calls of a generate "
             "in order); the coordinates pair_query and pair_key hold its positions (-1: an unused slot)",
     "head_dim": "a component of a head's output vector z (before o_proj)",
+    "class": "a class of a classification label (probe, sav); coordinates are the label's values, sorted",
     "choice": "an answer option of a multiple-choice example",
     "task": "a task: an lm-evaluation-harness task (or group) an evaluate step ran, coordinates are its names; "
             "or one of the tasks a detector profiles heads on (pasta_profile)",
