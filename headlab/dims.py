@@ -41,6 +41,7 @@ DIMENSIONS: dict[str, str] = {
     "pair": "a (query, key) position pair of a pair probe, in the order given per row (the calls of a generate "
             "in order); the coordinates pair_query and pair_key hold its positions (-1: an unused slot)",
     "head_dim": "a component of a head's output vector z (before o_proj)",
+    "class": "a class of a classification label (probe, sav); coordinates are the label's values, sorted",
     "choice": "an answer option of a multiple-choice example",
     "task": "a task: an lm-evaluation-harness task (or group) an evaluate step ran, coordinates are its names; "
             "or one of the tasks a detector profiles heads on (pasta_profile)",
@@ -54,6 +55,10 @@ DIMENSIONS: dict[str, str] = {
     "pixel_y": "a pixel row of a stored image (top to bottom)",
     "pixel_x": "a pixel column of a stored image (left to right)",
     "channel": "a colour channel of a stored image (red, green, blue)",
+    "src_layer": "the layer of the earlier (source) head of a pair of heads, e.g. a composition score's writer; "
+                 "coordinates are layer indices",
+    "src_head": "the head (in src_layer) of the earlier (source) head of a pair of heads; coordinates are head "
+                "indices",
     "source": "a source node of a model's computational graph (the embeddings, a head's output, an MLP's "
               "output: emb, a3.h1, m2), in a dense (source, destination) edge score",
     "destination": "a destination node of a model's computational graph (a head's query, key or value input, "

@@ -138,3 +138,22 @@ def test_no_scorable_item_is_an_error():
     ctx = StepContext(model=lm, examples=[Example(prompt="ant")], results={}, seed=0)
     with pytest.raises(ValueError, match="successor: no item of any sequence.*skipped: x:zebra, x:yak"):
         detect_successor(Successor(sequences={"x": ["zebra", "yak"]}), ctx)
+
+
+@pytest.mark.parametrize("arch", ARCHS + POST_NORM_ARCHS)
+def test_the_eigen_copying_score_equals_the_dense_eigenvalues_of_the_vocabulary_square_circuit(arch):
+    """``copying: eigen``: Re(sum lambda) / sum |lambda| over the eigenvalues of the whole vocabulary x
+    vocabulary OV matrix (its zero eigenvalues add nothing), from ``torch.linalg.eigvals`` of the dense matrix."""
+    tok, lm, ov = setup(arch)
+    ctx = StepContext(model=lm, examples=[Example(prompt="ant")], results={}, seed=0)
+    ds = detect_copy(CopySuppression(copying="eigen", tokens=8, block=7, precision="float64"), ctx)
+    want = np.zeros((len(ov), ov[0].shape[0]))
+    for layer, circuits in enumerate(ov):
+        for h, m in enumerate(circuits):
+            eig = torch.linalg.eigvals(m)
+            want[layer, h] = float(eig.real.sum() / eig.abs().sum())
+    assert ov[0].shape[-1] == len(tok) > 2 * lm.geometry.head_dim  # a vocabulary wider than the heads
+    np.testing.assert_allclose(ds["copying"].values, want, atol=1e-6)
+    assert ds.attrs["copying"] == "eigen" and np.ptp(want) > 0.1  # the heads differ
+    top_k = detect_copy(CopySuppression(tokens=8, block=7, precision="float64"), ctx)
+    np.testing.assert_array_equal(top_k["score"].values, ds["score"].values)  # the suppression score is unchanged

@@ -184,6 +184,10 @@ steps:
     detect: {kind: successor}
   - id: negative
     detect: {kind: copy_suppression, tokens: 64, k: 5}
+  - id: eigen
+    detect: {kind: copy_suppression, tokens: 8, k: 5, copying: eigen, block: 100}
+  - id: comp
+    detect: {kind: composition, baseline_samples: 10}
   - id: dla
     detect: {kind: direct_logit_attribution, batch_size: 2}
   - id: eap
@@ -196,18 +200,19 @@ def test_weight_reading_detectors_on_an_offloaded_model_equal_the_unsplit_model(
     placement = f"device_map: {ON_DISK}, offload_folder: {tmp_path / 'off'}".replace("'", "")
     split = headlab.run("name: split\n" + model_yaml(checkpoint, placement) + WEIGHT_READERS, out=tmp_path / "b")
     assert whole.status == split.status == "complete"
-    for step, names in (("successor", ["score"]), ("negative", ["score", "copying"]),
-                        ("dla", ["score", "dla", "rest", "logit_diff"]), ("eap", ["score"])):
+    for step, names in (("successor", ["score"]), ("negative", ["score", "copying"]), ("eigen", ["copying"]),
+                        ("comp", ["q_comp", "k_comp", "v_comp"]), ("dla", ["score", "dla", "rest", "logit_diff"]),
+                        ("eap", ["score"])):
         a, b = whole.results[step], split.results[step]
         for name in names:
             np.testing.assert_allclose(b[name].values, a[name].values, rtol=1e-6, atol=1e-9, err_msg=f"{step}.{name}")
     # scores of real weights: the heads differ (placeholder or zero weights would give one value everywhere)
-    for step in ("successor", "negative", "dla"):
+    for step in ("successor", "negative", "comp", "dla"):
         assert np.unique(split.results[step]["score"].values).size > 1, step
     assert np.abs(split.results["dla"]["logit_diff"].values).min() > 0
 
 
-@pytest.mark.parametrize("kind", ["successor", "copy_suppression"])
+@pytest.mark.parametrize("kind", ["successor", "copy_suppression", "copying_eigen"])
 def test_ov_circuit_detectors_load_each_offloaded_module_once_per_run(checkpoint, tmp_path, monkeypatch, kind):
     import accelerate.utils
 
@@ -228,7 +233,9 @@ def test_ov_circuit_detectors_load_each_offloaded_module_once_per_run(checkpoint
     if kind == "successor":
         ds = successor.detect(successor.Successor(), ctx)
     else:
-        ds = copy_suppression.detect(copy_suppression.CopySuppression(tokens=64, row_block=16, block=100), ctx)
+        copying = "eigen" if kind == "copying_eigen" else "top_k"
+        ds = copy_suppression.detect(copy_suppression.CopySuppression(tokens=64, row_block=16, block=100,
+                                                                      copying=copying), ctx)
     assert np.unique(ds["score"].values).size > 1
     # the embedding, the unembedding, the final norm and each offloaded layer's attention and input norm: once each
     assert loads and set(loads.values()) == {1}, loads

@@ -43,10 +43,12 @@ DETECT = {
     "attention_sink": ({}, REPEATED),
     "successor": ({}, REPEATED),
     "copy_suppression": ({}, REPEATED),
+    "composition": ({"baseline_samples": 10}, REPEATED),
     "activation_patching": ({"unit": "z_position"}, KV_SWAP),
     "attribution_patching": ({"unit": "z_position"}, KV_SWAP),
     "edge_attribution": ({"method": "eap_ig", "ig_steps": 2, "circuit": {"top": 20}}, KV_SWAP),
     "path_patching": ({"receivers": {"heads": [[1, 0]], "input": "q"}}, REPEATED_PAIRS),
+    "probe": ({"label": "truth", "folds": 2, "classifier": "nearest_mean"}, "labelled"),  # a jsonl file, below
     "head_importance": ({}, COUNTERFACT),
     "ships": ({"per_prompt": True}, REPEATED),
 }
@@ -63,6 +65,7 @@ STEER = {
     "vhr": ({"segment": "context"}, COUNTERFACT),
     "head_mask": ({"heads": [[0, 1]]}, COUNTERFACT),
     "head_scale": ({"heads": [[0, 1]], "factor": 0.5}, COUNTERFACT),
+    "iti": ({"probe": "probe", "heads": {"from": "probe", "top": 2}}, COUNTERFACT),  # the `probe` detect step
 }
 
 
@@ -103,7 +106,12 @@ def test_every_builtin_result_uses_the_vocabulary(tmp_path):
     mc.write_text("\n".join(json.dumps(r) for r in [
         {"q": "the capital of france is", "a": "paris", "b": "rome", "ans": 0},
         {"q": "the capital of italy is", "a": "paris", "b": "rome", "ans": 1}]) + "\n")
-    steps = [{"id": kind, "task": task, "detect": {"kind": kind, **opts}} for kind, (opts, task) in DETECT.items()]
+    labelled = tmp_path / "labelled.jsonl"
+    labelled.write_text("".join(json.dumps({"text": t, "truth": i % 2 == 0}) + "\n"
+                                for i, t in enumerate(["red cat", "blue dog", "a red bird", "the blue cat"])))
+    labelled_task = {"kind": "jsonl", "path": str(labelled), "prompt": "{{ text }}", "meta": ["truth"]}
+    steps = [{"id": kind, "task": labelled_task if task == "labelled" else task, "detect": {"kind": kind, **opts}}
+             for kind, (opts, task) in DETECT.items()]
     steps += [{"id": f"gen_{kind}", "task": COUNTERFACT,
                "generate": {"max_new_tokens": 2, "decode": {"kind": kind, **opts}, "metrics": ["context_memory"]}}
               for kind, opts in DECODE.items()]

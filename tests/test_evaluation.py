@@ -224,6 +224,32 @@ def test_strategies_through_lm_eval_equal_headlab_steps(name, tiny, manager, tmp
     assert max(abs(a - b) for r, p in zip(ours, plain, strict=True) for a, b in zip(r, p, strict=True)) > 1e-2
 
 
+def test_iti_through_lm_eval_equals_headlab_logprobs_and_generate(tiny, manager):
+    """ITI (from a probe dataset given as ``results``, ``positions: answer``) in lm-eval's loglikelihood requests
+    and generations equals headlab's own ``logprobs`` / ``generate`` on the logged requests."""
+    import xarray as xr
+
+    geo, rng = tiny.geometry, np.random.default_rng(0)
+    unit = rng.standard_normal((geo.n_layers, geo.n_heads, geo.head_dim))
+    unit /= np.linalg.norm(unit, axis=-1, keepdims=True)
+    probe = {"pr": xr.Dataset({"score": (("layer", "head"), rng.uniform(size=unit.shape[:2])),
+                               "direction": (("layer", "head", "head_dim"), unit),
+                               "sigma": (("layer", "head"), np.full(unit.shape[:2], 2.0))})}
+    iti = {"kind": "iti", "probe": "pr", "heads": {"from": "pr", "top": 6}, "alpha": 4.0, "positions": "answer"}
+    res = run_lm(harness.HeadlabLM(tiny, batch_size=4, max_gen_toks=12, steer=[iti], results=probe),
+                 ["local_mc2", "local_nq"], manager)  # mc2 has choices of several tokens
+    args = [a for s in res["samples"]["local_mc2"] for a in s["arguments"]]
+    got = [r[0][0] for s in res["samples"]["local_mc2"] for r in s["resps"]]
+    ours = headlab.logprobs(tiny, [a[0] for a in args], [a[1] for a in args], steer=[iti], results=probe)
+    assert np.allclose(got, ours.logprobs, atol=1e-5, rtol=0)
+    plain = headlab.logprobs(tiny, [a[0] for a in args], [a[1] for a in args]).logprobs
+    assert max(abs(a - b) for a, b in zip(got, plain, strict=True)) > 1e-2
+    prompts = [s["arguments"][0][0] for s in res["samples"]["local_nq"]]
+    texts = [s["resps"][0][0] for s in res["samples"]["local_nq"]]
+    assert texts == headlab.generate(tiny, prompts, steer=[iti], results=probe, max_new_tokens=12, stop=UNTIL).texts
+    assert texts != headlab.generate(tiny, prompts, max_new_tokens=12, stop=UNTIL).texts
+
+
 def test_pasta_missing_span_follows_its_config(tiny, manager):
     """A task with no <em> markers: PASTA's ``missing: error`` is an error, ``missing: skip`` leaves it unsteered."""
     with pytest.raises(ValueError, match="no 'emphasis' span"):

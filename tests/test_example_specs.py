@@ -24,7 +24,7 @@ ROOT = Path(__file__).parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 HEADLAB = Path(sys.executable).parent / "headlab"  # the console script the README's commands call
 FAST = ["quickstart"]
-SLOW = ["retrieval_heads", "pasta_emphasis", "decoding_counterfact", "vhr_shapes", "kv_compression",
+SLOW = ["retrieval_heads", "pasta_emphasis", "decoding_counterfact", "vhr_shapes", "kv_compression", "probes_iti",
         "head_importance"]
 
 
@@ -229,3 +229,19 @@ def test_kv_compression_as_typed(workdir):
     assert float(res["headkv_f028"]["needle_recall"].mean()) > float(res["random_top4_w128"]["needle_recall"].mean()) + 0.3
     html = (workdir / "kv_compression.html").read_text()
     assert 'id="kv"' in html and "needle_recall vs kept fraction of the full KV cache" in html
+
+
+@pytest.mark.slow
+def test_probes_iti_as_typed(workdir):
+    """The README quotes the context rate (``context_memory`` averaged over the answers naming either capital)
+    of each step and how many of ITI's answers name neither."""
+    run = run_spec("probes_iti", workdir)
+    row = readme_row("probes_iti")
+    greedy, iti, neither, heads, direction = re.search(
+        r"from ([0-9.]+) to ([0-9.]+) \(([0-9]+) of 48 answers name neither capital\); 4 random heads do not "
+        r"\(([0-9.]+)\), nor random directions on the top heads \(([0-9.]+)\)", row).groups()
+    rate = {step: round(float(np.nanmean(run.results[step]["context_memory"].values)), 2)
+            for step in ("greedy", "iti", "iti_random_heads", "iti_random_dir")}
+    assert rate == {"greedy": float(greedy), "iti": float(iti), "iti_random_heads": float(heads),
+                    "iti_random_dir": float(direction)}
+    assert int(np.isnan(run.results["iti"]["context_memory"].values).sum()) == int(neither)

@@ -313,3 +313,77 @@ def test_kv_replacement_tiles_and_validates():
         Plan().patch_kv([(0, 1)])
     with pytest.raises(ValueError, match="kv head out of range"):
         forward(lm, ids, Plan().patch_kv([(0, 2)], torch.zeros(D)), attention_mask=mask)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_an_addition_from_a_position_on_equals_an_o_proj_pre_hook_under_the_kv_cache(arch):
+    """``AddZ(from_position=p)``: row 0 from its last prompt token on, row 1 (left-padded) from a position inside
+    its prompt, through a prefill and three decode steps of a KV cache; the eager reference adds at every
+    absolute position >= p of the whole sequence in one forward."""
+    from headlab import instrumented
+
+    lm, eager, vocab = _setup(arch)
+    ids, mask = _batch(vocab, seed=11)
+    T, D = ids.shape[1], lm.geometry.head_dim
+    new = _batch(vocab, seed=12)[0][:, :3]
+    g = torch.Generator().manual_seed(13)
+    v0, v1 = torch.randn(2, 1, D, generator=g), torch.randn(1, 1, D, generator=g)  # (heads, 1, D), (1, 1, D)
+    starts = {0: T - 1, 1: PAD + 2}
+    plan = Plan().add_z([(0, 1), (1, 3)], v0, rows=[0], from_position=starts[0])
+    plan.add_z([(1, 0)], v1, rows=[1], from_position=starts[1])
+    steps = []
+    with torch.no_grad(), instrumented(lm, plan):
+        m = mask
+        out = lm.model(input_ids=ids, attention_mask=m, position_ids=(m.cumsum(-1) - 1).clamp(min=0), use_cache=True)
+        steps.append(out.logits[:, -1])
+        for t in range(new.shape[1]):
+            m = torch.cat([m, torch.ones(m.shape[0], 1, dtype=m.dtype)], 1)
+            out = lm.model(input_ids=new[:, t:t + 1], attention_mask=m, position_ids=m.sum(-1, keepdim=True) - 1,
+                           cache=out.cache, use_cache=True)
+            steps.append(out.logits[:, -1])
+    adds = {0: [((0, 1), v0[0, 0]), ((1, 3), v0[1, 0])], 1: [((1, 0), v1[0, 0])]}
+    handles = []
+    for layer in range(2):
+        def hook(module, args, layer=layer):
+            x = args[0].clone()
+            for row, items in adds.items():
+                for (ly, h), v in items:
+                    if ly == layer:
+                        x[row, starts[row]:, h * D:(h + 1) * D] += v
+            return (x,)
+        handles.append(_o_proj(eager, arch, layer).register_forward_pre_hook(hook))
+    full_ids, full_mask = torch.cat([ids, new], 1), torch.cat([mask, torch.ones_like(new)], 1)
+    try:
+        want = _logits(eager, full_ids, full_mask)
+    finally:
+        for h in handles:
+            h.remove()
+    base = _logits(eager, full_ids, full_mask)
+    got = torch.stack(steps, 1)  # (B, 1 + 3, vocab): the predictions at positions T-1 .. T+2
+    torch.testing.assert_close(got, want[:, T - 1:], atol=2e-5, rtol=0)
+    assert (got - base[:, T - 1:]).abs().amax(-1).min() > 1e-4  # every step of both rows is steered
+    with pytest.raises(ValueError, match="give positions or from_position, not both"):
+        Plan().add_z([(0, 1)], v1, positions=[1], from_position=1)
+    with pytest.raises(ValueError, match="positions axis of size 1"):
+        Plan().add_z([(0, 1)], torch.zeros(1, 2, D), from_position=1)
+
+
+def test_additions_below_a_shared_trunk_apply_when_every_copy_has_them():
+    """Two copies of a batch sharing layer 0 (``shared_trunk`` at layer 1): a mirrored addition on a layer-0 head
+    gives what the copies give run apart; one on copy 0 only is refused."""
+    from headlab import shared_trunk
+
+    lm, _, vocab = _setup("llama")
+    ids, mask = _batch(vocab, seed=14)
+    B, D = ids.shape[0], lm.geometry.head_dim
+    v = torch.randn(1, 1, D, generator=torch.Generator().manual_seed(15))
+    plan = Plan().add_z([(0, 2)], v, from_position=4).tile(2, B, mirror=True)
+    plan.mask_heads([(1, 1)], rows=list(range(B, 2 * B)))
+    apart, _ = forward(lm, ids.repeat(2, 1), plan, attention_mask=mask.repeat(2, 1))
+    with shared_trunk(lm.model, 1, 2):
+        shared, _ = forward(lm, ids, plan, attention_mask=mask)
+    torch.testing.assert_close(_real(shared.logits, mask.repeat(2, 1)), _real(apart.logits, mask.repeat(2, 1)),
+                               atol=1e-5, rtol=0)
+    one = Plan().add_z([(0, 2)], v, from_position=4).tile(2, B, mirror=False)
+    with shared_trunk(lm.model, 1, 2), pytest.raises(ValueError, match="differs between copies of the batch"):
+        forward(lm, ids, one, attention_mask=mask)

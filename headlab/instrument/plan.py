@@ -210,7 +210,10 @@ class ReplaceZ(Edit):
     ``heads`` and ``positions``. ``positions``: absolute query positions; ``None`` = ``0..P-1`` with ``P``
     the size of the positions axis of ``values`` (every position of one forward over the prompts). Each
     attention call replaces the positions among its queries, so a ``generate`` replaces the prompt's
-    positions in the prefill and a decode step's when listed.
+    positions in the prefill and a decode step's when listed. ``from_position`` (instead of ``positions``):
+    every absolute position ``>= from_position``, in every call of the context (the prompt's positions from
+    there in the prefill, then every decode step's query), with the same value at each (``values`` has a
+    positions axis of size 1, or none).
 
     The replacement is the last change to ``z``: ``o_proj`` receives ``values`` exactly, whatever output
     scales or layer callbacks did before (callbacks see ``z`` before it; a recording of ``z`` reads the
@@ -225,13 +228,27 @@ class ReplaceZ(Edit):
     positions: list[int] | None = None
     owner: str | None = field(default=None, kw_only=True)
     instance: Any = field(default=None, kw_only=True, repr=False, compare=False)
+    from_position: int | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_head_values(self, "ReplaceZ", ": (layer, None) has no place in values")
+        name = type(self).__name__
+        _check_head_values(self, name, ": (layer, None) has no place in values")
+        if self.from_position is not None:
+            if self.positions is not None:
+                raise ValueError(f"{name}: give positions or from_position, not both")
+            self.from_position = int(self.from_position)
+            if self.from_position < 0:
+                raise ValueError(f"{name}: from_position must be >= 0, got {self.from_position}")
+            if self.values.dim() >= 2 and self.values.shape[-2] != 1:
+                raise ValueError(f"{name}: with from_position, values have a positions axis of size 1 (one value "
+                                 f"for every position), got shape {tuple(self.values.shape)}")
 
     def n_positions(self) -> int:
-        """The number of replaced positions (``len(positions)``, or the positions axis of ``values``)."""
+        """The number of replaced positions (``len(positions)``, or the positions axis of ``values``; 1 with
+        ``from_position``: one value for every position)."""
+        if getattr(self, "from_position", None) is not None:
+            return 1
         if self.positions is not None:
             return len(self.positions)
         return int(self.values.shape[-2]) if self.values.dim() >= 2 else 1
@@ -443,7 +460,8 @@ class Plan:
     - :class:`LayerCallback` ``(fn, heads, rows)``: a function of each layer's ``z`` that may return an
       output scale (VHR);
     - :class:`ReplaceZ` ``(heads, values, rows, positions)``: replace the head output ``z`` (activation
-      patching), after the other edits; :class:`AddZ` (the same fields): add to it;
+      patching), after the other edits; :class:`AddZ` (the same fields): add to it (at every position from
+      one on with ``from_position``: a steering vector on a head's output);
     - :class:`ReplaceKV` ``(heads, keys, values, rows, positions)``: replace the keys / values of key/value
       heads before attention;
     - :class:`ReplaceQ` ``(heads, values, rows, positions)``: replace the queries of query heads before
@@ -542,10 +560,12 @@ class Plan:
         return self.add(ReplaceZ(heads, values, rows, positions, owner=owner))
 
     def add_z(self, heads: HeadSpec, values: Tensor, rows: Sequence[int] | None = None,
-              positions: Sequence[int] | None = None, *, owner: Any = None) -> Plan:
-        """Add ``values`` to the outputs ``z`` of these heads on ``rows`` at absolute ``positions`` (an
-        :class:`AddZ`)."""
-        return self.add(AddZ(heads, values, rows, positions, owner=owner))
+              positions: Sequence[int] | None = None, *, from_position: int | None = None,
+              owner: Any = None) -> Plan:
+        """Add ``values`` to the outputs ``z`` of these heads on ``rows`` at absolute ``positions``, or at every
+        position ``>= from_position`` (prefill and decode steps alike; ``values`` broadcastable to (rows, heads,
+        1, head_dim)) (an :class:`AddZ`)."""
+        return self.add(AddZ(heads, values, rows, positions, owner=owner, from_position=from_position))
 
     def patch_kv(self, heads: HeadSpec, keys: Tensor | None = None, values: Tensor | None = None,
                  rows: Sequence[int] | None = None, positions: Sequence[int] | None = None, *,

@@ -148,10 +148,13 @@ class Session:
         if not edits:
             return z
         trunk = active_trunk()
-        if trunk is not None and layer < trunk.layer:
-            raise ValueError(f"shared_trunk: layer {layer} runs once for {trunk.copies} copies of the batch, "
-                             "so its head outputs cannot be replaced or added to")
         B, H, Nq, D = z.shape
+        if trunk is not None and layer < trunk.layer:
+            k = trunk.copies
+            full = z.repeat(k, 1, 1, 1)
+            for e in edits:
+                full = _replaced(e, layer, full, pos, k * B, H, Nq, D)
+            return _copy0(full, B, k, "head output replacements/additions", layer)
         for e in edits:
             z = _replaced(e, layer, z, pos, B, H, Nq, D)
         return z
@@ -266,15 +269,24 @@ def _replaced(e: ReplaceZ | ReplaceQ, layer: int, z: Tensor, pos: CallPositions,
     heads = [e.heads[k][1] for k in k_sel]
     if any(not 0 <= h < H for h in heads):
         raise ValueError(f"ReplaceZ: head out of range in {heads} (layer {layer} has {H} heads)")
-    positions = torch.arange(e.n_positions()) if e.positions is None else torch.tensor(e.positions)
-    q = positions - pos.q_start
-    p_sel = ((q >= 0) & (q < Nq)).nonzero().flatten()
-    if not p_sel.numel():
-        return z
-    vals = values[:, k_sel][:, :, p_sel.to(values.device)].to(device=device, dtype=z.dtype)
+    start = getattr(e, "from_position", None)
+    if start is not None:
+        first = max(int(start) - pos.q_start, 0)
+        if first >= Nq:
+            return z
+        q_rows = torch.arange(first, Nq)
+        vals = values[:, k_sel].expand(-1, -1, Nq - first, -1).to(device=device, dtype=z.dtype)
+    else:
+        positions = torch.arange(e.n_positions()) if e.positions is None else torch.tensor(e.positions)
+        q = positions - pos.q_start
+        p_sel = ((q >= 0) & (q < Nq)).nonzero().flatten()
+        if not p_sel.numel():
+            return z
+        vals = values[:, k_sel][:, :, p_sel.to(values.device)].to(device=device, dtype=z.dtype)
+        q_rows = q[p_sel]
     r_idx = torch.tensor(rows, device=device)[:, None, None]
     h_idx = torch.tensor(heads, device=device)[None, :, None]
-    q_idx = q[p_sel].to(device)[None, None, :]
+    q_idx = q_rows.to(device)[None, None, :]
     r_idx, h_idx, q_idx = torch.broadcast_tensors(r_idx, h_idx, q_idx)
     return z.index_put((r_idx, h_idx, q_idx), vals, accumulate=isinstance(e, AddZ))
 

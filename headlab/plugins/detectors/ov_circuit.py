@@ -100,6 +100,34 @@ class OVCircuits:
             out = post.centred(out) * post.gain.to(out.device, self.dtype)
         return self._final.centred(out) * self._final.gain.to(out.device, self.dtype)
 
+    def unembed_embed(self, block: int = 4096) -> Tensor:
+        """``W_U W_E`` (d_model, d_model) in this object's precision, summed over ``block`` vocabulary rows at a
+        time (never a vocabulary-square matrix); a ``ValueError`` when ``W_U`` has not as many columns as
+        ``W_E`` has rows (the OV circuit is then not square)."""
+        W_E, W_U = self.W_E, self.W_U
+        vocab = int(W_E.shape[0])
+        if int(W_U.shape[1]) != vocab:
+            raise ValueError(f"the embedding has {vocab} rows and the unembedding {int(W_U.shape[1])} columns: the OV "
+                             "circuit is not a square matrix and has no eigenvalues")
+        out = torch.zeros(self.d_model, self.d_model, dtype=self.dtype, device=W_E.device)
+        for start in range(0, vocab, block):
+            out += W_U[:, start: start + block].to(W_E.device, self.dtype) @ W_E[start: start + block].to(self.dtype)
+        return out
+
+    def eigen_matrices(self, layer: int, unembed_embed: Tensor) -> Tensor:
+        """(head, d_head, d_head) matrices ``fold_out(W_O[h]) W_U fold_in(W_E) W_V[kv(h)]`` of every head of
+        ``layer``: a cyclic permutation of the OV circuit's factors, so they have its non-zero eigenvalues.
+        ``unembed_embed`` is :meth:`unembed_embed`'s ``W_U W_E``."""
+        norm_in, W_V, W_O, post = self._weights(layer)
+        middle = unembed_embed.to(W_V.device, self.dtype)
+        if norm_in is not None:  # fold_in acts on the rows of W_E, i.e. on the columns of W_U W_E
+            middle = norm_in.centred(middle) * norm_in.gain.to(middle.device, self.dtype)
+        out = W_O
+        if post is not None:
+            out = post.centred(out) * post.gain.to(out.device, self.dtype)
+        out = self._final.centred(out) * self._final.gain.to(out.device, self.dtype)
+        return out @ middle @ W_V
+
     def rows(self, layer: int, tokens: Tensor, *, columns: Tensor | None = None,
              block: int = 4096) -> Iterator[tuple[slice, Tensor]]:
         """``(column slice, OV[tokens][:, :, columns block])`` blocks of every head of ``layer``: (head, token,
