@@ -72,8 +72,8 @@ def _probe_step(action: Any, ctx: StepContext) -> xr.Dataset:
                          "a probe step")
     pr = ctx.results[name]
     if pr.attrs.get("method") != "probe" or "class_mean" not in pr:
-        raise ValueError(f"sav: step '{name}' is a {pr.attrs.get('method', 'step')} step, not a probe step; name a "
-                         "step with detect: {kind: probe, classifier: nearest_mean, ...}")
+        raise ValueError(f"sav: step '{name}' is not a probe step (it ran {pr.attrs.get('method', 'no detector')}); "
+                         "name a step with detect: {kind: probe, classifier: nearest_mean, ...}")
     return pr
 
 

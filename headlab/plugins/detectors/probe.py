@@ -110,7 +110,7 @@ def labels_of(examples: Sequence[Any], field: str, method: str = "probe") -> tup
 
 
 def folds_of(y: np.ndarray, groups: Sequence[Any] | None, folds: int, seed: int, field: str = "label",
-             method: str = "probe") -> np.ndarray:
+             classes: Sequence[Any] | None = None, method: str = "probe") -> np.ndarray:
     """The fold (0 .. folds-1) each example is held out in: stratified by ``y``, shuffled with ``seed``, and
     with ``groups`` never split (scikit-learn ``StratifiedGroupKFold``, else ``StratifiedKFold``)."""
     from sklearn.model_selection import StratifiedGroupKFold, StratifiedKFold
@@ -118,7 +118,8 @@ def folds_of(y: np.ndarray, groups: Sequence[Any] | None, folds: int, seed: int,
     counts = np.bincount(y)
     if counts.min() < folds:
         k = int(counts.argmin())
-        raise ValueError(f"{method}: class {k} of {field} has {counts.min()} example(s), fewer than folds: "
+        name = repr(classes[k]) if classes is not None else k
+        raise ValueError(f"{method}: class {field} = {name} has {counts.min()} example(s), fewer than folds: "
                          f"{folds}; give every class at least {folds} examples or lower folds")
     fold = np.full(len(y), -1, dtype=np.int64)
     if groups is None:
@@ -257,7 +258,7 @@ def detect(config: Probe, ctx: StepContext) -> xr.Dataset:
                                  f"'{config.group}' in the task's meta: and give it in every record")
         groups = [ex.meta[config.group] for ex in examples]
     seed = ctx.seed if config.seed is None else config.seed
-    fold = folds_of(y, groups, config.folds, seed, config.label)
+    fold = folds_of(y, groups, config.folds, seed, config.label, classes)
 
     n = len(examples)
     chunks = [list(range(j, min(j + config.batch_size, n))) for j in range(0, n, config.batch_size)]
