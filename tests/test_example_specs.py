@@ -24,7 +24,7 @@ ROOT = Path(__file__).parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 HEADLAB = Path(sys.executable).parent / "headlab"  # the console script the README's commands call
 FAST = ["quickstart"]
-SLOW = ["retrieval_heads", "pasta_emphasis", "decoding_counterfact", "vhr_shapes", "kv_compression"]
+SLOW = ["retrieval_heads", "pasta_emphasis", "decoding_counterfact", "vhr_shapes", "kv_compression", "probes"]
 
 
 def test_every_example_spec_is_covered():
@@ -212,3 +212,26 @@ def test_kv_compression_as_typed(workdir):
     assert float(res["headkv_f028"]["needle_recall"].mean()) > float(res["random_top4_w128"]["needle_recall"].mean()) + 0.3
     html = (workdir / "kv_compression.html").read_text()
     assert 'id="kv"' in html and "needle_recall vs kept fraction of the full KV cache" in html
+
+
+@pytest.mark.slow
+def test_probes_as_typed(workdir):
+    """The probe and sav steps of specs/probes.yaml, and the figures docs/probes.md and the README quote."""
+    run = run_spec("probes", workdir)
+    res = run.results
+    doc = (ROOT / "docs" / "probes.md").read_text(encoding="utf-8")
+    for step, name in (("pr", "logistic"), ("means", "nearest mean")):
+        row = doc[doc.index(f"| `{step}` ({name}) |"):].splitlines()[0]
+        layer, head, best = re.search(r"best head \((\d), (\d)\) at ([0-9.]+)", row).groups()
+        score = res[step]["score"]
+        assert ranked(score)[0] == ((int(layer), int(head)), pytest.approx(float(best), abs=5e-4))
+        assert float(np.median(score.values)) == pytest.approx(float(re.search(r"median head ([0-9.]+)", row).group(1)),
+                                                                abs=5e-4)
+        means = [float(x) for x in re.search(r"mean per layer ([0-9., ]+[0-9])", row).group(1).split(", ")]
+        assert score.mean("head").values.round(3).tolist() == means
+        assert res[step].attrs["chance"] == 0.5 and res[step].attrs["forwards"] == 25
+    for step in ("sav_top", "sav_all"):
+        row = doc[doc.index(f"| `{step}` ("):].splitlines()[0]
+        assert round(float(res[step]["accuracy"]), 2) == float(re.search(r"accuracy ([0-9.]+)", row).group(1))
+    assert res["sav_top"].attrs["n_heads"] == 20 and res["sav_all"].attrs["n_heads"] == 32
+    assert "0.655 held-out accuracy" in README and "0.58 on held-out contexts against 0.52" in README

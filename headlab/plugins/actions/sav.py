@@ -126,6 +126,7 @@ def sav(action: Any, ctx: StepContext) -> xr.Dataset:
         correct = (gold == winner).astype(float)
         ds["correct"] = xr.DataArray(correct, dims=("example",))
         ds["accuracy"] = xr.DataArray(float(correct.mean()))
+        ds.attrs["metrics"] = ["correct"]
     ds.attrs.update(method="sav", model=ctx.model.name, probe=action.probe, n_heads=len(voters),
                     position=str(position), forwards=len(chunks), reference="docs/methods.md#sparse-attention-vectors")
     return ds
