@@ -25,7 +25,7 @@ from pydantic import Field
 
 from headlab import StepContext, hookimpl, tokenize
 from headlab.heads import ranked
-from headlab.plugins.detectors.probe import collect_z, nearest_mean_predict
+from headlab.plugins.detectors.probe import collect_z, length_batches, nearest_mean_predict
 from headlab.resources import Estimate, EstimateContext
 from headlab.spec import HeadSelection, NonEmptyStr, PositiveInt, SpecTypes, StrictModel
 
@@ -96,7 +96,7 @@ def sav(action: Any, ctx: StepContext) -> xr.Dataset:
 
     examples = ctx.examples
     n = len(examples)
-    chunks = [list(range(j, min(j + action.batch_size, n))) for j in range(0, n, action.batch_size)]
+    chunks = length_batches(ctx.model, examples, action.batch_size)
     head_vote = np.empty((n, len(voters)), dtype=np.int64)
     layers = np.array([layer for layer, _ in voters])
     heads = np.array([head for _, head in voters])

@@ -23,7 +23,7 @@ the unit mass-mean direction ``mean(z | positive) - mean(z | rest)``, ``probe_di
 vector of a logistic regression (same ``C``) of positive against rest refitted on all examples (``logistic``
 only), and ``sigma`` the standard deviation (``ddof=0``) of ``z . direction`` over all examples.
 
-One forward per batch records ``z`` of every head (``Probes(z_positions=...)``: the last position, the given
+One forward per batch (examples of similar length batched together) records ``z`` of every head (``Probes(z_positions=...)``: the last position, the given
 position, or all positions for ``mean``); the fits run over heads through joblib (``n_jobs``, threads).
 
 Outputs: ``score``, ``accuracy_std`` (layer, head); ``direction``, ``probe_direction`` (layer, head,
@@ -49,7 +49,8 @@ from headlab.generation import Batch, tokenize
 from headlab.resources import Estimate, EstimateContext
 from headlab.spec import NonEmptyStr, PositiveFloat, PositiveInt, Seed
 
-__all__ = ["Probe", "collect_z", "detect", "fit_heads", "folds_of", "labels_of", "nearest_mean_predict"]
+__all__ = ["Probe", "collect_z", "detect", "fit_heads", "folds_of", "labels_of", "length_batches",
+           "nearest_mean_predict"]
 
 Label = bool | int | str
 
@@ -177,6 +178,18 @@ def collect_z(lm: Any, batch: Batch, position: str | int = "last") -> np.ndarray
     return np.stack([z[r, :, :, at[p]] for r, p in enumerate(wanted)])
 
 
+def length_batches(lm: Any, examples: Sequence[Any], batch_size: int) -> list[list[int]]:
+    """Example indices in batches of ``batch_size``, examples of similar token length together (less padding);
+    examples with images keep their order."""
+    if lm.tokenizer is None or any(ex.images for ex in examples):
+        order = list(range(len(examples)))
+    else:
+        lengths = [len(ex.input_ids) if ex.input_ids is not None else len(lm.tokenizer(ex.prompt).input_ids)
+                   for ex in examples]
+        order = sorted(range(len(examples)), key=lambda i: (lengths[i], i))
+    return [order[j:j + batch_size] for j in range(0, len(order), batch_size)]
+
+
 def nearest_mean_predict(means: np.ndarray, z: np.ndarray) -> np.ndarray:
     """The class ``argmax_c cos(z, means[c])`` of each row of ``z`` (..., n, D) for class means (..., C, D); ties
     to the first class."""
@@ -260,19 +273,21 @@ def detect(config: Probe, ctx: StepContext) -> xr.Dataset:
     seed = ctx.seed if config.seed is None else config.seed
     fold = folds_of(y, groups, config.folds, seed, config.label, classes)
 
-    n = len(examples)
-    chunks = [list(range(j, min(j + config.batch_size, n))) for j in range(0, n, config.batch_size)]
-    parts = []
+    chunks = length_batches(ctx.model, examples, config.batch_size)
+    z = None
     for idx in ctx.progress(chunks, "probe forwards"):
         batch = tokenize(ctx.model, [examples[i] for i in idx])
         try:
-            parts.append(collect_z(ctx.model, batch, config.position))
+            part = collect_z(ctx.model, batch, config.position)
         except IndexError as e:
             row, length = e.args
             raise ValueError(f"probe: position {config.position} is outside example {idx[row]}'s prompt of {length} "
                              "tokens; choose a position inside every prompt (0 .. its length - 1, or negative from "
                              "its end)") from None
-    z = np.concatenate(parts)  # (example, layer, head, D)
+        if z is None:
+            z = np.empty((len(examples), *part.shape[1:]))
+        z[idx] = part  # (example, layer, head, D)
+    n = len(examples)
 
     acc, probe_direction, fits = fit_heads(z, y, fold, config.folds, classifier=config.classifier, C=config.C,
                                            positive=positive, n_jobs=config.n_jobs, progress=ctx.progress)
