@@ -37,7 +37,7 @@ class).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import xarray as xr
@@ -47,12 +47,13 @@ from headlab import ComponentConfig, Plan, Probes, StepContext, forward, hookimp
 from headlab.dims import head_array
 from headlab.generation import Batch, tokenize
 from headlab.resources import Estimate, EstimateContext
-from headlab.spec import NonEmptyStr, PositiveFloat, PositiveInt, Seed
+from headlab.spec import MAX_INT, NonEmptyStr, PositiveFloat, PositiveInt, Seed
 
 __all__ = ["Probe", "collect_z", "detect", "fit_heads", "folds_of", "labels_of", "length_batches",
            "nearest_mean_predict"]
 
 Label = bool | int | str
+Index = Annotated[int, Field(ge=-MAX_INT, le=MAX_INT)]
 
 
 class Probe(ComponentConfig):
@@ -62,7 +63,7 @@ class Probe(ComponentConfig):
     label: NonEmptyStr = Field(description="the meta field holding each example's class (list it in the task's meta:)")
     group: NonEmptyStr | None = Field(
         None, description="a meta field whose examples always share a fold (ITI: the question of each answer)")
-    position: Literal["last", "mean"] | int = Field(
+    position: Literal["last", "mean"] | Index = Field(
         "last", description="last: the prompt's last token; mean: the mean over the prompt's tokens; an index "
         "into the prompt's tokens (0 its first, -1 its last)")
     folds: int = Field(2, ge=2, le=100, description="stratified folds of the held-out accuracy")
@@ -71,10 +72,10 @@ class Probe(ComponentConfig):
         "logistic", description="logistic: sklearn LogisticRegression(C, max_iter=1000); nearest_mean: the "
         "class of the training mean nearest in cosine (SAVs)")
     C: PositiveFloat = Field(1.0, description="the logistic regression's inverse regularisation strength")
-    positive: bool | int | str | None = Field(
+    positive: bool | Index | str | None = Field(
         None, description="the class whose direction against the rest is stored (default: the last class in "
         "sorted order, true / 1 of a binary label)")
-    n_jobs: int | None = Field(
+    n_jobs: Annotated[int, Field(ge=-1024, le=1024)] | None = Field(
         None, description="joblib workers (threads) fitting the heads, as sklearn's n_jobs: none = 1 unless "
         "inside joblib.parallel_config, -1 = every core")
     batch_size: PositiveInt = 8
