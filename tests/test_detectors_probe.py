@@ -18,53 +18,7 @@ from headlab.plugins.detectors.probe import Probe, detect
 
 from fixtures.circuits import models
 from fixtures.detectors import WORDS, build_models, tiny_config, word_tokenizer
-
-
-def labelled(n: int, n_classes: int, seed: int = 0) -> list[Example]:
-    """Prompts of 2..8 random words (a batch of them is left-padded); the class is the first word's index mod
-    ``n_classes`` (a signal some random heads pick up); the group (question) of each pair of examples."""
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        words = [rng.choice(WORDS) for _ in range(rng.randint(2, 8))]
-        label = WORDS.index(words[0]) % n_classes
-        out.append(Example(prompt=" ".join(words), meta={"truth": bool(label) if n_classes == 2 else label,
-                                                         "qid": f"q{i // 2}"}))
-    return out
-
-
-def o_proj(model, layer: int):
-    """The output projection of ``layer`` (gpt2: ``c_proj``)."""
-    if hasattr(model, "transformer"):
-        return model.transformer.h[layer].attn.c_proj
-    return model.model.layers[layer].self_attn.o_proj
-
-
-def reference_z(eager, tok, examples, position, n_layers: int, n_heads: int) -> np.ndarray:
-    """(example, layer, head, head_dim): the input of each o_proj, one example per forward, unpadded."""
-    captured: dict[int, torch.Tensor] = {}
-    handles = [o_proj(eager, layer).register_forward_pre_hook(
-        lambda m, args, layer=layer: captured.__setitem__(layer, args[0][0].detach()))
-        for layer in range(n_layers)]
-    out = []
-    try:
-        for ex in examples:
-            ids = tok(ex.prompt, return_tensors="pt").input_ids
-            with torch.no_grad():
-                eager(input_ids=ids)
-            per_layer = []
-            for layer in range(n_layers):
-                x = captured[layer].double()  # (T, H * D)
-                x = x.reshape(x.shape[0], n_heads, -1)
-                if position == "mean":
-                    per_layer.append(x.mean(0))
-                else:
-                    per_layer.append(x[-1 if position == "last" else position])
-            out.append(torch.stack(per_layer))
-    finally:
-        for h in handles:
-            h.remove()
-    return torch.stack(out).numpy()
+from fixtures.probes import labelled, reference_z
 
 
 def unit(v):

@@ -118,6 +118,7 @@ def test_every_builtin_result_uses_the_vocabulary(tmp_path):
     steps += [{"id": f"steer_{kind}", "task": task,
                "generate": {"max_new_tokens": 2, "steer": [{"kind": kind, **opts}], "metrics": ["contains"]}}
               for kind, (opts, task) in STEER.items()]
+    steps.append({"id": "sav", "task": labelled_task, "sav": {"probe": "probe", "heads": {"from": "probe", "top": 3}}})
     steps.append({"id": "score", "task": {"kind": "jsonl", "path": str(mc), "prompt": "{{ q }}",
                                           "choices": ["{{ a }}", "{{ b }}"], "label": "ans"},
                   "score": {"decode": {"kind": "dola", "layers": [0, 2]}}})

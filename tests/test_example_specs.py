@@ -24,8 +24,8 @@ ROOT = Path(__file__).parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 HEADLAB = Path(sys.executable).parent / "headlab"  # the console script the README's commands call
 FAST = ["quickstart"]
-SLOW = ["retrieval_heads", "pasta_emphasis", "decoding_counterfact", "vhr_shapes", "kv_compression", "probes_iti",
-        "head_importance"]
+SLOW = ["retrieval_heads", "pasta_emphasis", "decoding_counterfact", "vhr_shapes", "kv_compression", "probes",
+        "probes_iti", "head_importance"]
 
 
 def test_every_example_spec_is_covered():
@@ -245,3 +245,26 @@ def test_probes_iti_as_typed(workdir):
     assert rate == {"greedy": float(greedy), "iti": float(iti), "iti_random_heads": float(heads),
                     "iti_random_dir": float(direction)}
     assert int(np.isnan(run.results["iti"]["context_memory"].values).sum()) == int(neither)
+
+
+@pytest.mark.slow
+def test_probes_as_typed(workdir):
+    """The probe and sav steps of specs/probes.yaml, and the figures docs/probes.md and the README quote."""
+    run = run_spec("probes", workdir)
+    res = run.results
+    doc = (ROOT / "docs" / "probes.md").read_text(encoding="utf-8")
+    for step, name in (("pr", "logistic"), ("means", "nearest mean")):
+        row = doc[doc.index(f"| `{step}` ({name}) |"):].splitlines()[0]
+        layer, head, best = re.search(r"best head \((\d), (\d)\) at ([0-9.]+)", row).groups()
+        score = res[step]["score"]
+        assert ranked(score)[0] == ((int(layer), int(head)), pytest.approx(float(best), abs=5e-4))
+        assert float(np.median(score.values)) == pytest.approx(float(re.search(r"median head ([0-9.]+)", row).group(1)),
+                                                                abs=5e-4)
+        means = [float(x) for x in re.search(r"mean per layer ([0-9., ]+[0-9])", row).group(1).split(", ")]
+        assert score.mean("head").values.round(3).tolist() == means
+        assert res[step].attrs["chance"] == 0.5 and res[step].attrs["forwards"] == 25
+    for step in ("sav_top", "sav_all"):
+        row = doc[doc.index(f"| `{step}` ("):].splitlines()[0]
+        assert round(float(res[step]["accuracy"]), 2) == float(re.search(r"accuracy ([0-9.]+)", row).group(1))
+    assert res["sav_top"].attrs["n_heads"] == 20 and res["sav_all"].attrs["n_heads"] == 32
+    assert "0.655 held-out accuracy" in README and "0.58 on held-out contexts against 0.52" in README

@@ -23,7 +23,7 @@ the unit mass-mean direction ``mean(z | positive) - mean(z | rest)``, ``probe_di
 vector of a logistic regression (same ``C``) of positive against rest refitted on all examples (``logistic``
 only), and ``sigma`` the standard deviation (``ddof=0``) of ``z . direction`` over all examples.
 
-One forward per batch records ``z`` of every head (``Probes(z_positions=...)``: the last position, the given
+One forward per batch (examples of similar length batched together) records ``z`` of every head (``Probes(z_positions=...)``: the last position, the given
 position, or all positions for ``mean``); the fits run over heads through joblib (``n_jobs``, threads).
 
 Outputs: ``score``, ``accuracy_std`` (layer, head); ``direction``, ``probe_direction`` (layer, head,
@@ -37,7 +37,7 @@ class).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import xarray as xr
@@ -47,11 +47,13 @@ from headlab import ComponentConfig, Plan, Probes, StepContext, forward, hookimp
 from headlab.dims import head_array
 from headlab.generation import Batch, tokenize
 from headlab.resources import Estimate, EstimateContext
-from headlab.spec import NonEmptyStr, PositiveFloat, PositiveInt, Seed
+from headlab.spec import MAX_INT, NonEmptyStr, PositiveFloat, PositiveInt, Seed
 
-__all__ = ["Probe", "collect_z", "detect", "fit_heads", "folds_of", "labels_of", "nearest_mean_predict"]
+__all__ = ["Probe", "collect_z", "detect", "fit_heads", "folds_of", "labels_of", "length_batches",
+           "nearest_mean_predict"]
 
 Label = bool | int | str
+Index = Annotated[int, Field(ge=-MAX_INT, le=MAX_INT)]
 
 
 class Probe(ComponentConfig):
@@ -61,7 +63,7 @@ class Probe(ComponentConfig):
     label: NonEmptyStr = Field(description="the meta field holding each example's class (list it in the task's meta:)")
     group: NonEmptyStr | None = Field(
         None, description="a meta field whose examples always share a fold (ITI: the question of each answer)")
-    position: Literal["last", "mean"] | int = Field(
+    position: Literal["last", "mean"] | Index = Field(
         "last", description="last: the prompt's last token; mean: the mean over the prompt's tokens; an index "
         "into the prompt's tokens (0 its first, -1 its last)")
     folds: int = Field(2, ge=2, le=100, description="stratified folds of the held-out accuracy")
@@ -70,10 +72,10 @@ class Probe(ComponentConfig):
         "logistic", description="logistic: sklearn LogisticRegression(C, max_iter=1000); nearest_mean: the "
         "class of the training mean nearest in cosine (SAVs)")
     C: PositiveFloat = Field(1.0, description="the logistic regression's inverse regularisation strength")
-    positive: bool | int | str | None = Field(
+    positive: bool | Index | str | None = Field(
         None, description="the class whose direction against the rest is stored (default: the last class in "
         "sorted order, true / 1 of a binary label)")
-    n_jobs: int | None = Field(
+    n_jobs: Annotated[int, Field(ge=-1024, le=1024)] | None = Field(
         None, description="joblib workers (threads) fitting the heads, as sklearn's n_jobs: none = 1 unless "
         "inside joblib.parallel_config, -1 = every core")
     batch_size: PositiveInt = 8
@@ -110,7 +112,7 @@ def labels_of(examples: Sequence[Any], field: str, method: str = "probe") -> tup
 
 
 def folds_of(y: np.ndarray, groups: Sequence[Any] | None, folds: int, seed: int, field: str = "label",
-             method: str = "probe") -> np.ndarray:
+             classes: Sequence[Any] | None = None, method: str = "probe") -> np.ndarray:
     """The fold (0 .. folds-1) each example is held out in: stratified by ``y``, shuffled with ``seed``, and
     with ``groups`` never split (scikit-learn ``StratifiedGroupKFold``, else ``StratifiedKFold``)."""
     from sklearn.model_selection import StratifiedGroupKFold, StratifiedKFold
@@ -118,7 +120,8 @@ def folds_of(y: np.ndarray, groups: Sequence[Any] | None, folds: int, seed: int,
     counts = np.bincount(y)
     if counts.min() < folds:
         k = int(counts.argmin())
-        raise ValueError(f"{method}: class {k} of {field} has {counts.min()} example(s), fewer than folds: "
+        name = repr(classes[k]) if classes is not None else k
+        raise ValueError(f"{method}: class {field} = {name} has {counts.min()} example(s), fewer than folds: "
                          f"{folds}; give every class at least {folds} examples or lower folds")
     fold = np.full(len(y), -1, dtype=np.int64)
     if groups is None:
@@ -174,6 +177,18 @@ def collect_z(lm: Any, batch: Batch, position: str | int = "last") -> np.ndarray
     at = {p: k for k, p in enumerate(rec.z_positions)}
     z = rec.z.double().cpu().numpy()
     return np.stack([z[r, :, :, at[p]] for r, p in enumerate(wanted)])
+
+
+def length_batches(lm: Any, examples: Sequence[Any], batch_size: int) -> list[list[int]]:
+    """Example indices in batches of ``batch_size``, examples of similar token length together (less padding);
+    examples with images keep their order."""
+    if lm.tokenizer is None or any(ex.images for ex in examples):
+        order = list(range(len(examples)))
+    else:
+        lengths = [len(ex.input_ids) if ex.input_ids is not None else len(lm.tokenizer(ex.prompt).input_ids)
+                   for ex in examples]
+        order = sorted(range(len(examples)), key=lambda i: (lengths[i], i))
+    return [order[j:j + batch_size] for j in range(0, len(order), batch_size)]
 
 
 def nearest_mean_predict(means: np.ndarray, z: np.ndarray) -> np.ndarray:
@@ -257,21 +272,23 @@ def detect(config: Probe, ctx: StepContext) -> xr.Dataset:
                                  f"'{config.group}' in the task's meta: and give it in every record")
         groups = [ex.meta[config.group] for ex in examples]
     seed = ctx.seed if config.seed is None else config.seed
-    fold = folds_of(y, groups, config.folds, seed, config.label)
+    fold = folds_of(y, groups, config.folds, seed, config.label, classes)
 
-    n = len(examples)
-    chunks = [list(range(j, min(j + config.batch_size, n))) for j in range(0, n, config.batch_size)]
-    parts = []
+    chunks = length_batches(ctx.model, examples, config.batch_size)
+    z = None
     for idx in ctx.progress(chunks, "probe forwards"):
         batch = tokenize(ctx.model, [examples[i] for i in idx])
         try:
-            parts.append(collect_z(ctx.model, batch, config.position))
+            part = collect_z(ctx.model, batch, config.position)
         except IndexError as e:
             row, length = e.args
             raise ValueError(f"probe: position {config.position} is outside example {idx[row]}'s prompt of {length} "
                              "tokens; choose a position inside every prompt (0 .. its length - 1, or negative from "
                              "its end)") from None
-    z = np.concatenate(parts)  # (example, layer, head, D)
+        if z is None:
+            z = np.empty((len(examples), *part.shape[1:]))
+        z[idx] = part  # (example, layer, head, D)
+    n = len(examples)
 
     acc, probe_direction, fits = fit_heads(z, y, fold, config.folds, classifier=config.classifier, C=config.C,
                                            positive=positive, n_jobs=config.n_jobs, progress=ctx.progress)
