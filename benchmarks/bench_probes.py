@@ -98,7 +98,7 @@ def reference(lm, eager, examples, fold, y, n_folds):
 def headlab_forwards(lm, examples, batch_size: int) -> float:
     """Seconds of the probe detector's forwards alone (tokenize, one forward per batch, z at the last token)."""
     from headlab import tokenize
-    from headlab.plugins.detectors.probe import collect_z, length_batches
+    from headlab.plugins.probes.probe import collect_z, length_batches
 
     t0 = time.perf_counter()
     for idx in length_batches(lm, examples, batch_size):
@@ -123,7 +123,7 @@ def main() -> None:
     import torch
 
     from headlab import StepContext
-    from headlab.plugins.detectors.probe import Probe, detect, folds_of
+    from headlab.plugins.probes.probe import Probe, detect, folds_of
 
     lm, eager, examples = build(args)
     y = np.array([int(ex.meta["truth"]) for ex in examples])

@@ -15,7 +15,7 @@ from .dims import DIMENSIONS
 from .errors import ContractError, StepError
 from .forward_pass import forward, positions_from_mask
 from .generation import Batch, instrumented, tokenize
-from .heads import draw_like, from_pasta_json, from_retrieval_json, to_pasta_json, to_retrieval_json
+from .heads import draw_like, from_pasta_json, from_retrieval_json, ranked, to_pasta_json, to_retrieval_json
 from .hookspecs import hookimpl
 from .image_attention import attention_preview
 from .instrument import (
@@ -61,6 +61,7 @@ __all__ = [
     "SteeringConflictError",
     "instrumented", "shared_trunk", "span_tensor", "start_at_layer",
     # heads and result arrays
-    "DIMENSIONS", "Estimate", "attention_preview", "estimate", "draw_like", "from_pasta_json", "from_retrieval_json", "to_pasta_json",
+    "DIMENSIONS", "Estimate", "attention_preview", "estimate", "draw_like", "from_pasta_json", "from_retrieval_json", "ranked",
+    "to_pasta_json",
     "to_retrieval_json",
 ]

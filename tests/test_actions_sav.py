@@ -16,8 +16,8 @@ import torch
 import headlab
 from headlab import Example, StepContext
 from headlab.model import load_model
-from headlab.plugins.actions.sav import majority_vote, sav, sav_config
-from headlab.plugins.detectors.probe import Probe, detect
+from headlab.plugins.probes.probe import Probe, detect
+from headlab.plugins.probes.sav import majority_vote, sav, sav_config
 from headlab.spec import HeadsFrom, ModelSpec
 from headlab.vision import placeholder
 

@@ -14,7 +14,7 @@ import torch
 from sklearn.linear_model import LogisticRegression
 
 from headlab import Example, StepContext
-from headlab.plugins.detectors.probe import Probe, detect
+from headlab.plugins.probes.probe import Probe, detect
 
 from fixtures.circuits import models
 from fixtures.detectors import WORDS, build_models, tiny_config, word_tokenizer

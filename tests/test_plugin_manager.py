@@ -289,7 +289,7 @@ def test_invalid_registrations_are_clear_errors(registered):
 
     with pytest.raises(headlab.PluginError, match="action name 'task'"):
         registered(ReservedAction)
-    assert set(get_manager().components["actions"]) == {"detect", "generate", "score", "evaluate", "sav"}
+    assert set(get_manager().components["actions"]) == {"detect", "generate", "score", "evaluate", "prune_curve", "sav"}
 
 
 def test_plugin_exiting_at_import_does_not_kill_headlab(tmp_path, monkeypatch):
@@ -350,7 +350,7 @@ def test_a_third_party_action_runs_from_a_spec(registered, tmp_path):
     assert "patch" in headlab.json_schema()["$defs"]["Step"]["properties"]
     with pytest.raises(headlab.SpecError, match="unknown key 'scal'"):
         headlab.load_spec(text.replace("scale:", "scal:"))
-    with pytest.raises(headlab.SpecError, match="exactly one action: detect, evaluate, generate, sav, score or patch"):
+    with pytest.raises(headlab.SpecError, match="exactly one action: detect, evaluate, generate, prune_curve, score, sav or patch"):
         headlab.load_spec(text.replace("detect: {kind: induction}\n", "detect: {kind: induction}\n    patch: {}\n"))
     loaded = headlab.load_spec(text)
     assert loaded.spec.steps[1].patch.decode.kind == "greedy"  # the default decoder, named by no core code

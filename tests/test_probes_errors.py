@@ -17,7 +17,7 @@ LLAMA = {"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 2, "num_
 ROWS = [{"text": "red cat", "truth": True, "qid": 0}, {"text": "blue dog", "truth": False, "qid": 0},
         {"text": "red bird", "truth": True, "qid": 1}, {"text": "green cat", "truth": False, "qid": 1},
         {"text": "a red dog", "truth": True, "qid": 2}, {"text": "the blue", "truth": False, "qid": 2}]
-DETECTOR = "error: step 'pr' (detector 'probe', plugin headlab.plugins.detectors.probe): ValueError: probe: "
+DETECTOR = "error: step 'pr' (detector 'probe', plugin headlab.plugins.probes.probe): ValueError: probe: "
 
 
 def run_cli(folder, capfd, monkeypatch, steps: str, rows: list[dict], meta: str = "[truth, qid]") -> tuple[int, str]:
@@ -70,6 +70,6 @@ def test_sav_naming_a_step_that_is_not_a_probe_is_one_line(tmp_path, capfd, monk
     steps = "  - id: ind\n    detect: {kind: induction}\n  - id: vote\n    sav: {probe: ind}\n"
     code, line = run_cli(tmp_path, capfd, monkeypatch, steps, ROWS)
     assert code == 2
-    assert line == ("error: step 'vote' (action 'sav', plugin headlab.plugins.actions.sav): ValueError: sav: step "
+    assert line == ("error: step 'vote' (action 'sav', plugin headlab.plugins.probes.sav): ValueError: sav: step "
                     "'ind' is not a probe step (it ran induction); name a step with detect: {kind: probe, "
                     "classifier: nearest_mean, ...}"), line

@@ -23,11 +23,11 @@ import numpy as np
 import xarray as xr
 from pydantic import Field
 
-from headlab import StepContext, hookimpl, tokenize
-from headlab.heads import ranked
-from headlab.plugins.detectors.probe import collect_z, length_batches, nearest_mean_predict
+from headlab import StepContext, hookimpl, ranked, tokenize
 from headlab.resources import Estimate, EstimateContext
 from headlab.spec import HeadSelection, NonEmptyStr, PositiveInt, SpecTypes, StrictModel
+
+from .probe import collect_z, length_batches, nearest_mean_predict
 
 __all__ = ["majority_vote", "sav", "sav_config"]
 
