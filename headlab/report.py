@@ -100,31 +100,48 @@ def _describe(value: Any) -> str:
     """A component's config in a few words: ``decore(heads=top 8 of retrieval, alpha=entropy)``."""
     if isinstance(value, dict):
         if "from" in value:
-            words = [f"top {value['top']}" if "top" in value else "", f"of {value['from']}"]
-            return " ".join(w for w in words if w) + (" (random)" if value.get("random") else "")
+            source = f"top {value['top']} of {value['from']}" if value.get("top") else f"from {value['from']}"
+            return source + (" (random)" if value.get("random") else "")
         kind = value.get("kind")
         rest = ", ".join(f"{k}={_describe(v)}" for k, v in value.items() if k != "kind" and v not in (None, [], {}))
-        return f"{kind}({rest})" if kind and rest else str(kind) if kind else rest
+        return f"{kind}({rest})" if kind and rest else str(kind) if kind else f"({rest})"
     if isinstance(value, list):
         return ", ".join(_describe(v) for v in value)
     return str(value)
 
 
+def _typed_config(run: Run, step: str, action: str) -> dict[str, Any] | None:
+    """The step's action options as written in the run's spec (defaults left out), or None."""
+    from ruamel.yaml import YAML
+
+    try:
+        spec = YAML(typ="safe").load(run.spec_text)
+    except Exception:  # a spec text this YAML reader cannot parse: fall back to the stored config
+        return None
+    steps = spec.get("steps", []) if isinstance(spec, dict) else []
+    for entry in steps:
+        if isinstance(entry, dict) and entry.get("id") == step and isinstance(entry.get(action), dict):
+            return entry[action]
+    return None
+
+
 def _step_title(run: Run, step: str) -> str:
-    """The step id and what the step did, from its stored config: decoder and its options, steering, KV
-    policy (with where their heads come from)."""
+    """The step id and what the step did, from its config as written in the spec (else as stored): decoder
+    and its options, steering, KV policy, with where their heads come from (``top 8 of retrieval``)."""
     ds = run.results[step]
-    config = _config(ds)
+    action = str(ds.attrs.get("action", ""))
+    config = _typed_config(run, step, action) or _config(ds)
     parts = []
     decode = config.get("decode")
-    if isinstance(decode, dict) and decode.get("kind") not in (None, "greedy") or (decode and len(decode) > 1):
+    if isinstance(decode, dict) and (decode.get("kind") not in (None, "greedy") or len(decode) > 1):
         parts.append(f"decode {_describe(decode)}")
+    elif isinstance(decode, str) and decode != "greedy":
+        parts.append(f"decode {decode}")
     if config.get("steer"):
         parts.append(f"steer {_describe(config['steer'])}")
     if config.get("kv"):
         parts.append(f"kv {_describe(config['kv'])}")
-    action = str(ds.attrs.get("action", ""))
-    what = "; ".join(parts) or ("greedy" if action in ("generate", "evaluate") else "")
+    what = "; ".join(parts) or ("greedy" if action in ("generate", "evaluate", "score") else "")
     return f"{step}: {action} {what}".strip() if action else step
 
 
