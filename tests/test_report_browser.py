@@ -4,7 +4,8 @@ box (bounding boxes measured in the browser); and decoding_counterfact's one cha
 strategies, each bar with the step's n and interval, checked against numbers computed here.
 
 The runs are small versions of the specs (:mod:`fixtures.report_runs`: the same steps on fewer, shorter
-examples); the specs as typed are rendered the same way in the slow set (tests/test_example_specs.py).
+examples); the reports of the specs as typed are rendered the same way in the slow set
+(tests/test_example_specs.py, :func:`fixtures.figures.assert_renders`).
 """
 
 from __future__ import annotations
@@ -18,17 +19,9 @@ import pytest
 import headlab
 from headlab.report import render_report
 
-from fixtures.figures import CHROMIUM, embedded, problems, render, rows
-from fixtures.report_runs import reduced_spec
+from fixtures.figures import CHROMIUM, assert_renders, embedded, rows
+from fixtures.report_runs import REPORT_FIGURES, reduced_spec
 
-#: spec name -> figures its report must draw (adding a spec to the browser test is one line here)
-SPECS = {
-    "kv_compression": ["retrieval: score", "comparison: needle_recall", "kv: needle_recall vs kept_fraction",
-                       "kv: needle_recall vs kv_bytes", "kv: needle_recall by length",
-                       "kv: full needle_recall by length and depth",
-                       "kv: streaming_top4_w64 needle_recall by length and depth"],
-    "decoding_counterfact": ["retrieval: score", "comparison: context_memory"],
-}
 STRATEGIES = ["greedy", "decore", "decore_random", "cad", "dola"]
 
 
@@ -82,12 +75,11 @@ def test_decoding_counterfact_has_one_chart_comparing_the_five_strategies_with_n
 
 
 @pytest.mark.skipif(not Path(CHROMIUM).is_file(), reason=f"{CHROMIUM} is missing (.ci/setup-test installs it)")
-@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("name", list(REPORT_FIGURES))
 def test_report_renders_in_chromium(name, reports, tmp_path):
     pytest.importorskip("playwright.sync_api", reason="needs the notebook extras (playwright)")
     _, path = reports(name)
-    page = render(path, tmp_path / "profile")
-    assert not problems(page, SPECS[name]), problems(page, SPECS[name])
+    assert_renders(path, REPORT_FIGURES[name], tmp_path / "profile")
 
 
 def test_kv_compression_marks_the_random_policy_as_a_control_and_titles_steps_by_their_config(reports):
