@@ -178,7 +178,7 @@ def line_chart(xs: Sequence[Any], series: Mapping[str, Sequence[float]], *, x_ti
                title: str | Sequence[str] = "", intervals: Mapping[str, Sequence[tuple[float, float]]] | None = None,
                y_zero: bool = False, series_title: str = "series", width: int = 380, height: int = 220) -> Chart:
     """One line with point markers per series against ``xs``; numeric ``xs`` on a linear axis, others as
-    categories in the given order. ``intervals`` (per series, one ``(low, high)`` per x) draws a band.
+    categories in the given order; up to 12 numeric xs are the ticks themselves. ``intervals`` (per series, one ``(low, high)`` per x) draws a band.
     ``y_zero`` starts the y axis at 0 (for ratios). Points with a NaN value are left out."""
     numeric = all(isinstance(v, (int, float, np.number)) and not isinstance(v, bool) for v in xs)
     rows = []
@@ -191,7 +191,10 @@ def line_chart(xs: Sequence[Any], series: Mapping[str, Sequence[float]], *, x_ti
             if bands is not None:
                 row["low"], row["high"] = _finite(bands[k][0]), _finite(bands[k][1])
             rows.append(row)
-    x_enc = alt.X("x:Q", title=x_title, scale=alt.Scale(zero=False)) if numeric else \
+    whole = numeric and all(float(v).is_integer() for v in xs)
+    ticks = alt.Axis(values=[_plain(v) for v in xs], format="d" if whole else ".4~g") if len(set(xs)) <= 12 \
+        else alt.Axis(format="~g")
+    x_enc = alt.X("x:Q", title=x_title, scale=alt.Scale(zero=False), axis=ticks) if numeric else \
         alt.X("x:O", title=x_title, sort=[str(_plain(v)) for v in xs], axis=alt.Axis(labelAngle=0))
     y_enc = alt.Y("y:Q", title=y_title, scale=alt.Scale(zero=y_zero))
     color = alt.Color(f"{series_title}:N", title=series_title, sort=list(series))
