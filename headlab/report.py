@@ -36,6 +36,9 @@ from .circuit_view import (
     dla_bars_svg,
     head_map,
     position_grid_svg,
+    resid_map,
+    token_labels,
+    tokenizer_for,
 )
 from .image_attention import PREVIEW_ATTENTION, image_attention_svg, preview_of
 from .kv_view import kv_metrics, kv_points, kv_table_rows, kv_tradeoff_svg
@@ -265,10 +268,43 @@ def _attrs_table(ds: xr.Dataset, keys: Sequence[str]) -> str:
     return _table(["", ""], rows, "meta") if rows else ""
 
 
+def _tokens(run: Run, ds: xr.Dataset) -> list[str]:
+    """Token-axis labels of a per-token result: example 0's tokens (``clean/corrupt`` where its pair differs)."""
+    tokenizer = tokenizer_for(str(run.attrs.get("model", "")), run.attrs.get("model_revision"))
+    return token_labels(ds, tokenizer)
+
+
+def _resid_section(run: Run, step: str, ds: xr.Dataset) -> str:
+    """A residual-stream patching result: the (layer x token) map with the tokens of one example."""
+    score = resid_map(_mean_over_sweep(run, ds["score"]))
+    tokens = _tokens(run, ds)
+    title = "score per layer (the residual stream entering it) and token"
+    if _sweep_dims(run, ds["score"]):
+        title += ", mean over sweep cells"
+    return ("<h3>residual stream patching (tokens of example 0; clean/corrupted where its prompts differ)</h3>"
+            + grid_svg(score.values, [f"L{int(v)}" for v in score["layer"].values], tokens, title=title))
+
+
 def _patching_section(run: Run, step: str, ds: xr.Dataset) -> str:
     """An activation or attribution patching result: the (layer x head) map (a per-token score reduced to
     its peak), the top heads, their scores per token, the unpatched metrics and the comparison with exact
-    patching when AtP stored one."""
+    patching when AtP stored one; residual-stream patching as a (layer x token) map."""
+    out = [_step_header(step, ds, "detect patching")]
+    if not {"head", "kv_head"} & set(ds["score"].dims):
+        out.append(_resid_section(run, step, ds))
+    else:
+        out.append(_heads_part(run, ds))
+    metrics = [[f"{name} (mean over examples)", float(_mean_over_sweep(run, ds[name]).mean())]
+               for name in ("clean", "corrupt") if name in ds]
+    out.append('<div class="row">' + (_table(["metric", "value"], metrics, "metrics") if metrics else "")
+               + _attrs_table(ds, ["metric", "direction", "unit", "normalise", "convention", "estimator",
+                                   "reference_step", "spearman", "top_k", "top_k_recall"]) + "</div>")
+    out.append("</section>")
+    return "".join(out)
+
+
+def _heads_part(run: Run, ds: xr.Dataset) -> str:
+    """The (layer x head) map of a patching score, its top heads and, per token, the strongest heads' scores."""
     from .heads import ranked
 
     score = _mean_over_sweep(run, ds["score"])
@@ -282,20 +318,14 @@ def _patching_section(run: Run, step: str, ds: xr.Dataset) -> str:
     if _sweep_dims(run, ds["score"]):
         title += ", mean over sweep cells"
     top = ranked(hm)[:10]
-    out = [_step_header(step, ds, "detect patching")]
-    out.append('<div class="row">' + heatmap_svg(hm, title=title, highlight=[h for h, _ in top[:5]]))
+    out = ['<div class="row">' + heatmap_svg(hm, title=title, highlight=[h for h, _ in top[:5]])]
     out.append(_table(["rank", "layer", what, "score"], [[i, h[0], h[1], v] for i, (h, v) in enumerate(top, 1)],
                       "top") + "</div>")
     if by_token:
         strongest = sorted(np.ndindex(hm.shape), key=lambda lh: (-abs(np.nan_to_num(hm.values[lh])), lh))[:8]
-        out.append("<h3>the strongest heads per token (token 0: the prompt's first)</h3>"
-                   + position_grid_svg(score, [(int(a), int(b)) for a, b in strongest], title="score per token"))
-    metrics = [[f"{name} (mean over examples)", float(_mean_over_sweep(run, ds[name]).mean())]
-               for name in ("clean", "corrupt") if name in ds]
-    out.append('<div class="row">' + (_table(["metric", "value"], metrics, "metrics") if metrics else "")
-               + _attrs_table(ds, ["metric", "direction", "unit", "normalise", "convention", "estimator",
-                                   "reference_step", "spearman", "top_k", "top_k_recall"]) + "</div>")
-    out.append("</section>")
+        out.append("<h3>the strongest heads per token (tokens of example 0; clean/corrupted where its prompts "
+                   "differ)</h3>" + position_grid_svg(score, [(int(a), int(b)) for a, b in strongest],
+                                                      tokens=_tokens(run, ds), title="score per token"))
     return "".join(out)
 
 

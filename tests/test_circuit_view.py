@@ -17,14 +17,21 @@ import xarray as xr
 import headlab
 from headlab.circuit_view import (
     Edge,
+    atp_pairs,
+    atp_vs_exact,
     circuit_edges,
     circuit_graph_svg,
     circuit_kind,
+    circuit_of,
     dla_bars_svg,
+    dla_panels,
     dla_terms,
     head_map,
     parse_node,
     position_grid_svg,
+    resid_map,
+    token_labels,
+    tokenizer_for,
 )
 from headlab.report import render_report
 from headlab.svg import SIGN_COLORS, bar_chart_svg, color, grid_svg
@@ -230,13 +237,131 @@ def test_circuit_graph_layout_edges_and_colours():
     assert qx < hx + 26 < x2  # q enters left of the box's middle, v right of it
 
 
+def resid_dataset() -> xr.Dataset:
+    """Residual-stream patching, 2 layers x 3 tokens: the information moves from token 1 to token 2."""
+    score = np.array([[0.0, 0.4, 0.6], [0.0, -0.1, 1.0]])
+    return xr.Dataset({"score": (("layer", "token"), score),
+                       "patched": (("layer", "token", "example"), np.zeros((2, 3, 2))),
+                       "clean": (("example",), [2.0, 4.0]), "corrupt": (("example",), [-1.0, -3.0])},
+                      coords={"layer": [0, 1], "token": [0, 1, 2]},
+                      attrs={"method": "activation_patching", "unit": "resid", "metric": "logit_diff"})
+
+
+def test_resid_patching_is_a_layer_by_token_map():
+    ds = resid_dataset()
+    assert circuit_kind(ds) == "patching"
+    swept = xr.concat([ds["score"], ds["score"] + 1.0], dim="task.n").transpose("token", "task.n", "layer")
+    m = resid_map(swept)
+    assert m.dims == ("layer", "token")
+    np.testing.assert_allclose(m.values, ds["score"].values + 0.5)
+    with pytest.raises(ValueError, match="layer, token"):
+        resid_map(patching_by_token()["score"])
+
+
+def test_dla_panels_keep_the_heads_apart_from_the_totals():
+    ds = dla_dataset()
+    heads, totals = dla_panels(ds)
+    assert heads == [("L0H0", 0.5), ("L0H1", -0.25), ("L1H0", 2.0), ("L1H1", 0.125)]
+    assert dict(totals) == {"heads": 0.5 - 0.25 + 2.0 + 0.125, "rest": 1.5, "logit diff": 3.875}
+    assert dict(totals)["heads"] + dict(totals)["rest"] == dict(totals)["logit diff"]
+    heads, totals = dla_panels(ds, max_heads=2)  # the two largest, the sum of the others
+    assert heads == [("L0H0", 0.5), ("L1H0", 2.0), ("other heads (2)", -0.125)]
+    assert dict(totals)["heads"] == 2.375
+
+
+def circuit_dataset() -> xr.Dataset:
+    """Six edges, four in the circuit; the metrics per example."""
+    src = ["emb", "emb", "a0.h1", "a0.h1", "a1.h0", "m0"]
+    dst = ["a0.h1.q", "logits", "a1.h0.v", "logits", "logits", "logits"]
+    score = [0.5, -0.05, -0.8, 0.02, 1.6, 0.3]
+    member = [True, False, True, False, True, True]
+    return xr.Dataset({"score": (("edge",), score), "in_circuit": (("edge",), member),
+                       "clean": (("example",), [4.0, 6.0]), "corrupt": (("example",), [-2.0, 0.0]),
+                       "circuit": (("example",), [3.0, 2.0])},
+                      coords={"source": ("edge", src), "destination": ("edge", dst)},
+                      attrs={"method": "edge_attribution", "circuit_selection": "top 4 by |score|"})
+
+
+def test_circuit_of_is_the_selected_edges_with_faithfulness():
+    ds = circuit_dataset()
+    c = circuit_of(ds)
+    assert [(e.source, e.destination, e.weight) for e in c.edges] == [
+        ("a1.h0", "logits", 1.6), ("a0.h1", "a1.h0.v", -0.8), ("emb", "a0.h1.q", 0.5), ("m0", "logits", 0.3)]
+    assert (c.clean, c.corrupt, c.circuit) == (5.0, -1.0, 2.5)
+    assert c.faithfulness == pytest.approx(2.5 / 5.0)
+    assert c.faithfulness_normalised == pytest.approx((2.5 + 1.0) / (5.0 + 1.0))
+    assert c.selection == "top 4 by |score|"
+    assert circuit_of(ds.drop_vars("in_circuit")) is None
+    # with a sweep: scores averaged, an edge in any cell's circuit
+    two = xr.concat([ds, ds.assign(in_circuit=("edge", [False, True, False, False, False, False]))], dim="task.n")
+    assert {(e.source, e.destination) for e in circuit_of(two).edges} == {
+        ("a1.h0", "logits"), ("a0.h1", "a1.h0.v"), ("emb", "a0.h1.q"), ("m0", "logits"), ("emb", "logits")}
+
+
+def pair_step(method: str, score: np.ndarray, dims: tuple[str, ...], prompts: list[str], **attrs) -> xr.Dataset:
+    coords = {d: np.arange(n) for d, n in zip(dims, score.shape, strict=True)}
+    return xr.Dataset({"score": (dims, score), "clean": (("example",), np.ones(len(prompts))),
+                       "corrupt": (("example",), np.zeros(len(prompts))),
+                       "prompt": (("example",), np.array(prompts, dtype=object))},
+                      coords=coords, attrs={"method": method, "unit": "z", "metric": "logit_diff",
+                                            "direction": "denoise", "normalise": "means", **attrs})
+
+
+def test_atp_pairs_by_reference_or_by_unit_metric_direction_and_prompts():
+    rng = np.random.default_rng(0)
+    s = rng.normal(size=(2, 3))
+    prompts = ["a b", "c d"]
+    results = {
+        "patch": pair_step("activation_patching", s, ("layer", "head"), prompts),
+        "patch_other": pair_step("activation_patching", s, ("layer", "head"), ["x y", "z w"]),
+        "atp_ref": pair_step("attribution_patching", s, ("layer", "head"), prompts, reference_step="patch"),
+        "atp_auto": pair_step("attribution_patching", s, ("layer", "head"), prompts),  # patch_other: other prompts
+        "atp_noise": pair_step("attribution_patching", s, ("layer", "head"), prompts, direction="noise"),
+        "atp_alone": pair_step("attribution_patching", s, ("layer", "head"), ["q r", "s t"]),
+    }
+    assert atp_pairs(results) == [("atp_ref", "patch"), ("atp_auto", "patch")]
+
+
+def hand_spearman(a: np.ndarray, b: np.ndarray) -> float:
+    """Pearson correlation of the average ranks (pandas), the textbook Spearman."""
+    import pandas as pd
+
+    ra, rb = pd.Series(a).rank(method="average").values, pd.Series(b).rank(method="average").values
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+@pytest.mark.parametrize("direction", ["denoise", "noise"])
+def test_atp_vs_exact_spearman_and_top_k_overlap(direction):
+    rng = np.random.default_rng(1)
+    exact = rng.normal(size=(3, 4, 5))
+    exact[0, 0] = 0.0  # ties: a head whose every token is exactly zero in both
+    atp = exact + rng.normal(scale=0.5, size=exact.shape)
+    atp[0, 0] = 0.0
+    atp[2, 3, 4] = np.nan  # a unit AtP left undefined is left out
+    dims = ("layer", "head", "token")
+    e = pair_step("activation_patching", exact, dims, ["p"], direction=direction)
+    a = pair_step("attribution_patching", atp, dims, ["p"], direction=direction)
+    c = atp_vs_exact(a, e, top_k=7, atp_step="atp", exact_step="patch")
+    keep = np.isfinite(atp.ravel())
+    ev, av = exact.ravel()[keep], atp.ravel()[keep]
+    assert len(c.units) == keep.sum() == 59 and c.units[0] == "L0H0 t0" and c.units[-1] == "L2H3 t3"
+    np.testing.assert_array_equal(c.exact, ev)
+    np.testing.assert_array_equal(c.atp, av)
+    assert c.spearman == pytest.approx(hand_spearman(ev, av), abs=1e-12)
+    s0 = 1.0 if direction == "noise" else 0.0
+    by_exact = sorted(range(len(ev)), key=lambda i: -abs(ev[i] - s0))[:7]
+    by_atp = sorted(range(len(av)), key=lambda i: -abs(av[i] - s0))[:7]
+    assert c.top_k_overlap == len(set(by_exact) & set(by_atp)) / 7
+    assert (c.top_k, c.atp_step, c.exact_step) == (7, "atp", "patch")
+
+
 # --- the report ---------------------------------------------------------------------------------------------
 
 class Constructed(headlab.ComponentConfig):
     """A detector returning one of this test's datasets."""
 
     kind: Literal["constructed_circuit"] = "constructed_circuit"
-    which: Literal["patching", "kv", "dla", "edges"] = "patching"
+    which: Literal["patching", "kv", "dla", "edges", "resid"] = "patching"
 
 
 def constructed(config: Constructed, ctx) -> xr.Dataset:
@@ -244,6 +369,8 @@ def constructed(config: Constructed, ctx) -> xr.Dataset:
         return patching_by_token()
     if config.which == "dla":
         return dla_dataset()
+    if config.which == "resid":
+        return resid_dataset()
     if config.which == "kv":
         score = np.array([[0.25, -0.5], [1.0, 0.0]])
         return xr.Dataset({"score": (("layer", "kv_head"), score), "patched": (("layer", "kv_head", "example"),
@@ -265,7 +392,7 @@ def constructed_report(tmp_path_factory):
     name = headlab.register_plugin(ConstructedPlugin(), name="constructed-circuits", replace=True)
     try:
         steps = "".join(f"  - id: {w}\n    detect: {{kind: constructed_circuit, which: {w}}}\n"
-                        for w in ("patching", "kv", "dla", "edges"))
+                        for w in ("patching", "kv", "dla", "edges", "resid"))
         run = headlab.run(spec_text(steps, task="{kind: repeated_tokens, n: 2, length: 8}",  # 2 examples, as built
                                     out=str(tmp_path_factory.mktemp("runs"))))
         yield run, render_report(run)
@@ -294,6 +421,18 @@ def test_report_patching_section_map_per_token_grid_and_metrics(constructed_repo
     cells = {(int(a["data-layer"]), int(a["data-head"])): a["data-value"] for a in tags(kv, "rect", "data-layer")}
     assert cells == {(0, 0): "0.25", (0, 1): "-0.5", (1, 0): "1", (1, 1): "0"}
     assert "score per key/value head" in kv
+
+
+def test_report_resid_section_is_a_layer_by_token_map(constructed_report):
+    run, html = constructed_report
+    part = section(html, "resid")
+    grid = {(a["data-row"], a["data-col"]): a["data-value"] for a in tags(part, "rect", "data-row")}
+    n = run.results["resid"].sizes["token"]  # the task's prompts are longer than the constructed score
+    assert len(grid) == 2 * n
+    for layer, row in enumerate(resid_dataset()["score"].values):
+        assert [float(grid[(f"L{layer}", str(t))]) for t in range(3)] == list(row)
+        assert all(grid[(f"L{layer}", str(t))] == "nan" for t in range(3, n))
+    assert '<td>clean (mean over examples)</td><td class="num">3</td>' in part
 
 
 def test_report_dla_section_bars(constructed_report):
@@ -333,6 +472,9 @@ def test_report_escapes_labels_and_attrs(constructed_report):
 def test_report_of_a_real_pair_task_run_carries_its_numbers(tmp_path):
     spec = ("name: circ\nmodel: headlab-tiny\ntask: {kind: kv_swap, n: 3, num_pairs: 3}\nsteps:\n"
             "  - id: pos\n    detect: {kind: activation_patching, unit: z_position}\n"
+            "  - id: resid\n    detect: {kind: activation_patching, unit: resid}\n"
+            "  - id: patch\n    detect: {kind: activation_patching, unit: z}\n"
+            "  - id: atp\n    detect: {kind: attribution_patching, unit: z, top_k: 5}\n"
             "  - id: dla\n    detect: {kind: direct_logit_attribution}\n")
     run = headlab.run(spec, out=tmp_path)
     html = render_report(run)
@@ -342,12 +484,38 @@ def test_report_of_a_real_pair_task_run_carries_its_numbers(tmp_path):
     expected = head_map(pos["score"])
     for (layer, head), v in cells.items():
         assert v == pytest.approx(float(expected.sel(layer=layer, head=head)), rel=1e-3, abs=1e-6)
+    # token axes: example 0's tokens, written by the tokenizer here, "clean/corrupt" where its pair differs
+    tokenizer = tokenizer_for("headlab-tiny")
+    clean = tokenizer(str(pos["prompt"].values[0]))["input_ids"]
+    corrupt = tokenizer(str(pos["corrupt_prompt"].values[0]))["input_ids"]
+    words = ["<bos>", *tokenizer.tokenize(str(pos["prompt"].values[0]))]
+    other = ["<bos>", *tokenizer.tokenize(str(pos["corrupt_prompt"].values[0]))]
+    expected_labels = [a if a == b else f"{a}/{b}" for a, b in zip(words, other, strict=True)]
+    expected_labels += [""] * (pos.sizes["token"] - len(clean))
+    assert token_labels(pos, tokenizer) == expected_labels
+    assert sum("/" in t for t in expected_labels) == sum(a != b for a, b in zip(clean, corrupt, strict=True)) == 1
+    assert token_labels(pos) == [str(t) for t in range(pos.sizes["token"])]
     grid = tags(section(html, "pos"), "rect", "data-row")
     assert len(grid) == 8 * pos.sizes["token"]
-    for a in grid:
+    for k, a in enumerate(grid):
         layer, head = (int(x) for x in re.fullmatch(r"L(\d+)H(\d+)", a["data-row"]).groups())
-        v = float(pos["score"].sel(layer=layer, head=head, token=int(a["data-col"])))
+        token = k % pos.sizes["token"]
+        assert a["data-col"] == expected_labels[token]
+        v = float(pos["score"].sel(layer=layer, head=head, token=token))
         assert float(a["data-value"]) == pytest.approx(v, rel=1e-3, abs=1e-6)
+    resid = run.results["resid"]["score"]
+    grid = tags(section(html, "resid"), "rect", "data-row")
+    assert len(grid) == resid.size
+    for k, a in enumerate(grid):
+        layer, token = divmod(k, resid.sizes["token"])
+        assert (a["data-row"], a["data-col"]) == (f"L{layer}", expected_labels[token])
+        assert float(a["data-value"]) == pytest.approx(float(resid.sel(layer=layer, token=token)), rel=1e-3,
+                                                       abs=1e-6)
+    # AtP against exact patching: the numbers the detector stored itself
+    assert atp_pairs(run.results) == [("atp", "patch")]
+    c = atp_vs_exact(run.results["atp"], run.results["patch"], top_k=5)
+    assert c.spearman == pytest.approx(run.results["atp"].attrs["spearman"], abs=1e-9)
+    assert c.top_k_overlap == run.results["atp"].attrs["top_k_recall"]
     bars = {a["data-label"]: float(a["data-value"]) for a in tags(section(html, "dla"), "rect", "data-label")}
     assert bars["logit diff"] == pytest.approx(float(dla["logit_diff"].mean()), rel=1e-3)
     assert bars["L3H1"] == pytest.approx(float(dla["score"].sel(layer=3, head=1)), rel=1e-3)
@@ -405,8 +573,10 @@ def test_dla_bars_widget_and_circuit_graph_slider():
 def test_the_browser_and_the_runner_show_each_step_in_its_figure(constructed_report):
     run, _ = constructed_report
     views = widgets.run_views(run)
-    assert [type(v).__name__ for v in views] == ["PatchingMap", "PatchingMap", "DLABars", "CircuitGraph"]
-    patching, kv, dla, edges = views
+    assert [type(v).__name__ for v in views] == ["PatchingMap", "PatchingMap", "DLABars", "CircuitGraph", "HTML"]
+    patching, kv, dla, edges, resid = views
+    cells = {(a["data-row"], a["data-col"]): a["data-value"] for a in tags(resid.value, "rect", "data-row")}
+    assert [cells[("L1", str(t))] for t in range(3)] == ["0", "-0.1", "1"]
     assert patching.by_token and kv.kv and not kv.by_token
     np.testing.assert_allclose(np.array(kv.headmap.values), [[0.25, -0.5], [1.0, 0.0]])
     assert dla.terms == widgets.DLABars(run.results["dla"]).terms
