@@ -4,12 +4,16 @@
 - :func:`head_patterns`: each chosen head's attention over one prompt's tokens, ``(rank, query, key)``, with
   the tokens' text, from one forward with the full-pattern probe of the chosen heads' layers
   (:class:`headlab.instrument.Probes` ``pattern``); the prompt is held to ``max_tokens`` tokens, so the
-  pattern is small by construction.
+  pattern is small by construction;
+- :func:`run_model`: a stored run's model, loaded again when it is on this machine and has the run's weights.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,9 +23,11 @@ from .context import Example
 from .forward_pass import forward
 from .generation import tokenize
 from .instrument import Plan, Probes
-from .model import LoadedModel
+from .model import LoadedModel, load_model
+from .plugin_manager import get_manager
+from .spec import ModelSpec
 
-__all__ = ["PATTERN_TOKEN_LIMIT", "head_patterns", "top_heads"]
+__all__ = ["PATTERN_TOKEN_LIMIT", "head_patterns", "run_model", "top_heads"]
 
 #: the most tokens :func:`head_patterns` takes by default: a pattern grows with their square
 PATTERN_TOKEN_LIMIT = 96
@@ -81,3 +87,31 @@ def head_patterns(lm: LoadedModel, prompt: str | Sequence[int], heads: Sequence[
                                 "head": ("rank", [b for _, b in picked]), "query": np.arange(n),
                                 "key": np.arange(n), "query_token": ("query", tokens), "key_token": ("key", tokens)},
                         name="attention")
+
+
+@functools.lru_cache(maxsize=1)
+def _load(model_json: str, seed: int, digest: str) -> LoadedModel | None:
+    data = json.loads(model_json)
+    data.update(device="cpu", device_map=None, max_memory=None, offload_folder=None)
+    spec = ModelSpec(**data)
+    ref = spec.path or spec.id
+    local = spec.config is not None or (ref is not None and (ref in get_manager().components["models"]
+                                                             or Path(ref).expanduser().is_dir()))
+    if not local:
+        return None
+    try:
+        lm = load_model(spec, seed)
+    except Exception:  # noqa: BLE001 - not loadable here: the caller says the patterns need the model
+        return None
+    return lm if not digest or lm.digest == digest else None
+
+
+def run_model(attrs: dict[str, Any]) -> LoadedModel | None:
+    """The model of a stored run (its ``attrs``: the resolved spec, the seed and the weights digest), loaded on
+    the CPU when it is an embedded model, a local checkpoint or a model built from a config, and its weights
+    digest is the run's; None otherwise (nothing is downloaded). The last one loaded is kept."""
+    try:
+        model = json.loads(attrs["resolved"])["model"]
+    except (KeyError, TypeError, ValueError):
+        return None
+    return _load(json.dumps(model, sort_keys=True), int(attrs.get("seed", 0) or 0), str(attrs.get("model_digest", "")))

@@ -29,17 +29,28 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
+from .attention_patterns import head_patterns, run_model, top_heads
+from .circuit_figures import (
+    atp_scatter,
+    circuit_chart,
+    dla_chart,
+    head_map_chart,
+    pattern_charts,
+    token_chart,
+)
 from .circuit_view import (
+    atp_pairs,
+    atp_vs_exact,
     circuit_edges,
-    circuit_graph_svg,
     circuit_kind,
-    dla_bars_svg,
+    circuit_of,
     head_map,
-    position_grid_svg,
     resid_map,
     token_labels,
     tokenizer_for,
 )
+from .context import IMAGE_MARKER
+from .figures import FIGURE_CLASS, page_script, to_html_fragment
 from .image_attention import PREVIEW_ATTENTION, image_attention_svg, preview_of
 from .kv_view import kv_metrics, kv_points, kv_table_rows, kv_tradeoff_svg
 from .results import Run, open_run
@@ -274,26 +285,39 @@ def _tokens(run: Run, ds: xr.Dataset) -> list[str]:
     return token_labels(ds, tokenizer)
 
 
-def _resid_section(run: Run, step: str, ds: xr.Dataset) -> str:
+_TOKENS_NOTE = "tokens of example 0; clean/corrupted where its prompts differ"
+
+
+def _resid_part(run: Run, ds: xr.Dataset) -> str:
     """A residual-stream patching result: the (layer x token) map with the tokens of one example."""
     score = resid_map(_mean_over_sweep(run, ds["score"]))
-    tokens = _tokens(run, ds)
-    title = "score per layer (the residual stream entering it) and token"
-    if _sweep_dims(run, ds["score"]):
-        title += ", mean over sweep cells"
-    return ("<h3>residual stream patching (tokens of example 0; clean/corrupted where its prompts differ)</h3>"
-            + grid_svg(score.values, [f"L{int(v)}" for v in score["layer"].values], tokens, title=title))
+    title = ["residual stream patching: the stream entering each layer, patched at one token",
+             _TOKENS_NOTE + (", mean over sweep cells" if _sweep_dims(run, ds["score"]) else "")]
+    chart = token_chart(score.values, [f"L{int(v)}" for v in score["layer"].values], _tokens(run, ds),
+                        title=title, row_title="layer")
+    return to_html_fragment(chart, name="resid-map")
+
+
+def _atp_part(run: Run, step: str, ds: xr.Dataset) -> str:
+    """AtP against the exact patching of the same task, when both ran."""
+    exact = dict(atp_pairs(run.results)).get(step)
+    if exact is None:
+        return ""
+    top_k = int(ds.attrs.get("top_k", 10)) if isinstance(ds.attrs.get("top_k", 10), (int, float)) else 10
+    c = atp_vs_exact(ds, run.results[exact], top_k=top_k, atp_step=step, exact_step=exact)
+    return to_html_fragment(atp_scatter(c), name="atp-vs-exact")
 
 
 def _patching_section(run: Run, step: str, ds: xr.Dataset) -> str:
     """An activation or attribution patching result: the (layer x head) map (a per-token score reduced to
-    its peak), the top heads, their scores per token, the unpatched metrics and the comparison with exact
-    patching when AtP stored one; residual-stream patching as a (layer x token) map."""
+    its peak), the top heads, their scores per token, the unpatched metrics and, for AtP, a scatter against
+    the exact patching of the same task; residual-stream patching as a (layer x token) map."""
     out = [_step_header(step, ds, "detect patching")]
     if not {"head", "kv_head"} & set(ds["score"].dims):
-        out.append(_resid_section(run, step, ds))
+        out.append(_resid_part(run, ds))
     else:
         out.append(_heads_part(run, ds))
+    out.append(_atp_part(run, step, ds))
     metrics = [[f"{name} (mean over examples)", float(_mean_over_sweep(run, ds[name]).mean())]
                for name in ("clean", "corrupt") if name in ds]
     out.append('<div class="row">' + (_table(["metric", "value"], metrics, "metrics") if metrics else "")
@@ -311,27 +335,30 @@ def _heads_part(run: Run, ds: xr.Dataset) -> str:
     by_token = "token" in score.dims
     kv = "kv_head" in score.dims
     hm = head_map(score)
-    if kv:
-        hm = hm.rename(kv_head="head")
     what = "key/value head" if kv else "head"
     title = "score per " + what + (" (the per-token score of largest magnitude)" if by_token else "")
     if _sweep_dims(run, ds["score"]):
         title += ", mean over sweep cells"
-    top = ranked(hm)[:10]
-    out = ['<div class="row">' + heatmap_svg(hm, title=title, highlight=[h for h, _ in top[:5]])]
+    top = ranked(hm.rename(kv_head="head") if kv else hm)[:10]
+    out = ['<div class="row">' + to_html_fragment(head_map_chart(hm, title=title, highlight=[h for h, _ in top[:5]]),
+                                                  name="patching-map")]
     out.append(_table(["rank", "layer", what, "score"], [[i, h[0], h[1], v] for i, (h, v) in enumerate(top, 1)],
                       "top") + "</div>")
     if by_token:
         strongest = sorted(np.ndindex(hm.shape), key=lambda lh: (-abs(np.nan_to_num(hm.values[lh])), lh))[:8]
-        out.append("<h3>the strongest heads per token (tokens of example 0; clean/corrupted where its prompts "
-                   "differ)</h3>" + position_grid_svg(score, [(int(a), int(b)) for a, b in strongest],
-                                                      tokens=_tokens(run, ds), title="score per token"))
+        layers, heads = hm["layer"].values, hm[hm.dims[1]].values
+        picked = [(int(layers[a]), int(heads[b])) for a, b in strongest]
+        per_token = score.transpose("layer", "head", "token")
+        values = np.array([per_token.sel(layer=la, head=he).values for la, he in picked], dtype=float)
+        chart = token_chart(values, [f"L{la}H{he}" for la, he in picked], _tokens(run, ds),
+                            title=["the strongest heads per token", _TOKENS_NOTE], row_title="head")
+        out.append(to_html_fragment(chart, name="patching-tokens"))
     return "".join(out)
 
 
 def _dla_section(run: Run, step: str, ds: xr.Dataset) -> str:
-    """A direct logit attribution result: the (layer x head) map and the heads, the rest and the total as
-    signed bars."""
+    """A direct logit attribution result: the (layer x head) map, the top heads, and the heads' terms apart from
+    the totals they add up to (the heads' sum, the rest, the logit difference)."""
     from .heads import ranked
 
     score = _mean_over_sweep(run, ds["score"])
@@ -341,34 +368,71 @@ def _dla_section(run: Run, step: str, ds: xr.Dataset) -> str:
         if name in ds:
             mean[name] = _mean_over_sweep(run, ds[name])
     out = [_step_header(step, ds, "detect dla")]
-    out.append('<div class="row">' + heatmap_svg(score, title="direct effect per head (mean over examples)",
-                                                 highlight=[h for h, _ in top[:5]]))
+    out.append('<div class="row">' + to_html_fragment(head_map_chart(
+        score, title="direct effect per head (mean over examples)", highlight=[h for h, _ in top[:5]]),
+        name="dla-map"))
     out.append(_table(["rank", "layer", "head", "score"], [[i, h[0], h[1], v] for i, (h, v) in enumerate(top, 1)],
                       "top") + "</div>")
-    out.append(dla_bars_svg(mean))
+    heads, totals = dla_chart(mean)
+    out.append('<div class="row">' + to_html_fragment(heads, name="dla-heads")
+               + to_html_fragment(totals, name="dla-totals") + "</div>")
     out.append("</section>")
     return "".join(out)
 
 
 def _edges_section(run: Run, step: str, ds: xr.Dataset, top_k: int = 30) -> str:
-    """An edge attribution result: the ``top_k`` edges as a circuit graph and a table, and the faithfulness."""
-    score = _mean_over_sweep(run, ds["score"])
-    edges = circuit_edges(score, top_k=top_k)
+    """An edge attribution result: its circuit (the ``in_circuit`` edges) as a graph with its faithfulness, or
+    without a circuit the ``top_k`` edges of largest ``|score|``; their table."""
+    mean = ds.assign(score=_mean_over_sweep(run, ds["score"]))
+    circuit = circuit_of(mean)
     out = [_step_header(step, ds, "detect edges")]
-    out.append('<div class="row">' + circuit_graph_svg(edges, title=f"the {len(edges)} edges of largest |score|"))
-    out.append(_table(["rank", "source", "destination", "score"],
-                      [[i, e.source, e.destination, e.weight] for i, e in enumerate(edges, 1)], "edges") + "</div>")
-    values = []
-    for name in ("faithfulness",):
-        if name in ds and ds[name].dtype.kind in "fiu":
-            da = _mean_over_sweep(run, ds[name])
-            values.append([name, float(da.mean()) if da.ndim else float(da)])
-        elif isinstance(ds.attrs.get(name), (int, float)):
-            values.append([name, float(ds.attrs[name])])
-    out.append('<div class="row">' + (_table(["", ""], values, "metrics") if values else "")
-               + _attrs_table(ds, ["metric", "method", "estimator", "steps", "top_k", "threshold"]) + "</div>")
+    if circuit is not None:
+        edges = circuit.edges
+        chart = circuit_chart(circuit, title=f"the circuit: {len(edges)} edges")
+    else:
+        edges = circuit_edges(mean["score"], top_k=top_k)
+        chart = circuit_chart(edges, title=f"the {len(edges)} edges of largest |score| (the step selected no circuit)")
+    out.append(to_html_fragment(chart, name="circuit"))
+    out.append('<div class="row">' + _table(["rank", "source", "destination", "score"],
+                                            [[i, e.source, e.destination, e.weight] for i, e in enumerate(edges, 1)],
+                                            "edges"))
+    values: list[list[Any]] = []
+    if circuit is not None:
+        values = [["clean (mean over examples)", circuit.clean], ["corrupt (mean over examples)", circuit.corrupt],
+                  ["circuit (mean over examples)", circuit.circuit], ["faithfulness", circuit.faithfulness],
+                  ["faithfulness_normalised", circuit.faithfulness_normalised]]
+    elif "faithfulness" in ds and ds["faithfulness"].dtype.kind in "fiu":
+        values = [["faithfulness", float(_mean_over_sweep(run, ds["faithfulness"]).mean())]]
+    elif isinstance(ds.attrs.get("faithfulness"), (int, float)):
+        values = [["faithfulness", float(ds.attrs["faithfulness"])]]
+    out.append((_table(["", ""], values, "metrics") if values else "")
+               + _attrs_table(ds, ["metric", "method", "estimator", "circuit_selection", "steps", "top_k",
+                                   "threshold"]) + "</div>")
     out.append("</section>")
     return "".join(out)
+
+
+def _attention_figure(run: Run, step: str, ds: xr.Dataset, n_heads: int = 4) -> str:
+    """The attention patterns of the step's ``n_heads`` top heads on its first example's prompt, when the run's
+    model is on this machine and the prompt is short (:mod:`headlab.attention_patterns`)."""
+    score = ds.get("score")
+    if score is None or not {"layer", "head"} <= set(score.dims) or "prompt" not in ds or "image" in ds:
+        return ""
+    prompt = str(ds["prompt"].values.reshape(-1)[0])
+    if not prompt or IMAGE_MARKER in prompt:
+        return ""
+    heads = top_heads(_mean_over_sweep(run, score), n_heads)
+    lm = run_model(run.attrs)
+    if lm is None or lm.tokenizer is None or lm.processor is not None:
+        return ('<p class="note">attention patterns: not drawn, the run\'s text model (with its weights) is not '
+                "on this machine.</p>")
+    try:
+        patterns = head_patterns(lm, prompt, heads)
+    except ValueError as e:
+        return f'<p class="note">attention patterns: not drawn, {escape(str(e))}.</p>'
+    charts = pattern_charts(patterns)
+    return (f"<h3>attention of the top {len(heads)} heads on example 0's prompt (query x key)</h3>"
+            '<div class="row">' + "".join(to_html_fragment(c, name="attention-pattern") for c in charts) + "</div>")
 
 
 def _image_figure(run: Run, ds: xr.Dataset, n_heads: int = 3) -> str:
@@ -464,12 +528,14 @@ def render_report(run: Run | str | Path, *, n_examples: int = 8) -> str:
             section = _task_section(run, step, ds, n_examples)
         else:
             section = _values_section(step, ds)
-        figure = _image_figure(run, ds)
+        figure = _image_figure(run, ds) + _attention_figure(run, step, ds)
         if figure:
             section = section.removesuffix("</section>") + figure + "</section>"
         parts.append(section)
     parts.append(_kv_section(run))
     parts.append(f"<h2>spec</h2><pre>{escape(run.spec_text)}</pre>")
+    if any(f'class="{FIGURE_CLASS}"' in part for part in parts):
+        parts.append(page_script())  # the Vega-Lite figures' JavaScript, inlined once
     parts.append(f'<p style="color:#888;font-size:11px">{escape(str(run.path))}</p></body></html>')
     return "\n".join(parts)
 
