@@ -17,10 +17,12 @@ per page by :func:`page_script`; SVG and PNG are rendered by the same library, w
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import html
 import json
 import math
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -32,7 +34,7 @@ import xarray as xr
 __all__ = [
     "FIGURE_CLASS", "NAN_COLOR", "SEQUENTIAL_SCHEME", "DIVERGING_SCHEME", "Chart", "ScaleKind", "bar_chart",
     "color_scale_kind", "figure_spec", "heatmap", "line_chart", "mib", "page_script", "save", "scatter",
-    "standalone_html", "to_html_fragment",
+    "standalone_html", "to_html_fragment", "to_svg",
 ]
 
 Chart = alt.TopLevelMixin
@@ -306,9 +308,10 @@ def bar_chart(rows: Sequence[Mapping[str, Any]], *, category: str, value: str, v
     return _sized(alt.layer(*layers), width, max(bar * len(data), 40), title)
 
 
-def figure_spec(chart: Chart) -> dict[str, Any]:
-    """The Vega-Lite specification of ``chart`` as a JSON-ready dict."""
-    return chart.to_dict(validate=True)
+def figure_spec(chart: Chart, *, validate: bool = True) -> dict[str, Any]:
+    """The Vega-Lite specification of ``chart`` as a JSON-ready dict, checked against Vega-Lite's schema
+    unless ``validate`` is false."""
+    return chart.to_dict(validate=validate)
 
 
 def _vl_version() -> str:
@@ -326,11 +329,28 @@ for (const div of document.querySelectorAll('div.@CLASS@:not([data-rendered])'))
 """.replace("@CLASS@", FIGURE_CLASS)
 
 
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "headlab"
+
+
 @functools.lru_cache(maxsize=1)
 def _bundle() -> str:
+    """The Vega, Vega-Lite and vega-embed JavaScript, built by vl-convert once per version and kept in
+    ``~/.cache/headlab`` (building it takes seconds)."""
     import vl_convert
 
-    return vl_convert.javascript_bundle(vl_version=_vl_version())
+    name = f"vega-bundle-{vl_convert.get_vega_version()}-{_vl_version()}-{vl_convert.get_vega_embed_version()}.js"
+    cached = _cache_dir() / name
+    with contextlib.suppress(OSError):
+        return cached.read_text(encoding="utf-8")
+    bundle = vl_convert.javascript_bundle(vl_version=_vl_version())
+    with contextlib.suppress(OSError):
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        partial = cached.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(bundle, encoding="utf-8")
+        partial.replace(cached)
+    return bundle
 
 
 def page_script() -> str:
@@ -343,7 +363,7 @@ def page_script() -> str:
 def to_html_fragment(chart: Chart, *, name: str = "") -> str:
     """A ``<div class="headlab-figure">`` holding ``chart``'s specification, drawn by the page's
     :func:`page_script`; ``name`` becomes its ``data-figure`` attribute (what the figure shows)."""
-    spec = json.dumps(figure_spec(chart), separators=(",", ":")).replace("</", "<\\/")
+    spec = json.dumps(figure_spec(chart, validate=False), separators=(",", ":")).replace("</", "<\\/")
     return (f'<div class="{FIGURE_CLASS}" data-figure="{html.escape(name)}"><div class="chart"></div>'
             f'<script type="application/json">{spec}</script></div>')
 
@@ -354,6 +374,13 @@ def standalone_html(charts: Sequence[Chart] | Chart, *, title: str = "headlab fi
     body = "".join(to_html_fragment(c) for c in charts)
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
             f"</head><body>{body}{page_script()}</body></html>")
+
+
+def to_svg(chart: Chart) -> str:
+    """``chart`` as a static SVG document (no tooltips; for places that show no JavaScript)."""
+    import vl_convert
+
+    return vl_convert.vegalite_to_svg(figure_spec(chart), vl_version=_vl_version())
 
 
 def save(chart: Chart, path: str | Path, *, format: Literal["svg", "png", "html"] | None = None,
@@ -370,7 +397,7 @@ def save(chart: Chart, path: str | Path, *, format: Literal["svg", "png", "html"
     if fmt == "html":
         path.write_text(standalone_html(chart), encoding="utf-8")
     elif fmt == "svg":
-        path.write_text(vl_convert.vegalite_to_svg(figure_spec(chart), vl_version=_vl_version()), encoding="utf-8")
+        path.write_text(to_svg(chart), encoding="utf-8")
     else:
         path.write_bytes(vl_convert.vegalite_to_png(figure_spec(chart), vl_version=_vl_version(), scale=scale))
     return path

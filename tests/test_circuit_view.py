@@ -446,18 +446,18 @@ def test_report_patching_section_map_per_token_grid_and_metrics(constructed_repo
     _, html = constructed_report
     part = section(html, "patching")
     figs = figures_of(part)
-    cells = cell_values(figs["patching-map"][0])
+    cells = cell_values(figs["patching: score"][0])
     assert len(cells) == 6 and cells[("1", "2")] == -0.8 and cells[("0", "1")] == 0.6
-    scale = colour_scale_of(figs["patching-map"][0])  # signed: diverging, centred at 0
+    scale = colour_scale_of(figs["patching: score"][0])  # signed: diverging, centred at 0
     assert scale["domainMid"] == 0 and scale["domain"] == [-0.8, 0.8]
-    grid = cell_values(figs["patching-tokens"][0])
+    grid = cell_values(figs["patching: score by head and token"][0])
     # the strongest heads by magnitude, every token (labelled by index: this run's model has no tokenizer)
     assert [grid[("L1H2", str(t))] for t in range(4)] == [0.0, 0.3, 0.1, -0.8]
     assert [grid[("L0H1", str(t))] for t in range(4)] == [0.0, 0.1, 0.6, 0.2]
     assert '<td>clean (mean over examples)</td><td class="num">3</td>' in part
     assert '<td>corrupt (mean over examples)</td><td class="num">-2</td>' in part
     kv = section(html, "kv")
-    cells = cell_values(figures_of(kv)["patching-map"][0])
+    cells = cell_values(figures_of(kv)["kv: score"][0])
     assert cells == {("0", "0"): 0.25, ("0", "1"): -0.5, ("1", "0"): 1.0, ("1", "1"): 0.0}
     assert "score per key/value head" in kv
 
@@ -465,24 +465,24 @@ def test_report_patching_section_map_per_token_grid_and_metrics(constructed_repo
 def test_report_resid_section_is_a_layer_by_token_map(constructed_report):
     run, html = constructed_report
     part = section(html, "resid")
-    grid = cell_values(figures_of(part)["resid-map"][0])
+    grid = cell_values(figures_of(part)["resid: score by layer and token"][0])
     n = run.results["resid"].sizes["token"]  # the task's prompts are longer than the constructed score
     assert len(grid) == 2 * n
     for layer, row in enumerate(resid_dataset()["score"].values):
         assert [grid[(f"L{layer}", str(t))] for t in range(3)] == list(row)
         assert all(grid[(f"L{layer}", str(t))] is None for t in range(3, n))  # NaN: no such token
-    assert colour_scale_of(figures_of(part)["resid-map"][0])["domainMid"] == 0
+    assert colour_scale_of(figures_of(part)["resid: score by layer and token"][0])["domainMid"] == 0
     assert '<td>clean (mean over examples)</td><td class="num">3</td>' in part
 
 
 def test_report_dla_section_heads_apart_from_the_totals(constructed_report):
     _, html = constructed_report
     figs = figures_of(section(html, "dla"))
-    heads = {r["term"]: r["value"] for r in rows_of(figs["dla-heads"][0])}
-    totals = {r["term"]: r["value"] for r in rows_of(figs["dla-totals"][0])}
+    heads = {r["term"]: r["value"] for r in rows_of(figs["dla: heads"][0])}
+    totals = {r["term"]: r["value"] for r in rows_of(figs["dla: totals"][0])}
     assert heads == {"L0H0": 0.5, "L0H1": -0.25, "L1H0": 2.0, "L1H1": 0.125}
     assert totals == {"heads": 2.375, "rest": 1.5, "logit diff": 3.875}
-    cells = cell_values(figs["dla-map"][0])
+    cells = cell_values(figs["dla: score"][0])
     assert cells == {("0", "0"): 0.5, ("0", "1"): -0.25, ("1", "0"): 2.0, ("1", "1"): 0.125}
 
 
@@ -494,7 +494,7 @@ def link_rows(spec: dict) -> dict[tuple[str, str], dict]:
 def test_report_edges_section_graph_table_and_faithfulness(constructed_report):
     _, html = constructed_report
     part = section(html, "edges")  # no circuit selected: the strongest edges
-    links = link_rows(figures_of(part)["circuit"][0])
+    links = link_rows(figures_of(part)["edges: circuit"][0])
     assert {k: r["score"] for k, r in links.items()} == {
         ("a1.h0", "logits"): 1.6, ("a0.h1", "a1.h0.v"): -0.8, ("emb", "a1.h0.q"): 0.4, (HOSTILE, "logits"): 0.3,
         ("a0.h1", "logits"): 0.2, ("emb", "m1"): -0.1, ("m1", "logits"): 0.05}
@@ -503,7 +503,7 @@ def test_report_edges_section_graph_table_and_faithfulness(constructed_report):
     assert rows[0] == ("1", "a1.h0", "logits", "1.6") and rows[1] == ("2", "a0.h1", "a1.h0.v", "-0.8")
     assert '<td>faithfulness</td><td class="num">0.875</td>' in part
     part = section(html, "circuit")  # the circuit the step selected, with its faithfulness
-    spec = figures_of(part)["circuit"][0]
+    spec = figures_of(part)["circuit: circuit"][0]
     assert set(link_rows(spec)) == {(e.source, e.destination) for e in circuit_of(circuit_dataset()).edges}
     assert "faithfulness 0.5, normalised 0.583" in json.dumps(spec["title"])
     assert '<td>faithfulness_normalised</td><td class="num">0.5833</td>' in part
@@ -560,7 +560,7 @@ def test_report_of_a_real_pair_task_run_carries_its_numbers(tmp_path):
     pos, dla = run.results["pos"], run.results["dla"]
     figs = figures_of(section(html, "pos"))
     expected = head_map(pos["score"])
-    cells = cell_values(figs["patching-map"][0])
+    cells = cell_values(figs["pos: score"][0])
     assert len(cells) == 32
     for (layer, head), v in cells.items():
         assert v == pytest.approx(float(expected.sel(layer=int(layer), head=int(head))), rel=1e-5, abs=1e-7)
@@ -575,7 +575,7 @@ def test_report_of_a_real_pair_task_run_carries_its_numbers(tmp_path):
     assert token_labels(pos, tokenizer) == expected_labels
     assert sum("/" in t for t in expected_labels) == sum(a != b for a, b in zip(clean, corrupt, strict=True)) == 1
     assert token_labels(pos) == [str(t) for t in range(pos.sizes["token"])]
-    rows = rows_of(figs["patching-tokens"][0])
+    rows = rows_of(figs["pos: score by head and token"][0])
     assert len(rows) == 8 * pos.sizes["token"]
     for r in rows:
         layer, head = (int(x) for x in re.fullmatch(r"L(\d+)H(\d+)", r["_ylabel"]).groups())
@@ -583,7 +583,7 @@ def test_report_of_a_real_pair_task_run_carries_its_numbers(tmp_path):
         v = float(pos["score"].sel(layer=layer, head=head, token=r["_x"]))
         assert r["score"] == pytest.approx(v, rel=1e-5, abs=1e-7)
     resid = run.results["resid"]["score"]
-    rows = rows_of(figures_of(section(html, "resid"))["resid-map"][0])
+    rows = rows_of(figures_of(section(html, "resid"))["resid: score by layer and token"][0])
     assert len(rows) == resid.size
     for r in rows:
         assert r["_xlabel"] == expected_labels[r["_x"]] and r["_ylabel"] == f"L{r['_y']}"
@@ -593,21 +593,21 @@ def test_report_of_a_real_pair_task_run_carries_its_numbers(tmp_path):
     c = atp_vs_exact(run.results["atp"], run.results["patch"], top_k=5)
     assert c.spearman == pytest.approx(run.results["atp"].attrs["spearman"], abs=1e-9)
     assert c.top_k_overlap == run.results["atp"].attrs["top_k_recall"]
-    scatter = figures_of(section(html, "atp"))["atp-vs-exact"][0]
+    scatter = figures_of(section(html, "atp"))["atp: AtP against patch"][0]
     points = {r["unit"]: (r["_x"], r["_y"]) for r in rows_of(scatter)}
     assert len(points) == 32 and points["L3H1"] == (pytest.approx(float(run.results["patch"]["score"].sel(
         layer=3, head=1))), pytest.approx(float(run.results["atp"]["score"].sel(layer=3, head=1))))
     assert f"Spearman {c.spearman:.3f}" in scatter["title"]["text"][1]
     figs = figures_of(section(html, "dla"))
-    totals = {r["term"]: r["value"] for r in rows_of(figs["dla-totals"][0])}
-    heads = {r["term"]: r["value"] for r in rows_of(figs["dla-heads"][0])}
+    totals = {r["term"]: r["value"] for r in rows_of(figs["dla: totals"][0])}
+    heads = {r["term"]: r["value"] for r in rows_of(figs["dla: heads"][0])}
     assert totals["logit diff"] == pytest.approx(float(dla["logit_diff"].mean()), rel=1e-5)
     assert heads["L3H1"] == pytest.approx(float(dla["score"].sel(layer=3, head=1)), rel=1e-5)
     assert totals["heads"] + totals["rest"] == pytest.approx(totals["logit diff"], rel=1e-4)
     # the attention of the step's top heads on example 0's prompt, as the model computes it
     from headlab.attention_patterns import head_patterns, run_model, top_heads
 
-    patterns = figs["attention-pattern"] if "attention-pattern" in figs else []
+    patterns = [spec for name, specs in figs.items() if name.startswith("dla: attention ") for spec in specs]
     assert len(patterns) == 4
     lm = run_model(run.attrs)
     expected = head_patterns(lm, str(dla["prompt"].values[0]), top_heads(dla["score"], 4))
