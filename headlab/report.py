@@ -4,8 +4,11 @@
 spec, a (layer x head) heatmap of every detect step's scores (averaged over sweep cells, and one per
 cell when there is a sweep), top-head tables, metric tables per sweep cell, line plots of metrics and
 top-head scores against numeric sweep keys, sample generations, per-task metrics with sample records
-(``evaluate`` steps), the circuit analyses (:mod:`headlab.circuit_view`: patching maps with the top heads'
-scores per token, direct logit attribution as signed bars, edge attribution as a graph of the circuit), the
+(``evaluate`` steps), the circuit analyses (:mod:`headlab.circuit_figures` on the numbers of
+:mod:`headlab.circuit_view`: patching maps with the top heads' scores per token, residual-stream patching per
+layer and token, token strings on token axes, AtP against exact patching, direct logit attribution with the
+heads apart from the totals, the selected circuit as a graph with its faithfulness), the attention patterns
+of each detect step's top heads on its first prompt (:mod:`headlab.attention_patterns`), the
 KV-cache trade-off of the steps with a ``kv`` policy (:mod:`headlab.kv_view`: each metric against the kept
 fraction and the KV bytes, one point per step and sweep cell, with a table of the bytes), and,
 for steps on examples with images that stored a preview
@@ -16,8 +19,8 @@ metric with each step's mean, 95% interval and n (:mod:`headlab.summary`), steps
 
 The charts are Vega-Lite figures built by :mod:`headlab.figures` (Vega-Altair), the same objects the notebook
 shows and ``headlab report --format svg|png`` exports; their JavaScript is inlined once per page, so the file
-loads nothing from the network. The hand-drawn pictures that remain (the attention over an image, the circuit
-views of :mod:`headlab.circuit_view`) come from :mod:`headlab.svg`, whose colour names are re-exported here.
+loads nothing from the network. The hand-drawn picture that remains (the attention over an image) comes from
+:mod:`headlab.svg`, whose colour names are re-exported here.
 """
 
 from __future__ import annotations
