@@ -510,9 +510,11 @@ def _edges_section(run: Run, step: str, ds: xr.Dataset, top_k: int = 30) -> str:
     return "".join(out)
 
 
-def _attention_figure(run: Run, step: str, ds: xr.Dataset, n_heads: int = 4) -> str:
+def _attention_figure(run: Run, step: str, ds: xr.Dataset, drawn: dict[str, set[tuple[int, int]]],
+                      n_heads: int = 4) -> str:
     """The attention patterns of the step's ``n_heads`` top heads on its first example's prompt, when the run's
-    model is on this machine and the prompt is short (:mod:`headlab.attention_patterns`)."""
+    model is on this machine and the prompt is short (:mod:`headlab.attention_patterns`); a head an earlier step
+    drew on the same prompt (``drawn``: prompt -> heads, updated here) is named, not drawn again."""
     score = ds.get("score")
     if score is None or not {"layer", "head"} <= set(score.dims) or "prompt" not in ds or "image" in ds:
         return ""
@@ -524,12 +526,19 @@ def _attention_figure(run: Run, step: str, ds: xr.Dataset, n_heads: int = 4) -> 
     if lm is None or lm.tokenizer is None or lm.processor is not None:
         return ('<p class="note">attention patterns: not drawn, the run\'s text model (with its weights) is not '
                 "on this machine.</p>")
+    seen = drawn.setdefault(prompt, set())
+    new = [h for h in heads if h not in seen]
+    above = ", ".join(f"L{a}H{b}" for a, b in heads if (a, b) in seen)
+    note = f'<p class="note">drawn above for the same prompt: {escape(above)}.</p>' if above else ""
+    if not new:
+        return f"<h3>attention of the top {len(heads)} heads on example 0's prompt</h3>{note}"
     try:
-        patterns = head_patterns(lm, prompt, heads)
+        patterns = head_patterns(lm, prompt, new)
     except ValueError as e:
         return f'<p class="note">attention patterns: not drawn, {escape(str(e))}.</p>'
+    seen.update(new)
     charts = pattern_charts(patterns)
-    return (f"<h3>attention of the top {len(heads)} heads on example 0's prompt (query x key)</h3>"
+    return (f"<h3>attention of the top {len(heads)} heads on example 0's prompt (query x key)</h3>{note}"
             '<div class="row">' + "".join(_figure(c, f"{step}: attention L{int(la)}H{int(he)}") for c, la, he in
                                           zip(charts, patterns["layer"].values, patterns["head"].values, strict=True))
             + "</div>")
@@ -693,6 +702,7 @@ def render_report(run: Run | str | Path, *, n_examples: int = 8) -> str:
     else:
         parts.append("<p>No finished cells yet.</p>")
     circuits = {"patching": _patching_section, "dla": _dla_section, "edges": _edges_section}
+    drawn: dict[str, set[tuple[int, int]]] = {}  # prompt -> heads whose attention is drawn
     for step, ds in results.items():
         kind = circuit_kind(ds)
         if kind is not None:
@@ -705,7 +715,7 @@ def render_report(run: Run | str | Path, *, n_examples: int = 8) -> str:
             section = _task_section(run, step, ds, n_examples)
         else:
             section = _values_section(step, ds)
-        figure = _image_figure(run, ds) + _attention_figure(run, step, ds)
+        figure = _image_figure(run, ds) + _attention_figure(run, step, ds, drawn)
         if figure:
             section = section.removesuffix("</section>") + figure + "</section>"
         parts.append(section)
