@@ -4,8 +4,11 @@
 spec, a (layer x head) heatmap of every detect step's scores (averaged over sweep cells, and one per
 cell when there is a sweep), top-head tables, metric tables per sweep cell, line plots of metrics and
 top-head scores against numeric sweep keys, sample generations, per-task metrics with sample records
-(``evaluate`` steps), the circuit analyses (:mod:`headlab.circuit_view`: patching maps with the top heads'
-scores per token, direct logit attribution as signed bars, edge attribution as a graph of the circuit), the
+(``evaluate`` steps), the circuit analyses (:mod:`headlab.circuit_figures` on the numbers of
+:mod:`headlab.circuit_view`: patching maps with the top heads' scores per token, residual-stream patching per
+layer and token, token strings on token axes, AtP against exact patching, direct logit attribution with the
+heads apart from the totals, the selected circuit as a graph with its faithfulness), the attention patterns
+of each detect step's top heads on its first prompt (:mod:`headlab.attention_patterns`), the
 KV-cache trade-off of the steps with a ``kv`` policy (:mod:`headlab.kv_view`: each metric against the kept
 fraction and the KV bytes, one point per step and sweep cell, with a table of the bytes), and,
 for steps on examples with images that stored a preview
@@ -16,8 +19,8 @@ metric with each step's mean, 95% interval and n (:mod:`headlab.summary`), steps
 
 The charts are Vega-Lite figures built by :mod:`headlab.figures` (Vega-Altair), the same objects the notebook
 shows and ``headlab report --format svg|png`` exports; their JavaScript is inlined once per page, so the file
-loads nothing from the network. The hand-drawn pictures that remain (the attention over an image, the circuit
-views of :mod:`headlab.circuit_view`) come from :mod:`headlab.svg`, whose colour names are re-exported here.
+loads nothing from the network. The hand-drawn picture that remains (the attention over an image) comes from
+:mod:`headlab.svg`, whose colour names are re-exported here.
 """
 
 from __future__ import annotations
@@ -35,14 +38,27 @@ import numpy as np
 import xarray as xr
 
 from . import figures
-from .circuit_view import (
-    circuit_edges,
-    circuit_graph_svg,
-    circuit_kind,
-    dla_bars_svg,
-    head_map,
-    position_grid_svg,
+from .attention_patterns import head_patterns, run_model, top_heads
+from .circuit_figures import (
+    atp_scatter,
+    circuit_chart,
+    dla_chart,
+    head_map_chart,
+    pattern_charts,
+    token_chart,
 )
+from .circuit_view import (
+    atp_pairs,
+    atp_vs_exact,
+    circuit_edges,
+    circuit_kind,
+    circuit_of,
+    head_map,
+    resid_map,
+    token_labels,
+    tokenizer_for,
+)
+from .context import IMAGE_MARKER
 from .image_attention import PREVIEW_ATTENTION, image_attention_svg, preview_of
 from .kv_view import (
     kv_metrics,
@@ -361,32 +377,45 @@ def _attrs_table(ds: xr.Dataset, keys: Sequence[str]) -> str:
     return _table(["", ""], rows, "meta") if rows else ""
 
 
+def _tokens(run: Run, ds: xr.Dataset) -> list[str]:
+    """Token-axis labels of a per-token result: example 0's tokens (``clean/corrupt`` where its pair differs)."""
+    tokenizer = tokenizer_for(str(run.attrs.get("model", "")), run.attrs.get("model_revision"))
+    return token_labels(ds, tokenizer)
+
+
+_TOKENS_NOTE = "tokens of example 0; clean/corrupted where its prompts differ"
+
+
+def _resid_part(run: Run, step: str, ds: xr.Dataset) -> str:
+    """A residual-stream patching result: the (layer x token) map with the tokens of one example."""
+    score = resid_map(_mean_over_sweep(run, ds["score"]))
+    title = ["residual stream patching: the stream entering each layer, patched at one token",
+             _TOKENS_NOTE + (", mean over sweep cells" if _sweep_dims(run, ds["score"]) else "")]
+    chart = token_chart(score.values, [f"L{int(v)}" for v in score["layer"].values], _tokens(run, ds),
+                        title=title, row_title="layer")
+    return _figure(chart, f"{step}: score by layer and token")
+
+
+def _atp_part(run: Run, step: str, ds: xr.Dataset) -> str:
+    """AtP against the exact patching of the same task, when both ran."""
+    exact = dict(atp_pairs(run.results)).get(step)
+    if exact is None:
+        return ""
+    top_k = int(ds.attrs.get("top_k", 10)) if isinstance(ds.attrs.get("top_k", 10), (int, float)) else 10
+    c = atp_vs_exact(ds, run.results[exact], top_k=top_k, atp_step=step, exact_step=exact)
+    return _figure(atp_scatter(c), f"{step}: AtP against {exact}")
+
+
 def _patching_section(run: Run, step: str, ds: xr.Dataset) -> str:
     """An activation or attribution patching result: the (layer x head) map (a per-token score reduced to
-    its peak), the top heads, their scores per token, the unpatched metrics and the comparison with exact
-    patching when AtP stored one."""
-    from .heads import ranked
-
-    score = _mean_over_sweep(run, ds["score"])
-    by_token = "token" in score.dims
-    kv = "kv_head" in score.dims
-    hm = head_map(score)
-    if kv:
-        hm = hm.rename(kv_head="head")
-    what = "key/value head" if kv else "head"
-    title = "score per " + what + (" (the per-token score of largest magnitude)" if by_token else "")
-    if _sweep_dims(run, ds["score"]):
-        title += ", mean over sweep cells"
-    top = ranked(hm)[:10]
+    its peak), the top heads, their scores per token, the unpatched metrics and, for AtP, a scatter against
+    the exact patching of the same task; residual-stream patching as a (layer x token) map."""
     out = [_step_header(step, ds, "detect patching")]
-    out.append('<div class="row">' + _figure(figures.heatmap(hm, title=title, highlight=[h for h, _ in top[:5]],
-                                                             x_title=what), f"{step}: score"))
-    out.append(_table(["rank", "layer", what, "score"], [[i, h[0], h[1], v] for i, (h, v) in enumerate(top, 1)],
-                      "top") + "</div>")
-    if by_token:
-        strongest = sorted(np.ndindex(hm.shape), key=lambda lh: (-abs(np.nan_to_num(hm.values[lh])), lh))[:8]
-        out.append("<h3>the strongest heads per token (token 0: the prompt's first)</h3>"
-                   + position_grid_svg(score, [(int(a), int(b)) for a, b in strongest], title="score per token"))
+    if not {"head", "kv_head"} & set(ds["score"].dims):
+        out.append(_resid_part(run, step, ds))
+    else:
+        out.append(_heads_part(run, step, ds))
+    out.append(_atp_part(run, step, ds))
     metrics = [[f"{name} (mean over examples)", float(_mean_over_sweep(run, ds[name]).mean())]
                for name in ("clean", "corrupt") if name in ds]
     out.append('<div class="row">' + (_table(["metric", "value"], metrics, "metrics") if metrics else "")
@@ -396,9 +425,38 @@ def _patching_section(run: Run, step: str, ds: xr.Dataset) -> str:
     return "".join(out)
 
 
+def _heads_part(run: Run, step: str, ds: xr.Dataset) -> str:
+    """The (layer x head) map of a patching score, its top heads and, per token, the strongest heads' scores."""
+    from .heads import ranked
+
+    score = _mean_over_sweep(run, ds["score"])
+    by_token = "token" in score.dims
+    kv = "kv_head" in score.dims
+    hm = head_map(score)
+    what = "key/value head" if kv else "head"
+    title = "score per " + what + (" (the per-token score of largest magnitude)" if by_token else "")
+    if _sweep_dims(run, ds["score"]):
+        title += ", mean over sweep cells"
+    top = ranked(hm.rename(kv_head="head") if kv else hm)[:10]
+    out = ['<div class="row">' + _figure(head_map_chart(hm, title=title, highlight=[h for h, _ in top[:5]]),
+                                         f"{step}: score")]
+    out.append(_table(["rank", "layer", what, "score"], [[i, h[0], h[1], v] for i, (h, v) in enumerate(top, 1)],
+                      "top") + "</div>")
+    if by_token:
+        strongest = sorted(np.ndindex(hm.shape), key=lambda lh: (-abs(np.nan_to_num(hm.values[lh])), lh))[:8]
+        layers, heads = hm["layer"].values, hm[hm.dims[1]].values
+        picked = [(int(layers[a]), int(heads[b])) for a, b in strongest]
+        per_token = score.transpose("layer", "head", "token")
+        values = np.array([per_token.sel(layer=la, head=he).values for la, he in picked], dtype=float)
+        chart = token_chart(values, [f"L{la}H{he}" for la, he in picked], _tokens(run, ds),
+                            title=["the strongest heads per token", _TOKENS_NOTE], row_title="head")
+        out.append(_figure(chart, f"{step}: score by head and token"))
+    return "".join(out)
+
+
 def _dla_section(run: Run, step: str, ds: xr.Dataset) -> str:
-    """A direct logit attribution result: the (layer x head) map and the heads, the rest and the total as
-    signed bars."""
+    """A direct logit attribution result: the (layer x head) map, the top heads, and the heads' terms apart from
+    the totals they add up to (the heads' sum, the rest, the logit difference)."""
     from .heads import ranked
 
     score = _mean_over_sweep(run, ds["score"])
@@ -408,34 +466,82 @@ def _dla_section(run: Run, step: str, ds: xr.Dataset) -> str:
         if name in ds:
             mean[name] = _mean_over_sweep(run, ds[name])
     out = [_step_header(step, ds, "detect dla")]
-    out.append('<div class="row">' + _figure(figures.heatmap(score, title="direct effect per head (mean over examples)",
-                                                             highlight=[h for h, _ in top[:5]]), f"{step}: score"))
+    out.append('<div class="row">' + _figure(head_map_chart(
+        score, title="direct effect per head (mean over examples)", highlight=[h for h, _ in top[:5]]),
+        f"{step}: score"))
     out.append(_table(["rank", "layer", "head", "score"], [[i, h[0], h[1], v] for i, (h, v) in enumerate(top, 1)],
                       "top") + "</div>")
-    out.append(dla_bars_svg(mean))
+    heads, totals = dla_chart(mean)
+    out.append('<div class="row">' + _figure(heads, f"{step}: heads") + _figure(totals, f"{step}: totals")
+               + "</div>")
     out.append("</section>")
     return "".join(out)
 
 
 def _edges_section(run: Run, step: str, ds: xr.Dataset, top_k: int = 30) -> str:
-    """An edge attribution result: the ``top_k`` edges as a circuit graph and a table, and the faithfulness."""
-    score = _mean_over_sweep(run, ds["score"])
-    edges = circuit_edges(score, top_k=top_k)
+    """An edge attribution result: its circuit (the ``in_circuit`` edges) as a graph with its faithfulness, or
+    without a circuit the ``top_k`` edges of largest ``|score|``; their table."""
+    mean = ds.assign(score=_mean_over_sweep(run, ds["score"]))
+    circuit = circuit_of(mean)
     out = [_step_header(step, ds, "detect edges")]
-    out.append('<div class="row">' + circuit_graph_svg(edges, title=f"the {len(edges)} edges of largest |score|"))
-    out.append(_table(["rank", "source", "destination", "score"],
-                      [[i, e.source, e.destination, e.weight] for i, e in enumerate(edges, 1)], "edges") + "</div>")
-    values = []
-    for name in ("faithfulness",):
-        if name in ds and ds[name].dtype.kind in "fiu":
-            da = _mean_over_sweep(run, ds[name])
-            values.append([name, float(da.mean()) if da.ndim else float(da)])
-        elif isinstance(ds.attrs.get(name), (int, float)):
-            values.append([name, float(ds.attrs[name])])
-    out.append('<div class="row">' + (_table(["", ""], values, "metrics") if values else "")
-               + _attrs_table(ds, ["metric", "method", "estimator", "steps", "top_k", "threshold"]) + "</div>")
+    if circuit is not None:
+        edges = circuit.edges
+        chart = circuit_chart(circuit, title=f"the circuit: {len(edges)} edges")
+    else:
+        edges = circuit_edges(mean["score"], top_k=top_k)
+        chart = circuit_chart(edges, title=f"the {len(edges)} edges of largest |score| (the step selected no circuit)")
+    out.append(_figure(chart, f"{step}: circuit"))
+    out.append('<div class="row">' + _table(["rank", "source", "destination", "score"],
+                                            [[i, e.source, e.destination, e.weight] for i, e in enumerate(edges, 1)],
+                                            "edges"))
+    values: list[list[Any]] = []
+    if circuit is not None:
+        values = [["clean (mean over examples)", circuit.clean], ["corrupt (mean over examples)", circuit.corrupt],
+                  ["circuit (mean over examples)", circuit.circuit], ["faithfulness", circuit.faithfulness],
+                  ["faithfulness_normalised", circuit.faithfulness_normalised]]
+    elif "faithfulness" in ds and ds["faithfulness"].dtype.kind in "fiu":
+        values = [["faithfulness", float(_mean_over_sweep(run, ds["faithfulness"]).mean())]]
+    elif isinstance(ds.attrs.get("faithfulness"), (int, float)):
+        values = [["faithfulness", float(ds.attrs["faithfulness"])]]
+    out.append((_table(["", ""], values, "metrics") if values else "")
+               + _attrs_table(ds, ["metric", "method", "estimator", "circuit_selection", "steps", "top_k",
+                                   "threshold"]) + "</div>")
     out.append("</section>")
     return "".join(out)
+
+
+def _attention_figure(run: Run, step: str, ds: xr.Dataset, drawn: dict[str, set[tuple[int, int]]],
+                      n_heads: int = 4) -> str:
+    """The attention patterns of the step's ``n_heads`` top heads on its first example's prompt, when the run's
+    model is on this machine and the prompt is short (:mod:`headlab.attention_patterns`); a head an earlier step
+    drew on the same prompt (``drawn``: prompt -> heads, updated here) is named, not drawn again."""
+    score = ds.get("score")
+    if score is None or not {"layer", "head"} <= set(score.dims) or "prompt" not in ds or "image" in ds:
+        return ""
+    prompt = str(ds["prompt"].values.reshape(-1)[0])
+    if not prompt or IMAGE_MARKER in prompt:
+        return ""
+    heads = top_heads(_mean_over_sweep(run, score), n_heads)
+    lm = run_model(run.attrs)
+    if lm is None or lm.tokenizer is None or lm.processor is not None:
+        return ('<p class="note">attention patterns: not drawn, the run\'s text model (with its weights) is not '
+                "on this machine.</p>")
+    seen = drawn.setdefault(prompt, set())
+    new = [h for h in heads if h not in seen]
+    above = ", ".join(f"L{a}H{b}" for a, b in heads if (a, b) in seen)
+    note = f'<p class="note">drawn above for the same prompt: {escape(above)}.</p>' if above else ""
+    if not new:
+        return f"<h3>attention of the top {len(heads)} heads on example 0's prompt</h3>{note}"
+    try:
+        patterns = head_patterns(lm, prompt, new)
+    except ValueError as e:
+        return f'<p class="note">attention patterns: not drawn, {escape(str(e))}.</p>'
+    seen.update(new)
+    charts = pattern_charts(patterns)
+    return (f"<h3>attention of the top {len(heads)} heads on example 0's prompt (query x key)</h3>{note}"
+            '<div class="row">' + "".join(_figure(c, f"{step}: attention L{int(la)}H{int(he)}") for c, la, he in
+                                          zip(charts, patterns["layer"].values, patterns["head"].values, strict=True))
+            + "</div>")
 
 
 def _image_figure(run: Run, ds: xr.Dataset, n_heads: int = 3) -> str:
@@ -596,6 +702,7 @@ def render_report(run: Run | str | Path, *, n_examples: int = 8) -> str:
     else:
         parts.append("<p>No finished cells yet.</p>")
     circuits = {"patching": _patching_section, "dla": _dla_section, "edges": _edges_section}
+    drawn: dict[str, set[tuple[int, int]]] = {}  # prompt -> heads whose attention is drawn
     for step, ds in results.items():
         kind = circuit_kind(ds)
         if kind is not None:
@@ -608,7 +715,7 @@ def render_report(run: Run | str | Path, *, n_examples: int = 8) -> str:
             section = _task_section(run, step, ds, n_examples)
         else:
             section = _values_section(step, ds)
-        figure = _image_figure(run, ds)
+        figure = _image_figure(run, ds) + _attention_figure(run, step, ds, drawn)
         if figure:
             section = section.removesuffix("</section>") + figure + "</section>"
         parts.append(section)

@@ -5,8 +5,9 @@ here: the viridis palette (:func:`color`, :data:`PALETTE`) that hand-written Jav
 interactive :class:`headlab.widgets.HeadMap`, whose click-and-drag selection syncs with Python through an
 inline anywidget, and the attention views), the colour bar of the attention over an image's patches
 (:mod:`headlab.image_attention`: a picture with a heat overlay), and the circuit views' labelled grid
-(:func:`grid_svg`) and signed bars (:func:`bar_chart_svg`, :data:`SIGN_COLORS`) that
-:mod:`headlab.circuit_view` still draws until it moves to :mod:`headlab.figures`.
+(:func:`grid_svg`) and signed bars (:func:`bar_chart_svg`, :data:`SIGN_COLORS`) that the circuit widgets
+(:mod:`headlab.circuit_view`, :mod:`headlab.widgets`) still draw; the report's circuit figures are Vega-Lite
+(:mod:`headlab.circuit_figures`).
 
 A leaf: it imports nothing of headlab. :mod:`headlab.report` re-exports every name here but
 :func:`finite_range`.

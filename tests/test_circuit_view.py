@@ -4,6 +4,7 @@ SVG/HTML of a dataset built here, whose right rendering is known."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from html.parser import HTMLParser
@@ -16,21 +17,28 @@ import xarray as xr
 
 import headlab
 from headlab import figures
+from headlab.circuit_figures import atp_scatter, circuit_chart, graph_layout
 from headlab.circuit_view import (
     Edge,
+    atp_pairs,
+    atp_vs_exact,
     circuit_edges,
     circuit_graph_svg,
     circuit_kind,
+    circuit_of,
     dla_bars_svg,
+    dla_panels,
     dla_terms,
     head_map,
     parse_node,
     position_grid_svg,
+    resid_map,
+    token_labels,
+    tokenizer_for,
 )
 from headlab.report import render_report
 from headlab.svg import SIGN_COLORS, bar_chart_svg, color, grid_svg
 
-from fixtures.figures import embedded, rows
 from fixtures.specs import spec_text
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -232,13 +240,131 @@ def test_circuit_graph_layout_edges_and_colours():
     assert qx < hx + 26 < x2  # q enters left of the box's middle, v right of it
 
 
+def resid_dataset() -> xr.Dataset:
+    """Residual-stream patching, 2 layers x 3 tokens: the information moves from token 1 to token 2."""
+    score = np.array([[0.0, 0.4, 0.6], [0.0, -0.1, 1.0]])
+    return xr.Dataset({"score": (("layer", "token"), score),
+                       "patched": (("layer", "token", "example"), np.zeros((2, 3, 2))),
+                       "clean": (("example",), [2.0, 4.0]), "corrupt": (("example",), [-1.0, -3.0])},
+                      coords={"layer": [0, 1], "token": [0, 1, 2]},
+                      attrs={"method": "activation_patching", "unit": "resid", "metric": "logit_diff"})
+
+
+def test_resid_patching_is_a_layer_by_token_map():
+    ds = resid_dataset()
+    assert circuit_kind(ds) == "patching"
+    swept = xr.concat([ds["score"], ds["score"] + 1.0], dim="task.n").transpose("token", "task.n", "layer")
+    m = resid_map(swept)
+    assert m.dims == ("layer", "token")
+    np.testing.assert_allclose(m.values, ds["score"].values + 0.5)
+    with pytest.raises(ValueError, match="layer, token"):
+        resid_map(patching_by_token()["score"])
+
+
+def test_dla_panels_keep_the_heads_apart_from_the_totals():
+    ds = dla_dataset()
+    heads, totals = dla_panels(ds)
+    assert heads == [("L0H0", 0.5), ("L0H1", -0.25), ("L1H0", 2.0), ("L1H1", 0.125)]
+    assert dict(totals) == {"heads": 0.5 - 0.25 + 2.0 + 0.125, "rest": 1.5, "logit diff": 3.875}
+    assert dict(totals)["heads"] + dict(totals)["rest"] == dict(totals)["logit diff"]
+    heads, totals = dla_panels(ds, max_heads=2)  # the two largest, the sum of the others
+    assert heads == [("L0H0", 0.5), ("L1H0", 2.0), ("other heads (2)", -0.125)]
+    assert dict(totals)["heads"] == 2.375
+
+
+def circuit_dataset() -> xr.Dataset:
+    """Six edges, four in the circuit; the metrics per example."""
+    src = ["emb", "emb", "a0.h1", "a0.h1", "a1.h0", "m0"]
+    dst = ["a0.h1.q", "logits", "a1.h0.v", "logits", "logits", "logits"]
+    score = [0.5, -0.05, -0.8, 0.02, 1.6, 0.3]
+    member = [True, False, True, False, True, True]
+    return xr.Dataset({"score": (("edge",), score), "in_circuit": (("edge",), member),
+                       "clean": (("example",), [4.0, 6.0]), "corrupt": (("example",), [-2.0, 0.0]),
+                       "circuit": (("example",), [3.0, 2.0])},
+                      coords={"source": ("edge", src), "destination": ("edge", dst)},
+                      attrs={"method": "edge_attribution", "circuit_selection": "top 4 by |score|"})
+
+
+def test_circuit_of_is_the_selected_edges_with_faithfulness():
+    ds = circuit_dataset()
+    c = circuit_of(ds)
+    assert [(e.source, e.destination, e.weight) for e in c.edges] == [
+        ("a1.h0", "logits", 1.6), ("a0.h1", "a1.h0.v", -0.8), ("emb", "a0.h1.q", 0.5), ("m0", "logits", 0.3)]
+    assert (c.clean, c.corrupt, c.circuit) == (5.0, -1.0, 2.5)
+    assert c.faithfulness == pytest.approx(2.5 / 5.0)
+    assert c.faithfulness_normalised == pytest.approx((2.5 + 1.0) / (5.0 + 1.0))
+    assert c.selection == "top 4 by |score|"
+    assert circuit_of(ds.drop_vars("in_circuit")) is None
+    # with a sweep: scores averaged, an edge in any cell's circuit
+    two = xr.concat([ds, ds.assign(in_circuit=("edge", [False, True, False, False, False, False]))], dim="task.n")
+    assert {(e.source, e.destination) for e in circuit_of(two).edges} == {
+        ("a1.h0", "logits"), ("a0.h1", "a1.h0.v"), ("emb", "a0.h1.q"), ("m0", "logits"), ("emb", "logits")}
+
+
+def pair_step(method: str, score: np.ndarray, dims: tuple[str, ...], prompts: list[str], **attrs) -> xr.Dataset:
+    coords = {d: np.arange(n) for d, n in zip(dims, score.shape, strict=True)}
+    return xr.Dataset({"score": (dims, score), "clean": (("example",), np.ones(len(prompts))),
+                       "corrupt": (("example",), np.zeros(len(prompts))),
+                       "prompt": (("example",), np.array(prompts, dtype=object))},
+                      coords=coords, attrs={"method": method, "unit": "z", "metric": "logit_diff",
+                                            "direction": "denoise", "normalise": "means", **attrs})
+
+
+def test_atp_pairs_by_reference_or_by_unit_metric_direction_and_prompts():
+    rng = np.random.default_rng(0)
+    s = rng.normal(size=(2, 3))
+    prompts = ["a b", "c d"]
+    results = {
+        "patch": pair_step("activation_patching", s, ("layer", "head"), prompts),
+        "patch_other": pair_step("activation_patching", s, ("layer", "head"), ["x y", "z w"]),
+        "atp_ref": pair_step("attribution_patching", s, ("layer", "head"), prompts, reference_step="patch"),
+        "atp_auto": pair_step("attribution_patching", s, ("layer", "head"), prompts),  # patch_other: other prompts
+        "atp_noise": pair_step("attribution_patching", s, ("layer", "head"), prompts, direction="noise"),
+        "atp_alone": pair_step("attribution_patching", s, ("layer", "head"), ["q r", "s t"]),
+    }
+    assert atp_pairs(results) == [("atp_ref", "patch"), ("atp_auto", "patch")]
+
+
+def hand_spearman(a: np.ndarray, b: np.ndarray) -> float:
+    """Pearson correlation of the average ranks (pandas), the textbook Spearman."""
+    import pandas as pd
+
+    ra, rb = pd.Series(a).rank(method="average").values, pd.Series(b).rank(method="average").values
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+@pytest.mark.parametrize("direction", ["denoise", "noise"])
+def test_atp_vs_exact_spearman_and_top_k_overlap(direction):
+    rng = np.random.default_rng(1)
+    exact = rng.normal(size=(3, 4, 5))
+    exact[0, 0] = 0.0  # ties: a head whose every token is exactly zero in both
+    atp = exact + rng.normal(scale=0.5, size=exact.shape)
+    atp[0, 0] = 0.0
+    atp[2, 3, 4] = np.nan  # a unit AtP left undefined is left out
+    dims = ("layer", "head", "token")
+    e = pair_step("activation_patching", exact, dims, ["p"], direction=direction)
+    a = pair_step("attribution_patching", atp, dims, ["p"], direction=direction)
+    c = atp_vs_exact(a, e, top_k=7, atp_step="atp", exact_step="patch")
+    keep = np.isfinite(atp.ravel())
+    ev, av = exact.ravel()[keep], atp.ravel()[keep]
+    assert len(c.units) == keep.sum() == 59 and c.units[0] == "L0H0 t0" and c.units[-1] == "L2H3 t3"
+    np.testing.assert_array_equal(c.exact, ev)
+    np.testing.assert_array_equal(c.atp, av)
+    assert c.spearman == pytest.approx(hand_spearman(ev, av), abs=1e-12)
+    s0 = 1.0 if direction == "noise" else 0.0
+    by_exact = sorted(range(len(ev)), key=lambda i: -abs(ev[i] - s0))[:7]
+    by_atp = sorted(range(len(av)), key=lambda i: -abs(av[i] - s0))[:7]
+    assert c.top_k_overlap == len(set(by_exact) & set(by_atp)) / 7
+    assert (c.top_k, c.atp_step, c.exact_step) == (7, "atp", "patch")
+
+
 # --- the report ---------------------------------------------------------------------------------------------
 
 class Constructed(headlab.ComponentConfig):
     """A detector returning one of this test's datasets."""
 
     kind: Literal["constructed_circuit"] = "constructed_circuit"
-    which: Literal["patching", "kv", "dla", "edges"] = "patching"
+    which: Literal["patching", "kv", "dla", "edges", "resid", "circuit"] = "patching"
 
 
 def constructed(config: Constructed, ctx) -> xr.Dataset:
@@ -246,6 +372,10 @@ def constructed(config: Constructed, ctx) -> xr.Dataset:
         return patching_by_token()
     if config.which == "dla":
         return dla_dataset()
+    if config.which == "resid":
+        return resid_dataset()
+    if config.which == "circuit":
+        return circuit_dataset()
     if config.which == "kv":
         score = np.array([[0.25, -0.5], [1.0, 0.0]])
         return xr.Dataset({"score": (("layer", "kv_head"), score), "patched": (("layer", "kv_head", "example"),
@@ -267,7 +397,7 @@ def constructed_report(tmp_path_factory):
     name = headlab.register_plugin(ConstructedPlugin(), name="constructed-circuits", replace=True)
     try:
         steps = "".join(f"  - id: {w}\n    detect: {{kind: constructed_circuit, which: {w}}}\n"
-                        for w in ("patching", "kv", "dla", "edges"))
+                        for w in ("patching", "kv", "dla", "edges", "resid", "circuit"))
         run = headlab.run(spec_text(steps, task="{kind: repeated_tokens, n: 2, length: 8}",  # 2 examples, as built
                                     out=str(tmp_path_factory.mktemp("runs"))))
         yield run, render_report(run)
@@ -279,62 +409,141 @@ def section(html: str, step: str) -> str:
     return html.split(f'id="step-{step}"')[1].split("</section>")[0]
 
 
+def figures_of(part: str) -> dict[str, list[dict]]:
+    """The Vega-Lite specifications of a report part's figures, by their ``data-figure`` name."""
+    out: dict[str, list[dict]] = {}
+    for name, spec in re.findall(r'<div class="headlab-figure" data-figure="([^"]*)"><div class="chart"></div>'
+                                 r'<script type="application/json">(.*?)</script></div>', part, flags=re.S):
+        out.setdefault(name, []).append(json.loads(spec.replace("<\\/", "</")))
+    return out
+
+
+def rows_of(spec: dict) -> list[dict]:
+    """The data rows of a figure's first layer that has inline data."""
+    for layer in spec.get("layer", [spec]):
+        values = layer.get("data", spec.get("data", {})).get("values")
+        if values:
+            return values
+    return []
+
+
+def colour_scale_of(spec: dict) -> dict:
+    for layer in spec.get("layer", [spec]):
+        colour = layer.get("encoding", {}).get("color", {})
+        if "scale" in colour:
+            return colour["scale"]
+    raise AssertionError("no colour scale")
+
+
+def cell_values(spec: dict) -> dict[tuple[str, str], float | None]:
+    """A heatmap's cells by (row label, column label)."""
+    value = next(k for k in rows_of(spec)[0] if not k.startswith("_") and k not in ("layer", "head", "kv_head",
+                                                                                   "token", "query", "key"))
+    return {(r["_ylabel"], r["_xlabel"]): r[value] for r in rows_of(spec)}
+
+
 def test_report_patching_section_map_per_token_grid_and_metrics(constructed_report):
     _, html = constructed_report
     part = section(html, "patching")
-    (name, spec), = [(n, f) for n, f in embedded(part) if n == "patching: score"]
-    cells = {(r["layer"], r["head"]): r["score"] for r in rows(spec)}
-    assert len(cells) == 6 and cells[(1, 2)] == -0.8 and cells[(0, 1)] == 0.6
-    scale = next(layer["encoding"]["color"]["scale"] for layer in spec["layer"]
-                 if "scale" in layer.get("encoding", {}).get("color", {}))
-    assert scale["scheme"] == figures.DIVERGING_SCHEME and scale["domain"] == [-0.8, 0.8]  # signed: centred at 0
-    grid = {(a["data-row"], a["data-col"]): float(a["data-value"]) for a in tags(part, "rect", "data-row")}
-    # the strongest heads by magnitude, every token
+    figs = figures_of(part)
+    cells = cell_values(figs["patching: score"][0])
+    assert len(cells) == 6 and cells[("1", "2")] == -0.8 and cells[("0", "1")] == 0.6
+    scale = colour_scale_of(figs["patching: score"][0])  # signed: diverging, centred at 0
+    assert scale["domainMid"] == 0 and scale["domain"] == [-0.8, 0.8]
+    grid = cell_values(figs["patching: score by head and token"][0])
+    # the strongest heads by magnitude, every token (labelled by index: this run's model has no tokenizer)
     assert [grid[("L1H2", str(t))] for t in range(4)] == [0.0, 0.3, 0.1, -0.8]
     assert [grid[("L0H1", str(t))] for t in range(4)] == [0.0, 0.1, 0.6, 0.2]
     assert '<td>clean (mean over examples)</td><td class="num">3</td>' in part
     assert '<td>corrupt (mean over examples)</td><td class="num">-2</td>' in part
     kv = section(html, "kv")
-    cells = {(r["layer"], r["head"]): r["score"] for r in rows(embedded(kv)[0][1])}
-    assert cells == {(0, 0): 0.25, (0, 1): -0.5, (1, 0): 1.0, (1, 1): 0.0}
+    cells = cell_values(figures_of(kv)["kv: score"][0])
+    assert cells == {("0", "0"): 0.25, ("0", "1"): -0.5, ("1", "0"): 1.0, ("1", "1"): 0.0}
     assert "score per key/value head" in kv
 
 
-def test_report_dla_section_bars(constructed_report):
+def test_report_resid_section_is_a_layer_by_token_map(constructed_report):
+    run, html = constructed_report
+    part = section(html, "resid")
+    grid = cell_values(figures_of(part)["resid: score by layer and token"][0])
+    n = run.results["resid"].sizes["token"]  # the task's prompts are longer than the constructed score
+    assert len(grid) == 2 * n
+    for layer, row in enumerate(resid_dataset()["score"].values):
+        assert [grid[(f"L{layer}", str(t))] for t in range(3)] == list(row)
+        assert all(grid[(f"L{layer}", str(t))] is None for t in range(3, n))  # NaN: no such token
+    assert colour_scale_of(figures_of(part)["resid: score by layer and token"][0])["domainMid"] == 0
+    assert '<td>clean (mean over examples)</td><td class="num">3</td>' in part
+
+
+def test_report_dla_section_heads_apart_from_the_totals(constructed_report):
     _, html = constructed_report
-    part = section(html, "dla")
-    bars = {a["data-label"]: float(a["data-value"]) for a in tags(part, "rect", "data-label")}
-    assert bars == dict(dla_terms(dla_dataset()))
-    assert bars["rest"] == 1.5 and bars["logit diff"] == 3.875
-    cells = {(r["layer"], r["head"]): r["score"] for r in rows(embedded(part)[0][1])}
-    assert cells == {(0, 0): 0.5, (0, 1): -0.25, (1, 0): 2.0, (1, 1): 0.125}
+    figs = figures_of(section(html, "dla"))
+    heads = {r["term"]: r["value"] for r in rows_of(figs["dla: heads"][0])}
+    totals = {r["term"]: r["value"] for r in rows_of(figs["dla: totals"][0])}
+    assert heads == {"L0H0": 0.5, "L0H1": -0.25, "L1H0": 2.0, "L1H1": 0.125}
+    assert totals == {"heads": 2.375, "rest": 1.5, "logit diff": 3.875}
+    cells = cell_values(figs["dla: score"][0])
+    assert cells == {("0", "0"): 0.5, ("0", "1"): -0.25, ("1", "0"): 2.0, ("1", "1"): 0.125}
+
+
+def link_rows(spec: dict) -> dict[tuple[str, str], dict]:
+    rows = next(r for r in (rows_of({"layer": [layer]}) for layer in spec["layer"]) if r and "source" in r[0])
+    return {(r["source"], r["destination"]): r for r in rows}
 
 
 def test_report_edges_section_graph_table_and_faithfulness(constructed_report):
     _, html = constructed_report
-    part = section(html, "edges")
-    paths = {(a["data-source"], a["data-destination"]): float(a["data-weight"]) for a in tags(part, "path", "data-source")}
-    assert paths[("a1.h0", "logits")] == 1.6 and paths[("a0.h1", "a1.h0.v")] == -0.8 and len(paths) == 7
-    assert paths[(HOSTILE, "logits")] == 0.3  # the hostile label is data, drawn as text
+    part = section(html, "edges")  # no circuit selected: the strongest edges
+    links = link_rows(figures_of(part)["edges: circuit"][0])
+    assert {k: r["score"] for k, r in links.items()} == {
+        ("a1.h0", "logits"): 1.6, ("a0.h1", "a1.h0.v"): -0.8, ("emb", "a1.h0.q"): 0.4, (HOSTILE, "logits"): 0.3,
+        ("a0.h1", "logits"): 0.2, ("emb", "m1"): -0.1, ("m1", "logits"): 0.05}
     rows = re.findall(r"<tr><td class=\"num\">(\d+)</td><td>([^<]*)</td><td>([^<]*)</td><td class=\"num\">([^<]+)</td>",
                       part)
     assert rows[0] == ("1", "a1.h0", "logits", "1.6") and rows[1] == ("2", "a0.h1", "a1.h0.v", "-0.8")
     assert '<td>faithfulness</td><td class="num">0.875</td>' in part
+    part = section(html, "circuit")  # the circuit the step selected, with its faithfulness
+    spec = figures_of(part)["circuit: circuit"][0]
+    assert set(link_rows(spec)) == {(e.source, e.destination) for e in circuit_of(circuit_dataset()).edges}
+    assert "faithfulness 0.5, normalised 0.583" in json.dumps(spec["title"])
+    assert '<td>faithfulness_normalised</td><td class="num">0.5833</td>' in part
+
+
+def test_graph_layout_and_the_circuit_chart_edges():
+    edges = [Edge("emb", "a0.h1.q", 0.5), Edge("a0.h1", "a1.h0.v", -0.8), Edge("a0.h0", "logits", 0.1),
+             Edge("a1.h0", "m1", 0.2)]
+    where, labels = graph_layout(edges)
+    assert labels == ["emb", "L0 attn", "L1 attn", "L1 mlp", "logits"]
+    assert where == {"emb": (0.0, 0), "a0.h0": (-0.5, 1), "a0.h1": (0.5, 1), "a1.h0": (0.0, 2), "m1": (0.0, 3),
+                     "logits": (0.0, 4)}
+    links = link_rows(figures.figure_spec(circuit_chart(edges)))
+    q, v = links[("emb", "a0.h1.q")], links[("a0.h1", "a1.h0.v")]
+    assert (q["x"], q["y"], q["x2"], q["y2"]) == (0.0, 0, 0.25, 1)  # a query input enters left of the node
+    assert (v["x"], v["y"], v["x2"], v["y2"]) == (0.5, 1, 0.25, 2)  # a value input right of it
+    assert (q["sign"], v["sign"], v["size"]) == ("positive", "negative", 0.8)
+
+
+def test_atp_scatter_points_and_title():
+    e = pair_step("activation_patching", np.array([[0.5, 0.1], [0.0, -0.2]]), ("layer", "head"), ["p"])
+    a = pair_step("attribution_patching", np.array([[0.3, 0.2], [0.05, -0.1]]), ("layer", "head"), ["p"])
+    c = atp_vs_exact(a, e, top_k=2, atp_step="atp", exact_step="patch")
+    spec = figures.figure_spec(atp_scatter(c, label_top=2))
+    points = {r["unit"]: (r["_x"], r["_y"], r["label"]) for r in rows_of(spec)}
+    assert points == {"L0H0": (0.5, 0.3, "L0H0"), "L0H1": (0.1, 0.2, ""), "L1H0": (0.0, 0.05, ""),
+                      "L1H1": (-0.2, -0.1, "L1H1")}
+    assert spec["title"]["text"] == ["atp against patch", "Spearman 1.000; top-2 overlap 0.50 (4 units)"]
 
 
 def test_report_escapes_labels_and_attrs(constructed_report):
     _, html = constructed_report
     doc = parse(html)
     assert not [t for t, _ in doc.tags if t == "img"]
-    assert {a.get("type") for t, a in doc.tags if t == "script"} <= {"module", "application/json"}
-    assert HOSTILE not in html
-    # outside the scripts (the charts' inlined JavaScript, their JSON specs with <, > and & escaped)
-    markup = re.sub(r"<script\b.*?</script>", "", html, flags=re.S)
-    assert "onerror=" not in markup.replace("onerror=&quot;", "")
-    assert all("<" not in spec and ">" not in spec
-               for spec in re.findall(r'<script type="application/json">(.*?)</script>', html, flags=re.S))
+    assert all(a.get("type") in ("application/json", "module") for t, a in doc.tags if t == "script")
+    outside = re.sub(r"<script[^>]*>.*?</script>", "", html, flags=re.S)  # figures' data are JSON, not markup
+    assert HOSTILE not in outside and "onerror=" not in outside.replace("onerror=&quot;", "")
     assert not any("onerror" in a for _, attrs in doc.tags for a in attrs)
-    assert html.count("&lt;img src=x onerror=&quot;alert(1)&quot;&gt;") >= 3  # node, edge title, table, attrs
+    assert outside.count("&lt;img src=x onerror=&quot;alert(1)&quot;&gt;") >= 2  # the table and the attrs
+    assert "</script" not in "".join(re.findall(r'<script type="application/json">(.*?)</script>', html, re.S))
 
 
 @pytest.mark.skipif(not (ROOT / "headlab/plugins/models/tiny/headlab-tiny/config.json").is_file(),
@@ -342,24 +551,77 @@ def test_report_escapes_labels_and_attrs(constructed_report):
 def test_report_of_a_real_pair_task_run_carries_its_numbers(tmp_path):
     spec = ("name: circ\nmodel: headlab-tiny\ntask: {kind: kv_swap, n: 3, num_pairs: 3}\nsteps:\n"
             "  - id: pos\n    detect: {kind: activation_patching, unit: z_position}\n"
+            "  - id: resid\n    detect: {kind: activation_patching, unit: resid}\n"
+            "  - id: patch\n    detect: {kind: activation_patching, unit: z}\n"
+            "  - id: atp\n    detect: {kind: attribution_patching, unit: z, top_k: 5}\n"
             "  - id: dla\n    detect: {kind: direct_logit_attribution}\n")
     run = headlab.run(spec, out=tmp_path)
     html = render_report(run)
     pos, dla = run.results["pos"], run.results["dla"]
-    cells = {(r["layer"], r["head"]): r["score"] for r in rows(embedded(section(html, "pos"))[0][1])}
+    figs = figures_of(section(html, "pos"))
     expected = head_map(pos["score"])
+    cells = cell_values(figs["pos: score"][0])
+    assert len(cells) == 32
     for (layer, head), v in cells.items():
-        assert v == pytest.approx(float(expected.sel(layer=layer, head=head)), rel=1e-3, abs=1e-6)
-    grid = tags(section(html, "pos"), "rect", "data-row")
-    assert len(grid) == 8 * pos.sizes["token"]
-    for a in grid:
-        layer, head = (int(x) for x in re.fullmatch(r"L(\d+)H(\d+)", a["data-row"]).groups())
-        v = float(pos["score"].sel(layer=layer, head=head, token=int(a["data-col"])))
-        assert float(a["data-value"]) == pytest.approx(v, rel=1e-3, abs=1e-6)
-    bars = {a["data-label"]: float(a["data-value"]) for a in tags(section(html, "dla"), "rect", "data-label")}
-    assert bars["logit diff"] == pytest.approx(float(dla["logit_diff"].mean()), rel=1e-3)
-    assert bars["L3H1"] == pytest.approx(float(dla["score"].sel(layer=3, head=1)), rel=1e-3)
-    assert sum(v for k, v in bars.items() if k != "logit diff") == pytest.approx(bars["logit diff"], rel=1e-3)
+        assert v == pytest.approx(float(expected.sel(layer=int(layer), head=int(head))), rel=1e-5, abs=1e-7)
+    # token axes: example 0's tokens, written by the tokenizer here, "clean/corrupt" where its pair differs
+    tokenizer = tokenizer_for("headlab-tiny")
+    clean = tokenizer(str(pos["prompt"].values[0]))["input_ids"]
+    corrupt = tokenizer(str(pos["corrupt_prompt"].values[0]))["input_ids"]
+    words = ["<bos>", *tokenizer.tokenize(str(pos["prompt"].values[0]))]
+    other = ["<bos>", *tokenizer.tokenize(str(pos["corrupt_prompt"].values[0]))]
+    expected_labels = [a if a == b else f"{a}/{b}" for a, b in zip(words, other, strict=True)]
+    expected_labels += [""] * (pos.sizes["token"] - len(clean))
+    assert token_labels(pos, tokenizer) == expected_labels
+    assert sum("/" in t for t in expected_labels) == sum(a != b for a, b in zip(clean, corrupt, strict=True)) == 1
+    assert token_labels(pos) == [str(t) for t in range(pos.sizes["token"])]
+    rows = rows_of(figs["pos: score by head and token"][0])
+    assert len(rows) == 8 * pos.sizes["token"]
+    for r in rows:
+        layer, head = (int(x) for x in re.fullmatch(r"L(\d+)H(\d+)", r["_ylabel"]).groups())
+        assert r["_xlabel"] == expected_labels[r["_x"]]
+        v = float(pos["score"].sel(layer=layer, head=head, token=r["_x"]))
+        assert r["score"] == pytest.approx(v, rel=1e-5, abs=1e-7)
+    resid = run.results["resid"]["score"]
+    rows = rows_of(figures_of(section(html, "resid"))["resid: score by layer and token"][0])
+    assert len(rows) == resid.size
+    for r in rows:
+        assert r["_xlabel"] == expected_labels[r["_x"]] and r["_ylabel"] == f"L{r['_y']}"
+        assert r["score"] == pytest.approx(float(resid.sel(layer=r["_y"], token=r["_x"])), rel=1e-5, abs=1e-7)
+    # AtP against exact patching: the numbers the detector stored itself, and its scatter in the report
+    assert atp_pairs(run.results) == [("atp", "patch")]
+    c = atp_vs_exact(run.results["atp"], run.results["patch"], top_k=5)
+    assert c.spearman == pytest.approx(run.results["atp"].attrs["spearman"], abs=1e-9)
+    assert c.top_k_overlap == run.results["atp"].attrs["top_k_recall"]
+    scatter = figures_of(section(html, "atp"))["atp: AtP against patch"][0]
+    points = {r["unit"]: (r["_x"], r["_y"]) for r in rows_of(scatter)}
+    assert len(points) == 32 and points["L3H1"] == (pytest.approx(float(run.results["patch"]["score"].sel(
+        layer=3, head=1))), pytest.approx(float(run.results["atp"]["score"].sel(layer=3, head=1))))
+    assert f"Spearman {c.spearman:.3f}" in scatter["title"]["text"][1]
+    figs = figures_of(section(html, "dla"))
+    totals = {r["term"]: r["value"] for r in rows_of(figs["dla: totals"][0])}
+    heads = {r["term"]: r["value"] for r in rows_of(figs["dla: heads"][0])}
+    assert totals["logit diff"] == pytest.approx(float(dla["logit_diff"].mean()), rel=1e-5)
+    assert heads["L3H1"] == pytest.approx(float(dla["score"].sel(layer=3, head=1)), rel=1e-5)
+    assert totals["heads"] + totals["rest"] == pytest.approx(totals["logit diff"], rel=1e-4)
+    # the attention of each detect step's top heads on example 0's prompt (all steps share it: a head is drawn
+    # once), as the model computes it
+    from headlab.attention_patterns import head_patterns, run_model, top_heads
+
+    drawn = {}
+    for name, specs in figures_of(html).items():
+        m = re.fullmatch(r"(\w+): attention L(\d+)H(\d+)", name)
+        if m:
+            drawn[(int(m[2]), int(m[3]))] = specs[0]
+    for step in ("pos", "patch", "atp", "dla"):
+        assert set(top_heads(run.results[step]["score"], 4)) <= set(drawn), step
+    lm = run_model(run.attrs)
+    expected = head_patterns(lm, str(dla["prompt"].values[0]), list(drawn))
+    for spec, one in zip(drawn.values(), expected, strict=True):
+        assert spec["title"]["text"] == f"L{int(one['layer'])}H{int(one['head'])}"
+        got = {(r["_y"], r["_x"]): r["attention"] for r in rows_of(spec)}
+        np.testing.assert_allclose([[got[(q, k)] for k in range(one.sizes["key"])] for q in range(one.sizes["query"])],
+                                   one.values, atol=1e-5)  # float32, probed with other layers
 
 
 # --- widgets -------------------------------------------------------------------------------------------------
@@ -413,8 +675,11 @@ def test_dla_bars_widget_and_circuit_graph_slider():
 def test_the_browser_and_the_runner_show_each_step_in_its_figure(constructed_report):
     run, _ = constructed_report
     views = widgets.run_views(run)
-    assert [type(v).__name__ for v in views] == ["PatchingMap", "PatchingMap", "DLABars", "CircuitGraph"]
-    patching, kv, dla, edges = views
+    assert [type(v).__name__ for v in views] == ["PatchingMap", "PatchingMap", "DLABars", "CircuitGraph", "HTML",
+                                                 "CircuitGraph"]
+    patching, kv, dla, edges, resid, _ = views
+    cells = {(a["data-row"], a["data-col"]): a["data-value"] for a in tags(resid.value, "rect", "data-row")}
+    assert [cells[("L1", str(t))] for t in range(3)] == ["0", "-0.1", "1"]
     assert patching.by_token and kv.kv and not kv.by_token
     np.testing.assert_allclose(np.array(kv.headmap.values), [[0.25, -0.5], [1.0, 0.0]])
     assert dla.terms == widgets.DLABars(run.results["dla"]).terms

@@ -25,7 +25,7 @@ README = (ROOT / "README.md").read_text(encoding="utf-8")
 HEADLAB = Path(sys.executable).parent / "headlab"  # the console script the README's commands call
 FAST = ["quickstart"]
 SLOW = ["retrieval_heads", "pasta_emphasis", "decoding_counterfact", "vhr_shapes", "kv_compression", "probes",
-        "probes_iti", "head_importance"]
+        "probes_iti", "head_importance", "circuits"]
 
 
 def test_every_example_spec_is_covered():
@@ -281,3 +281,54 @@ def test_probes_as_typed(workdir):
         assert round(float(res[step]["accuracy"]), 2) == float(re.search(r"accuracy ([0-9.]+)", row).group(1))
     assert res["sav_top"].attrs["n_heads"] == 20 and res["sav_all"].attrs["n_heads"] == 32
     assert "0.655 held-out accuracy" in README and "0.58 on held-out contexts against 0.52" in README
+
+
+@pytest.mark.slow
+def test_circuits_as_typed(workdir):
+    """Every circuit step of specs/circuits.yaml runs and is reported; the figures the README quotes are the run's."""
+    run = run_spec("circuits", workdir)
+    res = run.results
+    row = readme_row("circuits")
+
+    def quoted(pattern: str) -> tuple[float, ...]:
+        m = re.search(pattern, row)
+        assert m, f"the README's circuits row no longer says {pattern!r}"
+        return tuple(float(x) for x in m.groups())
+
+    patch = res["patch"]
+    assert quoted(r"clean ([0-9.]+), corrupted (-?[0-9.]+)") == (round(float(patch["clean"].mean()), 2),
+                                                                 round(float(patch["corrupt"].mean()), 2))
+    # residual stream patching: the two tokens where the prompts differ (the queried key, the last token)
+    resid = res["patch_resid"]["score"]
+    assert resid.dims == ("layer", "token")
+    assert float(abs(resid.isel(token=slice(None, -2))).max()) == 0.0  # the prompts are equal before the key
+    key, last = resid.isel(token=-2).values, resid.isel(token=-1).values
+    assert round(float(key[0]), 2) == round(float(key[1]), 2) == quoted(r"layers 0-1 \(([0-9.]+)\)")[0]
+    assert (round(float(key[2]), 2), round(float(last[2]), 2)) == quoted(r"\(([0-9.]+) key / ([0-9.]+) last token\)")
+    assert round(float(last[3]), 2) == quoted(r"by layer 3 \(([0-9.]+)\)")[0]
+    top = ranked(patch["score"])
+    assert [(h, round(s, 2)) for h, s in top[:2]] == [((1, 5), quoted(r"L1H5 \(([0-9.]+)\)")[0]),
+                                                      ((2, 0), quoted(r"L2H0 \(([0-9.]+)\)")[0])]
+    dla = res["dla"]
+    (l31,) = quoted(r"L3H1 ([0-9.]+)")
+    assert ranked(dla["score"])[0][0] == (3, 1) and round(float(dla["score"].sel(layer=3, head=1)), 2) == l31
+    assert {h for h, _ in ranked(dla["score"])[:7]} == {(3, h) for h in (0, 1, 3, 4, 5, 6, 7)}
+    heads, rest, total = quoted(r"heads ([0-9.]+) \+ rest ([0-9.]+) = ([0-9.]+)")
+    assert (round(float(dla["score"].sum()), 2), round(float(dla["rest"].mean()), 2),
+            round(float(dla["logit_diff"].mean()), 2)) == (heads, rest, total)
+    atp = res["atp"]
+    assert atp.attrs["reference_step"] == "patch"
+    recall, rho = quoted(r"AtP recalls ([0-9]+) of exact patching's top 10 heads \(Spearman ([0-9.]+)\)")
+    assert (round(atp.attrs["top_k_recall"] * 10), round(atp.attrs["spearman"], 2)) == (recall, rho)
+    assert round(float(atp["score"].sel(layer=1, head=5)), 2) == quoted(r"but gives L1H5 (-?[0-9.]+)")[0] < 0
+    eap = res["eap"]
+    assert int(eap["in_circuit"].sum()) == eap.attrs["circuit_edges"] == 50
+    normalised, faithfulness = quoted(r"circuit keeps ([0-9.]+) of the clean - corrupted gap \(faithfulness ([0-9.]+)\)")
+    assert (round(eap.attrs["faithfulness_normalised"], 2), round(eap.attrs["faithfulness"], 2)) == (normalised,
+                                                                                                      faithfulness)
+    assert eap.attrs["faithfulness"] == pytest.approx(float(eap["circuit"].mean() / eap["clean"].mean()))
+    assert round(res["sinks"].attrs["sink_rate"], 2) == quoted(r"sink rate ([0-9.]+)")[0]
+    html = (workdir / "circuits.html").read_text()
+    for step in res:
+        assert f'id="step-{step}"' in html
+    report_in_browser("circuits", workdir)
