@@ -67,6 +67,8 @@ class RichReporter(Reporter):
         self.tasks: dict[str, Any] = {}
 
     def start(self, key: str, total: int | None, description: str) -> None:
+        if key in self.tasks and key != "cells":  # a unit taken over by its step's own progress
+            self.progress.remove_task(self.tasks.pop(key))
         self.tasks[key] = self.progress.add_task(description, total=total)
 
     def advance(self, key: str, n: int = 1) -> None:
@@ -82,8 +84,8 @@ class RichReporter(Reporter):
 class LineReporter(Reporter):
     """Progress as plain lines on stderr where it is not a terminal (a log file, a pipe, a batch job): a line
     when a unit starts, then at most one every ``interval`` seconds while it advances (one per cell), and one
-    when it ends, ``description: done/total [mm:ss]``. ``interval`` defaults to ``HEADLAB_PROGRESS_SECONDS``
-    (5)."""
+    when it ends, ``description: done/total [mm:ss]`` (``description [mm:ss]`` for a unit of no size that has not
+    advanced: the step that starts). ``interval`` defaults to ``HEADLAB_PROGRESS_SECONDS`` (5)."""
 
     def __init__(self, stream: Any = None, interval: float | None = None) -> None:
         import time
@@ -100,8 +102,9 @@ class LineReporter(Reporter):
     def _print(self, unit: dict[str, Any]) -> None:
         seconds = int(self.clock() - unit["started"])
         of = f"/{unit['total']}" if unit["total"] is not None else ""
+        count = f": {unit['done']}{of}" if unit["total"] is not None or unit["done"] else ""  # "step x (1/3): ..."
         stream = self.stream or sys.stderr
-        stream.write(f"{unit['description']}: {unit['done']}{of} [{seconds // 60:02d}:{seconds % 60:02d}]\n")
+        stream.write(f"{unit['description']}{count} [{seconds // 60:02d}:{seconds % 60:02d}]\n")
         stream.flush()
         unit["printed"], unit["printed_done"] = self.clock(), unit["done"]
 
