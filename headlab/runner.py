@@ -28,6 +28,7 @@ import re
 import time
 import traceback
 import uuid
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ from .contract import OutOfMemory, StoreWriteError, meta_problem, result_problem
 from .describe import describe_step
 from .dims import DIMENSIONS
 from .errors import ContractError, StepError, describe, step_error
+from .generation import ContextLengthWarning
 from .inputs import check_resume, input_digests
 from .model import LoadedModel, ModelLoadError, load_model
 from .plugin_manager import get_manager, plugins_for_workers, register_worker_plugins
@@ -347,7 +349,9 @@ def _run_steps(loaded: LoadedSpec, cell: Cell, models: ModelCache, reporter: Rep
             _seed(spec.seed)
             config = getattr(step, step.action)
             try:
-                with forward_progress(lm, reporter, step.id):
+                with forward_progress(lm, reporter, step.id), warnings.catch_warnings():
+                    if spec.model.extrapolate:  # long prompts are asked for: no warning about them
+                        warnings.simplefilter("ignore", ContextLengthWarning)
                     ds = get_manager().get("actions", step.action).impl(config, ctx)
                 if not isinstance(ds, xr.Dataset):
                     raise TypeError(f"the action returned {type(ds).__name__}, not an xarray Dataset")
@@ -1009,8 +1013,6 @@ def run(spec: str | Path | Mapping[str, Any] | LoadedSpec | None, *, out: str | 
     job.writer.set_attrs(status="complete" if left == 0 else "failed", finished=now())
     result = open_run(job.writer.location)
     if left:
-        import warnings
-
         warnings.warn(f"{left} of {len(cells)} cells of run {result.path} failed; finish them with "
                       f"`headlab run --resume {result.path}`", stacklevel=2)
     return result
