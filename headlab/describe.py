@@ -9,8 +9,9 @@ The words come from the configs alone, never from a method's name: the action, t
 the options given with a value other than the config model's default (a decoder's ``alpha``, a steering
 method's ``heads``). Head selections read as ``from retrieval top 4``, ``random like profile top 4``, ``8 listed
 heads`` or ``file heads.json top 4``. A step is a control when one of its components draws at random
-(a head selection or a component config with ``random: true``) or is a control by construction (its config
-class sets ``control = True``, as the ``random`` KV policy does).
+(a head selection or a component config with ``random: true``, or an option set to ``random``, as ITI's
+``direction: random``) or is a control by construction (its config
+class sets ``control: ClassVar[bool] = True``, as the ``random`` KV policy does).
 """
 
 from __future__ import annotations
@@ -27,10 +28,9 @@ from .config import ComponentConfig
 from .plugin_manager import get_manager
 from .spec import HeadsFrom, build_spec_model
 
-__all__ = ["StepDescription", "describe_step", "describe_steps", "is_control"]
+__all__ = ["StepDescription", "describe_step", "describe_steps", "heads_text", "is_control"]
 
 CONTROL_PREFIX = "control: "
-DECODING_ACTIONS = ("decode", "steer", "kv")  # the config fields of a decoding action described by kind
 
 
 @dataclass(frozen=True)
@@ -61,12 +61,13 @@ class StepDescription:
 
 def is_control(config: Any) -> bool:
     """Whether ``config`` (a component config, a head selection or any config model, with everything it holds)
-    draws at random in place of a selection (``random: true``) or is a control by construction (its class
-    sets ``control = True``)."""
+    draws at random in place of a selection (``random: true``, or an option set to ``random``: ITI's
+    ``direction: random``) or is a control by construction (its class sets ``control = True``)."""
     if isinstance(config, BaseModel):
         if getattr(type(config), "control", False) is True or getattr(config, "random", False) is True:
             return True
-        return any(is_control(getattr(config, name)) for name in type(config).model_fields)
+        values = [getattr(config, name) for name in type(config).model_fields]
+        return any(v == "random" for v in values if isinstance(v, str)) or any(is_control(v) for v in values)
     if isinstance(config, (list, tuple)):
         return any(is_control(v) for v in config)
     if isinstance(config, Mapping):

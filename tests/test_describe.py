@@ -4,7 +4,7 @@ selections of every form, controls, and a run's resolved config giving the same 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import pytest
 
@@ -116,5 +116,10 @@ def test_a_config_class_that_is_a_control_by_construction():
         kind: str = "shuffled"
         control: ClassVar[bool] = True
 
+    class Steered(headlab.ComponentConfig):
+        kind: str = "steered"
+        direction: Literal["probe", "random"] = "probe"
+
     assert is_control(Shuffled()) and not is_control(headlab.ComponentConfig(kind="x"))
+    assert is_control(Steered(direction="random")) and not is_control(Steered())  # a random direction
     assert describe_steps("{not json") == {}
