@@ -85,9 +85,9 @@ def summary_rows(run: Any, digits: int = 3) -> list[SummaryRow]:
         mine: list[SummaryRow] = []
         if info.get("top"):
             t = info["top"][0]
-            metric = "top head" + (" (token peak)" if info.get("token_peak") else "")
-            mine.append(SummaryRow(**base, metric=metric, value=f"{head_label(t['layer'], t['head'], info.get('unit', 'head'))} "
-                                                                f"{_number(t['score'], digits)}"))
+            label = head_label(t["layer"], t["head"], info.get("unit", "head"))
+            metric = f"top head {label}" + (" (token peak)" if info.get("token_peak") else "")
+            mine.append(SummaryRow(**base, metric=metric, value=_number(t["score"], digits)))
         for r in info.get("cells", []):
             where = _cell_text(r["cell"])
             for m, value in r["metrics"].items():

@@ -90,7 +90,7 @@ def test_a_per_token_score_shows_its_peak_like_the_report(run):
     layer, head = np.unravel_index(np.argmax(peak), peak.shape)
     lines = show(str(run.path)).splitlines()
     row = lines[lines.index(LONG) + 1]  # an id too long for its column has a line of its own above its row
-    assert row.split()[-4:] == [f"L{layer}H{head}", f"{peak[layer, head]:.3f}", "-", "-"], row
+    assert f" top head L{layer}H{head} " in row and row.split()[-3:] == [f"{peak[layer, head]:.3f}", "-", "-"], row
     np.testing.assert_allclose(head_map(score).values, peak)  # the report's head map: the same numbers
     assert not np.allclose(peak, values.mean(-1))  # a mean over tokens would differ
 
