@@ -11,6 +11,7 @@ measure the effect, from a YAML spec, the command line or a notebook.
 from __future__ import annotations
 
 from .context import IMAGE_MARKER, Example, StepContext, TaskContext, strip_tags
+from .describe import StepDescription, describe_steps
 from .dims import DIMENSIONS
 from .errors import ContractError, StepError
 from .forward_pass import forward, positions_from_mask
@@ -35,12 +36,13 @@ from .instrument import (
     start_at_layer,
 )
 from .model import Geometry, LoadedModel, from_config, from_pretrained, load_model
+from .overview import SummaryRow, summary_rows
 from .plugin_manager import PluginError, component, register_plugin, unregister_plugin
 from .results import Run, list_runs, open_run
 from .runner import run
 from .scoring import generate, logprobs
 from .spec import ComponentConfig, HeadSelection, SpecError, json_schema, load_spec
-from .summary import Estimate, estimate
+from .summary import Estimate, estimate, head_scores
 from .version import __version__
 from .vision import token_runs
 
@@ -48,7 +50,7 @@ from .vision import token_runs
 __all__ = [
     # running and reading runs
     "Run", "list_runs", "load_spec", "json_schema", "open_run", "run", "generate", "logprobs", "SpecError",
-    "StepError", "__version__",
+    "StepError", "__version__", "StepDescription", "SummaryRow", "describe_steps", "summary_rows",
     # writing a plugin: registration and the objects a component receives
     "ComponentConfig", "ContractError", "Example", "HeadSelection", "IMAGE_MARKER", "PluginError", "StepContext",
     "TaskContext", "component", "hookimpl", "register_plugin", "strip_tags", "unregister_plugin",
@@ -61,7 +63,7 @@ __all__ = [
     "SteeringConflictError",
     "instrumented", "shared_trunk", "span_tensor", "start_at_layer",
     # heads and result arrays
-    "DIMENSIONS", "Estimate", "attention_preview", "estimate", "draw_like", "from_pasta_json", "from_retrieval_json", "ranked",
-    "to_pasta_json",
+    "DIMENSIONS", "Estimate", "attention_preview", "estimate", "head_scores", "draw_like", "from_pasta_json",
+    "from_retrieval_json", "ranked", "to_pasta_json",
     "to_retrieval_json",
 ]

@@ -38,6 +38,7 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 import xarray as xr
 
+from .summary import head_scores
 from .svg import SIGN_COLORS, bar_chart_svg, grid_svg, sign_color
 
 __all__ = ["AtPComparison", "Circuit", "Edge", "Node", "atp_pairs", "atp_vs_exact", "circuit_edges",
@@ -77,34 +78,17 @@ def circuit_kind(ds: xr.Dataset) -> CircuitKind | None:
     return None
 
 
-def _peak(da: xr.DataArray, dim: str) -> xr.DataArray:
-    """The entry of largest magnitude along ``dim`` (NaN where every entry is NaN)."""
-    arr = da.values.astype(float)
-    axis = da.dims.index(dim)
-    mag = np.where(np.isfinite(arr), np.abs(arr), -1.0)
-    idx = np.expand_dims(mag.argmax(axis=axis), axis)
-    out = np.take_along_axis(arr, idx, axis=axis).squeeze(axis)
-    out[(mag < 0).all(axis=axis)] = np.nan
-    return xr.DataArray(out, dims=[d for d in da.dims if d != dim],
-                        coords={k: v for k, v in da.coords.items() if dim not in v.dims})
-
-
 def head_map(score: xr.DataArray, reduce: Reduce = "peak") -> xr.DataArray:
     """``score`` as ``(layer, head)`` (``(layer, kv_head)`` for key/value patching): a ``token`` dimension
     reduced by ``reduce`` (``peak``: the per-token score of largest magnitude; ``sum``; ``mean``; NaN skipped),
-    any other extra dimension (sweep keys) averaged."""
-    head = "kv_head" if "kv_head" in score.dims and "head" not in score.dims else "head"
-    if "token" in score.dims:
-        if reduce == "peak":
-            score = _peak(score, "token")
-        elif reduce == "sum":
-            score = score.sum("token", skipna=True, min_count=1)
-        else:
-            score = score.mean("token", skipna=True)
-    extra = [d for d in score.dims if d not in ("layer", head)]
-    if extra:
-        score = score.mean(extra)
-    return score.transpose("layer", head).astype(float)
+    any other extra dimension (sweep keys) averaged; ``peak`` is :func:`headlab.summary.head_scores`."""
+    if reduce == "peak" or "token" not in score.dims:
+        return head_scores(score)  # the value the run summary and `headlab show` give
+    if reduce == "sum":
+        score = score.sum("token", skipna=True, min_count=1)
+    else:
+        score = score.mean("token", skipna=True)
+    return head_scores(score)
 
 
 def _head_label(layer: int, head: int) -> str:

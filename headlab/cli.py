@@ -6,7 +6,7 @@
     headlab schema [-o FILE]
     headlab plugins [--json]
     headlab runs [DIR]
-    headlab show RUN
+    headlab show RUN [STEP ...] [--steps]
     headlab report RUN [-o FILE]
     headlab new-plugin {detector|steering|decoder|task|metric} NAME [DIR]
     headlab eval [lm-eval options]   (the eval extra: lm-evaluation-harness with headlab's model)
@@ -68,6 +68,8 @@ class RichReporter(Reporter):
         self.tasks: dict[str, Any] = {}
 
     def start(self, key: str, total: int | None, description: str) -> None:
+        if key in self.tasks and key != "cells":  # a unit taken over by its step's own progress
+            self.progress.remove_task(self.tasks.pop(key))
         self.tasks[key] = self.progress.add_task(description, total=total)
 
     def advance(self, key: str, n: int = 1) -> None:
@@ -83,8 +85,8 @@ class RichReporter(Reporter):
 class LineReporter(Reporter):
     """Progress as plain lines on stderr where it is not a terminal (a log file, a pipe, a batch job): a line
     when a unit starts, then at most one every ``interval`` seconds while it advances (one per cell), and one
-    when it ends, ``description: done/total [mm:ss]``. ``interval`` defaults to ``HEADLAB_PROGRESS_SECONDS``
-    (5)."""
+    when it ends, ``description: done/total [mm:ss]`` (``description [mm:ss]`` for a unit of no size that has not
+    advanced: the step that starts). ``interval`` defaults to ``HEADLAB_PROGRESS_SECONDS`` (5)."""
 
     def __init__(self, stream: Any = None, interval: float | None = None) -> None:
         import time
@@ -101,8 +103,9 @@ class LineReporter(Reporter):
     def _print(self, unit: dict[str, Any]) -> None:
         seconds = int(self.clock() - unit["started"])
         of = f"/{unit['total']}" if unit["total"] is not None else ""
+        count = f": {unit['done']}{of}" if unit["total"] is not None or unit["done"] else ""  # "step x (1/3): ..."
         stream = self.stream or sys.stderr
-        stream.write(f"{unit['description']}: {unit['done']}{of} [{seconds // 60:02d}:{seconds % 60:02d}]\n")
+        stream.write(f"{unit['description']}{count} [{seconds // 60:02d}:{seconds % 60:02d}]\n")
         stream.flush()
         unit["printed"], unit["printed_done"] = self.clock(), unit["done"]
 
@@ -323,43 +326,127 @@ def runs(directory: Annotated[Path, typer.Argument(help="store directory")] = Pa
     console.print(table)
 
 
-def _print_summary(result: Any) -> None:
-    for step, info in result.summary().items():
+def _width() -> int:
+    """The width of ``headlab show``'s table: ``COLUMNS`` where it is set, else the terminal's, else 240 (piped
+    output keeps whole lines)."""
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    return console.width if sys.stdout.isatty() else 240
+
+
+def _fit(text: str, width: int, right: bool = False) -> str:
+    """``text`` in ``width`` columns, cut with an ellipsis where it is longer."""
+    if len(text) > width:
+        text = text[:max(width - 1, 0)] + "…"
+    return text.rjust(width) if right else text.ljust(width)
+
+
+def _summary_table(result: Any, out: Console) -> None:
+    """One table for the run: step | what it did | metric | value | n | 95% interval, in ``out``'s width. Step
+    ids are printed whole: one longer than a quarter of the width gets a line of its own above its row. "What
+    it did" (and, past that, the metric's label) is cut with an ellipsis to fit."""
+    from .overview import summary_rows
+
+    rows = summary_rows(result)
+    cells = [(r.step, r.what, ("no summary figure" if r.step in result.results else "no result") if r.note
+              else r.metric, r.value, "" if r.note else r.n, "" if r.note else r.interval()) for r in rows]
+    headers = ("step", "what it did", "metric", "value", "n", "95% interval")
+    if all(c[4] in ("-", "") and c[5] in ("-", "") for c in cells):  # no mean over examples: no n, no interval
+        headers, cells = headers[:4], [c[:4] for c in cells]
+    natural = [max([len(headers[i])] + [len(c[i]) for c in cells]) for i in range(len(headers))]
+    cap = max(out.width // 4, len(headers[0]))
+    natural[0] = max([len(headers[0])] + [len(c[0]) for c in cells if len(c[0]) <= cap])
+    left = max(out.width - 2 * (len(headers) - 1) - natural[0] - sum(natural[3:]), 2)  # gaps of 2 columns
+    metric = min(natural[2], max(left - natural[1], left - 12, left // 2))  # "what it did" keeps 12 if it can
+    widths = [natural[0], max(min(left - metric, natural[1]), 1), metric, *natural[3:]]
+
+    def line(values: tuple[str, ...]) -> str:
+        return "  ".join(_fit(v, w, right=i >= 3) for i, (v, w) in enumerate(zip(values, widths, strict=True)))
+
+    lines = [line(headers), "─" * len(line(headers))]
+    previous = None
+    for r, c in zip(rows, cells, strict=True):
+        first, previous = r.step != previous, r.step
+        if first and len(r.step) > widths[0]:
+            lines.append(r.step)
+        step = r.step if first and len(r.step) <= widths[0] else ""
+        lines.append(line((step, c[1] if first else "", *c[2:])).rstrip())
+    lines += [f"{r.step}: {r.note}" for r in rows if r.note]
+    out.print(Text("\n".join(lines)))
+
+
+def _print_detail(result: Any, steps: list[str], out: Console) -> None:
+    """Each of ``steps`` in full: what it did, then its top heads or its metrics per sweep cell (mean, 95%
+    interval, n, dropped and why), per-task values and the KV policy's kept fraction."""
+    from .overview import head_label, summary_rows
+
+    summary = result.summary()
+    rows = summary_rows(result)
+    for step in steps:
+        mine = [r for r in rows if r.step == step]
+        out.print(Text(f"\n{step}: {mine[0].what}", style="bold"))
+        info = summary.get(step, {})
+        if mine[0].note:
+            out.print(Text(mine[0].note))
+            continue
         if "top" in info:  # a (layer, head) score; a detect step without one (ablation) shows its metrics
-            table = _table("rank", "layer", "head", "score", title=f"{step}: top heads ({info['method']})")
+            what = ", the per-token peak" if info.get("token_peak") else ""
+            table = _table("rank", "head", "score", title=f"top heads ({info['method']}{what})")
             for i, t in enumerate(info["top"], 1):
-                table.add_row(str(i), str(t["layer"]), str(t["head"]), f"{t['score']:.4f}")
-        elif info.get("tasks"):
+                table.add_row(str(i), head_label(t["layer"], t["head"], info.get("unit", "head")), f"{t['score']:.4f}")
+            out.print(table)
+        if info.get("tasks"):
             keys = list(dict.fromkeys(k for r in info["tasks"] for k in r["cell"]))
             names = list(dict.fromkeys(m for r in info["tasks"] for m in r["metrics"]))
-            table = Table(*keys, "task", *names, title=f"{step}: {info['kind']} (per task)")
+            table = _table(*keys, "task", *names, title="per task")
             for r in info["tasks"]:
                 table.add_row(*(str(r["cell"].get(k, "")) for k in keys), r["task"],
                               *(f"{r['metrics'][m]:.4f}" if m in r["metrics"] else "" for m in names))
-        else:  # one row per sweep cell and metric, never a mean across sweep values
+            out.print(table)
+        if any(r["metrics"] for r in info.get("cells", [])):  # one row per sweep cell and metric, never a mean across sweep values
             keys = list(dict.fromkeys(k for r in info["cells"] for k in r["cell"]))
             table = _table(*keys, "metric", "mean", "95% interval", "n", "dropped",
-                           title=f"{step}: {info['kind']} metrics (mean over the examples where defined)")
+                           title="metrics (mean over the examples where defined)")
             for r in info["cells"]:
                 for m, value in r["metrics"].items():
                     e = r["estimates"].get(m)  # None: a step-level value, not a mean over examples
                     mean = f"{value:.4f}" if math.isfinite(value) else "undefined"
                     table.add_row(*(str(r["cell"][k]) for k in keys), m, mean, e.interval_text(4) if e else "-",
                                   str(e.n) if e else "-", e.dropped_text() if e else "-")
-        console.print(table)
+            out.print(table)
         for row in info.get("kv", []):
             where = ", ".join(f"{k}={v}" for k, v in row["cell"].items())
-            console.print(f"{step}: kv {row['policy']} kept fraction {row['kept_fraction']:.4f}"
-                          + (f" ({where})" if where else ""))
+            out.print(f"{step}: kv {row['policy']} kept fraction {row['kept_fraction']:.4f}"
+                      + (f" ({where})" if where else ""))
+
+
+def _print_summary(result: Any, detail: list[str] | None = None) -> None:
+    out = Console(width=_width(), highlight=False)
+    _summary_table(result, out)
+    if detail:
+        _print_detail(result, detail, out)
 
 
 @app.command()
-def show(run_path: Annotated[Path, typer.Argument(metavar="RUN", help="a run store directory")]) -> None:
-    """Print a run's summary: top heads of detect steps, metric means of generate steps; the kept steps of
-    partial cells (included in the summary)."""
+def show(run_path: Annotated[Path, typer.Argument(metavar="RUN", help="a run store directory")],
+         names: Annotated[list[str] | None, typer.Argument(metavar="[STEP]...", help="steps to show in detail "
+                                                           "(implies --steps)", show_default=False)] = None,
+         steps: Annotated[bool, typer.Option("--steps", help="after the summary, every step in detail (or the "
+                                             "STEPs named)")] = False) -> None:
+    """Print a run's summary, one row per step and number (top heads of detect steps, metric means with their n
+    and 95% interval, KV kept fractions; the kept steps of partial cells included), then with --steps each step in
+    detail."""
+    from .config import suggest
     from .results import open_run
+    from .spec import SpecError
 
     result = open_run(run_path)
+    known = list(dict.fromkeys([*result.steps, *result.results]))
+    for name in names or []:
+        if name not in known:
+            raise SpecError(f"show: the run has no step '{name}'{suggest(name, known)}; its steps: "
+                            f"{', '.join(known)}", source="command line")
     console.print(f"[bold]{result.name}[/bold] {result.status}, {result.cells_done}/{result.cells_total} cells, "
                   f"model {result.attrs.get('model')}")
     for name, info in sorted(result.partial_cells.items()):
@@ -369,7 +456,7 @@ def show(run_path: Annotated[Path, typer.Argument(metavar="RUN", help="a run sto
         console.print(Text(f"partial cell {name}{f' ({values})' if values else ''}: kept steps "
                            f"{', '.join(info['steps'])} (shown below); {stop}; `headlab run --resume "
                            f"{result.location}` computes the cell again"), soft_wrap=True)
-    _print_summary(result)
+    _print_summary(result, list(names) if names else known if steps else None)
 
 
 class ReportFormat(str, Enum):

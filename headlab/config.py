@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, model_validator
 from pydantic_core import PydanticCustomError
@@ -48,6 +48,10 @@ class ComponentConfig(StrictModel):
     """Base of plugin config models. Subclasses declare ``kind: Literal["name"] = "name"``."""
 
     kind: str
+
+    #: a control by construction (the ``random`` KV policy): a step using it is marked as a control, as is one
+    #: whose components hold ``random: true`` (:func:`headlab.describe.is_control`)
+    control: ClassVar[bool] = False
 
     @classmethod
     def kind_name(cls) -> str:

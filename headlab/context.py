@@ -115,11 +115,11 @@ class StepContext:
         return select_heads(selection, self.results, self.model.geometry, rng=rng)
 
     def progress(self, items: Iterable[T], description: str, total: int | None = None) -> Iterator[T]:
-        """Iterate ``items`` while reporting progress under this step's id."""
+        """Iterate ``items`` while reporting progress under this step's id (``step <id>: <description>``)."""
         key = f"step:{self.step_id}"
         if total is None and hasattr(items, "__len__"):
             total = len(items)  # type: ignore[arg-type]
-        self.reporter.start(key, total, description)
+        self.reporter.start(key, total, f"step {self.step_id}: {description}" if self.step_id else description)
         try:
             for item in items:
                 if self.cancel():

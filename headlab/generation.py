@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +22,7 @@ import xarray as xr
 from .context import Example
 from .model import LoadedModel
 
-__all__ = ["Batch", "Choose", "DecodeRequest", "DecodeState", "Decoded", "ModelCall", "PromptSplit", "Rows",
+__all__ = ["Batch", "Choose", "ContextLengthWarning", "DecodeRequest", "DecodeState", "Decoded", "ModelCall", "PromptSplit", "Rows",
            "ScoreRequest", "Scored", "continuation_batch", "decode_info", "decode_loop", "instrumented", "prefill",
            "sum_continuation", "tokenize"]
 
@@ -106,9 +107,28 @@ class Batch:
         return tile_inputs(self.model_inputs, copies)
 
 
+class ContextLengthWarning(UserWarning):
+    """A prompt longer than the model's context window was tokenized (:func:`tokenize`)."""
+
+
+def _warn_long(lm: LoadedModel, rows: list[list[int]], examples: list[Example]) -> None:
+    limit = lm.context_length
+    long = [i for i, r in enumerate(rows) if limit is not None and len(r) > limit]
+    if not long:
+        return
+    i = long[0]
+    more = f" (and {len(long) - 1} more in this batch)" if len(long) > 1 else ""
+    start = examples[i].prompt[:40] if i < len(examples) and examples[i].prompt else ""
+    which = f"example {i} of the batch" + (f" ({start!r}...)" if start else "")
+    warnings.warn(f"{which} is {len(rows[i]):,} tokens{more}, longer than the model's context window of {limit:,} "
+                  "tokens: outputs past it are unreliable; shorten the prompt (in a spec, the task), or set "
+                  "`model: {extrapolate: true}` to run past it on purpose", ContextLengthWarning, stacklevel=3)
+
+
 def tokenize(lm: LoadedModel, examples: list[Example], device: str | None = None) -> Batch:
     """Tokenize examples (their ``input_ids`` if set, else ``prompt``, with their ``images`` through the
-    model's processor) into a left-padded batch."""
+    model's processor) into a left-padded batch. A prompt longer than the model's context window gets one
+    :class:`ContextLengthWarning` per batch (in place of the tokenizer's own warning), naming the example."""
     tok = lm.tokenizer
     rows: list[list[int]] = []
     offsets: list[list[tuple[int, int]]] = []
@@ -132,6 +152,7 @@ def tokenize(lm: LoadedModel, examples: list[Example], device: str | None = None
         enc = tok(ex.prompt, return_offsets_mapping=True, add_special_tokens=True)
         rows.append(list(enc["input_ids"]))
         offsets.append([tuple(o) for o in enc["offset_mapping"]])
+    _warn_long(lm, rows, examples)
     pad_id = lm.pad_id
     n = max(len(r) for r in rows)
     ids = torch.full((len(rows), n), pad_id, dtype=torch.long)

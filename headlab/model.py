@@ -44,6 +44,14 @@ class LoadedModel:
     dtype: str = "float32"
     processor: Any = None
 
+    def __post_init__(self) -> None:
+        # the tokenizer's "Token indices sequence length is longer than the specified maximum" warning is noise:
+        # tasks tokenize long texts to cut them (a haystack), a run refuses a prompt longer than the model's
+        # context window itself (naming the example and the fix), and headlab.generation.tokenize warns in one line
+        warned = getattr(self.tokenizer, "deprecation_warnings", None)
+        if isinstance(warned, dict):
+            warned["sequence-length-is-longer-than-the-specified-maximum"] = True
+
     @property
     def is_vision(self) -> bool:
         """Whether the model reads images (it has a processor)."""

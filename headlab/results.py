@@ -33,7 +33,7 @@ import numpy as np
 import xarray as xr
 import zarr
 
-from .summary import metric_estimate
+from .summary import head_scores, metric_estimate
 from .version import __version__
 
 __all__ = ["FORMAT", "Run", "RunDamaged", "RunFormatTooNew", "RunNotFound", "RunWriter", "list_runs", "open_run"]
@@ -598,7 +598,8 @@ class Run:
         return ds.set_index(cell=keys).unstack("cell")
 
     def summary(self) -> dict[str, Any]:
-        """Top heads per detect step (their score averaged over the sweep); per other step its ``kind`` (the
+        """Top heads per detect step (:func:`~headlab.summary.head_scores`: a per-token score's peak, averaged over
+        the sweep; ``unit``: ``head``, or ``kv_head`` for a score per key/value head); per other step its ``kind`` (the
         action) and, never averaged across sweep values, its metrics: ``cells``, one row per sweep cell
         (``[{"cell": {sweep key: value}, "metrics": {name: mean over the cell's examples}}]``; a metric's
         step-level aggregate, stored without the ``example`` dimension, as it is), and
@@ -609,12 +610,14 @@ class Run:
 
         out: dict[str, Any] = {}
         for step, ds in self.results.items():
-            if "score" in ds and {"layer", "head"} <= set(ds["score"].dims):
-                score = ds["score"]
-                extra = [d for d in score.dims if d not in ("layer", "head")]
-                score = score.mean(extra) if extra else score
-                out[step] = {"kind": "detect", "method": ds.attrs.get("method", ""),
-                             "top": [{"layer": h[0], "head": h[1], "score": s} for h, s in ranked(score)[:10]]}
+            dims = set(ds["score"].dims) if "score" in ds else set()
+            if "layer" in dims and dims & {"head", "kv_head"}:
+                score = head_scores(ds["score"])  # a per-token score: its peak; sweep keys: averaged
+                unit = "head" if "head" in score.dims else "kv_head"
+                out[step] = {"kind": "detect", "method": ds.attrs.get("method", ""), "unit": unit,
+                             "token_peak": "token" in dims,
+                             "top": [{"layer": h[0], "head": h[1], "score": s}
+                                     for h, s in ranked(score.rename({unit: "head"}))[:10]]}
             else:
                 metrics = [m for m in ds.attrs.get("metrics", []) if m in ds]
                 kind = str(ds.attrs.get("action", "generate"))
@@ -655,6 +658,9 @@ class Run:
             for combo in itertools.product(*grids):
                 at = dict(zip(dims, combo, strict=True))
                 values = {m: sub[m].sel({d: v for d, v in at.items() if d in sub[m].dims}) for m in metrics}
+                real = _real_examples(sub)
+                if real is not None:  # a sweep over the task's size pads smaller cells: not examples, not drops
+                    values = {m: v.isel(example=real) if "example" in v.dims else v for m, v in values.items()}
                 estimates = {m: metric_estimate(v, m) for m, v in values.items() if "example" in v.dims}
                 rows.append({"cell": {**cell, **at},
                              "metrics": {m: estimates[m].mean if m in estimates else float(np.nanmean(v.values))
@@ -692,6 +698,19 @@ class Run:
         return (f"<div><b>headlab run</b> {escape(self.name)} &middot; {escape(self.status)} &middot; "
                 f"{self.cells_done}/{self.cells_total} cells &middot; model {escape(str(self.attrs.get('model')))}"
                 f"<table><tr><th>step</th><th>action</th><th>summary</th></tr>{''.join(rows)}</table></div>")
+
+
+def _real_examples(ds: xr.Dataset) -> np.ndarray | None:
+    """The indices of ``ds``'s examples that are examples of its cell, not the padding :meth:`Run._concat` adds
+    where a sweep's cells have different numbers of examples (no token of ``input_ids``, or an empty ``prompt``);
+    None when ``ds`` says neither."""
+    if "example" not in ds.dims:
+        return None
+    if "input_ids" in ds and set(ds["input_ids"].dims) == {"example", "token"}:
+        return np.flatnonzero((ds["input_ids"] >= 0).any("token").values)
+    if "prompt" in ds and ds["prompt"].dims == ("example",) and ds["prompt"].dtype.kind in "OUT":
+        return np.flatnonzero(ds["prompt"].values.astype(str) != "")
+    return None
 
 
 def _is_partial(attrs: Mapping[str, Any]) -> bool:

@@ -28,6 +28,7 @@ import re
 import time
 import traceback
 import uuid
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -43,8 +44,10 @@ from pydantic_core import to_jsonable_python
 from . import resources
 from .context import Example, Reporter, StepContext
 from .contract import OutOfMemory, StoreWriteError, meta_problem, result_problems, write_advice
+from .describe import describe_step
 from .dims import DIMENSIONS
 from .errors import ContractError, StepError, describe, step_error
+from .generation import ContextLengthWarning
 from .inputs import check_resume, input_digests
 from .model import LoadedModel, ModelLoadError, load_model
 from .plugin_manager import get_manager, plugins_for_workers, register_worker_plugins
@@ -175,7 +178,7 @@ def forward_progress(lm: LoadedModel, reporter: Reporter, step_id: str,
         tokens = int(np.prod(shape[:-1])) if len(shape) >= 2 else 0
         if tokens >= min_tokens:
             active[0] = True
-            reporter.start(key, total, f"forward over {tokens:,} tokens: layers")
+            reporter.start(key, total, f"step {step_id}: forward over {tokens:,} tokens: layers")
 
     def done(module: Any, args: tuple[Any, ...], output: Any, last: bool = False) -> None:
         if active[0]:
@@ -318,50 +321,59 @@ def _run_steps(loaded: LoadedSpec, cell: Cell, models: ModelCache, reporter: Rep
     _seed(spec.seed)
     example_cache: dict[str, list[Example]] = {}
     token_cache: dict[int, int] = {}
-    for step in spec.steps:
+    for i, step in enumerate(spec.steps, 1):
         if on_step is not None:
             on_step(step.id)
-        task = step.task or spec.task
-        key = task.model_dump_json()
-        if key not in example_cache:
-            try:
-                example_cache[key] = build_examples(task, lm, spec.seed)
-                check_meta(example_cache[key])
-            except (Exception, SystemExit) as e:
-                raise step_error(_memory_error(e, step, None), step=step, config=None, task=task, cell=cell) from e
-        examples = example_cache[key]
-        if not spec.model.extrapolate:
-            try:
-                check_context(examples, lm, getattr(step, step.action), token_cache)
-            except ValueError as e:
-                raise step_error(e, step=step, config=None, task=task, cell=cell) from e
-        check_requirements(step, task, examples, cell)
-        ctx = StepContext(model=lm, examples=examples, results=results, seed=spec.seed, step_id=step.id,
-                          reporter=reporter, cancel=cancel or (lambda: False), store=store)
-        _seed(spec.seed)
-        config = getattr(step, step.action)
+        # progress names the step that runs: "step decore (3/6): generate decore (heads from retrieval top 8)";
+        # the step's own progress (StepContext.progress) takes the same key over
+        running = f"step:{step.id}"
+        reporter.start(running, None, f"step {step.id} ({i}/{len(spec.steps)}): {describe_step(step, spec.task).text}")
         try:
-            with forward_progress(lm, reporter, step.id):
-                ds = get_manager().get("actions", step.action).impl(config, ctx)
-            if not isinstance(ds, xr.Dataset):
-                raise TypeError(f"the action returned {type(ds).__name__}, not an xarray Dataset")
-            check_result(ds, step, config, lm, len(examples))
-        except (Exception, SystemExit) as e:  # KeyboardInterrupt passes: the run is interrupted, not failed
-            raise step_error(_memory_error(e, step, config), step=step, config=config, cell=cell) from e
-        if "example_source" not in ds.attrs:  # the step's `example` are the task's examples: store their inputs
+            task = step.task or spec.task
+            key = task.model_dump_json()
+            if key not in example_cache:
+                try:
+                    example_cache[key] = build_examples(task, lm, spec.seed)
+                    check_meta(example_cache[key])
+                except (Exception, SystemExit) as e:
+                    raise step_error(_memory_error(e, step, None), step=step, config=None, task=task, cell=cell) from e
+            examples = example_cache[key]
+            if not spec.model.extrapolate:
+                try:
+                    check_context(examples, lm, getattr(step, step.action), token_cache)
+                except ValueError as e:
+                    raise step_error(e, step=step, config=None, task=task, cell=cell) from e
+            check_requirements(step, task, examples, cell)
+            ctx = StepContext(model=lm, examples=examples, results=results, seed=spec.seed, step_id=step.id,
+                              reporter=reporter, cancel=cancel or (lambda: False), store=store)
+            _seed(spec.seed)
+            config = getattr(step, step.action)
             try:
-                ex = examples_dataset(examples, lm)
-                clash = sorted(set(ex.coords) & set(ds.variables) - set(ex.dims) - set(ds.dims))
-                if clash:
-                    raise ValueError(f"the task gives its examples a field {clash[0]!r}, the name of a variable this "
-                                     "step stores; rename that field in the task's data")
-            except ValueError as e:
-                raise step_error(e, step=step, config=None, task=task, cell=cell) from e
-            ds = ds.merge(ex, compat="override", join="left"
-                          if "example" in ds.dims else "outer")
-        ds.attrs.update(step=step.id, action=step.action, task=task.kind, config=json.dumps(_jsonable(config)),
-                        model=lm.name)
-        results[step.id] = ds
+                with forward_progress(lm, reporter, step.id), warnings.catch_warnings():
+                    if spec.model.extrapolate:  # long prompts are asked for: no warning about them
+                        warnings.simplefilter("ignore", ContextLengthWarning)
+                    ds = get_manager().get("actions", step.action).impl(config, ctx)
+                if not isinstance(ds, xr.Dataset):
+                    raise TypeError(f"the action returned {type(ds).__name__}, not an xarray Dataset")
+                check_result(ds, step, config, lm, len(examples))
+            except (Exception, SystemExit) as e:  # KeyboardInterrupt passes: the run is interrupted, not failed
+                raise step_error(_memory_error(e, step, config), step=step, config=config, cell=cell) from e
+            if "example_source" not in ds.attrs:  # the step's `example` are the task's examples: store their inputs
+                try:
+                    ex = examples_dataset(examples, lm)
+                    clash = sorted(set(ex.coords) & set(ds.variables) - set(ex.dims) - set(ds.dims))
+                    if clash:
+                        raise ValueError(f"the task gives its examples a field {clash[0]!r}, the name of a variable this "
+                                         "step stores; rename that field in the task's data")
+                except ValueError as e:
+                    raise step_error(e, step=step, config=None, task=task, cell=cell) from e
+                ds = ds.merge(ex, compat="override", join="left"
+                              if "example" in ds.dims else "outer")
+            ds.attrs.update(step=step.id, action=step.action, task=task.kind, config=json.dumps(_jsonable(config)),
+                            model=lm.name)
+            results[step.id] = ds
+        finally:
+            reporter.stop(running)
     return results
 
 
@@ -1001,8 +1013,6 @@ def run(spec: str | Path | Mapping[str, Any] | LoadedSpec | None, *, out: str | 
     job.writer.set_attrs(status="complete" if left == 0 else "failed", finished=now())
     result = open_run(job.writer.location)
     if left:
-        import warnings
-
         warnings.warn(f"{left} of {len(cells)} cells of run {result.path} failed; finish them with "
                       f"`headlab run --resume {result.path}`", stacklevel=2)
     return result

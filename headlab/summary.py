@@ -22,9 +22,10 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import numpy as np
+import xarray as xr
 from scipy import stats
 
-__all__ = ["Estimate", "estimate", "metric_estimate", "UNDEFINED_ATTR", "BOOTSTRAP_RESAMPLES"]
+__all__ = ["Estimate", "estimate", "metric_estimate", "UNDEFINED_ATTR", "BOOTSTRAP_RESAMPLES", "head_scores", "peak"]
 
 UNDEFINED_ATTR = "undefined_when"
 """The per-example metric variable's attribute that holds the metric's reason for an undefined (NaN) value."""
@@ -111,3 +112,28 @@ def metric_estimate(values: Any, metric: str, *, seed: int = 0) -> Estimate:
     attrs = getattr(values, "attrs", {}) or {}
     reason = str(attrs.get(UNDEFINED_ATTR) or "undefined (NaN)")
     return estimate(values, metric=metric, drop_reason=reason, seed=seed)
+
+
+def peak(da: xr.DataArray, dim: str) -> xr.DataArray:
+    """The entry of largest magnitude along ``dim``, its sign kept (NaN where every entry is NaN)."""
+    arr = da.values.astype(float)
+    axis = da.dims.index(dim)
+    mag = np.where(np.isfinite(arr), np.abs(arr), -1.0)
+    idx = np.expand_dims(mag.argmax(axis=axis), axis)
+    out = np.take_along_axis(arr, idx, axis=axis).squeeze(axis)
+    out[(mag < 0).all(axis=axis)] = np.nan
+    return xr.DataArray(out, dims=[d for d in da.dims if d != dim],
+                        coords={k: v for k, v in da.coords.items() if dim not in v.dims})
+
+
+def head_scores(score: xr.DataArray) -> xr.DataArray:
+    """One value per head of a head score (``(layer, head)``, or ``(layer, kv_head)``): a ``token`` dimension
+    reduced to its per-token peak (:func:`peak`), every other dimension (sweep keys) averaged. The number the
+    run summary, ``headlab show`` and the report's head maps give for a head."""
+    head = "kv_head" if "kv_head" in score.dims and "head" not in score.dims else "head"
+    if "token" in score.dims:
+        score = peak(score, "token")
+    extra = [d for d in score.dims if d not in ("layer", head)]
+    if extra:
+        score = score.mean(extra)
+    return score.transpose("layer", head).astype(float)

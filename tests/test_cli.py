@@ -43,7 +43,7 @@ def test_run_show_runs(tmp_path):
     spec.write_text(spec_text(STEPS))
     res = headlab("run", str(spec), "--out", str(tmp_path / "runs"), "--set", "task.n=2")
     assert res.returncode == 0, res.stderr
-    assert "top heads" in res.stdout
+    assert "top head" in res.stdout
     (run_dir,) = (tmp_path / "runs").iterdir()
     res = headlab("show", str(run_dir))
     assert res.returncode == 0 and "induction" in res.stdout

@@ -341,9 +341,9 @@ def test_show_and_report_display_the_tasks(spec_run, tmp_path):
 
     from headlab.cli import app
 
-    out = CliRunner().invoke(app, ["show", str(spec_run.path)], env={"COLUMNS": "200"})
+    out = CliRunner().invoke(app, ["show", str(spec_run.path), "--steps"], env={"COLUMNS": "200"})
     assert out.exit_code == 0, out.output
-    assert "eval: evaluate (per task)" in out.output and "local_nq" in out.output
+    assert "\neval: evaluate" in out.output and "per task" in out.output and "local_nq" in out.output
     acc = float(spec_run.results["eval"]["acc"].sel(task="local_mc2"))
     assert f"{acc:.4f}" in out.output
     summary = spec_run.summary()["eval"]

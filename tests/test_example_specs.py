@@ -119,7 +119,7 @@ def test_retrieval_heads_causal_check_as_typed(workdir):
     assert round(float(top.sel(k=n_ret)), 2) == readme_number(r"\(all 7: ([0-9.]+)\)")
     assert round(float(rnd.sel(k=4)), 2) == readme_number(r"4 random heads keep ([0-9.]+)")
     assert float(abl["base"]) == 1.0
-    shown = typed(f"headlab show {run.path}", workdir).stdout
+    shown = typed(f"headlab show {run.path} --steps", workdir).stdout
     for metric, value in (("base", "1.0000"), ("top", "0.0889"), ("random", "1.0000")):  # a row per k, no mean over k
         assert re.search(rf"│ 4 +│ {metric} +│ {re.escape(value)} │", shown), shown
 
@@ -195,7 +195,7 @@ def test_kv_compression_as_typed(workdir):
     res = run.results
     steps = [s for s in res if s != "retrieval"]
     assert len(steps) == 12 and all("kv_kept_fraction" in res[s] for s in steps)
-    shown = typed(f"headlab show {run.path}", workdir).stdout
+    shown = typed(f"headlab show {run.path} --steps", workdir).stdout
     for s in steps:
         assert f"{s}: kv {res[s].attrs['kv_policy']} kept fraction {res[s].attrs['kv_kept_fraction']:.4f}" in shown
     assert res["full"].attrs["kv_kept_fraction"] == 1.0

@@ -355,13 +355,19 @@ def test_the_command_shows_progress_inside_a_cell_on_a_log(tmp_path, capfd, monk
     assert code == 0, err
     lines = [line.rsplit(" [", 1)[0] for line in err.splitlines()]  # without the elapsed time
     assert lines[0] == "test: cells: 0/1" and lines[-1] == "test: cells: 1/1", err
-    inside = lines[lines.index("generating: 0/1"):]
-    assert inside[:4] == ["generating: 0/1", "forward over 8,192 tokens: layers: 0/2",
-                          "forward over 8,192 tokens: layers: 1/2", "forward over 8,192 tokens: layers: 2/2"], err
-    generating = [line for line in lines if line.startswith("generating")]
-    assert generating == ["generating: 0/1", "generating: 1/1", *(f"generating: {i}/4" for i in range(5))], err
+    # every line names the step that runs: its id, its place, what it does
+    assert lines[1] == "step gen (1/2): generate greedy" and "step g2 (2/2): generate greedy" in lines, err
+    assert all(line.startswith(("step gen", "step g2")) for line in lines[1:-1]), err
+    inside = lines[lines.index("step gen: generating: 0/1"):]
+    assert inside[:4] == ["step gen: generating: 0/1", "step gen: forward over 8,192 tokens: layers: 0/2",
+                          "step gen: forward over 8,192 tokens: layers: 1/2",
+                          "step gen: forward over 8,192 tokens: layers: 2/2"], err
+    generating = [line for line in lines if ": generating" in line]
+    assert generating == ["step gen: generating: 0/1", "step gen: generating: 1/1",
+                          *(f"step g2: generating: {i}/4" for i in range(5))], err
     # short forwards (the decoding steps, the batches of 16 x 128 tokens of g2) report no layers
-    assert sum(line.startswith("forward over") for line in lines) == 3, err
+    assert sum(line.startswith("step gen: forward over") for line in lines) == 3, err
+    assert not any("forward over" in line for line in lines if line.startswith("step g2")), err
 
 
 def test_the_notebook_runner_shows_progress_inside_a_cell(tmp_path):

@@ -58,7 +58,7 @@ def test_a_generate_step_with_a_kv_policy_stores_what_its_caches_held(tmp_path):
     assert float(ds["kv_kept_fraction"]) == pytest.approx(kept)
     assert ds.attrs["kv_policy"] == "streaming" and "compressed group" in ds.attrs["kv_attention"]
     assert "kv_effective" not in ds.attrs
-    res = subprocess.run([sys.executable, "-m", "headlab.cli", "show", str(run_dir)], capture_output=True,
+    res = subprocess.run([sys.executable, "-m", "headlab.cli", "show", str(run_dir), "--steps"], capture_output=True,
                          text=True, cwd=ROOT, timeout=300)
     assert res.returncode == 0, res.stderr
     assert f"gen: kv streaming kept fraction {kept:.4f}" in res.stdout

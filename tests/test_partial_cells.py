@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -84,7 +85,8 @@ def test_a_step_failing_at_run_time_keeps_the_steps_before_it(tmp_path, capfd, m
     assert "circuits failed, 0/1 cells" in out
     assert ("partial cell c0000: kept steps dla (shown below); step 'patch' failed: ValueError: activation_patching: "
             "the mean metric is the same on the clean and the corrupted prompts") in out, out
-    assert "dla: top heads" in out, out
+    assert re.search(r"^dla +detect direct_logit_attribution +top head +L\dH\d ", out, re.M), out
+    assert "patch: no result stored (the step failed or has not run)" in out, out
     html = render_report(store)
     assert "partial cell c0000" in html and 'id="step-dla"' in html
 

@@ -96,9 +96,12 @@ def test_show_report_and_summary_agree_with_an_independent_count(tmp_path: Path)
     assert row in html
 
     env = {**os.environ, "COLUMNS": "200"}
-    shown = subprocess.run([sys.executable, "-m", "headlab.cli", "show", str(run.path)], capture_output=True,
-                           text=True, env=env, check=True).stdout
-    line = next(ln for ln in shown.splitlines() if "half_defined" in ln)
+    shown = subprocess.run([sys.executable, "-m", "headlab.cli", "show", str(run.path), "--steps"],
+                           capture_output=True, text=True, env=env, check=True).stdout
+    summary_row = next(ln for ln in shown.splitlines() if ln.startswith("gen "))  # the run's summary table
+    assert summary_row.split()[-5:] == ["half_defined", f"{k / n:.3f}", f"{n}/{n + dropped}", f"[{low:.3f},",
+                                        f"{high:.3f}]"]
+    line = next(ln for ln in shown.splitlines() if "half_defined" in ln and "│" in ln)  # the step in detail
     cells = [c.strip() for c in line.strip("│ ").split("│")]
     assert cells[:4] == ["half_defined", f"{k / n:.4f}", f"[{low:.4f}, {high:.4f}]", str(n)]
     assert cells[4] == f"{dropped} ({reason})"

@@ -69,7 +69,8 @@ def test_run_progress_and_results(tmp_path):
     cell_values = [v for ev, key, v, _ in hist if ev == "advance" and key == "cells"]
     assert cell_values == [0, 1, 2, 3]  # first advance reports the 0 already-done cells
     assert {key for _, key, _, _ in hist} == {"cells", "step:ind", "step:gen"}
-    assert sum(1 for ev, key, _, _ in hist if ev == "start" and key == "step:ind") == 3
+    # in each of the 3 cells: the runner names the step, then the detector's own progress takes the key over
+    assert sum(1 for ev, key, _, _ in hist if ev == "start" and key == "step:ind") == 6
     result = runner.result
     assert result is not None and result.status == "complete" and runner.run_path == result.path
     summary, maps, compare = runner.results.children

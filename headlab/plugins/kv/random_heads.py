@@ -10,7 +10,7 @@ context/question split, with ``prefill: full``) as under ``streaming``.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import numpy as np
 import xarray as xr
@@ -47,6 +47,7 @@ class RandomKV(ComponentConfig):
     """The control: as many full KV heads as `like` selects (or n_full, or a budget fits), drawn at random."""
 
     kind: Literal["random"] = "random"
+    control: ClassVar[bool] = True
     measure_peak: bool = MEASURE_PEAK_FIELD
     like: KvHeadSelection | None = Field(None, description="the selection whose number of full KV heads is matched")
     n_full: NonNegativeInt | None = Field(None, description="the number of full KV heads (instead of `like`)")
