@@ -209,3 +209,11 @@ def test_mean_ablation_equals_an_eager_run_with_the_tests_own_means(planted):
                        ctx)
     assert not np.isclose(float(zero["metric"][-1]), float(ds["metric"][-1]), atol=1e-4)
     assert "z_mean" not in zero
+
+
+def test_mean_ablation_on_a_task_without_examples(planted):
+    tok, lm, out, examples, ctx, imp = planted
+    empty = StepContext(model=lm, examples=[], results={"imp": imp}, seed=0)
+    with pytest.raises(ValueError, match="mode mean averages z over the task's prompt tokens, and the task has no "
+                                         "examples; give the task examples or use mode: output"):
+        prune_curve(_config(mode="mean"), empty)
