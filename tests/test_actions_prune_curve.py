@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from headlab import Example, StepContext
+from headlab import Example, Plan, ReplaceZ, StepContext
 from headlab.plugin_manager import get_manager
 from headlab.plugins.actions.prune_curve import prune_curve, prune_curve_config, pruning_sequence
 from headlab.plugins.detectors.head_importance import HeadImportance
@@ -217,3 +217,24 @@ def test_mean_ablation_on_a_task_without_examples(planted):
     with pytest.raises(ValueError, match="mode mean averages z over the task's prompt tokens, and the task has no "
                                          "examples; give the task examples or use mode: output"):
         prune_curve(_config(mode="mean"), empty)
+
+
+def test_recompute_under_mean_ablation(planted):
+    """recompute with mode mean: the heads added at the second fraction are the two lowest of gradient importance
+    with the first fraction's heads replaced by the test's own means, and the metric there equals the eager run."""
+    tok, lm, out, examples, ctx, imp = planted
+    config = _config(mode="mean", recompute=True, n_random=1, fractions=[0.25, 0.5], metric="mc2",
+                     measure={"score": {"metrics": ["mc2"]}})
+    ds = prune_curve(config, ctx)
+    means = _eager_means(out["eager"], tok, examples)
+    masks = ds["mask"].values
+    first = [(int(a), int(b)) for a, b in zip(*np.nonzero(masks[0]), strict=True)]
+    values = torch.stack([means[h] for h in first])[:, None, :]
+    under = importance(HeadImportance(), ctx, plan=Plan().add(ReplaceZ(first, values, from_position=0)))
+    under = under["score"].values
+    under[masks[0]] = np.inf
+    added = masks[1] & ~masks[0]
+    assert (masks[1] >= masks[0]).all() and added.sum() == 2
+    assert under[added].max() <= np.sort(under[~masks[0]].ravel())[1]
+    second = [(int(a), int(b)) for a, b in zip(*np.nonzero(masks[1]), strict=True)]
+    assert np.isclose(float(ds["metric"][1]), _eager_mc2(out["eager"], tok, examples, second, means), atol=1e-5)
