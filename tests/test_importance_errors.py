@@ -51,3 +51,25 @@ def test_min_per_layer_above_the_layers_heads(tmp_path, capfd, monkeypatch):
     assert code == 2
     assert line == ("error: step 'curve' (action 'prune_curve', plugin headlab.plugins.actions.prune_curve): "
                     "ValueError: prune_curve: min_per_layer 5 is more than a layer's 4 heads; give 0 .. 4")
+
+
+
+def test_a_mean_mask_without_means_from(tmp_path, capfd, monkeypatch):
+    steer = "steer: [{kind: head_mask, heads: [[0, 1]], mode: mean}]"
+    code, line = run_spec(tmp_path, f"  - id: gen\n    generate: {{max_new_tokens: 1, {steer}}}\n", capfd,
+                          monkeypatch)
+    assert code == 2
+    assert line.startswith("error: spec.yaml:6:") and line.endswith(
+        "steps[0].generate.steer[0]: mode mean replaces z by a mean: give means_from: <step id> (a step whose "
+        "result has z_mean, e.g. a prune_curve with mode: mean)"), line
+
+
+def test_a_mean_mask_from_a_step_without_means(tmp_path, capfd, monkeypatch):
+    steer = "steer: [{kind: head_mask, heads: [[0, 1]], mode: mean, means_from: first}]"
+    steps = (f"  - id: first\n    generate: {{max_new_tokens: 1}}\n"
+             f"  - id: gen\n    generate: {{max_new_tokens: 1, {steer}}}\n")
+    code, line = run_spec(tmp_path, steps, capfd, monkeypatch)
+    assert code == 2
+    assert line == ("error: step 'gen' (steering 'head_mask', plugin headlab.plugins.steering.heads): ValueError: "
+                    "head_mask: means_from: step 'first' has no z_mean in this cell (a prune_curve with mode: mean "
+                    "records one); name such a step")

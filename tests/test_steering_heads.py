@@ -3,7 +3,7 @@
 Independent references: zeroing / scaling a head's slice of the ``q_proj`` output (query masking and
 scaling; with RoPE, scaling before the rotation equals scaling after), of the ``v_proj`` output (value
 scaling of one key/value head, which every query head of its GQA group reads), and of the ``o_proj`` input
-(output ablation and scaling).
+(output ablation and scaling; mean ablation writes the step's means there, prompt and decode step alike).
 """
 
 from __future__ import annotations
@@ -141,3 +141,50 @@ def test_random_control_matched_per_layer_and_reseeded():
     assert len({tuple(pick(random=True, seed=k)) for k in range(4)}) > 1
     with pytest.raises(ValueError, match="random: true"):
         HeadsFrom.model_validate({"from": "det", "top": 3, "match_layers": True})
+
+
+def test_mean_mask_writes_the_means_at_every_position_and_decode_step():
+    """mode mean: the masked heads' slices of the o_proj input are the step's z_mean on every (left-padded)
+    prompt position and on a decode step under the KV cache, as an eager o_proj pre-hook writing them."""
+    import xarray as xr
+
+    ids, am = batch(seed=3)
+    mh, me = tiny("headlab"), tiny("eager")
+    Dh = mh.config.hidden_size // mh.config.num_attention_heads
+    means = torch.randn(2, 4, Dh, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    held = xr.Dataset({"z_mean": (("layer", "head", "head_dim"), means.numpy())})
+    plan = ins.Plan()
+    config = HS.HeadMask(heads=[list(h) for h in HEADS], mode="mean", means_from="curve")
+    HS.steer_mask(config, step_ctx(mh, results={"curve": held}), None, plan)
+
+    def write(mod, args, layer):
+        z = args[0].clone()
+        for ly, h in HEADS:
+            if ly == layer:
+                z[..., h * Dh:(h + 1) * Dh] = means[ly, h].to(z.dtype)
+        return (z, *args[1:])
+
+    def run(model, plan=None):
+        pos = (am.cumsum(-1) - 1).clamp(min=0)
+        with torch.no_grad(), (ins.instrument(model, plan) if plan is not None else contextlib.nullcontext()):
+            out = model(input_ids=ids, attention_mask=am, position_ids=pos, use_cache=True)
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            am2 = torch.cat([am, torch.ones_like(nxt)], 1)
+            step = model(input_ids=nxt, attention_mask=am2, position_ids=pos[:, -1:] + 1,
+                         cache=out.cache, use_cache=True)
+        return out.logits, step.logits[:, -1]
+
+    got, got_step = run(mh, plan)
+    handles = [me.model.layers[ly].self_attn.o_proj.register_forward_pre_hook(
+        lambda mod, args, ly=ly: write(mod, args, ly)) for ly in {ly for ly, _ in HEADS}]
+    try:
+        want, want_step = run(me)
+    finally:
+        for h in handles:
+            h.remove()
+    real = am.bool()
+    torch.testing.assert_close(got[real], want[real], atol=3e-5, rtol=0)
+    torch.testing.assert_close(got_step, want_step, atol=3e-5, rtol=0)
+    zero = ins.Plan()
+    HS.steer_mask(HS.HeadMask(heads=[list(h) for h in HEADS], mode="output"), step_ctx(mh), None, zero)
+    assert not torch.allclose(run(mh, zero)[1], want_step, atol=1e-3)

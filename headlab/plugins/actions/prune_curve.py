@@ -11,29 +11,36 @@ values; ``metric`` names it, default the step's first metric). The controls run 
 ranking reversed (the most important heads masked first) and with ``n_random`` random rankings (seeded by the
 run seed plus ``seed`` plus the draw).
 
-``mode``: ``output`` (default; ``z`` zeroed, as HF's ``head_mask``) or ``query`` (the query zeroed: uniform
-attention), the masks of docs/methods.md#head-masking-and-scaling. ``recompute: true`` (HF's iterative variant)
-ranks again under the current mask before each step, by running the ranking step's ``head_importance``
-detector (its config) on this step's examples with the masked heads' outputs masked; the masked heads are
-ranked last.
+``mode``: ``output`` (default; ``z`` zeroed, as HF's ``head_mask``), ``query`` (the query zeroed: uniform
+attention) or ``mean`` (mean ablation: ``z`` replaced by the head's mean ``z`` at every position), the masks of
+docs/methods.md#head-masking-and-scaling. Under ``mean`` the means are taken once, before any curve, on the unmasked
+model: ``z_mean[l, h]`` is the average of ``z[l, h, t]`` over every prompt token ``t`` of every example of the task
+(each token weighs the same; left padding excluded; a BOS token the tokenizer adds is a prompt token), from
+forwards over the prompts alone in batches of the measure step's ``batch_size``. ``recompute: true`` (HF's
+iterative variant) ranks again under the current mask before each step, by running the ranking step's
+``head_importance`` detector (its config) on this step's examples with the masked heads masked the same way; the
+masked heads are ranked last.
 
 Outputs: ``base`` (the unmasked metric), ``metric (fraction)``, ``reverse (fraction)``, ``random (draw,
 fraction)`` with ``random_mean`` and ``random_std (fraction)``, ``masked (fraction)`` (heads masked),
 ``mask (fraction, layer, head)`` (the heads masked at each fraction), ``order_layer`` / ``order_head (rank)``
-(the ranking, most important first; under ``recompute`` the first step's). ``headlab show`` lists the three
-curves, one row per fraction.
+(the ranking, most important first; under ``recompute`` the first step's); under ``mode: mean`` also ``z_mean
+(layer, head, head_dim)``, which a later step's ``head_mask {mode: mean, means_from: <this step>}`` reads.
+``headlab show`` lists the three curves, one row per fraction.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any, Literal
 
 import numpy as np
+import torch
 import xarray as xr
 from pydantic import Field, field_validator, model_validator
 
-from headlab import StepContext, component, hookimpl
+from headlab import Plan, Probes, ReplaceZ, StepContext, component, forward, hookimpl, tokenize
 from headlab.resources import Estimate, EstimateContext
 from headlab.spec import NonNegativeInt, PositiveInt, Seed, SpecTypes, StrictModel
 
@@ -85,8 +92,9 @@ def prune_curve_config(types: SpecTypes) -> type[StrictModel]:
         metric: str | None = Field(None, description="the measure step's metric to record (default: its first)")
         fractions: list[float] = Field(default_factory=lambda: list(DEFAULT_FRACTIONS),
                                        description="fractions of all heads masked, each in (0, 1]")
-        mode: Literal["output", "query"] = Field("output", description="output: zero z (HF head_mask); query: zero "
-                                                 "the query (uniform attention)")
+        mode: Literal["output", "query", "mean"] = Field(
+            "output", description="output: zero z (HF head_mask); query: zero the query (uniform attention); mean: z "
+            "replaced by its mean over the task's prompt tokens (mean ablation)")
         min_per_layer: NonNegativeInt = Field(0, description="heads every layer keeps unmasked")
         n_random: PositiveInt = Field(3, description="random rankings (the control's draws)")
         seed: Seed = Field(0, description="offset added to the run seed for the random rankings")
@@ -145,11 +153,49 @@ def masked_count(fraction: float, total: int, maskable: int) -> int:
     return min(maskable, max(1, round(fraction * total)))
 
 
+def mean_z(ctx: StepContext, batch_size: int) -> np.ndarray:
+    """``(layer, head, head_dim)`` each head's ``z`` averaged over every prompt token of the task's examples
+    (padding excluded), from forwards of the unmasked model over the prompts in batches of ``batch_size``."""
+    geo = ctx.model.geometry
+    if not ctx.examples:
+        raise ValueError("prune_curve: mode mean averages z over the task's prompt tokens, and the task has no "
+                         "examples; give the task examples or use mode: output")
+    total = torch.zeros(geo.n_layers, geo.n_heads, geo.head_dim, dtype=torch.float64)
+    count = 0
+    n = len(ctx.examples)
+    chunks = [ctx.examples[j:j + batch_size] for j in range(0, n, batch_size)]
+    for chunk in ctx.progress(chunks, "mean z"):
+        batch = tokenize(ctx.model, chunk)
+        _, rec = forward(ctx.model, batch, Plan(probes=Probes(z_positions="all")), logits_to_keep=1)
+        z = rec.z.double()  # (row, layer, head, position, head_dim)
+        real = batch.attention_mask.to(z.device).bool()
+        total += (z * real[:, None, None, :, None]).sum((0, 3)).cpu()
+        count += int(real.sum())
+    if count == 0:
+        raise ValueError("prune_curve: mode mean averages z over the task's prompt tokens, and its prompts have no "
+                         "tokens; give the examples prompts or use mode: output")
+    return (total / count).numpy()
+
+
+def _means_key(ctx: StepContext) -> str:
+    """The result id under which the step's own ``z_mean`` is visible to its measuring runs."""
+    return ctx.step_id or "prune_curve"
+
+
+def _mask_step(config: Any, ctx: StepContext, heads: list[Head]) -> Any:
+    """The ``head_mask`` steering config masking ``heads`` in ``config.mode`` (``mean``: reading this step's
+    ``z_mean``)."""
+    head_mask = component("steering", "head_mask").config
+    if config.mode != "mean":
+        return head_mask(heads=[list(h) for h in heads], mode=config.mode)
+    return head_mask(heads=[list(h) for h in heads], mode="mean", means_from=_means_key(ctx))
+
+
 def _measure(config: Any, ctx: StepContext, heads: list[Head]) -> float:
     """The measure step's metric with ``heads`` masked (none: the unmasked model)."""
     name, action = config.measure.action()
     if heads:
-        mask = component("steering", "head_mask").config(heads=[list(h) for h in heads], mode=config.mode)
+        mask = _mask_step(config, ctx, heads)
         action = action.model_copy(update={"steer": [*action.steer, mask]})
     ds = MEASURES[name](action, ctx)
     metric = config.metric or next(iter(ds.attrs.get("metrics") or []), None)
@@ -166,7 +212,12 @@ def _rerank(config: Any, ctx: StepContext, source: xr.Dataset, masked: list[Head
     settings = json.loads(source.attrs["config"]) if isinstance(source.attrs.get("config"), str) else {}
     settings = settings.get("detect", settings)
     cfg = detector.config.model_validate({k: v for k, v in settings.items() if k in detector.config.model_fields})
-    ds = detector.impl(cfg, ctx, mask=masked, mode=config.mode)
+    if config.mode == "mean":
+        means = ctx.results[_means_key(ctx)]["z_mean"].values
+        values = torch.as_tensor(np.stack([means[h] for h in masked]))[:, None, :]
+        ds = detector.impl(cfg, ctx, plan=Plan().add(ReplaceZ(masked, values, from_position=0)))
+    else:
+        ds = detector.impl(cfg, ctx, mask=masked, mode=config.mode)
     order = ranking(ds["score"])
     done = set(masked)
     return [h for h in order if h not in done] + list(masked)
@@ -208,6 +259,12 @@ def prune_curve(config: Any, ctx: StepContext) -> xr.Dataset:
     total, maskable = L * H, L * (H - config.min_per_layer)
     if maskable == 0:
         raise ValueError(f"prune_curve: min_per_layer {config.min_per_layer} keeps every head; nothing to mask")
+    means = None
+    if config.mode == "mean":
+        name, action = config.measure.action()
+        means = mean_z(ctx, int(getattr(action, "batch_size", None) or 8))
+        held = xr.Dataset({"z_mean": (("layer", "head", "head_dim"), means)})
+        ctx = dataclasses.replace(ctx, results={**ctx.results, _means_key(ctx): held})
     rng = np.random.default_rng(ctx.seed + config.seed)
     randoms = [[order[i] for i in rng.permutation(total)] for _ in range(config.n_random)]
     base = _measure(config, ctx, [])
@@ -235,6 +292,8 @@ def prune_curve(config: Any, ctx: StepContext) -> xr.Dataset:
         "order_head": ("rank", np.array([h[1] for h in order])),
     }, coords={"fraction": np.array(config.fractions), "draw": np.arange(config.n_random), "layer": np.arange(L),
                "head": np.arange(H), "rank": np.arange(total)})
+    if means is not None:
+        ds["z_mean"] = (("layer", "head", "head_dim"), means)
     name, _ = config.measure.action()
     ds.attrs.update(method="prune_curve", ranking=step, measure=name, mode=config.mode,
                     min_per_layer=config.min_per_layer, recompute=int(config.recompute),

@@ -173,16 +173,18 @@ def normalized(raw: np.ndarray, normalize: str) -> np.ndarray:
 
 
 def detect(config: HeadImportance, ctx: StepContext, mask: list[tuple[int, int]] | None = None,
-           mode: str = "output") -> xr.Dataset:
+           mode: str = "output", plan: Plan | None = None) -> xr.Dataset:
     """The ``head_importance`` detector over the task's examples; ``mask``: heads masked (``mode`` of
-    :meth:`headlab.Plan.mask_heads`) in every forward, for a pruning curve that ranks again under its mask."""
+    :meth:`headlab.Plan.mask_heads`) in every forward, for a pruning curve that ranks again under its mask;
+    ``plan``: the edits every forward runs under instead (another mask, e.g. a mean ablation)."""
     geo = ctx.model.geometry
     n = len(ctx.examples)
     if n == 0:
         raise ValueError("head_importance: the task has no examples")
     total = torch.zeros(geo.n_layers, geo.n_heads, dtype=torch.float64)
     loss = np.zeros(n)
-    plan = Plan().mask_heads(mask, mode=mode) if mask else None
+    if plan is None:
+        plan = Plan().mask_heads(mask, mode=mode) if mask else None
     chunks = [list(range(j, min(j + config.batch_size, n))) for j in range(0, n, config.batch_size)]
     for idx in ctx.progress(chunks, "head importance"):
         terms, m, _ = example_gradients(ctx.model, [ctx.examples[i] for i in idx], config.metric, plan)
