@@ -59,6 +59,7 @@ from .circuit_view import (
     tokenizer_for,
 )
 from .context import IMAGE_MARKER
+from .describe import StepDescription, describe_steps
 from .image_attention import PREVIEW_ATTENTION, image_attention_svg, preview_of
 from .kv_view import (
     kv_metrics,
@@ -112,65 +113,22 @@ def _config(ds: xr.Dataset) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _describe(value: Any) -> str:
-    """A component's config in a few words: ``decore(heads=top 8 of retrieval, alpha=entropy)``."""
-    if isinstance(value, dict):
-        if "from" in value:
-            source = f"top {value['top']} of {value['from']}" if value.get("top") else f"from {value['from']}"
-            return source + (" (random)" if value.get("random") else "")
-        kind = value.get("kind")
-        rest = ", ".join(f"{k}={_describe(v)}" for k, v in value.items() if k != "kind" and v not in (None, [], {}))
-        return f"{kind}({rest})" if kind and rest else str(kind) if kind else f"({rest})"
-    if isinstance(value, list):
-        return ", ".join(_describe(v) for v in value)
-    return str(value)
-
-
-def _typed_config(run: Run, step: str, action: str) -> dict[str, Any] | None:
-    """The step's action options as written in the run's spec (defaults left out), or None."""
-    from ruamel.yaml import YAML
-
-    try:
-        spec = YAML(typ="safe").load(run.spec_text)
-    except Exception:  # a spec text this YAML reader cannot parse: fall back to the stored config
-        return None
-    steps = spec.get("steps", []) if isinstance(spec, dict) else []
-    for entry in steps:
-        if isinstance(entry, dict) and entry.get("id") == step and isinstance(entry.get(action), dict):
-            return entry[action]
-    return None
+def _described(run: Run) -> dict[str, StepDescription]:
+    """What each step of ``run`` did (:func:`headlab.describe_steps`)."""
+    return describe_steps(run.attrs.get("resolved") or run.spec_data)
 
 
 def _step_title(run: Run, step: str) -> str:
-    """The step id and what the step did, from its config as written in the spec (else as stored): decoder
-    and its options, steering, KV policy, with where their heads come from (``top 8 of retrieval``)."""
-    ds = run.results[step]
-    action = str(ds.attrs.get("action", ""))
-    config = _typed_config(run, step, action) or _config(ds)
-    parts = []
-    decode = config.get("decode")
-    if isinstance(decode, dict) and (decode.get("kind") not in (None, "greedy") or len(decode) > 1):
-        parts.append(f"decode {_describe(decode)}")
-    elif isinstance(decode, str) and decode != "greedy":
-        parts.append(f"decode {decode}")
-    if config.get("steer"):
-        parts.append(f"steer {_describe(config['steer'])}")
-    if config.get("kv"):
-        parts.append(f"kv {_describe(config['kv'])}")
-    what = "; ".join(parts) or ("greedy" if action in ("generate", "evaluate", "score") else "")
-    return f"{step}: {action} {what}".strip() if action else step
+    """The step id and what the step did (decoder and its options, steering, heads and where they come from,
+    KV policy; ``control:`` first for a control), as ``headlab show`` says it."""
+    d = _described(run).get(step)
+    return f"{step}: {d.text}" if d is not None and d.text else step
 
 
-def _is_control(config: Any) -> bool:
-    """Whether a step's config draws something at random in place of a selection (random heads, a random
-    direction, random KV heads): a control."""
-    if isinstance(config, dict):
-        if config.get("kind") == "random" or config.get("random") not in (None, False):
-            return True
-        return any(_is_control(v) for k, v in config.items() if k != "seed")
-    if isinstance(config, list):
-        return any(_is_control(v) for v in config)
-    return False
+def _is_control(run: Run, step: str) -> bool:
+    """Whether the step is a control (it draws its heads, direction or KV heads at random)."""
+    d = _described(run).get(step)
+    return bool(d is not None and d.is_control)
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[Any]], cls: str = "") -> str:
@@ -636,7 +594,7 @@ def _comparison_section(run: Run, n_examples: int) -> str:
     metrics: dict[str, list[dict[str, Any]]] = {}
     for step in steps:
         ds = run.results[step]
-        control = _is_control(_config(ds))
+        control = _is_control(run, step)
         for r in summary[step]["cells"]:
             for m, e in r["estimates"].items():
                 label = step + (f" ({_label(r['cell'])})" if r["cell"] else "") + (" [control]" if control else "")

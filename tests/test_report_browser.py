@@ -71,7 +71,7 @@ def test_decoding_counterfact_has_one_chart_comparing_the_five_strategies_with_n
     first = str(run.results["cad"]["output"].isel(example=0).values)
     assert f"<td>{first}</td>" in table or first == ""
     # step headers say what each step did
-    assert "decore_random: generate decode decore(heads=top 8 of retrieval, random=True, alpha=entropy)" in page
+    assert "decore_random: control: generate decore (heads from retrieval top 8, random, alpha entropy)" in page
 
 
 @pytest.mark.skipif(not Path(CHROMIUM).is_file(), reason=f"{CHROMIUM} is missing (.ci/setup-test installs it)")
@@ -89,5 +89,5 @@ def test_kv_compression_marks_the_random_policy_as_a_control_and_titles_steps_by
     marked = {b["step"]: b["control"] for b in rows(spec)}
     assert marked == {"full": False, "streaming_top4_w64": False, "razor_top4_w128": False, "headkv_f028": False,
                       "random_top4_w128 [control]": True}
-    assert "streaming_top4_w64: generate kv streaming(full_heads=top 4 of retrieval, sink=4, window=64)" in page
-    assert "headkv_f028: generate kv headkv(scores=from retrieval, budget=(fraction=0.28))" in page
+    assert "streaming_top4_w64: generate, kv streaming (full heads from retrieval top 4, window 64)" in page
+    assert "headkv_f028: generate, kv headkv (scores from retrieval, budget fraction 0.28)" in page
