@@ -18,14 +18,18 @@ token sequences of ``--tokens`` tokens.
   (ydyjya/SafetyHeadAttribution): per prompt, the unablated forward and one forward per head at batch 1 with
   that head's query-projection rows scaled by epsilon (``1 + L * H`` forwards per prompt, full logits as the
   reference computes them); the maximum difference of the scores is printed. Target: at least 5x on a CPU.
-- ``composition``: the composition comparison (TransformerLens ``all_composition_scores``) lives in
-  ``benchmarks/bench_composition.py``; :func:`composition` is where it joins this script.
+- ``composition``: the ``composition`` detector against TransformerLens ``all_composition_scores`` on the same
+  weights (time, peak memory, largest difference): this part runs ``benchmarks/bench_composition.py``, which keeps
+  TransformerLens in its own environment (``--tl-python``) and prints its own table.
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -144,9 +148,14 @@ def ships(lm, plain, exs, args) -> dict:
             "max_rel_diff": diff}
 
 
-def composition(args: argparse.Namespace) -> dict | None:
-    """The composition comparison: benchmarks/bench_composition.py (TransformerLens in its own environment)."""
-    return None
+def composition(args: argparse.Namespace) -> int:
+    """The composition comparison against TransformerLens: runs benchmarks/bench_composition.py (TransformerLens in
+    its own environment, ``--tl-python``), which prints its own table; its exit status."""
+    script = Path(__file__).resolve().with_name("bench_composition.py")
+    cmd = [sys.executable, str(script), "--threads", str(args.threads or 1)]
+    if args.tl_python:
+        cmd += ["--tl-python", args.tl_python]
+    return subprocess.run(cmd, check=False).returncode
 
 
 def main() -> None:
@@ -158,7 +167,9 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=64, help="ships: rows per forward")
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
-    p.add_argument("--parts", nargs="+", default=["gradient", "ships"], choices=["gradient", "ships"])
+    p.add_argument("--parts", nargs="+", default=["gradient", "ships", "composition"],
+                   choices=["gradient", "ships", "composition"])
+    p.add_argument("--tl-python", default=None, help="composition: TransformerLens' interpreter (bench_composition.py)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -176,8 +187,10 @@ def main() -> None:
         print(f"ships: headlab batched ({args.batch_size} rows per forward) {r['headlab']:.2f}s  reference loop "
               f"(batch 1, {1 + args.layers * args.heads} forwards per prompt) {r['loop']:.2f}s  ratio "
               f"{r['ratio']:.1f}x (target >= 5x)  max relative difference {r['max_rel_diff']:.1e}")
-    if composition(args) is None:
-        print("composition: benchmarks/bench_composition.py")
+    if "composition" in args.parts:
+        print("composition (benchmarks/bench_composition.py):", flush=True)
+        if composition(args):
+            raise SystemExit("bench_composition.py failed")
 
 
 if __name__ == "__main__":
