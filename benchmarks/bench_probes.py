@@ -46,7 +46,7 @@ def build(args):
     eager = AutoModelForCausalLM.from_config(copy.deepcopy(lm.model.config), attn_implementation="eager")
     eager.load_state_dict(lm.model.state_dict())
     eager = eager.to(lm.model.device).eval()
-    words = [w for w in lm.tokenizer.get_vocab() if w.isalpha() and w.islower() and len(w) > 2][:200]
+    words = sorted(w for w in lm.tokenizer.get_vocab() if w.isalpha() and w.islower() and len(w) > 2)[:200]
     marker, words = words[0], words[1:]
     rng = random.Random(0)
     examples = []
