@@ -1,15 +1,15 @@
 """Probe selection for all heads: headlab's ``probe`` detector vs an honest_llama-style loop, side by side.
 
     python benchmarks/bench_probes.py [--prompts 1000] [--layers 8] [--hidden 256] [--heads 8] [--folds 2]
-        [--batch-size 32] [--n-jobs -1] [--threads 0] [--device cpu]
+        [--batch-size 32] [--n-jobs -1] [--solver lbfgs] [--vocab 32000] [--threads 0] [--device cpu]
 
-One random Llama (seeded weights, ``--layers`` layers, the embedded model's tokenizer) and ``--prompts`` labelled
-prompts of 12 to 40 random words, half of them holding a marker word (the label), two prompts per group. The
-folds are the same for both (``StratifiedGroupKFold``, seed 0). Timed, after one untimed warm-up prompt each:
+One random Llama (seeded weights, ``--layers`` layers, a ``--vocab`` vocabulary, Llama's 32,000 by default; the
+embedded model's tokenizer) and ``--prompts`` labelled prompts of 12 to 40 random words, half of them holding a
+marker word (the label), two prompts per group. The folds are the same for both (``StratifiedGroupKFold``, seed 0). Timed, after one untimed warm-up prompt each:
 
 - ``headlab``: the ``probe`` detector (``classifier: logistic``): ``--batch-size`` prompts of similar length
   per forward through headlab's attention recording ``z`` of every head at the last token, then one sklearn
-  ``LogisticRegression`` per head and fold over joblib threads (``--n-jobs``), plus its refit on all examples
+  ``LogisticRegression`` (``--solver``) per head and fold over joblib threads (``--n-jobs``), plus its refit on all examples
   per head (the probe direction) and the mass-mean directions and sigma;
 - ``reference``: what likenneth/honest_llama does: one prompt per forward of the model with eager attention,
   a forward pre-hook on every ``o_proj`` keeping its input at the last token (baukit's ``TraceDict`` with
@@ -39,14 +39,14 @@ def build(args):
         torch.set_num_threads(args.threads)
     config = {"model_type": "llama", "hidden_size": args.hidden, "num_hidden_layers": args.layers,
               "num_attention_heads": args.heads, "num_key_value_heads": args.heads,
-              "intermediate_size": 2 * args.hidden, "vocab_size": 811, "max_position_embeddings": 256,
+              "intermediate_size": 2 * args.hidden, "vocab_size": args.vocab, "max_position_embeddings": 256,
               "tokenizer": "headlab-tiny"}
     torch.manual_seed(0)
     lm = load_model(ModelSpec(config=config, device=args.device))
     eager = AutoModelForCausalLM.from_config(copy.deepcopy(lm.model.config), attn_implementation="eager")
     eager.load_state_dict(lm.model.state_dict())
     eager = eager.to(lm.model.device).eval()
-    words = [w for w in lm.tokenizer.get_vocab() if w.isalpha() and w.islower() and len(w) > 2][:200]
+    words = sorted(w for w in lm.tokenizer.get_vocab() if w.isalpha() and w.islower() and len(w) > 2)[:200]
     marker, words = words[0], words[1:]
     rng = random.Random(0)
     examples = []
@@ -112,9 +112,13 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=32000,
+                    help="the model's vocabulary (Llama's 32,000; the prompts use the embedded tokenizer's ids)")
     ap.add_argument("--folds", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--n-jobs", type=int, default=-1)
+    ap.add_argument("--solver", default="lbfgs", choices=["lbfgs", "newton-cholesky"],
+                    help="the probe detector's solver (the loop always runs sklearn's default, lbfgs)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
@@ -129,7 +133,7 @@ def main() -> None:
     y = np.array([int(ex.meta["truth"]) for ex in examples])
     fold = folds_of(y, [ex.meta["group"] for ex in examples], args.folds, 0)
     config = Probe(label="truth", group="group", folds=args.folds, seed=0, batch_size=args.batch_size,
-                   n_jobs=args.n_jobs)
+                   n_jobs=args.n_jobs, solver=args.solver)
     sync = torch.cuda.synchronize if lm.model.device.type == "cuda" else (lambda: None)
 
     warm = examples[:8]
@@ -152,11 +156,11 @@ def main() -> None:
 
     geo = lm.geometry
     print(f"model: random llama, {geo.n_layers} layers x {geo.n_heads} heads, head_dim {geo.head_dim}, "
-          f"hidden {args.hidden}; {len(examples)} prompts, {args.folds} folds; device {lm.model.device}, "
+          f"hidden {args.hidden}, vocabulary {args.vocab}; {len(examples)} prompts, {args.folds} folds; device {lm.model.device}, "
           f"torch threads {torch.get_num_threads()}")
     print(f"headlab probe:           {t_headlab:8.2f} s  ({ds.attrs['forwards']} forwards of {args.batch_size}: "
           f"{t_forwards:.2f} s (timed again alone); {ds.attrs['fits']} fits and the rest: "
-          f"{t_headlab - t_forwards:.2f} s, n_jobs {args.n_jobs})")
+          f"{t_headlab - t_forwards:.2f} s, n_jobs {args.n_jobs}, solver {args.solver})")
     print(f"honest_llama-style loop: {t_ref:8.2f} s  ({len(examples)} forwards of 1: {t_ref_forwards:.2f} s; "
           f"{geo.n_layers * geo.n_heads * args.folds} fits: {t_ref - t_ref_forwards:.2f} s)")
     print(f"ratio: {t_ref / t_headlab:.1f}x overall; forwards alone {t_ref_forwards / t_forwards:.1f}x "

@@ -1,7 +1,8 @@
 """probe (docs/methods.md#per-head-probes): z collected by an eager forward pre-hook on each layer's o_proj (one
 example at a time, no padding, no headlab code), sklearn fitted per head on the folds the detector records, give
 the detector's accuracies, directions, sigma and class means; on Llama with grouped-query attention, Qwen2 and
-GPT-2, left-padded batches, two and three classes, every position option and both classifiers. A head planted to
+GPT-2, left-padded batches, two and three classes, every position option, both classifiers and both logistic
+solvers (lbfgs, sklearn's default, and newton-cholesky), each against sklearn's same solver. A head planted to
 carry the label ranks first."""
 
 from __future__ import annotations
@@ -25,18 +26,20 @@ def unit(v):
     return v / np.linalg.norm(v)
 
 
-CASES = [("llama", 2, "last", "logistic"), ("llama", 3, "mean", "logistic"), ("qwen2", 3, "last", "logistic"),
-         ("gpt2", 2, "last", "logistic"), ("gpt2", 3, -2, "nearest_mean"), ("llama", 2, 1, "nearest_mean")]
+CASES = [("llama", 2, "last", "logistic", "lbfgs"), ("llama", 3, "mean", "logistic", "lbfgs"),
+         ("qwen2", 3, "last", "logistic", "lbfgs"), ("gpt2", 2, "last", "logistic", "lbfgs"),
+         ("llama", 3, "last", "logistic", "newton-cholesky"), ("gpt2", 3, -2, "nearest_mean", "lbfgs"),
+         ("llama", 2, 1, "nearest_mean", "lbfgs")]
 
 
-@pytest.mark.parametrize(("arch", "n_classes", "position", "classifier"), CASES)
-def test_probe_equals_sklearn_on_z_from_an_eager_hook(arch, n_classes, position, classifier):
+@pytest.mark.parametrize(("arch", "n_classes", "position", "classifier", "solver"), CASES)
+def test_probe_equals_sklearn_on_z_from_an_eager_hook(arch, n_classes, position, classifier, solver):
     tok, lm, pair = models(arch)
     lm.model.double()
     eager = pair["eager"].double()
     examples = labelled(36, n_classes)
     config = Probe(label="truth", group="qid", position=position, folds=3, seed=1, classifier=classifier,
-                   batch_size=8)
+                   solver=solver, batch_size=8)
     ds = detect(config, StepContext(model=lm, examples=examples, results={}, seed=0))
     L, H = lm.geometry.n_layers, lm.geometry.n_heads
     z = reference_z(eager, tok, examples, position, L, H)
@@ -54,7 +57,7 @@ def test_probe_equals_sklearn_on_z_from_an_eager_hook(arch, n_classes, position,
             for k in range(3):
                 tr, te = fold != k, fold == k
                 if classifier == "logistic":
-                    pred = LogisticRegression(C=1.0, max_iter=1000).fit(X[tr], y[tr]).predict(X[te])
+                    pred = LogisticRegression(C=1.0, max_iter=1000, solver=solver).fit(X[tr], y[tr]).predict(X[te])
                 else:
                     means = np.stack([X[tr & (y == c)].mean(0) for c in range(n_classes)])
                     cos = (X[te] @ means.T) / np.linalg.norm(X[te], axis=1)[:, None] / np.linalg.norm(means, axis=1)
@@ -70,12 +73,13 @@ def test_probe_equals_sklearn_on_z_from_an_eager_hook(arch, n_classes, position,
                 np.testing.assert_allclose(ds["class_mean"].values[c, layer, head], X[y == c].mean(0),
                                            rtol=1e-5, atol=1e-6 * np.abs(X).max())
             if classifier == "logistic":
-                w = LogisticRegression(C=1.0, max_iter=1000).fit(X, (y == positive).astype(int)).coef_[0]
+                w = LogisticRegression(C=1.0, max_iter=1000, solver=solver).fit(X, (y == positive).astype(int)).coef_[0]
                 assert float(unit(w) @ ds["probe_direction"].values[layer, head]) >= 1 - 1e-6
     assert "probe_direction" in ds if classifier == "logistic" else "probe_direction" not in ds
     assert ds.attrs["forwards"] == 5  # 36 examples in batches of 8
     assert ds.attrs["fits"] == (L * H * 4 if classifier == "logistic" else 0)
     assert ds.attrs["positive_class"] == str(ds["class"].values[positive])
+    assert ds.attrs["solver"] == solver
     assert ds["score"].dims == ("layer", "head") and ds["direction"].dims == ("layer", "head", "head_dim")
     assert ds["class_mean"].dims == ("class", "layer", "head", "head_dim")
 
