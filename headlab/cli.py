@@ -23,6 +23,7 @@ import math
 import os
 import signal
 import sys
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -371,16 +372,29 @@ def show(run_path: Annotated[Path, typer.Argument(metavar="RUN", help="a run sto
     _print_summary(result)
 
 
+class ReportFormat(str, Enum):
+    """What ``headlab report`` writes: one HTML page, or one SVG or PNG file per figure."""
+
+    html = "html"
+    svg = "svg"
+    png = "png"
+
+
 @app.command()
 def report(
     run_path: Annotated[Path, typer.Argument(metavar="RUN", help="a run store directory")],
-    output: Annotated[Path | None, typer.Option("-o", "--output", help="HTML file (default: RUN.html)")] = None,
+    output: Annotated[Path | None, typer.Option(
+        "-o", "--output", help="HTML file (default: RUN.html); with --format svg|png a folder (default: RUN.figures)")]
+    = None,
     examples: Annotated[int, typer.Option("--examples", help="generations shown per step")] = 8,
+    format: Annotated[ReportFormat, typer.Option(
+        "--format", help="html: one offline page; svg or png: one file per figure, for papers")] = ReportFormat.html,
 ) -> None:
-    """Write a static HTML report of a run: head heatmaps, metric tables, sweep plots."""
+    """Write a static HTML report of a run (head heatmaps, metric tables, comparison and sweep charts), or its
+    figures as SVG or PNG files."""
     from .report import write_report
 
-    path = write_report(run_path, output, n_examples=examples)
+    path = write_report(run_path, output, n_examples=examples, format=format.value)
     console.print(f"report written to {path}")
 
 

@@ -9,12 +9,15 @@ scores per token, direct logit attribution as signed bars, edge attribution as a
 KV-cache trade-off of the steps with a ``kv`` policy (:mod:`headlab.kv_view`: each metric against the kept
 fraction and the KV bytes, one point per step and sweep cell, with a table of the bytes), and,
 for steps on examples with images that stored a preview
-(:func:`headlab.image_attention.attention_preview`), the first image with the top heads' attention over its patches. Everything is inline (CSS and
-SVG); the file loads nothing from the network and needs no JavaScript.
+(:func:`headlab.image_attention.attention_preview`), the first image with the top heads' attention over its patches.
+A run with two or more generate, score or evaluate steps gets a comparison across steps: one bar chart per
+metric with each step's mean, 95% interval and n (:mod:`headlab.summary`), steps grouped by task and controls
+(random heads, random direction, random KV heads) marked, and the outputs side by side, a column per step.
 
-The colour scale (:func:`color`) and the SVG figures are defined in :mod:`headlab.svg`, shared with the
-notebook widgets so a head looks the same in a report and in a :class:`headlab.widgets.HeadMap`; they are
-re-exported here.
+The charts are Vega-Lite figures built by :mod:`headlab.figures` (Vega-Altair), the same objects the notebook
+shows and ``headlab report --format svg|png`` exports; their JavaScript is inlined once per page, so the file
+loads nothing from the network. The hand-drawn pictures that remain (the attention over an image, the circuit
+views of :mod:`headlab.circuit_view`) come from :mod:`headlab.svg`, whose colour names are re-exported here.
 """
 
 from __future__ import annotations
@@ -22,13 +25,16 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass
 from html import escape
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import xarray as xr
 
+from . import figures
 from .circuit_view import (
     circuit_edges,
     circuit_graph_svg,
@@ -38,7 +44,15 @@ from .circuit_view import (
     position_grid_svg,
 )
 from .image_attention import PREVIEW_ATTENTION, image_attention_svg, preview_of
-from .kv_view import kv_metrics, kv_points, kv_table_rows, kv_tradeoff_svg
+from .kv_view import (
+    kv_metrics,
+    kv_points,
+    kv_table_rows,
+    kv_tradeoff_chart,
+    needle_by_length_chart,
+    needle_heatmap_chart,
+    needle_steps,
+)
 from .results import Run, open_run
 from .svg import (
     NAN_COLOR,
@@ -47,17 +61,100 @@ from .svg import (
     bar_chart_svg,
     color,
     colour_bar_svg,
-    finite_range,
     grid_svg,
-    heatmap_svg,
-    line_plot_svg,
-    scatter_svg,
     sign_color,
     text_color,
 )
 
-__all__ = ["CSS", "NAN_COLOR", "PALETTE", "SIGN_COLORS", "bar_chart_svg", "color", "colour_bar_svg", "grid_svg",
-           "heatmap_svg", "line_plot_svg", "render_report", "scatter_svg", "sign_color", "text_color", "write_report"]
+__all__ = ["CSS", "NAN_COLOR", "PALETTE", "SIGN_COLORS", "ReportFigure", "bar_chart_svg", "color", "colour_bar_svg",
+           "grid_svg", "render_report", "report_figures", "sign_color", "text_color", "write_report"]
+
+
+@dataclass(frozen=True)
+class ReportFigure:
+    """One figure of a report: a name saying what it shows (``"greedy: score"``) and the chart."""
+
+    name: str
+    chart: figures.Chart
+
+
+_COLLECTED: ContextVar[list[ReportFigure] | None] = ContextVar("headlab_report_figures", default=None)
+
+
+def _figure(chart: figures.Chart, name: str) -> str:
+    collected = _COLLECTED.get()
+    if collected is not None:
+        collected.append(ReportFigure(name, chart))
+    return figures.to_html_fragment(chart, name=name)
+
+
+def _config(ds: xr.Dataset) -> dict[str, Any]:
+    try:
+        value = json.loads(str(ds.attrs.get("config", "{}")))
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _describe(value: Any) -> str:
+    """A component's config in a few words: ``decore(heads=top 8 of retrieval, alpha=entropy)``."""
+    if isinstance(value, dict):
+        if "from" in value:
+            source = f"top {value['top']} of {value['from']}" if value.get("top") else f"from {value['from']}"
+            return source + (" (random)" if value.get("random") else "")
+        kind = value.get("kind")
+        rest = ", ".join(f"{k}={_describe(v)}" for k, v in value.items() if k != "kind" and v not in (None, [], {}))
+        return f"{kind}({rest})" if kind and rest else str(kind) if kind else f"({rest})"
+    if isinstance(value, list):
+        return ", ".join(_describe(v) for v in value)
+    return str(value)
+
+
+def _typed_config(run: Run, step: str, action: str) -> dict[str, Any] | None:
+    """The step's action options as written in the run's spec (defaults left out), or None."""
+    from ruamel.yaml import YAML
+
+    try:
+        spec = YAML(typ="safe").load(run.spec_text)
+    except Exception:  # a spec text this YAML reader cannot parse: fall back to the stored config
+        return None
+    steps = spec.get("steps", []) if isinstance(spec, dict) else []
+    for entry in steps:
+        if isinstance(entry, dict) and entry.get("id") == step and isinstance(entry.get(action), dict):
+            return entry[action]
+    return None
+
+
+def _step_title(run: Run, step: str) -> str:
+    """The step id and what the step did, from its config as written in the spec (else as stored): decoder
+    and its options, steering, KV policy, with where their heads come from (``top 8 of retrieval``)."""
+    ds = run.results[step]
+    action = str(ds.attrs.get("action", ""))
+    config = _typed_config(run, step, action) or _config(ds)
+    parts = []
+    decode = config.get("decode")
+    if isinstance(decode, dict) and (decode.get("kind") not in (None, "greedy") or len(decode) > 1):
+        parts.append(f"decode {_describe(decode)}")
+    elif isinstance(decode, str) and decode != "greedy":
+        parts.append(f"decode {decode}")
+    if config.get("steer"):
+        parts.append(f"steer {_describe(config['steer'])}")
+    if config.get("kv"):
+        parts.append(f"kv {_describe(config['kv'])}")
+    what = "; ".join(parts) or ("greedy" if action in ("generate", "evaluate", "score") else "")
+    return f"{step}: {action} {what}".strip() if action else step
+
+
+def _is_control(config: Any) -> bool:
+    """Whether a step's config draws something at random in place of a selection (random heads, a random
+    direction, random KV heads): a control."""
+    if isinstance(config, dict):
+        if config.get("kind") == "random" or config.get("random") not in (None, False):
+            return True
+        return any(_is_control(v) for k, v in config.items() if k != "seed")
+    if isinstance(config, list):
+        return any(_is_control(v) for v in config)
+    return False
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[Any]], cls: str = "") -> str:
@@ -112,13 +209,17 @@ def _detect_section(run: Run, step: str, ds: xr.Dataset) -> str:
     out = [f'<section class="step detect" id="step-{escape(step)}"><h2>{escape(step)}: detect '
            f'<code>{escape(str(ds.attrs.get("method", "")))}</code></h2>']
     title = "score (mean over sweep cells)" if dims else "score"
-    out.append('<div class="row">' + heatmap_svg(mean, title=title, highlight=[h for h, _ in top[:5]]))
+    out.append('<div class="row">' + _figure(figures.heatmap(mean, title=title, highlight=[h for h, _ in top[:5]]),
+                                             f"{step}: score"))
     out.append(_table(["rank", "layer", "head", "score"],
                       [[i, h[0], h[1], s] for i, (h, s) in enumerate(top, 1)], "top") + "</div>")
     cells = _cells(run, score)
     if dims and len(cells) > 1:
-        lo, hi = finite_range(score.values.astype(float))
-        maps = [heatmap_svg(score.sel(c), title=_label(c), vmin=lo, vmax=hi, cell=12) for c in cells[:24]]
+        values = score.values.astype(float)
+        finite = values[np.isfinite(values)]
+        lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (None, None)
+        maps = [_figure(figures.heatmap(score.sel(c), title=_label(c), vmin=lo, vmax=hi, cell=12),
+                        f"{step}: score at {_label(c)}") for c in cells[:24]]
         out.append('<h3>per sweep cell</h3><div class="row">' + "".join(maps) + "</div>")
         out.append(_sweep_plots(run, dims, cells, {f"L{h[0]}H{h[1]}": score.sel(layer=h[0], head=h[1])
                                                    for h, _ in top[:5]}, "score"))
@@ -143,16 +244,14 @@ def _sweep_plots(run: Run, dims: list[str], cells: list[dict[str, Any]],
                 ys.append(float(v))
             series[name] = ys
         title = f"{ylabel} vs {key}" + (f" (mean over {', '.join(others)})" if others else "")
-        plots.append(line_plot_svg([_plain(x) for x in keys], series, xlabel=key, ylabel=ylabel, title=title))
+        plots.append(_figure(figures.line_chart([_plain(x) for x in keys], series, x_title=key, y_title=ylabel,
+                                                title=title, series_title="series"), title))
     return '<div class="row">' + "".join(plots) + "</div>"
 
 
 def _generate_section(run: Run, step: str, ds: xr.Dataset, n_examples: int) -> str:
     metrics = [m for m in ds.attrs.get("metrics", []) if m in ds]
-    out = [f'<section class="step generate" id="step-{escape(step)}"><h2>{escape(step)}: generate '
-           f'<code>{escape(str(ds.attrs.get("decode", "")))}</code>'
-           + (f' steered by <code>{escape(", ".join(ds.attrs.get("steer", [])))}</code>' if ds.attrs.get("steer") else "")
-           + "</h2>"]
+    out = [f'<section class="step generate" id="step-{escape(step)}"><h2>{escape(_step_title(run, step))}</h2>']
     ref = ds["output"]
     cells = _cells(run, ref)
     dims = _sweep_dims(run, ref)
@@ -191,10 +290,7 @@ def _task_section(run: Run, step: str, ds: xr.Dataset, n_examples: int) -> str:
     """Per-task metrics (a ``task`` dimension, e.g. an ``evaluate`` step) per sweep cell, and the first
     per-sample records (over ``example``)."""
     metrics = [m for m in ds.attrs.get("metrics", []) if m in ds and "task" in ds[m].dims]
-    out = [f'<section class="step tasks" id="step-{escape(step)}"><h2>{escape(step)}: '
-           f'{escape(str(ds.attrs.get("action", "")))} <code>{escape(str(ds.attrs.get("decode", "")))}</code>'
-           + (f' steered by <code>{escape(", ".join(ds.attrs.get("steer", [])))}</code>' if ds.attrs.get("steer") else "")
-           + "</h2>"]
+    out = [f'<section class="step tasks" id="step-{escape(step)}"><h2>{escape(_step_title(run, step))}</h2>']
     cells = _cells(run, ds[metrics[0]])
     rows = []
     for c in cells:
@@ -283,7 +379,8 @@ def _patching_section(run: Run, step: str, ds: xr.Dataset) -> str:
         title += ", mean over sweep cells"
     top = ranked(hm)[:10]
     out = [_step_header(step, ds, "detect patching")]
-    out.append('<div class="row">' + heatmap_svg(hm, title=title, highlight=[h for h, _ in top[:5]]))
+    out.append('<div class="row">' + _figure(figures.heatmap(hm, title=title, highlight=[h for h, _ in top[:5]],
+                                                             x_title=what), f"{step}: score"))
     out.append(_table(["rank", "layer", what, "score"], [[i, h[0], h[1], v] for i, (h, v) in enumerate(top, 1)],
                       "top") + "</div>")
     if by_token:
@@ -311,8 +408,8 @@ def _dla_section(run: Run, step: str, ds: xr.Dataset) -> str:
         if name in ds:
             mean[name] = _mean_over_sweep(run, ds[name])
     out = [_step_header(step, ds, "detect dla")]
-    out.append('<div class="row">' + heatmap_svg(score, title="direct effect per head (mean over examples)",
-                                                 highlight=[h for h, _ in top[:5]]))
+    out.append('<div class="row">' + _figure(figures.heatmap(score, title="direct effect per head (mean over examples)",
+                                                             highlight=[h for h, _ in top[:5]]), f"{step}: score"))
     out.append(_table(["rank", "layer", "head", "score"], [[i, h[0], h[1], v] for i, (h, v) in enumerate(top, 1)],
                       "top") + "</div>")
     out.append(dla_bars_svg(mean))
@@ -385,17 +482,94 @@ th{background:#fafafa}.row{display:flex;flex-wrap:wrap;gap:12px;align-items:flex
 
 
 def _kv_section(run: Run) -> str:
-    """Metric vs KV cache across the steps with a ``kv`` policy and the sweep cells (empty without one)."""
+    """Metric vs KV cache across the steps with a ``kv`` policy and the sweep cells, and for needle tasks the
+    metric by context length and the length x depth heatmap per step (empty without a KV policy)."""
     points = kv_points(run)
     if not points:
         return ""
     metrics = kv_metrics(points)
     out = ['<section class="kv" id="kv"><h2>KV cache: metrics vs kept KV</h2>']
     if metrics:
-        out.append('<div class="row">' + "".join(kv_tradeoff_svg(points, m, x=x) for m in metrics
-                                                 for x in ("kept_fraction", "kv_bytes")) + "</div>")
+        out.append('<div class="row">' + "".join(
+            _figure(kv_tradeoff_chart(points, m, x=x), f"kv: {m} vs {x}") for m in metrics
+            for x in ("kept_fraction", "kv_bytes")) + "</div>")
     header, rows = kv_table_rows(points, metrics)
-    out.append(_table(header, rows, "kv") + "</section>")
+    header = [h.replace("KV bytes", "KV MiB") for h in header]
+    rows = [[*r[:3], figures.mib(r[3]), figures.mib(r[4]), *r[5:]] for r in rows]
+    out.append(_table(header, rows, "kv"))
+    kv_steps = list(dict.fromkeys(p.step for p in points))
+    needles = [s for s in needle_steps(run) if s in kv_steps]
+    for m in metrics:
+        with_m = [s for s in needles if m in run.results[s]]
+        if not with_m:
+            continue
+        out.append(f"<h3>{escape(m)} by context length, and per context length and needle depth</h3>")
+        out.append('<div class="row">' + _figure(needle_by_length_chart(run, with_m, m), f"kv: {m} by length")
+                   + "</div>")
+        out.append('<div class="row needle-maps">' + "".join(
+            _figure(needle_heatmap_chart(run, s, m), f"kv: {s} {m} by length and depth") for s in with_m) + "</div>")
+    out.append("</section>")
+    return "".join(out)
+
+
+_COMPARED = ("generate", "score", "evaluate")
+
+
+def _compared_steps(run: Run) -> list[str]:
+    return [step for step, ds in run.results.items() if str(ds.attrs.get("action", "")) in _COMPARED
+            and run.summary().get(step, {}).get("cells")]
+
+
+def _comparison_section(run: Run, n_examples: int) -> str:
+    """One bar chart per metric with a bar per step (and sweep cell), its 95% interval and n, steps grouped by
+    task and controls marked; then each task's outputs side by side (empty with fewer than two such steps)."""
+    steps = _compared_steps(run)
+    if len(steps) < 2:
+        return ""
+    summary = run.summary()
+    metrics: dict[str, list[dict[str, Any]]] = {}
+    for step in steps:
+        ds = run.results[step]
+        control = _is_control(_config(ds))
+        for r in summary[step]["cells"]:
+            for m, e in r["estimates"].items():
+                label = step + (f" ({_label(r['cell'])})" if r["cell"] else "") + (" [control]" if control else "")
+                dropped = f", {e.dropped} dropped" if e.dropped else ""
+                metrics.setdefault(m, []).append({
+                    "step": label, "mean": e.mean, "low": e.low, "high": e.high, "n": f"n={e.n}{dropped}",
+                    "task": str(ds.attrs.get("task", "")), "control": control, "what": _step_title(run, step)})
+    out = ['<section class="comparison" id="comparison"><h2>comparison across steps</h2>',
+           "<p>mean over the examples where the metric is defined, 95% interval (Wilson for proportions, bootstrap "
+           "otherwise) and n; [control]: a step that draws its heads or direction at random</p>"]
+    charts = []
+    for m, rows in metrics.items():
+        rows = sorted(rows, key=lambda r: [t["task"] for t in rows].index(r["task"]))  # group by task, stable
+        finite = [v for r in rows for v in (r["mean"], r["low"], r["high"]) if math.isfinite(v)]
+        ratio = bool(finite) and all(0.0 <= v <= 1.0 for v in finite)
+        charts.append(_figure(figures.bar_chart(
+            rows, category="step", value="mean", value_title=f"{m} (mean, 95% interval)", low="low", high="high",
+            note="n", group="task" if len({r["task"] for r in rows}) > 1 else None, marked="control",
+            value_domain=(0.0, 1.0) if ratio else None, title=f"{m} per step"), f"comparison: {m}"))
+    out.append('<div class="row">' + "".join(charts) + "</div>")
+    by_task: dict[str, list[str]] = {}
+    for step in steps:
+        if "output" in run.results[step] and "prompt" in run.results[step]:
+            by_task.setdefault(str(run.results[step].attrs.get("task", "")), []).append(step)
+    for task, group in by_task.items():
+        if len(group) < 2:
+            continue
+        first = {s: run.results[s].isel({k: 0 for k in run.sweep if k in run.results[s].dims}) for s in group}
+        n = min(n_examples, *(first[s].sizes.get("example", 0) for s in group))
+        rows = []
+        for i in range(n):
+            p = str(first[group[0]]["prompt"].isel(example=i).values)
+            t = str(first[group[0]]["target"].isel(example=i).values) if "target" in first[group[0]] else ""
+            rows.append([i, p if len(p) <= 120 else "…" + p[-120:], t,
+                         *[str(first[s]["output"].isel(example=i).values) for s in group]])
+        out.append(f"<h3>outputs side by side ({escape(task)}, first {n}"
+                   + (", first sweep cell" if run.sweep else "") + ")</h3>"
+                   + _table(["example", "prompt", "target", *group], rows, "side-by-side"))
+    out.append("</section>")
     return "".join(out)
 
 
@@ -438,19 +612,49 @@ def render_report(run: Run | str | Path, *, n_examples: int = 8) -> str:
         if figure:
             section = section.removesuffix("</section>") + figure + "</section>"
         parts.append(section)
+    parts.append(_comparison_section(run, n_examples))
     parts.append(_kv_section(run))
     parts.append(f"<h2>spec</h2><pre>{escape(run.spec_text)}</pre>")
-    parts.append(f'<p style="color:#888;font-size:11px">{escape(str(run.path))}</p></body></html>')
+    parts.append(f'<p style="color:#888;font-size:11px">{escape(str(run.path))}</p>')
+    if any(figures.FIGURE_CLASS in p for p in parts):
+        parts.append(figures.page_script())
+    parts.append("</body></html>")
     return "\n".join(parts)
 
 
-def write_report(run: Run | str | Path, output: str | Path | None = None, *, n_examples: int = 8) -> Path:
-    """Write the HTML report of ``run``; the default path is ``<run directory>.html`` beside the run.
+def report_figures(run: Run | str | Path, *, n_examples: int = 8) -> list[ReportFigure]:
+    """The figures of ``run``'s report, in page order: the chart objects the HTML embeds, for notebooks and
+    export."""
+    collected: list[ReportFigure] = []
+    token = _COLLECTED.set(collected)
+    try:
+        render_report(run, n_examples=n_examples)
+    finally:
+        _COLLECTED.reset(token)
+    return collected
 
-    Returns the path written.
+
+def _file_name(index: int, name: str) -> str:
+    slug = "".join(c if c.isalnum() or c in "-_" else "-" for c in name.lower()).strip("-")
+    return f"{index:02d}-{'-'.join(p for p in slug.split('-') if p)[:80]}"
+
+
+def write_report(run: Run | str | Path, output: str | Path | None = None, *, n_examples: int = 8,
+                 format: Literal["html", "svg", "png"] = "html") -> Path:
+    """Write the report of ``run`` and return the path written.
+
+    ``html``: one self-contained page, by default ``<run directory>.html`` beside the run. ``svg`` / ``png``: the
+    report's figures (:func:`report_figures`), one file each (``01-retrieval-score.svg``, ...), into the folder
+    ``output`` (by default ``<run directory>.figures``), for papers.
     """
     run = run if isinstance(run, Run) else open_run(run)
-    path = Path(output) if output is not None else run.path.with_name(run.path.name + ".html")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render_report(run, n_examples=n_examples), encoding="utf-8")
-    return path
+    if format == "html":
+        path = Path(output) if output is not None else run.path.with_name(run.path.name + ".html")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(render_report(run, n_examples=n_examples), encoding="utf-8")
+        return path
+    folder = Path(output) if output is not None else run.path.with_name(run.path.name + ".figures")
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, fig in enumerate(report_figures(run, n_examples=n_examples), 1):
+        figures.save(fig.chart, folder / f"{_file_name(i, fig.name)}.{format}", format=format)
+    return folder

@@ -65,6 +65,17 @@ def run_spec(name: str, workdir: Path, timeout: float = 1200) -> headlab.Run:
     return run
 
 
+def report_in_browser(name: str, workdir: Path) -> None:
+    """The report ``run_spec`` wrote, rendered in headless chromium: no console errors, the expected figures
+    drawn, axes titled, tick labels inside (tests/test_report_browser.py does the same on small runs)."""
+    from fixtures.figures import CHROMIUM, assert_renders
+    from fixtures.report_runs import REPORT_FIGURES
+
+    if not Path(CHROMIUM).is_file():
+        pytest.skip(f"{CHROMIUM} is missing (.ci/setup-test installs it)")
+    assert_renders(workdir / f"{name}.html", REPORT_FIGURES[name], workdir / f"{name}-chromium-profile")
+
+
 def readme_number(pattern: str) -> float:
     m = re.search(pattern, README)
     assert m, f"the README no longer says {pattern!r}"
@@ -140,6 +151,7 @@ def test_decoding_counterfact_as_typed(workdir):
               [("decore", "DeCoRe"), ("cad", "CAD"), ("greedy", "greedy"), ("decore_random", "does not")]}
     context = {step: round(float((run.results[step]["context_memory"] == 1).mean()), 2) for step in quoted}
     assert context == quoted
+    report_in_browser("decoding_counterfact", workdir)
 
 
 @pytest.mark.slow
@@ -229,6 +241,7 @@ def test_kv_compression_as_typed(workdir):
     assert float(res["headkv_f028"]["needle_recall"].mean()) > float(res["random_top4_w128"]["needle_recall"].mean()) + 0.3
     html = (workdir / "kv_compression.html").read_text()
     assert 'id="kv"' in html and "needle_recall vs kept fraction of the full KV cache" in html
+    report_in_browser("kv_compression", workdir)
 
 
 @pytest.mark.slow

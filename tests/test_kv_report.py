@@ -1,18 +1,27 @@
 """Metric vs KV cache in ``headlab report`` and the ``KvTradeoff`` widget: the points of a constructed run's
 steps with a ``kv`` policy (one per step and sweep cell) carry the run's kept fractions, bytes and metric
-means, and the scatter plot draws them where its axes say."""
+means, the scatter chart carries them (bytes in MiB, each point labelled with its step), and needle tasks get
+recall by context length and the length x depth heatmap."""
 
 from __future__ import annotations
-
-import math
-from html.parser import HTMLParser
 
 import numpy as np
 import pytest
 
 import headlab
-from headlab.kv_view import kv_metrics, kv_points, kv_table_rows, kv_tradeoff_svg
-from headlab.report import render_report, scatter_svg
+from headlab import figures
+from headlab.kv_view import (
+    kv_metrics,
+    kv_points,
+    kv_table_rows,
+    kv_tradeoff_chart,
+    needle_by_length_chart,
+    needle_heatmap_chart,
+    needle_steps,
+)
+from headlab.report import render_report
+
+from fixtures.figures import embedded, rows
 
 STEPS = ("  - id: ind\n    task: {kind: repeated_tokens, n: 3, length: 8}\n    detect: {kind: induction}\n"
          "  - id: gen\n    generate:\n      max_new_tokens: 4\n      metrics: [rouge_l, contains]\n"
@@ -31,19 +40,9 @@ def spec_text(steps: str, *, task: str, out: str, sweep: str = "") -> str:
             + (f"sweep:\n{sweep}" if sweep else ""))
 
 
-class Tags(HTMLParser):
-    def __init__(self) -> None:
-        super().__init__()
-        self.tags: list[tuple[str, dict[str, str | None]]] = []
-
-    def handle_starttag(self, tag, attrs):
-        self.tags.append((tag, dict(attrs)))
-
-
-def circles(svg: str) -> list[dict[str, str | None]]:
-    p = Tags()
-    p.feed(svg)
-    return [a for t, a in p.tags if t == "circle" and "data-x" in a]
+def drawn(chart) -> list[dict]:
+    """The points of a trade-off chart: label, policy, x and y as the chart places them."""
+    return rows(figures.figure_spec(chart))
 
 
 @pytest.fixture(scope="module")
@@ -74,50 +73,68 @@ def test_one_point_per_kv_step_and_sweep_cell_with_the_runs_numbers(sweep_run):
                            gen12.kept_fraction]
 
 
-def test_the_scatter_plot_places_every_point_on_its_axes(sweep_run):
+def test_the_tradeoff_chart_places_every_point_on_its_axes_labelled_by_its_step(sweep_run):
     points = kv_points(sweep_run)
-    svg = kv_tradeoff_svg(points, "rouge_l")
-    drawn = circles(svg)
-    assert [(c["data-series"], c["data-label"]) for c in drawn] == [
+    chart = kv_tradeoff_chart(points, "rouge_l")
+    assert [(c["policy"], c["label"]) for c in drawn(chart)] == [
         ("streaming", "gen (gen.kv.window=6)"), ("streaming", "gen (gen.kv.window=12)"),
-        *[("random", f"ctl (gen.kv.window={w})") for w in (6, 12)],  # equal x: in sweep order
-        ("full", "base (gen.kv.window=6)"), ("full", "base (gen.kv.window=12)")]
+        *[("random", f"ctl (gen.kv.window={w})") for w in (6, 12)], ("full", "base (gen.kv.window=6)"),
+        ("full", "base (gen.kv.window=12)")]
     by_label = {p.label: p for p in points}
-    for c in drawn:
-        p = by_label[c["data-label"]]
-        assert float(c["data-x"]) == pytest.approx(p.kept_fraction, rel=1e-5)
-        assert float(c["data-y"]) == pytest.approx(p.metrics["rouge_l"], rel=1e-5)
-    # x on [0, 1.05] over the plot's 396 pixels from x=52: a point's cx is where its kept fraction is
-    for c in drawn:
-        assert float(c["cx"]) == pytest.approx(52 + float(c["data-x"]) / 1.05 * 396, abs=0.1)
-    by_bytes = circles(kv_tradeoff_svg(points, "contains", x="kv_bytes"))
-    assert sorted(float(c["data-x"]) for c in by_bytes) == pytest.approx(sorted(p.kv_bytes for p in points))
-    assert "contains vs KV bytes held" in kv_tradeoff_svg(points, "contains", x="kv_bytes")
-
-
-def test_scatter_joins_a_series_in_order_of_x_and_drops_non_finite_points():
-    svg = scatter_svg({"a": [(0.5, 1.0, "p"), (0.0, 0.0, "q"), (1.0, math.nan, "r")], "b": [(1.0, 0.5, "s")]},
-                      xlim=(0.0, 1.0), ylim=(0.0, 1.0), width=152, height=150)
-    drawn = circles(svg)
-    assert [(c["data-label"], c["data-x"], c["data-y"]) for c in drawn] == [("q", "0", "0"), ("p", "0.5", "1"),
-                                                                           ("s", "1", "0.5")]
-    # plot area: x 52..140 (88 px), y 10..110 (100 px, no title)
-    assert [(float(c["cx"]), float(c["cy"])) for c in drawn] == [(52.0, 110.0), (96.0, 10.0), (140.0, 60.0)]
-    assert 'points="52.0,110.0 96.0,10.0"' in svg  # series a joined from low x to high x
+    for c in drawn(chart):
+        assert c["_x"] == pytest.approx(by_label[c["label"]].kept_fraction, rel=1e-9)
+        assert c["_y"] == pytest.approx(by_label[c["label"]].metrics["rouge_l"], rel=1e-9)
+    spec = figures.figure_spec(chart)
+    x = spec["layer"][0]["encoding"]["x"]
+    assert x["scale"]["domain"] == [0.0, 1.0] and x["title"] == "kept fraction of the full KV cache"
+    assert spec["layer"][-1]["mark"]["type"] == "text" and spec["layer"][-1]["encoding"]["text"]["field"] == "label"
+    by_bytes = kv_tradeoff_chart(points, "contains", x="kv_bytes")
+    assert sorted(c["_x"] for c in drawn(by_bytes)) == pytest.approx(sorted(p.kv_bytes / 2 ** 20 for p in points))
+    x = figures.figure_spec(by_bytes)["layer"][0]["encoding"]["x"]
+    assert x["title"] == "KV bytes held (MiB)" and x["scale"]["zero"] is True
+    y = figures.figure_spec(by_bytes)["layer"][0]["encoding"]["y"]
+    assert y["scale"]["zero"] is True  # contains is a ratio: its axis starts at 0
 
 
 def test_the_report_has_the_kv_section(sweep_run):
     html = render_report(sweep_run)
     section = html.split('id="kv"')[1].split("</section>")[0]
     points = kv_points(sweep_run)
-    drawn = circles(section)
-    assert len(drawn) == 2 * 2 * len(points)  # rouge_l and contains, each vs kept fraction and vs bytes
+    charts = embedded(section)
+    assert [name for name, _ in charts] == [f"kv: {m} vs {x}" for m in ("rouge_l", "contains")
+                                            for x in ("kept_fraction", "kv_bytes")]
+    assert all(len(rows(spec)) == len(points) for _, spec in charts)
     for p in points:
         row = (f"<td>{p.step}</td><td>{', '.join(f'{k}={v}' for k, v in p.cell.items())}</td><td>{p.policy}</td>"
-               f'<td class="num">{p.kv_bytes}</td><td class="num">{p.kv_bytes_full}</td>'
+               f'<td class="num">{p.kv_bytes / 2 ** 20:.4g}</td><td class="num">{p.kv_bytes_full / 2 ** 20:.4g}</td>'
                f'<td class="num">{p.kept_fraction:.4g}</td>')
         assert row in section
-    assert "rouge_l vs kept fraction of the full KV cache" in section
+    assert "<th>KV MiB</th>" in section and "needle" not in section  # kv_retrieval has no lengths or depths
+
+
+def test_needle_figures_average_over_the_examples_of_each_length_and_depth():
+    import xarray as xr
+
+    recall = np.array([1, 0, 1, 1, 0, 0, 1, np.nan])
+    lengths = np.array([100, 100, 100, 100, 200, 200, 200, 200])
+    depths = np.array([0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0])
+
+    class FakeRun:  # the two things the needle figures read of a run
+        sweep: dict = {}
+        results = {s: xr.Dataset({"needle_recall": ("example", recall if s == "a" else 1 - np.nan_to_num(recall))},
+                                 coords={"context_length": ("example", lengths), "depth": ("example", depths)},
+                                 attrs={"metrics": ["needle_recall"]}) for s in ("a", "b")}
+
+    run = FakeRun()
+    assert needle_steps(run) == ["a", "b"]
+    spec = figures.figure_spec(needle_by_length_chart(run, ["a", "b"], "needle_recall"))
+    got = {(r["step"], r["x"]): r["y"] for r in rows(spec)}
+    # independent: per length the mean over its defined values
+    assert got == pytest.approx({("a", 100): 3 / 4, ("a", 200): 1 / 3, ("b", 100): 1 / 4, ("b", 200): 3 / 4})
+    assert spec["layer"][-1]["encoding"]["y"]["scale"]["zero"] is True
+    grid = {(r["context_length"], r["depth"]): r["needle_recall"]
+            for r in rows(figures.figure_spec(needle_heatmap_chart(run, "a", "needle_recall")))}
+    assert grid == {(100, 0.0): 0.5, (100, 1.0): 1.0, (200, 0.0): 0.0, (200, 1.0): 1.0}
 
 
 def test_a_run_without_kv_policies_has_no_kv_section(tmp_path):
@@ -133,17 +150,16 @@ def test_the_widget_draws_the_picked_metric_and_axis(sweep_run):
     w = KvTradeoff(sweep_run.path)
     points = kv_points(sweep_run)
     assert w.metric == "rouge_l" and w.x == "kept_fraction"
-    ys = sorted(float(c["data-y"]) for c in circles(w.figure.value))
-    assert ys == pytest.approx(sorted(p.metrics["rouge_l"] for p in points), rel=1e-5)
+    ys = sorted(c["_y"] for c in drawn(w.chart))
+    assert ys == pytest.approx(sorted(p.metrics["rouge_l"] for p in points), rel=1e-9)
     w.metric_picker.value = "contains"
     w.x_picker.value = "kv_bytes"
-    drawn = circles(w.figure.value)
-    assert sorted((int(c["data-x"]), float(c["data-y"])) for c in drawn) == \
-        sorted((p.kv_bytes, p.metrics["contains"]) for p in points)
+    assert sorted((c["_x"], c["_y"]) for c in drawn(w.chart)) == \
+        sorted((p.kv_bytes / 2 ** 20, p.metrics["contains"]) for p in points)
+    assert figures.figure_spec(w.chart) == figures.figure_spec(kv_tradeoff_chart(points, "contains", x="kv_bytes"))
     assert f'<td class="num">{points[0].kv_bytes}</td>' in w.table.value
     with pytest.raises(ValueError, match="no step with a kv policy stores metric 'exact_match'"):
         KvTradeoff(sweep_run, metric="exact_match")
-    np.testing.assert_equal(len(circles(w.figure.value)), len(points))
 
 
 def test_the_browser_adds_the_kv_tradeoff_after_the_steps(sweep_run):

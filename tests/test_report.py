@@ -15,8 +15,9 @@ import pytest
 
 import headlab
 from headlab.heads import ranked
-from headlab.report import color, heatmap_svg, line_plot_svg, render_report, write_report
+from headlab.report import color, render_report, report_figures, write_report
 
+from fixtures.figures import embedded, rows
 from fixtures.specs import spec_text
 
 STEPS = ("  - id: ind\n    detect: {kind: induction}\n"
@@ -58,42 +59,29 @@ def test_color_scale_endpoints_and_nan():
     assert color(float("nan")) == color(None) == "#dddddd"
 
 
-def test_heatmap_cells_carry_values():
-    values = np.array([[0.1, 0.9], [np.nan, 0.5]])
-    svg = heatmap_svg(values, title="t", highlight=[(0, 1)])
-    rects = [a for t, a in parse(svg).tags if t == "rect" and "data-layer" in a]
-    assert len(rects) == 4
-    by_pos = {(int(a["data-layer"]), int(a["data-head"])): a for a in rects}
-    assert by_pos[(0, 1)]["data-value"] == "0.9" and by_pos[(0, 1)]["fill"] == color(0.9, 0.1, 0.9)
-    assert by_pos[(1, 0)]["data-value"] == "nan" and by_pos[(1, 0)]["fill"] == "#dddddd"
-    assert by_pos[(0, 1)].get("stroke") == "#e4002b" and "stroke" not in by_pos[(0, 0)]
-
-
-def test_line_plot_points():
-    svg = line_plot_svg([1, 2, 4], {"a": [0.0, 0.5, 1.0], "b": [1.0, float("nan"), 0.0]}, xlabel="x")
-    pts = [a for t, a in parse(svg).tags if t == "circle"]
-    assert [(p["data-series"], float(p["data-y"])) for p in pts] == [("a", 0.0), ("a", 0.5), ("a", 1.0),
-                                                                      ("b", 1.0), ("b", 0.0)]
-    xs = [float(p["cx"]) for p in pts[:3]]
-    assert (xs[2] - xs[1]) == pytest.approx(2 * (xs[1] - xs[0]), abs=0.2)  # numeric x placed proportionally
-
-
 def test_report_contents_match_the_run(sweep_run, tmp_path):
     html = render_report(sweep_run)
     doc = parse(html)
-    # nothing external: no scripts, no links, no remote sources
-    assert not [t for t, _ in doc.tags if t in ("script", "link", "iframe", "img")]
+    # nothing external: one inline script (the figures' JavaScript), no links, no remote sources
+    assert [a for t, a in doc.tags if t == "script" and a.get("type") != "application/json"] == [{"type": "module"}]
+    assert not [t for t, _ in doc.tags if t in ("link", "iframe", "img")]
     assert not re.search(r"(src|href)=\"(https?:)?//", html)
     # the mean heatmap of each detect step carries the run's scores
     for step in ("ind", "prev"):
         section = html.split(f'id="step-{step}"')[1].split("</section>")[0]
         mean = sweep_run.results[step]["score"].mean("task.length")
-        cells = [a for t, a in parse(section).tags if t == "rect" and "data-layer" in a]
-        first_map = {(int(a["data-layer"]), int(a["data-head"])): float(a["data-value"]) for a in cells[:8]}
+        maps = [(name, spec) for name, spec in embedded(section) if name.startswith(f"{step}: score")]
+        first_map = {(r["layer"], r["head"]): r["score"] for r in rows(maps[0][1])}
+        assert len(first_map) == 8
         for (layer, head), v in first_map.items():
-            assert v == pytest.approx(float(mean.sel(layer=layer, head=head)), rel=1e-3)
-        # one map per sweep cell after the mean map
-        assert len(cells) == 8 * 3
+            assert v == pytest.approx(float(mean.sel(layer=layer, head=head)), rel=1e-6)
+        # one map per sweep cell after the mean map, each with that cell's scores
+        assert [name for name, _ in maps] == [f"{step}: score", f"{step}: score at task.length=5",
+                                              f"{step}: score at task.length=9"]
+        for (_, spec), length in zip(maps[1:], (5, 9), strict=True):
+            cell = sweep_run.results[step]["score"].sel({"task.length": length})
+            assert {(r["layer"], r["head"]): r["score"] for r in rows(spec)} == pytest.approx(
+                {(lh[0], lh[1]): float(cell.sel(layer=lh[0], head=lh[1])) for lh in first_map})
         (best, score), *_ = ranked(mean)
         assert f"<td class=\"num\">{best[0]}</td><td class=\"num\">{best[1]}</td><td class=\"num\">{score:.4g}</td>" in section
         assert "score vs task.length" in section
@@ -107,9 +95,11 @@ def test_report_contents_match_the_run(sweep_run, tmp_path):
         for name, mean in (("exact_match", em), ("contains", co)):
             assert f'<td>task.length={length}</td><td>{name}</td><td class="num">{mean:.4g}</td>' in gen
         assert f'<td class="num">{n}</td><td>0</td>' in gen
-    plot_points = [a for t, a in parse(gen).tags if t == "circle" and a.get("data-series") == "contains"]
-    assert [float(p["data-y"]) for p in plot_points] == pytest.approx(
-        [float(ds["contains"].sel({"task.length": v}).mean()) for v in (5, 9)])
+    (name, plot), = embedded(gen)
+    assert name == "metric vs task.length"
+    points = [r for r in rows(plot) if r["series"] == "contains"]
+    assert [r["x"] for r in points] == [5, 9]
+    assert [r["y"] for r in points] == pytest.approx([float(ds["contains"].sel({"task.length": v}).mean()) for v in (5, 9)])
     out0 = str(ds["output"].sel({"task.length": 9}).isel(example=0).values)
     assert out0 in "".join(parse(gen).text)
     assert "name: test" in html and "random-llama" in html
@@ -133,11 +123,15 @@ def test_write_report_default_path_and_cli(sweep_run, tmp_path):
 def test_report_of_run_without_sweep(tmp_path):
     run = headlab.run(spec_text("  - id: ind\n    detect: {kind: induction}\n", out=str(tmp_path)))
     html = render_report(run)
-    cells = [a for t, a in parse(html).tags if t == "rect" and "data-layer" in a]
-    assert len(cells) == 8 and "per sweep cell" not in html
-    np.testing.assert_allclose(sorted(float(a["data-value"]) for a in cells),
-                               sorted(run.results["ind"]["score"].values.ravel()), rtol=1e-3)
+    (name, spec), = embedded(html)
+    assert name == "ind: score" and "per sweep cell" not in html
+    np.testing.assert_allclose(sorted(r["score"] for r in rows(spec)),
+                               sorted(run.results["ind"]["score"].values.ravel()), rtol=1e-6)
     assert Path(write_report(run, tmp_path / "x.html")).is_file()
+    assert [f.name for f in report_figures(run)] == ["ind: score"]
+    folder = write_report(run, tmp_path / "figs", format="svg")
+    (svg,) = folder.iterdir()
+    assert svg.name == "01-ind-score.svg" and svg.read_text().startswith("<svg")
 
 
 def test_values_section_lists_small_numeric_results():

@@ -21,9 +21,9 @@ import xarray as xr
 
 import headlab
 from headlab.circuit_view import circuit_edges, circuit_graph_svg, dla_bars_svg, position_grid_svg
+from headlab.figures import heatmap, to_svg
 from headlab.heads import ranked
 from headlab.plugins.detectors.attribution_patching import spearman, top_k_recall
-from headlab.svg import heatmap_svg
 
 SPEC = """
 name: circuits-embedded
@@ -94,6 +94,9 @@ def figures(run: headlab.Run, tokens: list[str]) -> dict[str, str]:
     names = [f"a{layer}.h{head}" for layer in dla["layer"].values for head in dla["head"].values]
     direct = xr.DataArray(dla["score"].values.reshape(-1), dims="edge",
                           coords={"source": ("edge", names), "destination": ("edge", ["logits"] * len(names))})
+    def heatmap_svg(values, **kw):
+        return to_svg(heatmap(values, **kw))
+
     return {
         "circuits_patching.svg": heatmap_svg(res["patch"]["score"], title="activation patching, every position "
                                              "(outlined: retrieval heads)", highlight=retrieval),

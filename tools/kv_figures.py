@@ -6,8 +6,8 @@ kept KV").
 Runs ``specs/kv_compression.yaml`` (or reads a stored run of it, ``--run``; ``--lengths`` / ``--depths``
 replace the spec's needle grid, for a smaller run), writes ``kv_recall_vs_kept.svg`` (needle recall against
 the kept fraction of the full KV bytes, one point per step: the report's figure) and
-``kv_recall_by_length.svg`` (recall per context length of chosen steps) into ``--out``, and prints the
-table docs/kv.md quotes: per step its policy, kept fraction, KV bytes and recall, overall and per length.
+``kv_recall_by_length.svg`` (recall per context length of chosen steps) into ``--out``, with the code of
+``headlab report`` (:mod:`headlab.kv_view`, :mod:`headlab.figures`), and prints the table docs/kv.md quotes: per step its policy, kept fraction, KV bytes and recall, overall and per length.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 
 import headlab
-from headlab.kv_view import kv_points, kv_tradeoff_svg
-from headlab.svg import line_plot_svg
+from headlab import figures
+from headlab.kv_view import kv_points, kv_tradeoff_chart, needle_by_length_chart
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = ROOT / "specs" / "kv_compression.yaml"
@@ -57,14 +57,12 @@ def main() -> None:
         run = run_spec(args.lengths, args.depths, Path(tempfile.mkdtemp(prefix="kv-figures-")))
     points = kv_points(run)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "kv_recall_vs_kept.svg").write_text(
-        kv_tradeoff_svg(points, "needle_recall", title="needle recall vs kept KV (headlab-tiny)"), encoding="utf-8")
+    figures.save(kv_tradeoff_chart(points, "needle_recall", title="needle recall vs kept KV (headlab-tiny)"),
+                 args.out / "kv_recall_vs_kept.svg")
     first = run.results[points[0].step]
     lengths = sorted({int(n) for n in first["context_length"].values})
-    series = {s: recall_by_length(run.results[s], lengths) for s in BY_LENGTH if s in run.results}
-    (args.out / "kv_recall_by_length.svg").write_text(
-        line_plot_svg(lengths, series, xlabel="context length (tokens)", ylabel="needle recall",
-                      title="needle recall per context length"), encoding="utf-8")
+    figures.save(needle_by_length_chart(run, [s for s in BY_LENGTH if s in run.results], "needle_recall"),
+                 args.out / "kv_recall_by_length.svg")
     n = first.sizes["example"]
     print(f"run {run.path} ({n} prompts per step, lengths {lengths})")
     print("| step | policy | kept fraction | KV bytes | recall | " + " | ".join(str(x) for x in lengths) + " |")

@@ -1,6 +1,9 @@
 """``HeadMap``: a (layer x head) heatmap of any score array; hover for values, click or drag to select.
 
-The view is an anywidget whose JavaScript is inline (no CDN). Python holds the state: ``selected``
+The view is an anywidget whose JavaScript is inline (no CDN). It is drawn by hand, not by
+:mod:`headlab.figures`: click-and-drag selection synced both ways with Python needs a widget, and Altair's
+(``JupyterChart``) loads vega-embed from esm.sh at run time, so it would not work offline. Its static
+fallback (``_repr_html_``) is the library's heatmap. Python holds the state: ``selected``
 (a list of ``[layer, head]``) is synced both ways, and the selection is offered as a head list
 (:attr:`HeadMap.heads`), a spec fragment (:attr:`HeadMap.spec_fragment`, ``heads: [[l, h], ...]``) and
 PASTA's JSON (:attr:`HeadMap.pasta_json`), which the view shows live under the map.
@@ -19,8 +22,9 @@ import traitlets
 import xarray as xr
 
 from ..dims import head_array
+from ..figures import heatmap, to_svg
 from ..heads import Head, ranked, to_pasta_json
-from ..svg import NAN_COLOR, PALETTE, heatmap_svg
+from ..svg import NAN_COLOR, PALETTE
 
 __all__ = ["HeadMap", "as_head_scores", "spec_fragment"]
 
@@ -345,4 +349,4 @@ class HeadMap(anywidget.AnyWidget):
                 f"selected: {self.spec_fragment.removeprefix('heads: ')})")
 
     def _repr_html_(self) -> str:  # static fallback (nbconvert, GitHub); JupyterLab shows the widget
-        return heatmap_svg(self.scores, title=self.title, highlight=self.heads)
+        return to_svg(heatmap(self.scores, title=self.title, highlight=self.heads))

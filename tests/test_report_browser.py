@@ -1,0 +1,93 @@
+"""The reports of the example specs in headless chromium (done-when of issue 39): no console errors, nothing
+fetched, the expected figures drawn and non-empty, every axis titled and no tick label outside its figure's
+box (bounding boxes measured in the browser); and decoding_counterfact's one chart comparing its five
+strategies, each bar with the step's n and interval, checked against numbers computed here.
+
+The runs are small versions of the specs (:mod:`fixtures.report_runs`: the same steps on fewer, shorter
+examples); the reports of the specs as typed are rendered the same way in the slow set
+(tests/test_example_specs.py, :func:`fixtures.figures.assert_renders`).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import headlab
+from headlab.report import render_report
+
+from fixtures.figures import CHROMIUM, assert_renders, embedded, rows
+from fixtures.report_runs import REPORT_FIGURES, reduced_spec
+
+STRATEGIES = ["greedy", "decore", "decore_random", "cad", "dola"]
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory):
+    """``name -> (run, report path)``, each run made once per module, on first use."""
+    out = tmp_path_factory.mktemp("report-runs")
+    made: dict[str, tuple[headlab.Run, Path]] = {}
+
+    def get(name: str) -> tuple[headlab.Run, Path]:
+        if name not in made:
+            run = headlab.run(reduced_spec(name, out))
+            path = out / f"{name}.html"
+            path.write_text(render_report(run), encoding="utf-8")
+            made[name] = (run, path)
+        return made[name]
+
+    return get
+
+
+def wilson(k: int, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
+    """Wilson's score interval, from its formula."""
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return centre - half, centre + half
+
+
+def test_decoding_counterfact_has_one_chart_comparing_the_five_strategies_with_n(reports):
+    run, path = reports("decoding_counterfact")
+    page = path.read_text()
+    charts = [(name, spec) for name, spec in embedded(page) if name.startswith("comparison:")]
+    assert [name for name, _ in charts] == ["comparison: context_memory"]
+    bars = rows(charts[0][1])
+    assert [b["step"] for b in bars] == ["greedy", "decore", "decore_random [control]", "cad", "dola"]
+    for bar, step in zip(bars, STRATEGIES, strict=True):
+        values = run.results[step]["context_memory"].values.astype(float)
+        defined = values[~np.isnan(values)]
+        n, k = defined.size, int(defined.sum())
+        assert bar["_v"] == pytest.approx(k / n) and (bar["_lo"], bar["_hi"]) == pytest.approx(wilson(k, n))
+        dropped = values.size - n
+        assert bar["n"] == f"n={n}" + (f", {dropped} dropped" if dropped else "")
+        assert bar["control"] is (step == "decore_random")
+    # the outputs side by side: one prompt per row, a column per strategy
+    table = page.split("outputs side by side")[1].split("</table>")[0]
+    assert "".join(f"<th>{s}</th>" for s in STRATEGIES) in table
+    first = str(run.results["cad"]["output"].isel(example=0).values)
+    assert f"<td>{first}</td>" in table or first == ""
+    # step headers say what each step did
+    assert "decore_random: generate decode decore(heads=top 8 of retrieval, random=True, alpha=entropy)" in page
+
+
+@pytest.mark.skipif(not Path(CHROMIUM).is_file(), reason=f"{CHROMIUM} is missing (.ci/setup-test installs it)")
+@pytest.mark.parametrize("name", list(REPORT_FIGURES))
+def test_report_renders_in_chromium(name, reports, tmp_path):
+    pytest.importorskip("playwright.sync_api", reason="needs the notebook extras (playwright)")
+    _, path = reports(name)
+    assert_renders(path, REPORT_FIGURES[name], tmp_path / "profile")
+
+
+def test_kv_compression_marks_the_random_policy_as_a_control_and_titles_steps_by_their_config(reports):
+    run, path = reports("kv_compression")
+    page = path.read_text()
+    (_, spec), = [(n, s) for n, s in embedded(page) if n == "comparison: needle_recall"]
+    marked = {b["step"]: b["control"] for b in rows(spec)}
+    assert marked == {"full": False, "streaming_top4_w64": False, "razor_top4_w128": False, "headkv_f028": False,
+                      "random_top4_w128 [control]": True}
+    assert "streaming_top4_w64: generate kv streaming(full_heads=top 4 of retrieval, sink=4, window=64)" in page
+    assert "headkv_f028: generate kv headkv(scores=from retrieval, budget=(fraction=0.28))" in page
