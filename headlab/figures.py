@@ -55,7 +55,6 @@ FIGURE_CLASS = "headlab-figure"
 _MIB = float(2 ** 20)
 _FONT = "-apple-system,Segoe UI,Helvetica,Arial,sans-serif"
 _CONFIG = {
-    "font": _FONT,
     "axis": {"labelFontSize": 11, "titleFontSize": 12, "labelOverlap": "greedy", "labelLimit": 160,
              "titlePadding": 6},
     "title": {"fontSize": 13, "anchor": "start"},
@@ -89,9 +88,8 @@ def _plain(v: Any) -> Any:
 
 
 def _configure(chart: Chart) -> Chart:
-    return chart.configure(**{k: v for k, v in _CONFIG.items() if k not in ("axis", "title", "legend", "view")}) \
-        .configure_axis(**_CONFIG["axis"]).configure_title(**_CONFIG["title"]) \
-        .configure_legend(**_CONFIG["legend"]).configure_view(**_CONFIG["view"])
+    return (chart.configure(font=_FONT).configure_axis(**_CONFIG["axis"]).configure_title(**_CONFIG["title"])
+            .configure_legend(**_CONFIG["legend"]).configure_view(**_CONFIG["view"]))
 
 
 def _sized(chart: Chart, width: int, height: int, title: str | Sequence[str]) -> Chart:
@@ -180,7 +178,7 @@ def line_chart(xs: Sequence[Any], series: Mapping[str, Sequence[float]], *, x_ti
                title: str | Sequence[str] = "", intervals: Mapping[str, Sequence[tuple[float, float]]] | None = None,
                y_zero: bool = False, series_title: str = "series", width: int = 380, height: int = 220) -> Chart:
     """One line with point markers per series against ``xs``; numeric ``xs`` on a linear axis, others as
-    categories in the given order. ``intervals`` (per series, one ``(low, high)`` per x) draws a band.
+    categories in the given order; up to 12 numeric xs are the ticks themselves. ``intervals`` (per series, one ``(low, high)`` per x) draws a band.
     ``y_zero`` starts the y axis at 0 (for ratios). Points with a NaN value are left out."""
     numeric = all(isinstance(v, (int, float, np.number)) and not isinstance(v, bool) for v in xs)
     rows = []
@@ -193,7 +191,10 @@ def line_chart(xs: Sequence[Any], series: Mapping[str, Sequence[float]], *, x_ti
             if bands is not None:
                 row["low"], row["high"] = _finite(bands[k][0]), _finite(bands[k][1])
             rows.append(row)
-    x_enc = alt.X("x:Q", title=x_title, scale=alt.Scale(zero=False)) if numeric else \
+    whole = numeric and all(float(v).is_integer() for v in xs)
+    ticks = alt.Axis(values=[_plain(v) for v in xs], format="d" if whole else ".4~g") if len(set(xs)) <= 12 \
+        else alt.Axis(format="~g")
+    x_enc = alt.X("x:Q", title=x_title, scale=alt.Scale(zero=False), axis=ticks) if numeric else \
         alt.X("x:O", title=x_title, sort=[str(_plain(v)) for v in xs], axis=alt.Axis(labelAngle=0))
     y_enc = alt.Y("y:Q", title=y_title, scale=alt.Scale(zero=y_zero))
     color = alt.Color(f"{series_title}:N", title=series_title, sort=list(series))
@@ -242,9 +243,41 @@ def scatter(points: Sequence[Mapping[str, Any]], *, x: str, y: str, x_title: str
     if connect and series:
         layers.append(base.mark_line(opacity=0.6).encode(order="_x:Q", detail=f"{series}:N"))
     layers.append(base.mark_point(filled=True, size=60).encode(tooltip=tip))
-    layers.append(base.mark_text(align="left", dx=6, dy=-6, fontSize=10).encode(text=f"{label}:N",
-                                                                               color=alt.value("#333333")))
+    _place_labels(rows, label, width, height, x_domain, y_domain, x_zero, y_zero)
+    for dy in sorted({r["_dy"] for r in rows}):  # one text layer per line a label moved by
+        layers.append(base.mark_text(align="left", dx=6, dy=-6 + dy, fontSize=10)
+                      .encode(text=f"{label}:N", color=alt.value("#333333")).transform_filter(f"datum._dy == {dy}"))
     return _sized(alt.layer(*layers), width, height, title)
+
+
+def _place_labels(rows: list[dict[str, Any]], label: str, width: int, height: int,
+                  x_domain: tuple[float, float] | None, y_domain: tuple[float, float] | None,
+                  x_zero: bool, y_zero: bool, char: float = 5.5, line: float = 11.0) -> None:
+    """Set each row's ``_dy`` (pixels) so that point labels do not cover each other: a label that would
+    overlap one placed before it moves up a line, else down, a few lines at most (greedy, in point order)."""
+    def span(values: list[float], fixed: tuple[float, float] | None, zero: bool) -> tuple[float, float]:
+        if fixed is not None:
+            return float(fixed[0]), float(fixed[1])
+        lo, hi = min(values + ([0.0] if zero else [])), max(values + ([0.0] if zero else []))
+        return (lo, hi) if hi > lo else (lo - 0.5, hi + 0.5)
+
+    if not rows:
+        return
+    (x0, x1), (y0, y1) = span([r["_x"] for r in rows], x_domain, x_zero), span([r["_y"] for r in rows], y_domain,
+                                                                              y_zero)
+    placed: list[tuple[float, float, float, float]] = []
+    for r in rows:
+        px, py = (r["_x"] - x0) / (x1 - x0) * width, (1 - (r["_y"] - y0) / (y1 - y0)) * height
+        w = char * len(str(r.get(label, "")))
+        for dy in (0.0, -line, line, -2 * line, 2 * line, -3 * line, 3 * line):
+            box = (px + 6, py - 6 + dy - line / 2, px + 6 + w, py - 6 + dy + line / 2)
+            if not any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3] for b in placed):
+                break
+        else:
+            dy = 0.0
+            box = (px + 6, py - 6 - line / 2, px + 6 + w, py - 6 + line / 2)
+        r["_dy"] = dy
+        placed.append(box)
 
 
 def bar_chart(rows: Sequence[Mapping[str, Any]], *, category: str, value: str, value_title: str,
@@ -256,7 +289,7 @@ def bar_chart(rows: Sequence[Mapping[str, Any]], *, category: str, value: str, v
     ``row[high]`` as an error bar; ``row[note]`` (``n=96``) written past the end of the bar or interval.
 
     ``group`` colours bars by that field (steps sharing a task); ``marked`` names a boolean field whose true
-    rows (controls) are drawn hatched-light with ``(control)`` in the tooltip. Signed values get bars either
+    rows (controls) are drawn light with a dashed outline, and named in the tooltip. Signed values get bars either
     side of a zero rule."""
     data = []
     for r in rows:
@@ -363,7 +396,9 @@ def page_script() -> str:
 def to_html_fragment(chart: Chart, *, name: str = "") -> str:
     """A ``<div class="headlab-figure">`` holding ``chart``'s specification, drawn by the page's
     :func:`page_script`; ``name`` becomes its ``data-figure`` attribute (what the figure shows)."""
-    spec = json.dumps(figure_spec(chart, validate=False), separators=(",", ":")).replace("</", "<\\/")
+    # <, > and & as JSON escapes: no text of the data (labels, prompts) can end the script element or be markup
+    spec = json.dumps(figure_spec(chart, validate=False), separators=(",", ":"))
+    spec = spec.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
     return (f'<div class="{FIGURE_CLASS}" data-figure="{html.escape(name)}"><div class="chart"></div>'
             f'<script type="application/json">{spec}</script></div>')
 

@@ -570,18 +570,18 @@ def _kv_section(run: Run) -> str:
 _COMPARED = ("generate", "score", "evaluate")
 
 
-def _compared_steps(run: Run) -> list[str]:
+def _compared_steps(run: Run, summary: Mapping[str, Any]) -> list[str]:
     return [step for step, ds in run.results.items() if str(ds.attrs.get("action", "")) in _COMPARED
-            and run.summary().get(step, {}).get("cells")]
+            and summary.get(step, {}).get("cells")]
 
 
 def _comparison_section(run: Run, n_examples: int) -> str:
     """One bar chart per metric with a bar per step (and sweep cell), its 95% interval and n, steps grouped by
     task and controls marked; then each task's outputs side by side (empty with fewer than two such steps)."""
-    steps = _compared_steps(run)
+    summary = run.summary()
+    steps = _compared_steps(run, summary)
     if len(steps) < 2:
         return ""
-    summary = run.summary()
     metrics: dict[str, list[dict[str, Any]]] = {}
     for step in steps:
         ds = run.results[step]

@@ -15,6 +15,7 @@ import pytest
 import xarray as xr
 
 import headlab
+from headlab import figures
 from headlab.circuit_view import (
     Edge,
     circuit_edges,
@@ -29,6 +30,7 @@ from headlab.circuit_view import (
 from headlab.report import render_report
 from headlab.svg import SIGN_COLORS, bar_chart_svg, color, grid_svg
 
+from fixtures.figures import embedded, rows
 from fixtures.specs import spec_text
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -280,10 +282,12 @@ def section(html: str, step: str) -> str:
 def test_report_patching_section_map_per_token_grid_and_metrics(constructed_report):
     _, html = constructed_report
     part = section(html, "patching")
-    cells = {(int(a["data-layer"]), int(a["data-head"])): a for a in tags(part, "rect", "data-layer")}
-    assert len(cells) == 6
-    assert cells[(1, 2)]["data-value"] == "-0.8" and cells[(1, 2)]["fill"] == color(-0.8, -0.8, 0.6)
-    assert cells[(0, 1)]["data-value"] == "0.6" and cells[(0, 1)]["fill"] == color(0.6, -0.8, 0.6)
+    (name, spec), = [(n, f) for n, f in embedded(part) if n == "patching: score"]
+    cells = {(r["layer"], r["head"]): r["score"] for r in rows(spec)}
+    assert len(cells) == 6 and cells[(1, 2)] == -0.8 and cells[(0, 1)] == 0.6
+    scale = next(layer["encoding"]["color"]["scale"] for layer in spec["layer"]
+                 if "scale" in layer.get("encoding", {}).get("color", {}))
+    assert scale["scheme"] == figures.DIVERGING_SCHEME and scale["domain"] == [-0.8, 0.8]  # signed: centred at 0
     grid = {(a["data-row"], a["data-col"]): float(a["data-value"]) for a in tags(part, "rect", "data-row")}
     # the strongest heads by magnitude, every token
     assert [grid[("L1H2", str(t))] for t in range(4)] == [0.0, 0.3, 0.1, -0.8]
@@ -291,8 +295,8 @@ def test_report_patching_section_map_per_token_grid_and_metrics(constructed_repo
     assert '<td>clean (mean over examples)</td><td class="num">3</td>' in part
     assert '<td>corrupt (mean over examples)</td><td class="num">-2</td>' in part
     kv = section(html, "kv")
-    cells = {(int(a["data-layer"]), int(a["data-head"])): a["data-value"] for a in tags(kv, "rect", "data-layer")}
-    assert cells == {(0, 0): "0.25", (0, 1): "-0.5", (1, 0): "1", (1, 1): "0"}
+    cells = {(r["layer"], r["head"]): r["score"] for r in rows(embedded(kv)[0][1])}
+    assert cells == {(0, 0): 0.25, (0, 1): -0.5, (1, 0): 1.0, (1, 1): 0.0}
     assert "score per key/value head" in kv
 
 
@@ -302,8 +306,7 @@ def test_report_dla_section_bars(constructed_report):
     bars = {a["data-label"]: float(a["data-value"]) for a in tags(part, "rect", "data-label")}
     assert bars == dict(dla_terms(dla_dataset()))
     assert bars["rest"] == 1.5 and bars["logit diff"] == 3.875
-    cells = {(int(a["data-layer"]), int(a["data-head"])): float(a["data-value"])
-             for a in tags(part, "rect", "data-layer")}
+    cells = {(r["layer"], r["head"]): r["score"] for r in rows(embedded(part)[0][1])}
     assert cells == {(0, 0): 0.5, (0, 1): -0.25, (1, 0): 2.0, (1, 1): 0.125}
 
 
@@ -322,8 +325,14 @@ def test_report_edges_section_graph_table_and_faithfulness(constructed_report):
 def test_report_escapes_labels_and_attrs(constructed_report):
     _, html = constructed_report
     doc = parse(html)
-    assert not [t for t, _ in doc.tags if t in ("img", "script")]
-    assert HOSTILE not in html and "onerror=" not in html.replace("onerror=&quot;", "")
+    assert not [t for t, _ in doc.tags if t == "img"]
+    assert {a.get("type") for t, a in doc.tags if t == "script"} <= {"module", "application/json"}
+    assert HOSTILE not in html
+    # outside the scripts (the charts' inlined JavaScript, their JSON specs with <, > and & escaped)
+    markup = re.sub(r"<script\b.*?</script>", "", html, flags=re.S)
+    assert "onerror=" not in markup.replace("onerror=&quot;", "")
+    assert all("<" not in spec and ">" not in spec
+               for spec in re.findall(r'<script type="application/json">(.*?)</script>', html, flags=re.S))
     assert not any("onerror" in a for _, attrs in doc.tags for a in attrs)
     assert html.count("&lt;img src=x onerror=&quot;alert(1)&quot;&gt;") >= 3  # node, edge title, table, attrs
 
@@ -337,8 +346,7 @@ def test_report_of_a_real_pair_task_run_carries_its_numbers(tmp_path):
     run = headlab.run(spec, out=tmp_path)
     html = render_report(run)
     pos, dla = run.results["pos"], run.results["dla"]
-    cells = {(int(a["data-layer"]), int(a["data-head"])): float(a["data-value"])
-             for a in tags(section(html, "pos"), "rect", "data-layer")}
+    cells = {(r["layer"], r["head"]): r["score"] for r in rows(embedded(section(html, "pos"))[0][1])}
     expected = head_map(pos["score"])
     for (layer, head), v in cells.items():
         assert v == pytest.approx(float(expected.sel(layer=layer, head=head)), rel=1e-3, abs=1e-6)

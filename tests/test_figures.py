@@ -80,6 +80,16 @@ def test_scatter_draws_bytes_in_mib_labels_each_point_and_leaves_out_non_finite(
     assert spec["layer"][-1]["mark"]["type"] == "text" and spec["layer"][-1]["encoding"]["text"]["field"] == "label"
 
 
+def test_scatter_moves_a_label_that_would_cover_another():
+    points = [{"x": 0.5, "y": 0.5, "label": "first"}, {"x": 0.5, "y": 0.5, "label": "second"},
+              {"x": 0.0, "y": 0.0, "label": "alone"}]
+    chart = figures.scatter(points, x="x", y="y", x_title="x", y_title="y", x_domain=(0, 1), y_domain=(0, 1))
+    offsets = {r["label"]: r["_dy"] for r in layer_data(chart)[0]}
+    assert offsets["first"] == offsets["alone"] == 0 and offsets["second"] != 0
+    texts = [layer for layer in figures.figure_spec(chart)["layer"] if layer["mark"]["type"] == "text"]
+    assert sorted(layer["mark"]["dy"] for layer in texts) == sorted({-6 + v for v in offsets.values()})
+
+
 def test_bar_chart_keeps_order_intervals_and_notes():
     rows = [{"step": "greedy", "mean": 0.659, "low": 0.56, "high": 0.74, "n": "n=91", "control": False},
             {"step": "decore_random", "mean": 0.444, "low": 0.35, "high": 0.55, "n": "n=90", "control": True}]

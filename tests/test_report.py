@@ -132,6 +132,14 @@ def test_report_of_run_without_sweep(tmp_path):
     folder = write_report(run, tmp_path / "figs", format="svg")
     (svg,) = folder.iterdir()
     assert svg.name == "01-ind-score.svg" and svg.read_text().startswith("<svg")
+    from typer.testing import CliRunner
+
+    from headlab.cli import app
+
+    res = CliRunner().invoke(app, ["report", str(run.path), "--format", "png", "-o", str(tmp_path / "pngs")])
+    assert res.exit_code == 0, res.output
+    (png,) = (tmp_path / "pngs").iterdir()
+    assert png.name == "01-ind-score.png" and png.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_values_section_lists_small_numeric_results():

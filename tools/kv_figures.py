@@ -6,7 +6,8 @@ kept KV").
 Runs ``specs/kv_compression.yaml`` (or reads a stored run of it, ``--run``; ``--lengths`` / ``--depths``
 replace the spec's needle grid, for a smaller run), writes ``kv_recall_vs_kept.svg`` (needle recall against
 the kept fraction of the full KV bytes, one point per step: the report's figure) and
-``kv_recall_by_length.svg`` (recall per context length of chosen steps) into ``--out``, with the code of
+``kv_recall_by_length.svg`` (recall per context length of chosen steps) and ``kv_needle_<step>.svg`` (recall
+per context length and needle depth of a few steps) into ``--out``, with the code of
 ``headlab report`` (:mod:`headlab.kv_view`, :mod:`headlab.figures`), and prints the table docs/kv.md quotes: per step its policy, kept fraction, KV bytes and recall, overall and per length.
 """
 
@@ -20,12 +21,14 @@ import numpy as np
 
 import headlab
 from headlab import figures
-from headlab.kv_view import kv_points, kv_tradeoff_chart, needle_by_length_chart
+from headlab.kv_view import kv_points, kv_tradeoff_chart, needle_by_length_chart, needle_heatmap_chart
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = ROOT / "specs" / "kv_compression.yaml"
 #: the steps drawn per context length
 BY_LENGTH = ("full", "streaming_top4_w128", "razor_top4_w128", "headkv_f028", "streaming_top2_w128", "random_top4_w128")
+#: the steps drawn as needle heatmaps (context length x depth)
+HEATMAPS = ("full", "streaming_top4_w128", "random_top4_w128")
 
 
 def run_spec(lengths: list[int] | None, depths: int | None, out: Path) -> headlab.Run:
@@ -63,6 +66,9 @@ def main() -> None:
     lengths = sorted({int(n) for n in first["context_length"].values})
     figures.save(needle_by_length_chart(run, [s for s in BY_LENGTH if s in run.results], "needle_recall"),
                  args.out / "kv_recall_by_length.svg")
+    for step in HEATMAPS:
+        if step in run.results:
+            figures.save(needle_heatmap_chart(run, step, "needle_recall"), args.out / f"kv_needle_{step}.svg")
     n = first.sizes["example"]
     print(f"run {run.path} ({n} prompts per step, lengths {lengths})")
     print("| step | policy | kept fraction | KV bytes | recall | " + " | ".join(str(x) for x in lengths) + " |")
