@@ -78,7 +78,7 @@ def _configure(chart: Any, width: int, height: int, title: str | list[str]) -> A
         .configure_view(stroke="#bbbbbb")
 
 
-def ranked_accuracy_chart(ds: xr.Dataset, *, title: str | None = None, cell: int = 16) -> figures.Chart:
+def ranked_accuracy_chart(ds: xr.Dataset, *, title: str | None = None, cell: int = 20) -> figures.Chart:
     """The accuracy map of ``ds`` (:func:`has_chance`) with each layer's heads sorted by accuracy: layer down,
     the rank within the layer across, and the colour diverging from ``ds.attrs['chance']`` (white) to the
     best and worst accuracies. Each cell's tooltip gives the layer, the rank, the head and its accuracy (and
@@ -112,9 +112,11 @@ def ranked_accuracy_chart(ds: xr.Dataset, *, title: str | None = None, cell: int
         x=alt.X("rank:O", title="heads of the layer, sorted by accuracy (rank)", axis=alt.Axis(labelAngle=0)),
         y=alt.Y("layer:O", title="layer", sort=[int(v) for v in table["layer"].values]), tooltip=tips)
     grey = base.mark_rect().encode(color=alt.value(figures.NAN_COLOR)).transform_filter("!isValid(datum.accuracy)")
+    ticks = sorted({round(chance - spread, 4), round(chance, 4), round(chance + spread, 4)})
     cells = base.mark_rect().encode(color=alt.Color(
-        "accuracy:Q", title=["accuracy", f"(white: chance {chance:.3g})"], scale=scale,
-        legend=alt.Legend(gradientLength=max(60, min(200, cell * n_layers))))).transform_filter(
+        "accuracy:Q", title="accuracy", scale=scale,
+        legend=alt.Legend(values=ticks, format=".3g", gradientLength=max(80, min(200, cell * n_layers))))
+    ).transform_filter(
         "isValid(datum.accuracy)")
     title = title or f"held-out accuracy per head, sorted within each layer (chance {chance:.3g})"
     return _configure(alt.layer(grey, cells), max(60, cell * n_ranks), max(40, cell * n_layers), title)
@@ -134,8 +136,11 @@ def _metric_name(ds: xr.Dataset) -> str:
     measure = config.get("measure")
     for action in (measure.values() if isinstance(measure, dict) else []):
         metrics = action.get("metrics") if isinstance(action, dict) else None
-        if isinstance(metrics, list) and metrics and isinstance(metrics[0], str):
-            return metrics[0]
+        first = metrics[0] if isinstance(metrics, list) and metrics else None
+        if isinstance(first, dict):
+            first = first.get("kind")
+        if isinstance(first, str):
+            return first
     return "metric"
 
 
@@ -143,7 +148,8 @@ def masking_curve_chart(ds: xr.Dataset, *, title: str | None = None, metric_name
                         ) -> figures.Chart:
     """The masking curve of ``ds`` (:func:`is_masking_curve`) and its controls on one chart: x the fraction of
     heads masked (0 is the unmasked ``base``), y the metric from 0; the ranking, its reverse and the mean of the
-    random rankings as lines, the random mean plus and minus ``random_std`` as a band. Any dim besides
+    random rankings as lines, the random mean plus and minus ``random_std`` as a band (cut at 0 when no stored
+    value is negative). Any dim besides
     ``fraction`` (sweep cells) is averaged over."""
     if not is_masking_curve(ds):
         raise ValueError(f"masking_curve_chart needs {', '.join(CURVE_VARIABLES)} over fraction")
@@ -157,12 +163,18 @@ def masking_curve_chart(ds: xr.Dataset, *, title: str | None = None, metric_name
     base_value = float(base.mean()) if base.ndim else float(base)
     fractions = [0.0, *[float(f) for f in ds["fraction"].values]]
     mean, std = curve("random_mean"), curve("random_std")
-    n_random = ds.sizes.get("draw")
-    random_name = f"random ranking (mean of {n_random}, ±1 std)" if n_random else "random ranking (mean, ±1 std)"
-    series = {"least important first": [base_value, *curve("metric")],
-              "most important first (reverse)": [base_value, *curve("reverse")],
-              random_name: [base_value, *mean]}
+    ranked, reverse = curve("metric"), curve("reverse")
     band = [(base_value, base_value), *[(m - s, m + s) for m, s in zip(mean, std, strict=True)]]
+    non_negative = all(v >= 0 for v in (base_value, *ranked, *reverse, *mean) if math.isfinite(v))
+    cut = non_negative and any(lo < 0 for lo, _ in band)
+    if cut:  # a metric that is never negative: the band stops at 0
+        band = [(max(lo, 0.0), hi) for lo, hi in band]
+    n_random = ds.sizes.get("draw")
+    random_name = (f"random ranking (mean of {n_random}" if n_random else "random ranking (mean") + \
+        (", ±1 std cut at 0)" if cut else ", ±1 std)")
+    series = {"least important first": [base_value, *ranked],
+              "most important first (reverse)": [base_value, *reverse],
+              random_name: [base_value, *mean]}
     name = metric_name or _metric_name(ds)
     return figures.line_chart(fractions, series, x_title="fraction of heads masked", y_title=name,
                               title=title or f"{name} as heads are masked (fraction 0: unmasked)",

@@ -79,6 +79,9 @@ def test_masking_curve_chart_draws_the_three_curves_from_the_unmasked_metric_wit
     band = [(r["low"], r["high"]) for r in data if "low" in r]
     spread = random.std(0, ddof=1)
     np.testing.assert_allclose(band, [(0.9, 0.9), *zip(random.mean(0) - spread, random.mean(0) + spread, strict=True)])
+    wide = rows(masking_curve_chart(ds.assign(random_std=ds["random_std"] * 10)).to_dict())
+    assert [r["low"] for r in wide if "low" in r] == pytest.approx([0.9, 0.0, 0.0, 0.0])  # never-negative metric
+    assert {r["order"] for r in wide} >= {"random ranking (mean of 2, ±1 std cut at 0)"}
     line = next(layer for layer in spec["layer"] if layer["mark"]["type"] == "line")
     assert line["encoding"]["y"]["scale"]["zero"] is True and line["encoding"]["y"]["title"] == "needle_recall"
 
