@@ -33,7 +33,7 @@ import xarray as xr
 
 __all__ = [
     "FIGURE_CLASS", "NAN_COLOR", "SEQUENTIAL_SCHEME", "DIVERGING_SCHEME", "Chart", "ScaleKind", "bar_chart",
-    "color_scale_kind", "figure_spec", "heatmap", "line_chart", "mib", "page_script", "save", "scatter",
+    "color_scale_kind", "combine", "figure_spec", "heatmap", "line_chart", "mib", "page_script", "save", "scatter",
     "standalone_html", "to_html_fragment", "to_svg",
 ]
 
@@ -339,6 +339,18 @@ def bar_chart(rows: Sequence[Mapping[str, Any]], *, category: str, value: str, v
     if signed:
         layers.append(alt.Chart(alt.Data(values=[{"zero": 0}])).mark_rule(color="#555555").encode(x="zero:Q"))
     return _sized(alt.layer(*layers), width, max(bar * len(data), 40), title)
+
+
+def combine(charts: Sequence[Chart], *, direction: Literal["horizontal", "vertical"] = "horizontal") -> Chart:
+    """Several figures of this module side by side (or one above the other) as one figure, each keeping its own
+    scales (a DLA panel beside the heads' map, say)."""
+    parts = []
+    for chart in charts:
+        part = chart.copy(deep=True)
+        part.config = alt.Undefined  # the style is set once, on the whole
+        parts.append(part)
+    whole = alt.hconcat(*parts) if direction == "horizontal" else alt.vconcat(*parts)
+    return _configure(whole.resolve_scale(color="independent", x="independent", y="independent"))
 
 
 def figure_spec(chart: Chart, *, validate: bool = True) -> dict[str, Any]:

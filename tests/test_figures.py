@@ -113,6 +113,16 @@ def test_line_chart_orders_categories_and_keeps_intervals():
     assert spec["layer"][1]["encoding"]["y"]["scale"]["zero"] is True
 
 
+def test_combine_puts_figures_side_by_side_with_their_own_scales(tmp_path):
+    signed = figures.heatmap(np.array([[0.5, -1.0]]), title="signed")
+    bars = figures.bar_chart([{"c": "a", "v": 2.0}], category="c", value="v", value_title="v")
+    spec = figures.figure_spec(figures.combine([signed, bars]))
+    assert [part.get("title", {}).get("text") for part in spec["hconcat"]] == ["signed", None]
+    assert spec["resolve"]["scale"]["color"] == "independent" and "config" in spec
+    assert all("config" not in part for part in spec["hconcat"])
+    assert figures.save(figures.combine([signed, bars], direction="vertical"), tmp_path / "c.svg").read_text()
+
+
 def test_save_writes_svg_png_and_an_offline_html_page(tmp_path):
     chart = figures.scatter([{"x": 2 ** 21, "y": 0.5, "label": "gen"}], x="x", y="y", x_title="KV bytes held",
                             y_title="recall", x_bytes=True)
