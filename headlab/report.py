@@ -275,11 +275,12 @@ def _sweep_plots_per_value(dims: list[str], cells: list[dict[str, Any]],
     x, other = (dims[0], dims[1]) if len(values[dims[0]]) > len(values[dims[1]]) else (dims[1], dims[0])
     plots = []
     for name, da in arrays.items():
-        series = {f"{other}={_plain(o)}": [float(da.sel({x: xv, other: o}).mean()) for xv in values[x]]
+        series = {str(_plain(o)): [float(da.sel({x: xv, other: o}).mean()) for xv in values[x]]
                   for o in values[other]}
         title = f"{name} vs {x}, a line per {other}"
+        legend = other.replace(".", "\u2024")  # a "." in a Vega-Lite field name reads as a nested field
         plots.append(_figure(figures.line_chart([_plain(v) for v in values[x]], series, x_title=x, y_title=name,
-                                                title=title, series_title=other), title))
+                                                title=title, series_title=legend), title))
     return plots
 
 
