@@ -13,6 +13,11 @@ KV-cache trade-off of the steps with a ``kv`` policy (:mod:`headlab.kv_view`: ea
 fraction and the KV bytes, one point per step and sweep cell, with a table of the bytes), and,
 for steps on examples with images that stored a preview
 (:func:`headlab.image_attention.attention_preview`), the first image with the top heads' attention over its patches.
+Two figures follow the data a step stores (:mod:`headlab.head_figures`): a detect step whose scores are
+accuracies with a ``chance`` attribute also gets each layer's heads sorted by accuracy, the colour centred at
+chance; a step storing a masking curve (``metric``, ``reverse``, ``random_mean``, ``random_std`` over
+``fraction``) gets the three curves on one chart. A sweep over two numeric keys also plots each metric against
+one key with a line per value of the other.
 A run with two or more generate, score or evaluate steps gets a comparison across steps: one bar chart per
 metric with each step's mean, 95% interval and n (:mod:`headlab.summary`), steps grouped by task and controls
 (random heads, random direction, random KV heads) marked, and the outputs side by side, a column per step.
@@ -60,6 +65,7 @@ from .circuit_view import (
 )
 from .context import IMAGE_MARKER
 from .describe import StepDescription, describe_steps
+from .head_figures import has_chance, is_masking_curve, masking_curve_chart, ranked_accuracy_chart
 from .image_attention import PREVIEW_ATTENTION, image_attention_svg, preview_of
 from .kv_view import (
     kv_metrics,
@@ -187,6 +193,7 @@ def _detect_section(run: Run, step: str, ds: xr.Dataset) -> str:
                                              f"{step}: score"))
     out.append(_table(["rank", "layer", "head", "score"],
                       [[i, h[0], h[1], s] for i, (h, s) in enumerate(top, 1)], "top") + "</div>")
+    out.append(_ranked_accuracy(step, ds, dims))
     cells = _cells(run, score)
     if dims and len(cells) > 1:
         values = score.values.astype(float)
@@ -202,9 +209,10 @@ def _detect_section(run: Run, step: str, ds: xr.Dataset) -> str:
 
 
 def _sweep_plots(run: Run, dims: list[str], cells: list[dict[str, Any]],
-                 arrays: Mapping[str, xr.DataArray], ylabel: str) -> str:
+                 arrays: Mapping[str, xr.DataArray], ylabel: str, *, per_value: bool = False) -> str:
     """One line plot per sweep key: x = that key's values, one series per array (averaged over the
-    other sweep keys)."""
+    other sweep keys); with ``per_value``, for two numeric sweep keys also one plot per array with a line per
+    value of the other key (:func:`_sweep_plots_per_value`)."""
     plots = []
     for key in dims:
         keys = list(dict.fromkeys(c[key] for c in cells))
@@ -220,7 +228,34 @@ def _sweep_plots(run: Run, dims: list[str], cells: list[dict[str, Any]],
         title = f"{ylabel} vs {key}" + (f" (mean over {', '.join(others)})" if others else "")
         plots.append(_figure(figures.line_chart([_plain(x) for x in keys], series, x_title=key, y_title=ylabel,
                                                 title=title, series_title="series"), title))
+    if per_value:
+        plots += _sweep_plots_per_value(dims, cells, arrays)
     return '<div class="row">' + "".join(plots) + "</div>"
+
+
+def _numeric(values: Sequence[Any]) -> bool:
+    return all(isinstance(_plain(v), (int, float)) and not isinstance(_plain(v), bool) for v in values)
+
+
+def _sweep_plots_per_value(dims: list[str], cells: list[dict[str, Any]],
+                           arrays: Mapping[str, xr.DataArray]) -> list[str]:
+    """For a sweep over two numeric keys: per array, the array (mean over its other dims) against the key with
+    more values (the later key on a tie), one line per value of the other key."""
+    if len(dims) != 2:
+        return []
+    values = {d: list(dict.fromkeys(c[d] for c in cells)) for d in dims}
+    if not all(_numeric(v) for v in values.values()):
+        return []
+    x, other = (dims[0], dims[1]) if len(values[dims[0]]) > len(values[dims[1]]) else (dims[1], dims[0])
+    plots = []
+    for name, da in arrays.items():
+        series = {str(_plain(o)): [float(da.sel({x: xv, other: o}).mean()) for xv in values[x]]
+                  for o in values[other]}
+        title = f"{name} vs {x}, a line per {other}"
+        legend = other.replace(".", "\u2024")  # a "." in a Vega-Lite field name reads as a nested field
+        plots.append(_figure(figures.line_chart([_plain(v) for v in values[x]], series, x_title=x, y_title=name,
+                                                title=title, series_title=legend), title))
+    return plots
 
 
 def _generate_section(run: Run, step: str, ds: xr.Dataset, n_examples: int) -> str:
@@ -240,7 +275,7 @@ def _generate_section(run: Run, step: str, ds: xr.Dataset, n_examples: int) -> s
                    + _table(["cell", "metric", "mean", "95% interval", "n", "dropped"], rows, "metrics"))
         if dims and len(cells) > 1:
             means = {m: ds[m].mean("example") if "example" in ds[m].dims else ds[m] for m in metrics}
-            out.append(_sweep_plots(run, dims, cells, means, "metric"))
+            out.append(_sweep_plots(run, dims, cells, means, "metric", per_value=True))
     prompts = ds["prompt"]
     head = ["example", "prompt", "target"] + [_label(c) for c in cells]
     rows = []
@@ -318,6 +353,27 @@ def _values_section(step: str, ds: xr.Dataset) -> str:
     out.append(_table(["variable", "at", "value"], rows, "values") if rows else "<p>(no small numeric results)</p>")
     out.append("</section>")
     return "".join(out)
+
+
+def _ranked_accuracy(step: str, ds: xr.Dataset, dims: list[str]) -> str:
+    """A map of accuracies with a chance level (:func:`headlab.head_figures.has_chance`): each layer's heads
+    sorted by accuracy, the colour centred at chance (empty for other scores)."""
+    if not has_chance(ds):
+        return ""
+    title = "accuracy per head, each layer sorted" + (" (mean over sweep cells)" if dims else "") + \
+        f"; white: chance {float(ds.attrs['chance']):.3g}"
+    return ('<h3>heads sorted by accuracy within each layer</h3><div class="row">'
+            + _figure(ranked_accuracy_chart(ds, title=title), f"{step}: accuracy sorted per layer") + "</div>")
+
+
+def _curve_section(run: Run, step: str, ds: xr.Dataset) -> str:
+    """A masking curve with its controls (:func:`headlab.head_figures.is_masking_curve`): the three curves on
+    one chart, then the values."""
+    chart = masking_curve_chart(ds)
+    section = _values_section(step, ds)
+    head_end = section.index("</h2>") + len("</h2>")
+    return (section[:head_end] + '<div class="row">' + _figure(chart, f"{step}: masking curve") + "</div>"
+            + section[head_end:])
 
 
 def _mean_over_sweep(run: Run, da: xr.DataArray) -> xr.DataArray:
@@ -671,6 +727,8 @@ def render_report(run: Run | str | Path, *, n_examples: int = 8) -> str:
             section = _generate_section(run, step, ds, n_examples)
         elif "task" in ds.dims and any(m in ds and "task" in ds[m].dims for m in ds.attrs.get("metrics", [])):
             section = _task_section(run, step, ds, n_examples)
+        elif is_masking_curve(ds):
+            section = _curve_section(run, step, ds)
         else:
             section = _values_section(step, ds)
         figure = _image_figure(run, ds) + _attention_figure(run, step, ds, drawn)

@@ -65,15 +65,17 @@ def run_spec(name: str, workdir: Path, timeout: float = 1200) -> headlab.Run:
     return run
 
 
-def report_in_browser(name: str, workdir: Path) -> None:
+def report_in_browser(name: str, workdir: Path, expected: list[str] | None = None) -> None:
     """The report ``run_spec`` wrote, rendered in headless chromium: no console errors, the expected figures
-    drawn, axes titled, tick labels inside (tests/test_report_browser.py does the same on small runs)."""
+    (``expected``, else the spec's entry in REPORT_FIGURES) drawn, axes titled, tick labels inside
+    (tests/test_report_browser.py does the same on small runs)."""
     from fixtures.figures import CHROMIUM, assert_renders
     from fixtures.report_runs import REPORT_FIGURES
 
     if not Path(CHROMIUM).is_file():
         pytest.skip(f"{CHROMIUM} is missing (.ci/setup-test installs it)")
-    assert_renders(workdir / f"{name}.html", REPORT_FIGURES[name], workdir / f"{name}-chromium-profile")
+    assert_renders(workdir / f"{name}.html", REPORT_FIGURES[name] if expected is None else expected,
+                   workdir / f"{name}-chromium-profile")
 
 
 def readme_number(pattern: str) -> float:
@@ -168,6 +170,7 @@ def test_head_importance_as_typed(workdir):
         got = [ds["metric"], ds["base"], ds["random_mean"], ds["reverse"]]
         assert [round(float(v), 2) for v in got] == [float(q) for q in quoted], step
     assert run.results["imp"].attrs["abs"] == "per_example" and "kl" not in run.results["ships"]
+    report_in_browser("head_importance", workdir, ["curve: masking curve", "curve_ships: masking curve"])
 
 
 # --------------------------------------------------------------------------- slow
@@ -281,6 +284,7 @@ def test_probes_as_typed(workdir):
         assert round(float(res[step]["accuracy"]), 2) == float(re.search(r"accuracy ([0-9.]+)", row).group(1))
     assert res["sav_top"].attrs["n_heads"] == 20 and res["sav_all"].attrs["n_heads"] == 32
     assert "0.655 held-out accuracy" in README and "0.58 on held-out contexts against 0.52" in README
+    report_in_browser("probes", workdir, ["pr: accuracy sorted per layer", "means: accuracy sorted per layer"])
 
 
 @pytest.mark.slow

@@ -22,7 +22,8 @@ import traitlets
 import xarray as xr
 
 from ..dims import head_array
-from ..figures import heatmap, to_svg
+from ..figures import Chart, heatmap, to_svg
+from ..head_figures import ranked_accuracy_chart
 from ..heads import Head, ranked, to_pasta_json
 from ..svg import NAN_COLOR, PALETTE
 
@@ -238,6 +239,8 @@ class HeadMap(anywidget.AnyWidget):
                          vmax=(hi if hi > lo else lo + 1.0) if vmax is None else float(vmax),
                          cell_size=cell_size)
         self.scores = da
+        chance = scores.attrs.get("chance") if isinstance(scores, (xr.Dataset, xr.DataArray)) else None
+        self.chance: float | None = float(chance) if isinstance(chance, (int, float, np.number)) else None
         self._callbacks: list[Callable[[list[Head]], None]] = []
         self.observe(self._on_selected, names="selected")
         self.select(selected)
@@ -343,6 +346,17 @@ class HeadMap(anywidget.AnyWidget):
         """The selected heads with their values, highest first."""
         vals = self.scores.values
         return sorted(((h, float(vals[h])) for h in self.heads), key=lambda t: (-t[1], t[0]))
+
+    def sorted_chart(self, chance: float | None = None) -> Chart:
+        """The values with each layer's heads sorted, highest first, and the colour centred at ``chance``
+        (default: the scores' ``attrs['chance']``, as a probe step stores it): the report's figure
+        (:func:`headlab.head_figures.ranked_accuracy_chart`), which JupyterLab shows. Each cell's tooltip gives
+        the real head index."""
+        level = self.chance if chance is None else float(chance)
+        if level is None:
+            raise ValueError("HeadMap.sorted_chart: these scores carry no attrs['chance']; pass chance=...")
+        ds = xr.Dataset({"score": self.scores}, attrs={"chance": level})
+        return ranked_accuracy_chart(ds, title=f"{self.title}, each layer sorted; white: chance {level:.3g}")
 
     def __repr__(self) -> str:
         return (f"HeadMap({self.title!r}, {self.n_layers} layers x {self.n_heads} heads, "
