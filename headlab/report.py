@@ -77,20 +77,10 @@ from .kv_view import (
     needle_steps,
 )
 from .results import Run, open_run
-from .svg import (
-    NAN_COLOR,
-    PALETTE,
-    SIGN_COLORS,
-    bar_chart_svg,
-    color,
-    colour_bar_svg,
-    grid_svg,
-    sign_color,
-    text_color,
-)
+from .svg import NAN_COLOR, PALETTE, color, colour_bar_svg
 
-__all__ = ["CSS", "NAN_COLOR", "PALETTE", "SIGN_COLORS", "ReportFigure", "bar_chart_svg", "color", "colour_bar_svg",
-           "grid_svg", "render_report", "report_figures", "sign_color", "text_color", "write_report"]
+__all__ = ["CSS", "NAN_COLOR", "PALETTE", "ReportFigure", "color", "colour_bar_svg", "render_report", "report_figures",
+           "write_report"]
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
-"""The circuit figures (headlab.circuit_view and the bar/grid SVG), in ``headlab report`` and in the widgets
-PatchingMap, DLABars and CircuitGraph: every check reads values, colours and labels back from the rendered
-SVG/HTML of a dataset built here, whose right rendering is known."""
+"""The circuit figures (headlab.circuit_view's numbers, headlab.circuit_figures' Vega-Lite charts), in
+``headlab report`` and in the widgets PatchingMap, DLABars and CircuitGraph: every check reads values, colours
+and labels back from the figures' specifications (or the report's HTML) of a dataset built here, whose right
+rendering is known."""
 
 from __future__ import annotations
 
@@ -23,21 +24,17 @@ from headlab.circuit_view import (
     atp_pairs,
     atp_vs_exact,
     circuit_edges,
-    circuit_graph_svg,
     circuit_kind,
     circuit_of,
-    dla_bars_svg,
     dla_panels,
     dla_terms,
     head_map,
     parse_node,
-    position_grid_svg,
     resid_map,
     token_labels,
     tokenizer_for,
 )
 from headlab.report import render_report
-from headlab.svg import SIGN_COLORS, bar_chart_svg, color, grid_svg
 
 from fixtures.specs import spec_text
 
@@ -64,10 +61,6 @@ def parse(html: str) -> Collect:
     c = Collect()
     c.feed(html)
     return c
-
-
-def tags(html: str, name: str, key: str) -> list[dict[str, str | None]]:
-    return [a for t, a in parse(html).tags if t == name and key in a]
 
 
 # --- datasets of each kind, built here -------------------------------------------------------------------
@@ -108,31 +101,6 @@ def edge_dataset(hostile: bool = False) -> xr.Dataset:
                       attrs={"method": "edge_attribution", "metric": "logit_diff"})
 
 
-# --- SVG primitives ---------------------------------------------------------------------------------------
-
-def test_bar_chart_bars_carry_values_signs_and_proportional_lengths():
-    svg = bar_chart_svg(["up", "down", "<b>x</b>", "none"], [0.5, -0.25, 1.0, float("nan")], title="t")
-    bars = {a["data-label"]: a for a in tags(svg, "rect", "data-label")}
-    assert set(bars) == {"up", "down", "<b>x</b>"}  # the label is escaped, parsed back to its text; NaN: no bar
-    assert "<b>" not in svg
-    assert [bars[k]["data-value"] for k in ("up", "down", "<b>x</b>")] == ["0.5", "-0.25", "1"]
-    assert bars["up"]["fill"] == SIGN_COLORS["positive"] and bars["down"]["fill"] == SIGN_COLORS["negative"]
-    width = {k: float(a["width"]) for k, a in bars.items()}
-    assert width["up"] == pytest.approx(2 * width["down"], abs=0.11)
-    assert width["<b>x</b>"] == pytest.approx(2 * width["up"], abs=0.11)
-    zero = float(bars["up"]["x"])  # positive bars start at zero, negative ones end there
-    assert float(bars["down"]["x"]) + width["down"] == pytest.approx(zero, abs=0.11)
-
-
-def test_grid_cells_carry_labels_values_and_colours():
-    values = np.array([[0.0, 1.0, np.nan], [0.5, 0.25, 2.0]])
-    svg = grid_svg(values, ["L0H1", "<r>"], ["a", "b", "c"], title="g")
-    cells = {(a["data-row"], a["data-col"]): a for a in tags(svg, "rect", "data-row")}
-    assert len(cells) == 6 and "<r>" not in svg.replace("&lt;r&gt;", "")
-    assert cells[("L0H1", "b")]["data-value"] == "1" and cells[("L0H1", "b")]["fill"] == color(1.0, 0.0, 2.0)
-    assert cells[("<r>", "a")]["fill"] == color(0.5, 0.0, 2.0) and cells[("L0H1", "c")]["data-value"] == "nan"
-
-
 # --- circuit_view ------------------------------------------------------------------------------------------
 
 def test_circuit_kind_by_variables_and_attrs():
@@ -158,17 +126,6 @@ def test_head_map_reduces_tokens_by_peak_sum_or_mean():
     assert head_map(kv).dims == ("layer", "kv_head")
 
 
-def test_position_grid_rows_are_the_heads_scores_per_token():
-    score = patching_by_token()["score"]
-    svg = position_grid_svg(score, [(1, 2), (0, 1)], tokens=["<bos>", "a", "b", ":"])
-    cells = {(a["data-row"], a["data-col"]): float(a["data-value"]) for a in tags(svg, "rect", "data-row")}
-    assert [cells[("L1H2", t)] for t in ("<bos>", "a", "b", ":")] == [0.0, 0.3, 0.1, -0.8]
-    assert [cells[("L0H1", t)] for t in ("<bos>", "a", "b", ":")] == [0.0, 0.1, 0.6, 0.2]
-    assert "<bos>" not in svg  # escaped
-    with pytest.raises(ValueError, match="3 token labels for 4 tokens"):
-        position_grid_svg(score, [(0, 0)], tokens=["a", "b", "c"])
-
-
 def test_dla_terms_heads_rest_and_total_sum():
     ds = dla_dataset()
     terms = dla_terms(ds)
@@ -177,8 +134,6 @@ def test_dla_terms_heads_rest_and_total_sum():
     assert sum(v for _, v in terms[:-1]) == pytest.approx(terms[-1][1])
     top = dla_terms(ds, max_heads=2)  # the two largest |score|, in layer order, then the others summed
     assert top[:3] == [("L0H0", 0.5), ("L1H0", 2.0), ("other heads (2)", -0.125)]
-    bars = {a["data-label"]: float(a["data-value"]) for a in tags(dla_bars_svg(ds), "rect", "data-label")}
-    assert bars == dict(terms)
 
 
 def test_parse_node_names():
@@ -206,38 +161,6 @@ def test_circuit_edges_dense_and_sparse_top_k_and_threshold():
     assert circuit_edges(sparse, top_k=None) == edges
     with pytest.raises(ValueError, match="source and destination"):
         circuit_edges(xr.DataArray([1.0], dims="edge"))
-
-
-def test_circuit_graph_layout_edges_and_colours():
-    edges = circuit_edges(edge_dataset(), top_k=None)
-    svg = circuit_graph_svg(edges)
-    boxes = {}
-    for g in re.findall(r'<g class="node" data-node="([^"]+)" data-kind="(\w+)"><rect x="([\d.]+)" y="([\d.]+)"', svg):
-        boxes[g[0]] = (g[1], float(g[2]), float(g[3]))
-    assert set(boxes) == {"emb", "a0.h1", "a1.h0", "m1", "logits"}  # ports q, v join their head's node
-    y = {name: b[2] for name, b in boxes.items()}
-    # by layer, bottom to top: embeddings, layer 0's heads, layer 1's heads, layer 1's MLP, logits
-    assert y["emb"] > y["a0.h1"] > y["a1.h0"] > y["m1"] > y["logits"]
-    paths = {(a["data-source"], a["data-destination"]): a for a in tags(svg, "path", "data-source")}
-    assert len(paths) == 6
-    assert paths[("a1.h0", "logits")]["stroke"] == SIGN_COLORS["positive"]
-    assert paths[("a0.h1", "a1.h0.v")]["stroke"] == SIGN_COLORS["negative"]
-    assert paths[("a0.h1", "a1.h0.v")]["data-port"] == "v" and paths[("emb", "a1.h0.q")]["data-port"] == "q"
-    width = {k: float(a["stroke-width"]) for k, a in paths.items()}
-    assert width[("a1.h0", "logits")] == pytest.approx(6.0)  # 1 + 5 |w| / max |w|
-    assert width[("a0.h1", "a1.h0.v")] == pytest.approx(1 + 5 * 0.8 / 1.6)
-    assert float(paths[("a0.h1", "a1.h0.v")]["data-weight"]) == -0.8
-
-    def ends(a):
-        nums = [float(v) for v in re.findall(r"-?[\d.]+", a["d"])]
-        return (nums[0], nums[1]), (nums[-2], nums[-1])
-
-    # an edge leaves the top of its source's box and enters the bottom of its destination's, at its port
-    (x1, y1), (x2, y2) = ends(paths[("a0.h1", "a1.h0.v")])
-    (_, hx, hy), (_, sx, sy) = boxes["a1.h0"], boxes["a0.h1"]
-    assert (x1, y1) == (pytest.approx(sx + 26), pytest.approx(sy)) and y2 == pytest.approx(hy + 20)
-    qx, _ = ends(paths[("emb", "a1.h0.q")])[1]
-    assert qx < hx + 26 < x2  # q enters left of the box's middle, v right of it
 
 
 def resid_dataset() -> xr.Dataset:
@@ -629,25 +552,42 @@ def test_report_of_a_real_pair_task_run_carries_its_numbers(tmp_path):
 widgets = pytest.importorskip("headlab.widgets", reason="needs the notebook extras")
 
 
+def spec_of(chart) -> dict:
+    return figures.figure_spec(chart)
+
+
 def test_patching_map_click_shows_the_heads_scores_per_token():
-    pm = widgets.PatchingMap(patching_by_token(), tokens=["<bos>", "a", "b", ":"])
+    ds = patching_by_token()
+    tokens = ["<bos>", "a", "b", ":"]
+    pm = widgets.PatchingMap(ds, tokens=tokens)
     assert pm.headmap.values == [[0.0, 0.6, 0.0], [0.1, 0.0, -0.8]]  # peak per head
-    assert "Click a head" in pm.panel.value and not tags(pm.panel.value, "rect", "data-row")
+    assert "Click a head" in pm.panel.value and pm.chart is None
     pm.headmap.toggle(1, 2)  # what a click on the cell does
-    grid = {(a["data-row"], a["data-col"]): float(a["data-value"]) for a in tags(pm.panel.value, "rect", "data-row")}
-    assert grid == {("L1H2", "<bos>"): 0.0, ("L1H2", "a"): 0.3, ("L1H2", "b"): 0.1, ("L1H2", ":"): -0.8}
+    grid = cell_values(spec_of(pm.chart))  # the report's token heatmap, the tokens' text on the token axis
+    assert grid == {("L1H2", t): float(v) for t, v in zip(tokens, ds["score"].sel(layer=1, head=2).values,
+                                                          strict=True)}
+    assert colour_scale_of(spec_of(pm.chart))["domainMid"] == 0  # signed: diverging at 0
     pm.headmap.toggle(0, 1)
-    rows = {a["data-row"] for a in tags(pm.panel.value, "rect", "data-row")}
-    assert rows == {"L0H1", "L1H2"}
+    grid = cell_values(spec_of(pm.chart))
+    assert {row for row, _ in grid} == {"L0H1", "L1H2"}
+    assert [grid[("L0H1", t)] for t in tokens] == list(ds["score"].sel(layer=0, head=1).values)
+    shown = pm.figure.value  # the chart, rendered offline: a cell per head and token
+    assert shown.startswith("<svg") and shown.count('aria-roledescription="rect mark"') == 8 and "http" not in \
+        shown.replace('"http://www.w3.org/', "")
     np.testing.assert_array_equal(pm.position_scores(0, 1).values, [0.0, 0.1, 0.6, 0.2])
+    untitled = widgets.PatchingMap(ds, selected=[(1, 0)])  # no tokens: the token index; NaN: an empty cell
+    assert cell_values(spec_of(untitled.chart)) == {("L1H0", "0"): None, ("L1H0", "1"): None,
+                                                    ("L1H0", "2"): 0.05, ("L1H0", "3"): 0.1}
     pm.headmap.clear()
-    assert "Click a head" in pm.panel.value
+    assert "Click a head" in pm.panel.value and pm.chart is None
+    with pytest.raises(ValueError, match="3 token labels for 4 tokens"):
+        widgets.PatchingMap(ds, tokens=["a", "b", "c"], selected=[(0, 0)])
 
 
 def test_patching_map_without_tokens_and_for_kv_heads():
     ds = patching_by_token().isel(token=2).drop_vars("token")
     pm = widgets.PatchingMap(ds, selected=[(0, 1)])
-    assert "L0H1</td><td class=\"num\">0.6</td>" in pm.panel.value
+    assert "L0H1</td><td class=\"num\">0.6</td>" in pm.panel.value and pm.chart is None
     assert "clean (mean)</td><td class=\"num\">3</td>" in pm.panel.value
     with pytest.raises(ValueError, match="no token dimension"):
         pm.position_scores(0, 1)
@@ -659,30 +599,45 @@ def test_patching_map_without_tokens_and_for_kv_heads():
 
 
 def test_dla_bars_widget_and_circuit_graph_slider():
-    bars = widgets.DLABars(dla_dataset())
-    assert bars.terms == dla_terms(dla_dataset())
-    assert {a["data-label"]: float(a["data-value"]) for a in tags(bars.value, "rect", "data-label")} == dict(bars.terms)
+    ds = dla_dataset()
+    bars = widgets.DLABars(ds)
+    assert bars.terms == dla_terms(ds)
+    heads, totals = (spec_of(c) for c in bars.charts)  # the report's two panels
+    assert {r["term"]: r["value"] for r in rows_of(heads)} == {
+        f"L{a}H{b}": float(ds["score"].sel(layer=a, head=b)) for a in (0, 1) for b in (0, 1)}
+    assert {r["term"]: r["value"] for r in rows_of(totals)} == pytest.approx({
+        "heads": float(ds["score"].sum()), "rest": float(ds["rest"].mean()), "logit diff": float(ds["logit_diff"].mean())})
+    assert [view.chart for view in bars.children] == list(bars.charts)
+    assert all(view.value.startswith("<svg") for view in bars.children)
     graph = widgets.CircuitGraph(edge_dataset(), top_k=2)
     assert graph.slider.max == 6 and graph.edges == circuit_edges(edge_dataset(), top_k=2)
-    drawn = {(a["data-source"], a["data-destination"]) for a in tags(graph.figure.value, "path", "data-source")}
-    assert drawn == {("a1.h0", "logits"), ("a0.h1", "a1.h0.v")}
+    assert {k: r["score"] for k, r in link_rows(spec_of(graph.chart)).items()} == {
+        ("a1.h0", "logits"): 1.6, ("a0.h1", "a1.h0.v"): -0.8}
     graph.slider.value = 5
-    drawn = [float(a["data-weight"]) for a in tags(graph.figure.value, "path", "data-source")]
-    assert drawn == [1.6, -0.8, 0.4, 0.2, -0.1]
+    dense = edge_dataset()["score"]  # the five largest |score| of the dataset, from its own values
+    finite = [(s, d, float(dense.sel(source=s, destination=d))) for s in dense["source"].values
+              for d in dense["destination"].values if np.isfinite(dense.sel(source=s, destination=d))]
+    strongest = sorted(finite, key=lambda e: -abs(e[2]))[:5]
+    assert {k: r["score"] for k, r in link_rows(spec_of(graph.chart)).items()} == {(s, d): w for s, d, w in strongest}
+    assert "the 5 strongest edges" in json.dumps(spec_of(graph.chart)["title"])
     assert math.isclose(widgets.CircuitGraph(edge_dataset(), threshold=0.3).slider.max, 3)
 
 
 def test_the_browser_and_the_runner_show_each_step_in_its_figure(constructed_report):
-    run, _ = constructed_report
+    run, html = constructed_report
     views = widgets.run_views(run)
-    assert [type(v).__name__ for v in views] == ["PatchingMap", "PatchingMap", "DLABars", "CircuitGraph", "HTML",
-                                                 "CircuitGraph"]
+    assert [type(v).__name__ for v in views] == ["PatchingMap", "PatchingMap", "DLABars", "CircuitGraph",
+                                                 "ChartView", "CircuitGraph"]
     patching, kv, dla, edges, resid, _ = views
-    cells = {(a["data-row"], a["data-col"]): a["data-value"] for a in tags(resid.value, "rect", "data-row")}
-    assert [cells[("L1", str(t))] for t in range(3)] == ["0", "-0.1", "1"]
+    cells = cell_values(spec_of(resid.chart))  # the report's (layer x token) map, cell for cell
+    assert [cells[("L1", str(t))] for t in range(3)] == list(resid_dataset()["score"].sel(layer=1).values)
+    assert cells == cell_values(figures_of(section(html, "resid"))["resid: score by layer and token"][0])
     assert patching.by_token and kv.kv and not kv.by_token
     np.testing.assert_allclose(np.array(kv.headmap.values), [[0.25, -0.5], [1.0, 0.0]])
     assert dla.terms == widgets.DLABars(run.results["dla"]).terms
+    report_dla = figures_of(section(html, "dla"))
+    assert [rows_of(spec_of(c)) for c in dla.charts] == [rows_of(report_dla["dla: heads"][0]),
+                                                         rows_of(report_dla["dla: totals"][0])]
     assert [(e.source, e.destination) for e in edges.edges] == \
         [(e.source, e.destination) for e in widgets.CircuitGraph(run.results["edges"]).edges]
     browser = widgets.RunBrowser(run.path.parent).select([run])

@@ -356,15 +356,18 @@ def test_patching_map_click_shows_scores_per_token(tmp_path):
         _wait(page, "() => document.querySelectorAll('.headlab-patching .hl-cell').length === 6", 60,
               "the patching map", tmp_path)
         root = page.locator(".headlab-patching").first
-        assert "Click a head" in root.locator(".headlab-patching-tokens").text_content()
+        assert "Click a head" in root.text_content()
         cell = root.locator('.hl-cell[data-layer="1"][data-head="2"]')
         assert cell.get_attribute("data-value") == "-0.8000"  # the peak over tokens
         cell.click()
-        _wait(page, """() => document.querySelectorAll('.headlab-patching-tokens rect[data-row="L1H2"]').length === 4""",
-              30, "the click to reach the kernel and the panel to come back", tmp_path)
-        values = page.evaluate("""() => [...document.querySelectorAll('.headlab-patching-tokens rect[data-row]')]
-            .map(r => [r.dataset.col, r.dataset.value])""")
-        assert values == [["<bos>", "0"], ["a", "0.3"], ["b", "0.1"], [":", "-0.8"]]
+        # the panel comes back as the report's token heatmap (headlab.circuit_figures.token_chart), as SVG
+        marks = '.headlab-patching-tokens [aria-roledescription="rect mark"]'
+        _wait(page, f"() => document.querySelectorAll('{marks}').length === 4", 30,
+              "the click to reach the kernel and the panel to come back", tmp_path)
+        labels = page.evaluate(f"() => [...document.querySelectorAll('{marks}')].map(r => r.getAttribute('aria-label'))")
+        cells = [dict(part.split(": ", 1) for part in label.split("; ")) for label in labels]
+        assert [(c["head"], c["token"], float(c["score"].replace("\u2212", "-"))) for c in cells] == \
+            [("L1H2", t, v) for t, v in zip(["<bos>", "a", "b", ":"], [0.0, 0.3, 0.1, -0.8], strict=True)]
         root.scroll_into_view_if_needed()
         page.screenshot(path=str(artifacts / "browser-patching.png"))
     assert not outside, f"requests left localhost: {outside[:5]}"

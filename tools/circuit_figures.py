@@ -20,8 +20,9 @@ import numpy as np
 import xarray as xr
 
 import headlab
-from headlab.circuit_view import circuit_edges, circuit_graph_svg, dla_bars_svg, position_grid_svg
-from headlab.figures import heatmap, to_svg
+from headlab.circuit_figures import circuit_chart, dla_chart, token_chart
+from headlab.circuit_view import circuit_edges
+from headlab.figures import combine, heatmap, to_svg
 from headlab.heads import ranked
 from headlab.plugins.detectors.attribution_patching import spearman, top_k_recall
 
@@ -94,6 +95,9 @@ def figures(run: headlab.Run, tokens: list[str]) -> dict[str, str]:
     names = [f"a{layer}.h{head}" for layer in dla["layer"].values for head in dla["head"].values]
     direct = xr.DataArray(dla["score"].values.reshape(-1), dims="edge",
                           coords={"source": ("edge", names), "destination": ("edge", ["logits"] * len(names))})
+    per_token = pos.transpose("layer", "head", "token")
+    per_token_values = np.array([per_token.sel(layer=a, head=b).values for a, b in strongest], dtype=float)
+
     def heatmap_svg(values, **kw):
         return to_svg(heatmap(values, **kw))
 
@@ -102,15 +106,15 @@ def figures(run: headlab.Run, tokens: list[str]) -> dict[str, str]:
                                              "(outlined: retrieval heads)", highlight=retrieval),
         "circuits_patching_last.svg": heatmap_svg(pos.isel(token=-1), title="activation patching, last position",
                                                   highlight=retrieval),
-        "circuits_tokens.svg": position_grid_svg(pos, strongest, tokens=tokens,
-                                                 title="patching per token (example 0's tokens)"),
+        "circuits_tokens.svg": to_svg(token_chart(per_token_values, [f"L{a}H{b}" for a, b in strongest], tokens,
+                                                  title="patching per token (example 0's tokens)", row_title="head")),
         "circuits_atp.svg": heatmap_svg(res["atp"]["score"], title="AtP estimate, every position",
                                         highlight=retrieval),
         "circuits_retrieval.svg": heatmap_svg(res["retrieval"]["score"], title="retrieval score (niah)",
                                               highlight=retrieval),
-        "circuits_dla.svg": dla_bars_svg(dla, title="direct logit attribution (kv_swap, clean prompts)"),
-        "circuits_direct.svg": circuit_graph_svg(circuit_edges(direct, top_k=8),
-                                                 title="the 8 strongest direct paths to the logits"),
+        "circuits_dla.svg": to_svg(combine(dla_chart(dla, title="direct logit attribution (kv_swap, clean prompts)"))),
+        "circuits_direct.svg": to_svg(circuit_chart(circuit_edges(direct, top_k=8),
+                                                    title="the 8 strongest direct paths to the logits")),
         "circuits_sinks.svg": heatmap_svg(res["sinks"]["score"], title="attention on the first token"),
     }
 

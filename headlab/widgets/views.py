@@ -1,11 +1,12 @@
 """The figure each stored step takes in the notebook: :func:`step_view` for one step, :func:`run_views` for a
 run (what :class:`~headlab.widgets.RunBrowser` and :class:`~headlab.widgets.SpecRunner` show).
 
-A patching result gets a :class:`~headlab.widgets.PatchingMap` (residual-stream patching: its (layer x token)
-map with one example's tokens, as in the report), a direct logit attribution
-:class:`~headlab.widgets.DLABars`, an edge attribution a :class:`~headlab.widgets.CircuitGraph`, any other
+A patching result gets a :class:`~headlab.widgets.PatchingMap` (residual-stream patching: a
+:class:`~headlab.widgets.chart.ChartView` of the report's (layer x token) map with one example's tokens), a
+direct logit attribution :class:`~headlab.widgets.DLABars`, an edge attribution a :class:`~headlab.widgets.CircuitGraph`, any other
 detect result over ``(layer, head)`` a :class:`~headlab.widgets.HeadMap`; a run whose steps have a ``kv`` policy
-adds one :class:`~headlab.widgets.KvTradeoff` over them: the figures ``headlab report`` draws for the same run.
+adds one :class:`~headlab.widgets.KvTradeoff` over them: the figures ``headlab report`` draws for the same run
+(:mod:`headlab.circuit_figures`, :mod:`headlab.figures`).
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from __future__ import annotations
 import ipywidgets
 import xarray as xr
 
+from ..circuit_figures import token_chart
 from ..circuit_view import circuit_kind, resid_map, token_labels, tokenizer_for
 from ..kv_view import kv_points
 from ..results import Run
-from ..svg import grid_svg
+from .chart import ChartView
 from .circuits import CircuitGraph, DLABars, PatchingMap
 from .headmap import HeadMap
 from .kv import KvTradeoff
@@ -39,8 +41,8 @@ def step_view(run: Run, step: str) -> ipywidgets.Widget | None:
     if kind == "patching" and not {"head", "kv_head"} & set(ds["score"].dims):
         score = resid_map(ds["score"])
         tokens = token_labels(ds, tokenizer_for(str(run.attrs.get("model", "")), run.attrs.get("model_revision")))
-        return ipywidgets.HTML(grid_svg(score.values, [f"L{int(v)}" for v in score["layer"].values], tokens,
-                                        title=f"{step}: residual stream patching per layer and token"))
+        return ChartView(token_chart(score.values, [f"L{int(v)}" for v in score["layer"].values], tokens,
+                                     title=f"{step}: residual stream patching per layer and token", row_title="layer"))
     if kind == "patching":
         return PatchingMap(ds, title=f"{step}: {method or 'patching'} score")
     if kind == "dla":
