@@ -1,18 +1,18 @@
 """The KV-cache trade-off of a run as a widget: :class:`KvTradeoff` draws a metric of the steps with a ``kv``
 policy against the kept fraction of the full KV cache or the KV bytes held, one point per step and sweep cell
-(:func:`headlab.kv_view.kv_tradeoff_chart`, the same Vega-Lite figure as ``headlab report``'s, shown by
-JupyterLab's own renderer), with the points' table below."""
+(:func:`headlab.kv_view.kv_tradeoff_chart`, the same Vega-Lite figure as ``headlab report``'s, shown
+offline as SVG by :class:`headlab.widgets.chart.ChartView`), with the points' table below."""
 
 from __future__ import annotations
 
 from html import escape
 
 import ipywidgets
-from IPython.display import display
 
 from ..figures import Chart
 from ..kv_view import KvPoint, KvX, kv_metrics, kv_points, kv_table_rows, kv_tradeoff_chart
 from ..results import Run, open_run
+from .chart import ChartView
 
 __all__ = ["KvTradeoff"]
 
@@ -52,7 +52,7 @@ class KvTradeoff(ipywidgets.VBox):
                                                  disabled=not self.metrics)
         self.x_picker = ipywidgets.ToggleButtons(options=[("kept fraction", "kept_fraction"), ("KV bytes", "kv_bytes")],
                                                  value=x, description="x")
-        self.figure = ipywidgets.Output()
+        self.figure = ChartView()
         self.chart: Chart | None = None  # the figure shown
         header, rows = kv_table_rows(self.points, self.metrics)
         self.table = ipywidgets.HTML(_table_html(header, rows))
@@ -73,11 +73,9 @@ class KvTradeoff(ipywidgets.VBox):
         return self.x_picker.value
 
     def _draw(self) -> None:
-        self.figure.clear_output(wait=True)
-        with self.figure:
-            if self.metric is None:
-                self.chart = None
-                display(ipywidgets.HTML("<p>(the steps with a kv policy store no metric)</p>"))
-                return
-            self.chart = kv_tradeoff_chart(self.points, self.metric, x=self.x)
-            display(self.chart)
+        if self.metric is None:
+            self.chart = None
+            self.figure.show(None, empty="<p>(the steps with a kv policy store no metric)</p>")
+            return
+        self.chart = kv_tradeoff_chart(self.points, self.metric, x=self.x)
+        self.figure.show(self.chart)
