@@ -37,6 +37,18 @@ def add_case_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--_case", default=None, help=argparse.SUPPRESS)
 
 
+def mem_available() -> int:
+    """The memory available to new processes (``MemAvailable`` of /proc/meminfo), in bytes; 0 where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def memory_base(device: str) -> int:
     """The baseline of :func:`peak_growth`, in bytes: on CUDA the allocated memory (after resetting the peak
     statistics), on CPU the resident set size."""

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import memory_base, peak_growth, ratio, run_case  # noqa: E402
+from _common import mem_available, memory_base, peak_growth, ratio, run_case  # noqa: E402
 
 #: name -> (architecture, layers, heads, head_dim)
 CASES = {"llama-4x8": ("llama", 4, 8, 64), "gpt2-4x8": ("gpt2", 4, 8, 64), "llama-6x12": ("llama", 6, 12, 64),
@@ -139,14 +139,6 @@ def measure(tool: str, checkpoint: str, reps: int, threads: int, scores_out: str
             "peak_bytes": peak, **extra}
 
 
-def _mem_available() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def _fmt(r: dict) -> str:
     if "error" in r:
         return f"- ({r['error']})"
@@ -175,7 +167,7 @@ def main() -> None:
     import numpy as np
 
     work = Path(args.workdir)
-    limit = (args.mem_limit_gib * 2**30) if args.mem_limit_gib else 0.6 * _mem_available()
+    limit = (args.mem_limit_gib * 2**30) if args.mem_limit_gib else 0.6 * mem_available()
     tl_ok = Path(args.tl_python).exists()
     print(f"composition scores (Q, K, V) of random checkpoints, float32, CPU, threads={args.threads or 'default'}, "
           f"reps={args.reps}, memory limit {limit / 2**30:.1f} GiB; load average {os.getloadavg()[0]:.2f} on "

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import memory_base, peak_growth, ratio, run_case  # noqa: E402
+from _common import mem_available, memory_base, peak_growth, ratio, run_case  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, HIDDEN, VOCAB = 4, 8, 64, 512, 32000
 TOOLS = ("sdpa", "sdpa-last", "headlab", "tl")
@@ -154,14 +154,6 @@ def measure(tool: str, n: int, checkpoint: str, reps: int, threads: int, device:
             "peak_bytes": peak_growth(device, base), **extra}
 
 
-def _mem_available() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def _fmt(r: dict) -> str:
     if "error" in r:
         return f"- ({r['error']})"
@@ -195,7 +187,7 @@ def main() -> None:
     if not (ckpt / "model.safetensors").exists():
         print(f"building the random checkpoint in {ckpt}")
         build_checkpoint(ckpt)
-    limit = (args.mem_limit_gib * 2**30) if args.mem_limit_gib else 0.9 * _mem_available()
+    limit = (args.mem_limit_gib * 2**30) if args.mem_limit_gib else 0.9 * mem_available()
     tl_ok = Path(args.tl_python).exists()
     print(f"random Llama {LAYERS} layers x {HEADS} heads x d{HEAD_DIM}, hidden {HIDDEN}, vocabulary {VOCAB}; "
           f"induction scores on BOS + r + r; {args.device}, threads={args.threads or 'default'}, reps={args.reps}, "
