@@ -46,7 +46,8 @@ ScaleKind = Literal["auto", "sequential", "diverging"]
 SEQUENTIAL_SCHEME = "viridis"
 """The colour scheme of non-negative values (scores, attention, probabilities)."""
 DIVERGING_SCHEME = "redblue"
-"""The colour scheme of signed values (reversed: negative red, positive blue), centred at 0."""
+"""The colour scheme of signed values, centred at 0 and reversed (Vega's redblue runs red to blue), so that negative
+is blue and positive red."""
 NAN_COLOR = "#dddddd"
 """The colour of an undefined (NaN) cell."""
 FIGURE_CLASS = "headlab-figure"
