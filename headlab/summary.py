@@ -23,7 +23,6 @@ from typing import Any, Literal
 
 import numpy as np
 import xarray as xr
-from scipy import stats
 
 __all__ = ["Estimate", "estimate", "metric_estimate", "UNDEFINED_ATTR", "BOOTSTRAP_RESAMPLES", "head_scores", "peak"]
 
@@ -93,6 +92,9 @@ def estimate(values: Sequence[float] | np.ndarray | Any, *, metric: str, proport
     if n == 0:
         return Estimate(metric, math.nan, 0, dropped, reason, math.nan, math.nan, "none", level)
     mean = float(defined.mean())
+    # scipy.stats takes ~1.5 s to import: imported here, not by every `headlab` command (show, runs, --help)
+    from scipy import stats
+
     is_prop = _is_proportion(defined) if proportion is None else proportion
     if is_prop:
         ci = stats.binomtest(int(round(defined.sum())), n).proportion_ci(confidence_level=level, method="wilson")
