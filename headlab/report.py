@@ -30,6 +30,7 @@ loads nothing from the network. The hand-drawn picture that remains (the attenti
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -110,8 +111,15 @@ def _config(ds: xr.Dataset) -> dict[str, Any]:
 
 
 def _described(run: Run) -> dict[str, StepDescription]:
-    """What each step of ``run`` did (:func:`headlab.describe_steps`)."""
-    return describe_steps(run.attrs.get("resolved") or run.spec_data)
+    """What each step of ``run`` did (:func:`headlab.describe_steps`); the spec is validated once per resolved
+    config, not once per step header."""
+    resolved = run.attrs.get("resolved")
+    return _described_resolved(resolved) if isinstance(resolved, str) else describe_steps(run.spec_data)
+
+
+@functools.lru_cache(maxsize=8)
+def _described_resolved(resolved: str) -> dict[str, StepDescription]:
+    return describe_steps(resolved)
 
 
 def _step_title(run: Run, step: str) -> str:
