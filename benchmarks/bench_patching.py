@@ -73,7 +73,7 @@ in a fresh process (its peak memory is its own):
   128 tokens, 202 MiB at 256), 2.1x one layer's 48 destination gradients (the backward's activations are the
   rest). With two layers the dense tensor is small (35 sources); it grows with the layers, the transient does
   not. Before the pull-back was computed in closed form it grew by 1.8 to 1.9 MiB per added token (27x the
-  dense tensor; docs/detectors.md).
+  dense tensor; docs/circuits.md).
 
 Heads/s = heads patched (layers x 16, each over all pairs) per second of the whole computation (clean and
 corrupted runs included; model loading excluded), median of ``--reps``; CPU time beside wall time; peak =

@@ -1,7 +1,7 @@
 """Circuit analysis on the embedded model (slow: about 20 s of CPU time; skipped until the checkpoint is
 present): exact patching of a key-swap pair task finds the heads the retrieval detector finds, and AtP's
 agreement with exact patching. The spec and the measurements are tools/circuit_figures.py's, which prints
-the numbers docs/detectors.md quotes ("Circuits of the embedded model") and draws its figures.
+the numbers docs/circuits.md quotes ("Circuits of the embedded model") and draws its figures.
 
 Measured (seed 0, 64 pairs): the retrieval heads (score >= 0.1 on a niah grid) are the last layer's L3H0,
 L3H1, L3H3-L3H7. Patching one head at the last position only, the ten strongest heads hold all seven of

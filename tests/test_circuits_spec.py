@@ -1,4 +1,4 @@
-"""The circuit detectors from specs: docs/detectors.md's examples pass ``headlab validate``, and one spec of a
+"""The circuit detectors from specs: docs/circuits.md's examples pass ``headlab validate``, and one spec of a
 pair task with all four detectors runs on the embedded model, its logit differences equal to the model's."""
 
 from __future__ import annotations
@@ -43,10 +43,8 @@ steps:
 
 
 def doc_blocks() -> list[str]:
-    """The yaml blocks of docs/detectors.md's circuit analysis section."""
-    text = (ROOT / "docs" / "detectors.md").read_text()
-    section = text.split("## Circuit analysis", 1)[1]
-    return re.findall(r"```yaml\n(.*?)```", section, flags=re.S)
+    """The yaml blocks of docs/circuits.md."""
+    return re.findall(r"```yaml\n(.*?)```", (ROOT / "docs" / "circuits.md").read_text(), flags=re.S)
 
 
 def test_the_docs_examples_validate(tmp_path):

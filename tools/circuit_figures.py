@@ -1,4 +1,4 @@
-"""Figures and numbers of the circuit detectors on the embedded model (docs/detectors.md, "Circuits of the
+"""Figures and numbers of the circuit detectors on the embedded model (docs/circuits.md, "Circuits of the
 embedded model").
 
     python tools/circuit_figures.py [--out docs/images] [--runs DIR]

@@ -1,4 +1,4 @@
-"""The circuit figures of ``headlab report`` for ``specs/circuits.yaml``, exported as SVG for docs/detectors.md.
+"""The circuit figures of ``headlab report`` for ``specs/circuits.yaml``, exported as SVG for docs/circuits.md.
 
     python tools/circuits_report_figures.py [--run RUN] [--out docs/images]
 

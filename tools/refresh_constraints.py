@@ -4,7 +4,7 @@
     python tools/refresh_constraints.py --dry-run       # resolve and print what would move, no test
 
 1. Resolves the newest versions inside pyproject.toml's ranges (``uv pip compile --upgrade``) for every
-   package the README's two commands install (headlab with its dev, notebook, eval, ray and triton
+   package the README's two commands install (headlab with its dev, notebook, eval, ray, triton and docs
    extras), on this interpreter (Python 3.11, Linux), with torch held at the version of constraints.txt
    (the CPU build lies on disk; move it by hand with ``--torch``).
 2. Installs them into a scratch environment (``--env``, default ``.venv-refresh``) with uv, as
@@ -29,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CONSTRAINTS = ROOT / "constraints.txt"
-EXTRAS = ("dev", "notebook", "eval", "ray", "triton")
+EXTRAS = ("dev", "notebook", "eval", "ray", "triton", "docs")
 HEADER = """\
 # The exact versions headlab's test suite last passed on: Python 3.11, Linux x86_64, the CPU build of
 # torch. .ci/setup-quickstart and .ci/setup-test install from this file (with uv); pyproject.toml keeps
