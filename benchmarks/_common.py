@@ -99,3 +99,102 @@ def ratio(a: dict, b: dict, key: str) -> str:
     if "error" in a or "error" in b or not b[key]:
         return "n/a"
     return f"{a[key] / b[key]:.2f}x"
+
+
+def _pop_write(argv: list[str]) -> tuple[list[str], str | None]:
+    """``argv`` without ``--write [PATH]`` / ``--write=PATH``, and PATH ("" for the default; None: absent)."""
+    rest, path = [], None
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--write":
+            path = ""
+            if i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+                path = argv[i + 1]
+                i += 1
+        elif a.startswith("--write="):
+            path = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+        i += 1
+    return rest, path
+
+
+def _machine() -> str:
+    """The machine a benchmark ran on, in one line: CPU model and cores, GPU, and the versions that matter."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    parts = [f"{cpu}, {os.cpu_count()} cores"]
+    try:
+        gpus = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30)
+        if gpus.returncode == 0 and gpus.stdout.strip():
+            parts.append(", ".join(gpus.stdout.split("\n")[:8]).strip(", "))
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    versions = []
+    for pkg in ("headlab", "torch", "transformers"):
+        try:
+            versions.append(f"{pkg} {version(pkg)}")
+        except PackageNotFoundError:
+            pass
+    return "; ".join(parts + [f"Python {platform.python_version()}", ", ".join(versions)])
+
+
+def _commit(root: str) -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                             timeout=30).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return (sha or "unknown") + (" with uncommitted changes" if dirty else "")
+
+
+def main_writing_results(main, script: str) -> None:
+    """Run a benchmark's ``main``; with ``--write [PATH]`` also write what it prints (its own and its
+    subprocesses' standard output) to ``benchmarks/results/<script name>.md`` (or PATH) once it succeeds, under a
+    header that names the command, the date, the machine and the commit. The docs site's Results section is
+    built from those files."""
+    import datetime as dt
+    import shlex
+    import sys
+
+    argv, path = _pop_write(sys.argv[1:])
+    if path is None or "--_case" in argv:
+        main()
+        return
+    here = os.path.dirname(os.path.abspath(script))
+    name = os.path.splitext(os.path.basename(script))[0]
+    path = path or os.path.join(here, "results", f"{name}.md")
+    started = dt.datetime.now(dt.timezone.utc)
+    proc = subprocess.Popen([sys.executable, script, *argv], stdout=subprocess.PIPE, text=True, bufsize=1)
+    printed = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+        printed.append(line)
+    if proc.wait() != 0:
+        sys.exit(proc.returncode)
+    doc = (sys.modules["__main__"].__doc__ or name).strip().splitlines()[0].rstrip(".")
+    seconds = (dt.datetime.now(dt.timezone.utc) - started).total_seconds()
+    header = [
+        f"# {name}: {doc}", "",
+        f"`python benchmarks/{name}.py {shlex.join(argv)}`".replace(" `", "`"), "",
+        f"Written by `--write` on {started:%Y-%m-%d %H:%M} UTC ({seconds:.0f} s), commit {_commit(here)}.",
+        f"Machine: {_machine()}.", "",
+        "```text", "".join(printed).rstrip("\n"), "```", "",
+    ]
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write("\n".join(header))
+    print(f"wrote {path}", file=sys.stderr)

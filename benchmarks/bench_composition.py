@@ -1,6 +1,6 @@
 """Composition scores: headlab's ``composition`` detector vs TransformerLens ``all_composition_scores`` (not a test).
 
-    python benchmarks/bench_composition.py [--cases llama-4x8 gpt2-4x8 llama-6x12] --threads 1 \
+    python benchmarks/bench_composition.py [--cases llama-4x8 gpt2-4x8 llama-6x12] --threads 1 [--write] \
         [--tl-python .venv-tl/bin/python] [--reps 3]
 
 Per case, one seeded random checkpoint is built locally and saved once (no weights are downloaded): a Llama
@@ -216,4 +216,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from _common import main_writing_results
+
+    main_writing_results(main, __file__)

@@ -1,7 +1,7 @@
 """Per-token cost of each decoding strategy relative to greedy, measured side by side in one run, and
 DeCoRe's batched forward against the reference-style loop (batch size 1, two forwards per token).
 
-    python benchmarks/bench_decoding.py [--model tiny|random|big] [--batch 8] [--new 32] [--reps 5] [--threads 1]
+    python benchmarks/bench_decoding.py [--model tiny|random|big] [--batch 8] [--new 32] [--reps 5] [--threads 1] [--write]
         [--first-layer N] [--device cpu|cuda]
 
 Per strategy: the decode cost per token = the time of one step (from one forward call of the model to
@@ -192,4 +192,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from _common import main_writing_results
+
+    main_writing_results(main, __file__)

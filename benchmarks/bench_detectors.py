@@ -1,6 +1,6 @@
 """Induction-head detection at long context: headlab vs a plain SDPA forward vs TransformerLens (not a test).
 
-    python benchmarks/bench_detectors.py --lengths 1024 2048 4096 8192 16384 32768 --threads 1 \
+    python benchmarks/bench_detectors.py --lengths 1024 2048 4096 8192 16384 32768 --threads 1 [--write] \
         [--tl-python .venv-tl/bin/python] [--reps 3] [--checkpoint /tmp/headlab-bench-llama]
 
 One random Llama checkpoint (4 layers x 8 heads x head dim 64, hidden 512, vocabulary 32000, seeded) is
@@ -241,4 +241,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from _common import main_writing_results
+
+    main_writing_results(main, __file__)

@@ -1,7 +1,7 @@
 """The ``ray`` executor against the ``local`` one: a 16-cell sweep on the embedded model, and Ray's per-cell
 overhead.
 
-    python benchmarks/bench_executor.py [--workers 2] [--n 16] [--repeats 2]
+    python benchmarks/bench_executor.py [--workers 2] [--n 16] [--repeats 2] [--write]
 
 - sweep: the quickstart's three detectors (previous-token, duplicate-token, induction) on ``headlab-tiny``
   over ``task.length`` x ``seed`` (4 x 4 = 16 cells), ``--n`` sequences per cell. ``local`` runs the cells
@@ -152,4 +152,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from _common import main_writing_results
+
+    main_writing_results(main, __file__)

@@ -1,7 +1,7 @@
 """Head importance, side by side in one run (not a test): gradient importance against a per-head masking loop,
 and Ships batched against the reference's per-head batch-1 loop, with the ratios printed.
 
-    python benchmarks/bench_importance.py --threads 1            # the full size: a random 8 x 16 Llama
+    python benchmarks/bench_importance.py --threads 1 [--write]    # the full size: a random 8 x 16 Llama
     python benchmarks/bench_importance.py --layers 2 --prompts 2  # a check that everything runs
 
 One seeded random Llama (``--layers`` x ``--heads`` heads x head dim 32, MLP twice the width, vocabulary 32000;
@@ -194,4 +194,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from _common import main_writing_results
+
+    main_writing_results(main, __file__)

@@ -1,6 +1,6 @@
 """Benchmarks of headlab instrumentation on a Llama-shaped random model (never asserted in tests).
 
-    python benchmarks/bench_kernels.py --lengths 1024 4096 8192 16384 [--device cuda] [--pasta-length 8192]
+    python benchmarks/bench_kernels.py --lengths 1024 4096 8192 16384 [--device cuda] [--pasta-length 8192] [--write]
 
 Per length, side by side (each measurement runs in a fresh subprocess so peak memory is its own):
   1. instrumented forward with an empty plan vs attn_implementation="sdpa" (time ratio);
@@ -114,4 +114,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from _common import main_writing_results
+
+    main_writing_results(main, __file__)

@@ -2,7 +2,7 @@
 cache, headlab's ``streaming`` (a headwise cache that stores sinks + a window for the compressed KV heads) and
 kvpress's ``DuoAttentionPress`` with the same head mask, side by side in one run.
 
-    python benchmarks/bench_kv.py [--lengths 8192 16384 32768] [--new 64] [--device cpu|cuda] [--dtype float32]
+    python benchmarks/bench_kv.py [--lengths 8192 16384 32768] [--new 64] [--device cpu|cuda] [--dtype float32] [--write]
         [--layers 8] [--hidden 512] [--heads 8] [--kv-heads 2] [--full-fraction 0.25] [--sink 4] [--window 256]
         [--threads 1] [--prefill-chunk 0] [--kvpress-python .venv-kvpress/bin/python] [--live-new 4]
         [--malloc-mmap-threshold BYTES]
@@ -393,4 +393,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from _common import main_writing_results
+
+    main_writing_results(main, __file__)

@@ -2,7 +2,7 @@
 side by side on the embedded model ``headlab-tiny`` (issue [kv-heads]: "needle recall equal to kvpress's on the
 same mask").
 
-    python benchmarks/bench_kv_recall.py [--lengths 1024 2048] [--depths 5] [--full-kv-heads 3:0 3:1 3:2 3:3]
+    python benchmarks/bench_kv_recall.py [--lengths 1024 2048] [--depths 5] [--full-kv-heads 3:0 3:1 3:2 3:3] [--write]
         [--detect] [--sink 4] [--window 128] [--new 8] [--threads 1]
         [--kvpress-python .venv-kvpress/bin/python] [--prompts-out PATH]
 
@@ -244,4 +244,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from _common import main_writing_results
+
+    main_writing_results(main, __file__)

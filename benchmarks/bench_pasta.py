@@ -1,6 +1,6 @@
 """PASTA-steered generation: headlab vs unsteered vs the reference's dense 4-D mask (never asserted in tests).
 
-    python benchmarks/bench_pasta.py --lengths 2048 4096 8192 [--new 8] [--dense-max 4096] [--threads 1]
+    python benchmarks/bench_pasta.py --lengths 2048 4096 8192 [--new 8] [--dense-max 4096] [--threads 1] [--write]
 
 Per prompt length, each case in a fresh subprocess (so peak memory is its own), greedy generation of
 ``--new`` tokens, batch 1, on a Llama-shaped random model:
@@ -152,4 +152,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from _common import main_writing_results
+
+    main_writing_results(main, __file__)

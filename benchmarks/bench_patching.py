@@ -4,7 +4,7 @@ beside it (not a test).
 
 Full size (what the merger runs; 8 layers, short and long regimes, every tool)::
 
-    python benchmarks/bench_patching.py --threads 1 --reps 1 [--tl-python .venv-tl/bin/python]
+    python benchmarks/bench_patching.py --threads 1 --reps 1 [--tl-python .venv-tl/bin/python] [--write]
 
 Reduced (a check that everything runs, a few minutes of CPU)::
 
@@ -562,4 +562,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from _common import main_writing_results
+
+    main_writing_results(main, __file__)

@@ -1,6 +1,6 @@
 """Probe selection for all heads: headlab's ``probe`` detector vs an honest_llama-style loop, side by side.
 
-    python benchmarks/bench_probes.py [--prompts 1000] [--layers 8] [--hidden 256] [--heads 8] [--folds 2]
+    python benchmarks/bench_probes.py [--prompts 1000] [--layers 8] [--hidden 256] [--heads 8] [--folds 2] [--write]
         [--batch-size 32] [--n-jobs -1] [--solver lbfgs] [--vocab 32000] [--threads 0] [--device cpu]
 
 One random Llama (seeded weights, ``--layers`` layers, a ``--vocab`` vocabulary, Llama's 32,000 by default; the
@@ -171,4 +171,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from _common import main_writing_results
+
+    main_writing_results(main, __file__)

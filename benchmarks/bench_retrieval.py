@@ -1,6 +1,6 @@
 """Retrieval-head detection over a niah grid: headlab batched vs the reference's batch-1 eager loop.
 
-    python benchmarks/bench_retrieval.py [--model headlab-tiny] [--lengths 256 512 1024] [--depths 5]
+    python benchmarks/bench_retrieval.py [--model headlab-tiny] [--lengths 256 512 1024] [--depths 5] [--write]
         [--needles 3] [--max-new-tokens 24] [--batch-size 16] [--threads 2] [--device cpu] [--random-weights]
 
 Same model, same examples, same greedy decoding length; each method runs in a fresh subprocess (so peak
@@ -193,4 +193,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from _common import main_writing_results
+
+    main_writing_results(main, __file__)

@@ -1,6 +1,6 @@
 """One script for a CUDA machine (written for an H200): Triton correctness, then Triton vs SDPA ratios.
 
-    python benchmarks/gpu_check.py [--lengths 4096 8192 16384 32768] [--skip-model] [--skip-split] [--skip-wave3]
+    python benchmarks/gpu_check.py [--lengths 4096 8192 16384 32768] [--skip-model] [--skip-split] [--skip-wave3] [--write]
 
 1. Correctness: the Triton path against the torch path (itself tested against a naive reference) on CUDA,
    fp32 / bf16 / fp16, GQA, left padding, edits, probes, softcap, window, decode with split keys; then the
@@ -237,4 +237,6 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from _common import main_writing_results
+
+    main_writing_results(main, __file__)
