@@ -185,7 +185,8 @@ def main_writing_results(main, script: str) -> None:
         printed.append(line)
     if proc.wait() != 0:
         sys.exit(proc.returncode)
-    doc = (sys.modules["__main__"].__doc__ or name).strip().splitlines()[0].rstrip(".")
+    first = (sys.modules["__main__"].__doc__ or name).strip().split("\n\n")[0]
+    doc = " ".join(first.split()).split(". ")[0].rstrip(".")  # the docstring's first sentence
     seconds = (dt.datetime.now(dt.timezone.utc) - started).total_seconds()
     header = [
         f"# {name}: {doc}", "",

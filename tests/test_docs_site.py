@@ -8,6 +8,8 @@
   repository's folders (a block names ``specs/quickstart.yaml`` as a user in the repository root does), offline
   (nothing is downloaded), with the environment's ``bin`` first on ``PATH``: the python blocks of one page in one
   interpreter, in order (a later block may use an earlier one's names), each bash block under ``set -euo pipefail``.
+- A benchmark script's ``--write`` keeps what it prints in benchmarks/results/, the files the Results section is
+  built from.
 """
 
 from __future__ import annotations
@@ -182,3 +184,52 @@ def test_the_cheap_blocks_run(tmp_path):
 @pytest.mark.slow
 def test_the_slow_blocks_run(tmp_path):
     run_blocks([b for b in all_blocks() if b.mark == "slow"], tmp_path)
+
+
+FAKE_BENCH = '''"""A fake benchmark: its table, and a line from a subprocess. Not a test."""
+import subprocess
+import sys
+
+
+def main():
+    if "--fail" in sys.argv:
+        print("half a table")
+        sys.exit(3)
+    print("case   seconds")
+    print("a      1.00" + (" (reps " + sys.argv[sys.argv.index("--reps") + 1] + ")" if "--reps" in sys.argv else ""))
+    sys.stdout.flush()
+    subprocess.run([sys.executable, "-c", "print('from a subprocess')"], check=True)
+
+
+if __name__ == "__main__":
+    from _common import main_writing_results
+
+    main_writing_results(main, __file__)
+'''
+
+
+def test_a_benchmark_writes_its_output_for_the_results_section(tmp_path):
+    """``--write`` keeps what a benchmark prints (its subprocesses' lines too) under a header naming the command,
+    the date, the machine and the commit, in benchmarks/results/<script>.md; a failed run writes nothing."""
+    (tmp_path / "_common.py").write_text((ROOT / "benchmarks" / "_common.py").read_text())
+    (tmp_path / "bench_fake.py").write_text(FAKE_BENCH)
+    env = environment()
+    plain = subprocess.run([sys.executable, "bench_fake.py", "--reps", "2"], capture_output=True, text=True,
+                           cwd=tmp_path, env=env, timeout=120)
+    assert plain.returncode == 0 and not (tmp_path / "results").exists(), plain.stderr
+    r = subprocess.run([sys.executable, "bench_fake.py", "--write", "--reps", "2"], capture_output=True, text=True,
+                       cwd=tmp_path, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == plain.stdout  # printed as without --write
+    text = (tmp_path / "results" / "bench_fake.md").read_text()
+    assert text.startswith("# bench_fake: A fake benchmark: its table, and a line from a subprocess\n")
+    assert "`python benchmarks/bench_fake.py --reps 2`" in text and "Written by `--write` on " in text
+    assert "Machine: " in text and ", commit " in text
+    assert "```text\ncase   seconds\na      1.00 (reps 2)\nfrom a subprocess\n```" in text
+    other = tmp_path / "elsewhere.md"
+    r = subprocess.run([sys.executable, "bench_fake.py", f"--write={other}"], capture_output=True, text=True,
+                       cwd=tmp_path, env=env, timeout=120)
+    assert r.returncode == 0 and "a      1.00\n" in other.read_text(), r.stderr
+    r = subprocess.run([sys.executable, "bench_fake.py", "--fail", "--write", str(tmp_path / "failed.md")],
+                       capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    assert r.returncode == 3 and not (tmp_path / "failed.md").exists()
