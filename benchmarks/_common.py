@@ -176,6 +176,7 @@ def main_writing_results(main, script: str) -> None:
     name = os.path.splitext(os.path.basename(script))[0]
     path = path or os.path.join(here, "results", f"{name}.md")
     started = dt.datetime.now(dt.timezone.utc)
+    load_before = os.getloadavg()[0]
     proc = subprocess.Popen([sys.executable, script, *argv], stdout=subprocess.PIPE, text=True, bufsize=1)
     printed = []
     assert proc.stdout is not None
@@ -192,7 +193,8 @@ def main_writing_results(main, script: str) -> None:
         f"# {name}: {doc}", "",
         f"`python benchmarks/{name}.py {shlex.join(argv)}`".replace(" `", "`"), "",
         f"Written by `--write` on {started:%Y-%m-%d %H:%M} UTC ({seconds:.0f} s), commit {_commit(here)}.",
-        f"Machine: {_machine()}.", "",
+        f"Machine: {_machine()}; 1-minute load average {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the"
+        " end (other processes' share of the cores: timings on a loaded machine move with it).", "",
         "```text", "".join(printed).rstrip("\n"), "```", "",
     ]
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

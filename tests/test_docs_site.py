@@ -224,7 +224,7 @@ def test_a_benchmark_writes_its_output_for_the_results_section(tmp_path):
     text = (tmp_path / "results" / "bench_fake.md").read_text()
     assert text.startswith("# bench_fake: A fake benchmark: its table, and a line from a subprocess\n")
     assert "`python benchmarks/bench_fake.py --reps 2`" in text and "Written by `--write` on " in text
-    assert "Machine: " in text and ", commit " in text
+    assert "Machine: " in text and ", commit " in text and "load average" in text
     assert "```text\ncase   seconds\na      1.00 (reps 2)\nfrom a subprocess\n```" in text
     other = tmp_path / "elsewhere.md"
     r = subprocess.run([sys.executable, "bench_fake.py", f"--write={other}"], capture_output=True, text=True,
