@@ -19,7 +19,7 @@ progress per detector. The result, the *cube*, has dims ``detector``, ``layer``,
 - ``threshold (detector)`` (effective), ``default_threshold (detector)``, ``threshold_source (detector)``,
   ``threshold_raised (detector)`` (the null raised the default);
 - ``null_score (detector, layer, head)``, ``null_mean``, ``null_std (detector)``: the same detector on the null
-  model (NaN without a null);
+  model (absent with ``null="none"``);
 - ``task (detector)`` (the task kind, ``weights`` for weight-level detectors), ``n_examples (detector)``;
 - attrs ``model``, ``null`` (how the null was made), ``skipped`` (JSON: detector -> why it did not run),
   ``detector_steps``, ``tokens``, ``n``, ``seed``.
@@ -293,6 +293,8 @@ def _selected(lm: LoadedModel, detectors: list[str] | None, importance: bool) ->
             chosen.append(name)
         else:
             skipped[name] = why
+    if chosen:  # else the error names them all
+        for name, why in skipped.items():
             warnings.warn(f"atlas: skipped {name}: {why}", AtlasSkipped, stacklevel=3)
     return chosen, skipped
 
@@ -380,6 +382,8 @@ def cube(n_layers: int, n_heads: int, names: list[str], slices: dict[str, _Slice
         coords={"detector": np.array(names).astype(str), "layer": np.arange(n_layers), "head": np.arange(n_heads)},
     )
     assert ds.sizes["detector"] == D
+    if not nulls:  # no null was run: nothing to record (a run refuses variables that are NaN everywhere)
+        ds = ds.drop_vars(["null_score", "null_mean", "null_std"])
     ds.attrs.update(method="atlas", detector_steps=json.dumps(steps), reference="docs/atlas.md")
     return ds
 
