@@ -324,7 +324,9 @@ def build_atlas(lm: LoadedModel, *, detectors: list[str] | None = None, tokens: 
     if null == "reinit":
         null_lm = reinitialised(lm, seed)
         try:
-            nulls = _run_detectors(null_lm, chosen, tokens, n, seed, batch_size, ctx, "null/", None)
+            with warnings.catch_warnings():  # a null model fails the tasks by design ("retrieved no needle")
+                warnings.simplefilter("ignore", UserWarning)
+                nulls = _run_detectors(null_lm, chosen, tokens, n, seed, batch_size, ctx, "null/", None)
         finally:
             del null_lm
     steps = {m: detector_step(m, tokens, n) for m in chosen}
