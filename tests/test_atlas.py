@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -238,3 +241,47 @@ def test_the_atlas_action_is_a_spec_step(tiny_llama, tmp_path):
     assert isinstance(ds, xr.Dataset) and list(ds["detector"].values) == ["previous_token", "induction"]
     with pytest.raises(headlab.SpecError, match="unknown atlas detector 'induct'"):
         headlab.load_spec({**spec, "steps": [{"id": "a", "atlas": {"detectors": ["induct"]}}]})
+
+
+HEADLAB = Path(sys.executable).parent / "headlab"  # the console script, as a user types it
+
+
+def typed(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    res = subprocess.run([str(HEADLAB), *args], capture_output=True, text=True, cwd=cwd, timeout=1200)
+    assert res.returncode == 0, f"{args}: exit {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    assert "Traceback" not in res.stderr and "error:" not in res.stderr, res.stderr
+    return res
+
+
+def stored_cube(out: Path) -> xr.Dataset:
+    (path,) = list(out.iterdir())
+    return headlab.open_run(str(path)).results["atlas"]
+
+
+@pytest.mark.slow
+def test_headlab_atlas_as_typed_on_the_embedded_model(tmp_path):
+    res = typed(["atlas", "headlab-tiny", "--out", "runs"], tmp_path)
+    assert "atlas: skipped segment_divergence: the model reads no images" in res.stderr
+    ds = stored_cube(tmp_path / "runs")
+    assert "segment_divergence" not in ds["detector"].values and "retrieval" in ds["detector"].values
+    assert "previous_token" in res.stdout and "labelled" in res.stdout
+    assert bool(ds["label"].sel(detector="previous_token", layer=2, head=0))
+    assert int(ds["label"].sel(detector="induction").sel(layer=3).sum()) >= 3
+
+
+@pytest.mark.slow
+def test_headlab_atlas_as_typed_on_a_saved_gqa_llama_and_the_tiny_llava(tmp_path):
+    tok = word_tokenizer()
+    lm, _ = build_models(tiny_config(len(tok), hidden_size=32, initializer_range=0.2), seed=0, tokenizer=tok,
+                         impls=("headlab",))
+    ckpt = tmp_path / "gqa-llama"
+    lm.model.save_pretrained(str(ckpt))
+    tok.save_pretrained(str(ckpt))
+    res = typed(["atlas", str(ckpt), "--out", "gqa", "--tokens", "16", "--n", "2"], tmp_path)
+    assert "atlas: skipped successor" in res.stderr  # the word tokenizer has no ordinal tokens
+    ds = stored_cube(tmp_path / "gqa")
+    assert ds.sizes["layer"] == 2 and ds.sizes["head"] == 4 and "composition" in ds["detector"].values
+    res = typed(["atlas", "headlab-tiny-vlm", "--out", "vlm", "--tokens", "16", "--n", "2", "--importance"], tmp_path)
+    ds = stored_cube(tmp_path / "vlm")
+    assert {"segment_divergence", "head_importance", "ships"} <= set(ds["detector"].values)
+    assert "null mean + 3 std" in str(ds["threshold_source"].sel(detector="segment_divergence").values)
