@@ -41,17 +41,19 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 import xarray as xr
+from pydantic import Field
 
 from headlab import Example, LoadedModel, Plan, TaskContext, component, draw_like, forward, tokenize
 from headlab.plugins.detectors.ablation import ablate, metric_config
 from headlab.plugins.detectors.successor import SEQUENCES, sequence_tokens
+from headlab.spec import PositiveInt, Seed, StrictModel
 
-__all__ = ["CAUSAL_METRICS", "HARM_SIGN", "causal_check", "causal_lines", "draw_controls", "log_perplexity", "repeat_loss",
+__all__ = ["CAUSAL_METRICS", "CausalConfig", "HARM_SIGN", "causal_check", "causal_lines", "draw_controls", "log_perplexity", "repeat_loss",
            "successor_accuracy", "successor_examples", "top_labelled"]
 
 Head = tuple[int, int]
@@ -68,6 +70,22 @@ CAUSAL_METRICS: dict[str, str] = {
 }
 #: +1: a larger metric is worse (losses); -1: a larger metric is better (recall, accuracy)
 HARM_SIGN: dict[str, int] = {"repeat_loss": 1, "log_perplexity": 1, "needle_recall": -1, "successor_accuracy": -1}
+
+
+
+class CausalConfig(StrictModel):
+    """The atlas's causal check: each labelled role's top-k heads masked vs k random heads of the same layers."""
+
+    k: PositiveInt = Field(4, description="labelled heads masked per role (its best-ranked; fewer if fewer are "
+                           "labelled)")
+    draws: PositiveInt = Field(5, ge=2, description="random control draws (at least 2: the support test uses their "
+                               "spread)")
+    mode: Literal["output", "query", "score"] = Field(
+        "output", description="the mask: output zeroes the head output (ablation); query zeroes the query "
+        "(uniform attention); score zeroes the scores")
+    seed: Seed = Field(0, description="offset added to the run seed for the random draws and the tasks")
+    batch_size: PositiveInt = Field(16, description="prompts per forward")
+
 
 _DEFAULT_REPEAT = {"kind": "repeated_tokens", "n": 16, "length": 24}
 

@@ -15,6 +15,11 @@ of the detectors both cubes hold, and attrs ``compare_model`` (B's name), ``gain
 detector -> ``["L<layer>H<head>", ...]``) and ``compare_only`` (JSON: detectors one model's cube lacks, with
 which). :func:`geometry_mismatch` says how two head geometries differ; the atlas refuses to compare models
 whose layers, heads, key/value heads or head dimension differ.
+
+In the atlas (``atlas: {compare: B}``, ``headlab atlas A --compare B``) B is loaded like A (a registered model's
+name or a local checkpoint directory, on A's device and dtype; :func:`load_like`), its geometry is checked before
+any detector runs, B's atlas is built with A's settings and seed, and :func:`merge_comparison` adds the
+comparison to A's cube: one result holds both (``score`` and ``label`` are A's; ``score_b``, ``label_b`` B's).
 """
 
 from __future__ import annotations
@@ -25,9 +30,10 @@ import warnings
 import numpy as np
 import xarray as xr
 
-from headlab import Geometry
+from headlab import Geometry, LoadedModel, component, load_model
+from headlab.spec import ModelSpec
 
-__all__ = ["compare_cubes", "comparison_lines", "geometry_mismatch"]
+__all__ = ["compare_cubes", "comparison_lines", "geometry_mismatch", "load_like", "merge_comparison"]
 
 
 def geometry_mismatch(a: Geometry, b: Geometry) -> str | None:
@@ -97,3 +103,43 @@ def comparison_lines(ds: xr.Dataset) -> list[str]:
         text += f"  gained: {', '.join(gained[d]) or '-'}  lost: {', '.join(lost[d]) or '-'}"
         lines.append(text)
     return lines
+
+
+def load_like(ref: str, lm: LoadedModel) -> LoadedModel:
+    """The model ``ref`` names (a registered model's name or a local checkpoint directory; remote code off), on
+    ``lm``'s device and in its dtype; ``ValueError`` when ``ref`` is neither or its geometry differs from ``lm``'s."""
+    from pathlib import Path
+
+    try:
+        component("models", ref)
+        spec = ModelSpec(id=ref)
+    except Exception:  # noqa: BLE001 - not a registered name: a checkpoint directory or nothing
+        if not Path(ref).expanduser().is_dir():
+            raise ValueError(f"compare: {ref!r} is neither a registered model (headlab-tiny, ...) nor a local "
+                             "checkpoint directory; give the model to compare with as one of them") from None
+        spec = ModelSpec(path=str(Path(ref).expanduser()))
+    dtype = str(getattr(lm.model, "dtype", "float32")).removeprefix("torch.")
+    device = str(getattr(lm.model, "device", "cpu"))
+    spec = spec.model_copy(update={"device": device, "dtype": dtype if dtype in ("float32", "bfloat16", "float16")
+                                   else "auto"})
+    other = load_model(spec)
+    diff = geometry_mismatch(lm.geometry, other.geometry)
+    if diff is not None:
+        raise ValueError(f"compare: {ref} does not have the geometry of {lm.name} ({diff}); compare two models "
+                         "with the same layers, heads, key/value heads and head_dim (a base model and its "
+                         "fine-tune, two checkpoints of one run)")
+    return other
+
+
+def merge_comparison(cube: xr.Dataset, comparison: xr.Dataset) -> xr.Dataset:
+    """``cube`` (A's) with the comparison's variables and attrs added, on A's detectors (a detector B lacks:
+    ``score_b``, ``score_diff`` and the correlation NaN, ``label_b`` False, ``label_change`` 0)."""
+    full = comparison.reindex(detector=cube["detector"].values)
+    missing = ~cube["detector"].isin(comparison["detector"].values)
+    out = cube.copy()
+    for name in ("score_b", "score_diff", "rank_correlation", "rank_correlation_p"):
+        out[name] = full[name].astype(float)
+    out["label_b"] = full["label_b"].where(~missing, False).astype(bool)
+    out["label_change"] = full["label_change"].where(~missing, 0).astype(np.int8)
+    out.attrs.update(comparison.attrs)
+    return out
