@@ -205,3 +205,17 @@ def test_successor_accuracy_and_log_perplexity_equal_hooked_eager_forwards(gqa):
         rows = [ex.input_ids for ex in examples]
         np.testing.assert_allclose(log_perplexity(lm, examples, heads, batch_size=7),
                                    [nll.mean() for nll in _eager_nll(eager, rows, heads)], rtol=1e-4, atol=1e-5)
+
+
+def test_the_atlas_labels_the_constructed_head_and_its_causal_check_supports_it(circuit):
+    from headlab.plugins.atlas.atlas import build_atlas
+
+    lm = circuit[0]
+    cube = build_atlas(lm, detectors=["previous_token", "induction"], tokens=32, n=4, seed=0)
+    assert np.argwhere(cube["label"].sel(detector="previous_token").values).tolist() == [[0, 0]]
+    assert np.argwhere(cube["label"].sel(detector="induction").values).tolist() == [[1, 0]]
+    checked = causal_check(lm, cube, k=4, draws=3, seed=0)
+    assert checked["supported"].values.tolist() == [True, True]
+    # the metric ran on the atlas's own task for these detectors (recorded in detector_steps)
+    assert json.loads(cube.attrs["detector_steps"])["previous_token"]["task"]["kind"] == "repeated_tokens"
+    assert (checked["effect"] > 1.0).all() and (np.abs(checked["control_effect"]) < 0.1).all()
