@@ -219,3 +219,29 @@ def test_the_atlas_labels_the_constructed_head_and_its_causal_check_supports_it(
     # the metric ran on the atlas's own task for these detectors (recorded in detector_steps)
     assert json.loads(cube.attrs["detector_steps"])["previous_token"]["task"]["kind"] == "repeated_tokens"
     assert (checked["effect"] > 1.0).all() and (np.abs(checked["control_effect"]) < 0.1).all()
+
+
+def test_causal_options_are_validated_in_the_spec():
+    from fixtures.specs import spec_error, spec_text
+
+    message = spec_error(spec_text("  - id: atlas\n    atlas: {causal: {draws: 1}}\n"))
+    assert "causal" in message and "draws" in message
+    message = spec_error(spec_text("  - id: atlas\n    atlas: {causal: {mode: mean}}\n"))
+    assert "mode" in message
+
+
+@pytest.mark.slow
+def test_causal_check_from_the_command_line_on_the_embedded_model(tmp_path, capfd):
+    import headlab
+
+    from fixtures.cli import command
+
+    code, out, err = command(["atlas", "headlab-tiny", "--causal", "--out", str(tmp_path), "--n", "4",
+                              "--tokens", "32", "--detectors", "previous_token,induction,successor"], capfd)
+    assert code == 0, err
+    ds = headlab.open_run(next(tmp_path.iterdir())).results["atlas"]
+    assert bool(ds["supported"].sel(detector="previous_token"))
+    assert set(ds["causal_heads"].sel(detector="previous_token").values) - {""} == {"L2H0", "L2H5", "L1H5"}
+    assert ds["control_effect"].dims == ("detector", "draw") and ds.sizes["draw"] == 5
+    assert "causal check" in out and "previous_token: supported (repeat_loss: effect +" in out
+    assert "successor: no labelled heads" in out

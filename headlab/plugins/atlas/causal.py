@@ -26,7 +26,7 @@ Other roles (copy suppression, composition, importance, ...) have no behavioural
 ``effect`` is the metric's change in the direction of harm, so larger means more harm: masked minus unmasked
 for the two losses, unmasked minus masked for recall and accuracy; ``control_effect (detector, draw)`` is the
 same for each random draw. A label is causally ``supported`` when its effect is positive and exceeds the
-controls' mean plus two sample standard deviations (``ddof=1``; with one draw, that draw's effect).
+controls' mean plus two sample standard deviations (``ddof=1``; at least two draws).
 ``causal_status (detector)`` is one of ``supported``, ``not supported`` (the heads do no more than random
 heads), ``no labelled heads``, ``no causal metric`` or ``no task: <why>``.
 
@@ -46,7 +46,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 import xarray as xr
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from headlab import Example, LoadedModel, Plan, TaskContext, component, draw_like, forward, tokenize
 from headlab.plugins.detectors.ablation import ablate, metric_config
@@ -78,13 +78,20 @@ class CausalConfig(StrictModel):
 
     k: PositiveInt = Field(4, description="labelled heads masked per role (its best-ranked; fewer if fewer are "
                            "labelled)")
-    draws: PositiveInt = Field(5, ge=2, description="random control draws (at least 2: the support test uses their "
+    draws: PositiveInt = Field(5, description="random control draws (at least 2: the support test uses their "
                                "spread)")
     mode: Literal["output", "query", "score"] = Field(
         "output", description="the mask: output zeroes the head output (ablation); query zeroes the query "
         "(uniform attention); score zeroes the scores")
     seed: Seed = Field(0, description="offset added to the run seed for the random draws and the tasks")
     batch_size: PositiveInt = Field(16, description="prompts per forward")
+
+    @field_validator("draws")
+    @classmethod
+    def _draws(cls, value: int) -> int:
+        if value < 2:
+            raise ValueError("draws: at least 2 random draws (supported means above their mean + 2 std)")
+        return value
 
 
 _DEFAULT_REPEAT = {"kind": "repeated_tokens", "n": 16, "length": 24}
@@ -243,8 +250,8 @@ def causal_check(lm: LoadedModel, cube: xr.Dataset, *, k: int = 4, draws: int = 
     ``k``: heads masked per role; ``draws``: random control draws; ``seed``: seeds the draws and the tasks;
     ``mode``: the head mask (``output``: zero ``z``; ``query``; ``score``); ``progress``: wraps the roles'
     iteration (as ``StepContext.progress``)."""
-    if k < 1 or draws < 1:
-        raise ValueError(f"causal check: k and draws must be >= 1 (got k={k}, draws={draws})")
+    if k < 1 or draws < 2:
+        raise ValueError(f"causal check: k >= 1 and draws >= 2 (got k={k}, draws={draws})")
     detectors = [str(d) for d in cube["detector"].values]
     steps = json.loads(cube.attrs.get("detector_steps", "{}") or "{}")
     n_layers, n_heads = cube.sizes["layer"], cube.sizes["head"]
@@ -291,7 +298,7 @@ def causal_check(lm: LoadedModel, cube: xr.Dataset, *, k: int = 4, draws: int = 
         base[i] = unmasked
         effect[i] = sign * (values[0] - unmasked)
         control[i] = [sign * (v - unmasked) for v in values[1:]]
-        spread = float(np.std(control[i], ddof=1)) if draws > 1 else 0.0
+        spread = float(np.std(control[i], ddof=1))
         supported[i] = bool(effect[i] > 0 and effect[i] > float(np.mean(control[i])) + 2 * spread)
         status[i] = "supported" if supported[i] else "not supported"
         masked[i][: len(top)] = _names(top)
