@@ -237,10 +237,14 @@ def test_causal_check_from_the_command_line_on_the_embedded_model(tmp_path, capf
     from fixtures.cli import command
 
     code, out, err = command(["atlas", "headlab-tiny", "--causal", "--out", str(tmp_path), "--n", "4",
-                              "--tokens", "32", "--detectors", "previous_token,induction,successor"], capfd)
+                              "--tokens", "64", "--detectors", "previous_token,induction,retrieval,successor"], capfd)
     assert code == 0, err
     ds = headlab.open_run(next(tmp_path.iterdir())).results["atlas"]
     assert bool(ds["supported"].sel(detector="previous_token"))
+    # the retrieval-head paper's finding on the embedded model: its retrieval heads carry needle recall
+    r = ds.sel(detector="retrieval")
+    assert str(r["causal_metric"].values) == "needle_recall" and bool(r["supported"])
+    assert float(r["causal_base"]) - float(r["effect"]) < 0.5 < float(r["causal_base"])
     assert set(ds["causal_heads"].sel(detector="previous_token").values) - {""} == {"L2H0", "L2H5", "L1H5"}
     assert ds["control_effect"].dims == ("detector", "draw") and ds.sizes["draw"] == 5
     assert "causal check" in out and "previous_token: supported (repeat_loss: effect +" in out
