@@ -17,6 +17,7 @@ import xarray as xr
 from headlab.plugins.atlas.causal import (
     causal_check,
     causal_lines,
+    draw_controls,
     log_perplexity,
     successor_accuracy,
     successor_examples,
@@ -249,3 +250,14 @@ def test_causal_check_from_the_command_line_on_the_embedded_model(tmp_path, capf
     assert ds["control_effect"].dims == ("detector", "draw") and ds.sizes["draw"] == 5
     assert "causal check" in out and "previous_token: supported (repeat_loss: effect +" in out
     assert "successor: no labelled heads" in out
+
+
+def test_controls_are_drawn_in_the_top_heads_layers_or_from_the_whole_model_when_a_layer_is_full():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        heads, matched = draw_controls([(0, 1), (2, 0), (2, 3)], 3, 4, rng)
+        assert matched and sorted(ly for ly, _ in heads) == [0, 2, 2]
+        assert not {(0, 1), (2, 0), (2, 3)} & set(heads) and len(set(heads)) == 3
+    full = [(1, h) for h in range(4)]
+    heads, matched = draw_controls(full, 3, 4, rng)
+    assert not matched and len(set(heads)) == 4 and not set(full) & set(heads)

@@ -195,7 +195,8 @@ def successor_accuracy(lm: LoadedModel, examples: list[Example], heads: list[Hea
 def _build_task(lm: LoadedModel, task: dict[str, Any], seed: int) -> list[Example]:
     comp = component("tasks", str(task["kind"]))
     config = comp.config.model_validate(task)
-    return comp.impl(config, TaskContext(tokenizer=lm.tokenizer, seed=seed, vocab_size=lm.model.config.get_text_config().vocab_size))
+    vocab_size = lm.model.config.get_text_config().vocab_size
+    return comp.impl(config, TaskContext(tokenizer=lm.tokenizer, seed=seed, vocab_size=vocab_size))
 
 
 class _Measure:
@@ -205,7 +206,6 @@ class _Measure:
                  step: dict[str, Any]):
         self.lm, self.metric, self.examples, self.mode, self.batch_size = lm, metric, examples, mode, batch_size
         self.step = step
-        self._base: float | None = None
 
     def values(self, conditions: list[list[Head]]) -> list[float]:
         if self.metric == "needle_recall":
