@@ -84,11 +84,23 @@ def tiny_atlas(tmp_path_factory):
     main(["atlas", "headlab-tiny", "--out", str(out), "--tokens", "16", "--n", "2", "--detectors", ",".join(names)])  # returns when done (exits only on an error)
     (path,) = list(out.iterdir())
     ds = headlab.open_run(str(path)).results["atlas"]
+    return (ds, *alone(ds, "headlab-tiny", out / "alone"))
+
+
+def alone(ds: xr.Dataset, model, out: Path) -> tuple[dict, headlab.Run]:
+    """The cube's ``detector_steps`` and the run of a spec holding each of them as a step with its own task."""
     steps = json.loads(ds.attrs["detector_steps"])
-    spec = {"name": "slices", "model": "headlab-tiny", "seed": 0, "task": steps["previous_token"]["task"],
+    spec = {"name": "slices", "model": model, "seed": int(ds.attrs["seed"]), "task": steps["previous_token"]["task"],
             "steps": [{"id": name, "task": step["task"], "detect": step["detect"]} for name, step in steps.items()]}
-    alone = headlab.run(spec, out=str(out / "alone"))
-    return ds, steps, alone
+    return steps, headlab.run(spec, out=str(out))
+
+
+def assert_same_slices(ds: xr.Dataset, steps: dict, run: headlab.Run) -> None:
+    for name, step in steps.items():
+        want = run.results[name][step["variable"]]
+        want = want.mean("example") if "example" in want.dims else want
+        np.testing.assert_allclose(ds["score"].sel(detector=name).values, want.transpose("layer", "head").values,
+                                   atol=1e-6, err_msg=name)
 
 
 def test_headlab_atlas_on_headlab_tiny_stores_the_cube(tiny_atlas):
@@ -107,16 +119,12 @@ def test_headlab_atlas_on_headlab_tiny_stores_the_cube(tiny_atlas):
 
 
 def test_each_slice_equals_its_detector_as_its_own_spec_step(tiny_atlas):
-    ds, steps, alone = tiny_atlas
+    ds, steps, run = tiny_atlas
+    assert_same_slices(ds, steps, run)
     for name, step in steps.items():
-        want = alone.results[name][step["variable"]]
-        want = want.mean("example") if "example" in want.dims else want
-        np.testing.assert_allclose(ds["score"].sel(detector=name).values, want.transpose("layer", "head").values,
-                                   atol=1e-6, err_msg=name)
-        n = len(alone.results[name]["example"]) if step["task"]["kind"] != "weights" else 0
         assert step["detect"]["kind"] in (name, "copy_suppression")
         if name in PATTERN:
-            assert int(ds["n_examples"].sel(detector=name)) == n == 2
+            assert int(ds["n_examples"].sel(detector=name)) == len(run.results[name]["example"]) == 2
 
 
 def test_labels_follow_the_recorded_thresholds_and_the_null(tiny):
@@ -267,6 +275,7 @@ def test_headlab_atlas_as_typed_on_the_embedded_model(tmp_path):
     assert "previous_token" in res.stdout and "labelled" in res.stdout
     assert bool(ds["label"].sel(detector="previous_token", layer=2, head=0))
     assert int(ds["label"].sel(detector="induction").sel(layer=3).sum()) >= 3
+    assert_same_slices(ds, *alone(ds, "headlab-tiny", tmp_path / "alone"))  # retrieval among them
 
 
 @pytest.mark.slow
