@@ -67,6 +67,8 @@ from headlab.resources import Estimate, EstimateContext
 from headlab.scoring import build_examples
 from headlab.spec import PositiveInt, StrictModel
 
+from .causal import CausalConfig, causal_check, causal_lines
+from .compare import compare_cubes, comparison_lines, load_like, merge_comparison
 from .tasks import ATLAS_DETECTORS, SHARED_PATTERN, detector_step, not_applicable
 
 __all__ = ["AtlasConfig", "AtlasSkipped", "atlas", "build_atlas", "cube", "pattern_scores", "reinitialised"]
@@ -94,6 +96,12 @@ class AtlasConfig(StrictModel):
         "reinit", description="reinit: check each threshold against the same detectors on the same architecture "
         "with re-initialised weights (seeded); none: the default thresholds alone")
     batch_size: PositiveInt = Field(8, description="prompts per forward of the shared pattern pass")
+    causal: CausalConfig | None = Field(
+        None, description="the causal check (docs/atlas.md#causal-check): mask each labelled role's top-k heads vs "
+        "k random heads of the same layers and measure the role's own metric; {} for the defaults")
+    compare: str | None = Field(
+        None, min_length=1, description="compare with model B (docs/atlas.md#compare): a registered model's name or "
+        "a local checkpoint directory of the same geometry; adds B's atlas and the per-head differences")
 
     @field_validator("detectors")
     @classmethod
@@ -404,16 +412,30 @@ def cube(n_layers: int, n_heads: int, names: list[str], slices: dict[str, _Slice
 
 # --------------------------------------------------------------------------- the action
 def atlas(config: AtlasConfig, ctx: StepContext) -> xr.Dataset:
-    """The ``atlas`` action: :func:`build_atlas` of the step's model with the run's seed."""
-    ds = build_atlas(ctx.model, detectors=config.detectors, tokens=config.tokens, n=config.n,
-                     importance=config.importance, null=config.null, seed=ctx.seed, batch_size=config.batch_size,
-                     ctx=ctx)
+    """The ``atlas`` action: :func:`build_atlas` of the step's model with the run's seed; with ``causal`` the
+    causal check added (:func:`headlab.plugins.atlas.causal.causal_check`), with ``compare`` model B's atlas and the
+    differences (:mod:`headlab.plugins.atlas.compare`)."""
+    other = load_like(config.compare, ctx.model) if config.compare is not None else None
+    options = dict(detectors=config.detectors, tokens=config.tokens, n=config.n, importance=config.importance,
+                   null=config.null, seed=ctx.seed, batch_size=config.batch_size, ctx=ctx)
+    ds = build_atlas(ctx.model, **options)
+    if config.causal is not None:
+        c = config.causal
+        ds = causal_check(ctx.model, ds, k=c.k, draws=c.draws, seed=ctx.seed + c.seed, mode=c.mode,
+                          batch_size=c.batch_size, progress=ctx.progress)
+    if other is not None:
+        try:
+            ds_b = build_atlas(other, **options)
+        finally:
+            del other
+        ds = merge_comparison(ds, compare_cubes(ds, ds_b, model_b=str(config.compare)))
     ds.attrs["example_source"] = "atlas: the built-in tasks of detector_steps"
     return ds
 
 
 def atlas_spec(model: str, *, detectors: list[str] | None = None, tokens: int = 64, n: int = 8,
-               importance: bool = False, null: str = "reinit", seed: int = 0) -> dict[str, Any]:
+               importance: bool = False, null: str = "reinit", seed: int = 0, causal: bool = False,
+               compare: str | None = None) -> dict[str, Any]:
     """The spec ``headlab atlas MODEL`` runs: ``model`` (a registered model's name or a local checkpoint
     directory, remote code off) and one ``atlas`` step. Bad arguments are a :class:`headlab.SpecError` naming
     the option."""
@@ -435,6 +457,10 @@ def atlas_spec(model: str, *, detectors: list[str] | None = None, tokens: int = 
     options: dict[str, Any] = {"tokens": tokens, "n": n, "importance": importance, "null": null}
     if detectors is not None:
         options["detectors"] = detectors
+    if causal:
+        options["causal"] = {}
+    if compare is not None:
+        options["compare"] = compare
     try:
         config = AtlasConfig.model_validate(options)
     except ValidationError as e:
@@ -462,7 +488,8 @@ def atlas_lines(ds: xr.Dataset, top: int = 3) -> list[str]:
 
 @hookimpl
 def headlab_register_commands(app: Any, run_spec: Callable[..., Any]) -> None:
-    """``headlab atlas MODEL --out DIR [--detectors a,b] [--tokens N] [--n N] [--importance] [--null none]``."""
+    """``headlab atlas MODEL --out DIR [--detectors a,b] [--tokens N] [--n N] [--importance] [--null none]
+    [--causal] [--compare B]``."""
 
     @app.command("atlas")
     def atlas_command(
@@ -479,10 +506,16 @@ def headlab_register_commands(app: Any, run_spec: Callable[..., Any]) -> None:
         null: Annotated[str, typer.Option("--null", help="reinit (re-initialised weights, seeded) or none")]
         = "reinit",
         seed: Annotated[int, typer.Option("--seed", min=0, help="seed of the tasks and the null")] = 0,
+        causal: Annotated[bool, typer.Option("--causal", help="check each labelled role by masking its top heads "
+                                             "against random heads of the same layers")] = False,
+        compare: Annotated[str | None, typer.Option(
+            "--compare", metavar="B", help="compare with model B (same geometry): per-head score and label "
+            "differences, rank correlations")] = None,
     ) -> None:
         """Label every head of MODEL by every detector that applies (docs/atlas.md)."""
         names = [m.strip() for m in detectors.split(",") if m.strip()] if detectors is not None else None
-        spec = atlas_spec(model, detectors=names, tokens=tokens, n=n, importance=importance, null=null, seed=seed)
+        spec = atlas_spec(model, detectors=names, tokens=tokens, n=n, importance=importance, null=null, seed=seed,
+                          causal=causal, compare=compare)
         with warnings.catch_warnings():
             warnings.simplefilter("always", AtlasSkipped)
             shown = warnings.showwarning
@@ -495,8 +528,17 @@ def headlab_register_commands(app: Any, run_spec: Callable[..., Any]) -> None:
 
             warnings.showwarning = show
             result = run_spec(spec, out=out)
-        for line in atlas_lines(result.results["atlas"]):
+        ds = result.results["atlas"]
+        for line in atlas_lines(ds):
             typer.echo(line)
+        if "causal_status" in ds:
+            typer.echo("causal check (effect: harm when the top heads are masked; random heads: mean +- std):")
+            for line in causal_lines(ds):
+                typer.echo("  " + line)
+        if "score_diff" in ds:
+            typer.echo(f"compared with {ds.attrs['compare_model']}:")
+            for line in comparison_lines(ds):
+                typer.echo("  " + line)
 
 
 @hookimpl
