@@ -36,7 +36,7 @@ from rich.text import Text
 from .context import Reporter
 from .errors import INTERRUPTED, INVALID, exit_code, one_line
 
-__all__ = ["app", "main"]
+__all__ = ["app", "main", "register_plugin_commands", "run_spec"]
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="headlab: find, steer and decode with the attention heads of language models.")
@@ -178,9 +178,6 @@ def run(
         "HEADLAB_MEMORY_LIMIT and the spec's limits.memory; default: 80% of this machine's memory")] = None,
 ) -> None:
     """Run a spec: every step of every sweep cell, writing results to a zarr store."""
-    import warnings
-
-    from . import runner
     from .resources import ENV
     from .spec import SpecError, parse_size
 
@@ -211,15 +208,35 @@ def run(
     if memory_limit is not None:
         os.environ[ENV] = memory_limit
     execution = {k: v for k, v in (("executor", executor), ("address", address)) if v is not None}
+    try:
+        run_spec(spec, out=out, overrides=_parse_set(set_ or []), resume=resume, execution=execution,
+                 recompute=recompute)
+    finally:
+        if memory_limit is not None:  # the option holds for this command only (main() may run again in process)
+            if previous is None:
+                os.environ.pop(ENV, None)
+            else:
+                os.environ[ENV] = previous
+
+
+def run_spec(spec: Any, *, out: str | None = None, overrides: dict[str, Any] | None = None, resume: str | None = None,
+             execution: dict[str, Any] | None = None, recompute: bool = False) -> Any:
+    """Run a spec (path, YAML text or mapping; or ``resume`` a stored run) as ``headlab run`` does: progress on
+    stderr, Ctrl-C keeps the finished cells (exit 130), then the summary and the run's location; exit 1 when a
+    cell failed. Returns the :class:`headlab.Run`. Plugin commands receive it (``headlab_register_commands``)."""
+    import warnings
+
+    from . import runner
+
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     try:
         with Progress(*columns, console=err, transient=False, disable=not err.is_terminal) as progress, \
                 warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".* cells of run .* failed")
             reporter = RichReporter(progress) if err.is_terminal else LineReporter()
-            result = runner.run(spec, out=out, overrides=_parse_set(set_ or []), reporter=reporter,
-                                execution=execution, cancel=_signalled.__len__) if resume is None else \
-                runner.run(None, resume=resume, reporter=reporter, execution=execution, recompute=recompute,
+            result = runner.run(spec, out=out, overrides=overrides or {}, reporter=reporter,
+                                execution=execution or {}, cancel=_signalled.__len__) if resume is None else \
+                runner.run(None, resume=resume, reporter=reporter, execution=execution or {}, recompute=recompute,
                            cancel=_signalled.__len__)
     except KeyboardInterrupt as e:
         store = next((n.removeprefix("run store: ") for n in getattr(e, "__notes__", [])
@@ -231,12 +248,6 @@ def run(
                            f"`headlab run --resume {store}`"), soft_wrap=True)
         _reported.append("interrupted")
         raise typer.Exit(INTERRUPTED) from None
-    finally:
-        if memory_limit is not None:  # the option holds for this command only (main() may run again in process)
-            if previous is None:
-                os.environ.pop(ENV, None)
-            else:
-                os.environ[ENV] = previous
     _print_summary(result)
     console.print(f"[bold]run stored at[/bold] {result.location}")
     if result.failed_cells or result.cells_done < result.cells_total:
@@ -244,6 +255,7 @@ def run(
         err.print(f"[red]{result.cells_total - result.cells_done} of {result.cells_total} cells failed[/red]; "
                   f"finish them with `headlab run --resume {result.location}`", highlight=False, soft_wrap=True)
         raise typer.Exit(1)
+    return result
 
 
 def _print_failures(result: Any) -> None:
@@ -561,9 +573,29 @@ def main(argv: list[str] | None = None) -> None:
             signal.signal(signum, handler)
 
 
+_plugin_commands: list[bool] = []  # [True] once the plugins' commands are on `app`
+
+
+def _builtin_commands() -> set[str]:
+    return {c.name or (c.callback.__name__.replace("_", "-") if c.callback else "") for c in app.registered_commands}
+
+
+def register_plugin_commands() -> None:
+    """Add the commands of every plugin's ``headlab_register_commands`` to ``app`` (once per process)."""
+    if _plugin_commands:
+        return
+    _plugin_commands.append(True)
+    from .plugin_manager import get_manager
+
+    get_manager().pm.hook.headlab_register_commands(app=app, run_spec=run_spec)
+
+
 def _main(args: list[str], debug: bool) -> None:
     _reported.clear()
     try:
+        first = next((a for a in args if not a.startswith("-")), None)
+        if first is None or first not in _builtin_commands():  # a plugin's command, or the list of commands
+            register_plugin_commands()
         code = app(args, standalone_mode=False)
     except (typer.Abort, KeyboardInterrupt):
         code = INTERRUPTED

@@ -45,6 +45,8 @@ DIMENSIONS: dict[str, str] = {
     "choice": "an answer option of a multiple-choice example",
     "task": "a task: an lm-evaluation-harness task (or group) an evaluate step ran, coordinates are its names; "
             "or one of the tasks a detector profiles heads on (pasta_profile)",
+    "detector": "a detector of the head atlas: the role it scores (previous_token, induction, retrieval, ...); "
+                "coordinates are the names",
     "k": "a number of heads masked together (ablation)",
     "draw": "a random draw of heads (ablation's control)",
     "rank": "a place in a ranked list of heads (0 = first)",

@@ -40,7 +40,7 @@ from typing import Any
 
 import pluggy
 
-__all__ = ["Register", "headlab_register_actions", "headlab_register_choice_metrics",
+__all__ = ["Register", "headlab_register_actions", "headlab_register_choice_metrics", "headlab_register_commands",
            "headlab_register_decoders", "headlab_register_detectors", "headlab_register_executors",
            "headlab_register_kv_policies", "headlab_register_metrics", "headlab_register_models", "headlab_register_steering",
            "headlab_register_tasks", "hookimpl", "hookspec"]
@@ -219,4 +219,27 @@ def headlab_register_kv_policies(register: Register) -> None:
     ``random`` live in ``headlab.plugins.kv``). Heads come from
     ``ctx.results`` and the model's geometry (``headlab.kv.kv_heads`` resolves any head selection into KV
     heads); a :class:`headlab.kv.HeadwiseCache` holds a cache laid out by the map.
+    """
+
+
+@hookspec
+def headlab_register_commands(app: Any, run_spec: Callable[..., Any]) -> None:
+    """Add commands to the ``headlab`` command line (as ``llm``'s ``register_commands``).
+
+    ``app`` is the command line's ``typer.Typer``: ``@app.command("atlas")`` adds ``headlab atlas``. Called once
+    when the command line is built, for a command that is not one of headlab's own (and for ``headlab --help``),
+    so ``headlab run`` loads no plugin's commands. ``run_spec(spec, out=None) -> headlab.Run`` runs a spec (a
+    path, YAML text or a mapping) as ``headlab run`` does: progress on stderr, Ctrl-C stores the finished cells,
+    the summary table and the run's location printed, exit code 1 when a cell failed. A command reports bad input
+    by raising ``ValueError`` or :class:`headlab.SpecError` (one line, exit 2), never with ``sys.exit``. Example::
+
+        import typer
+        from headlab import hookimpl
+
+        @hookimpl
+        def headlab_register_commands(app, run_spec):
+            @app.command("hello")
+            def hello(name: str = typer.Argument("world")) -> None:
+                \"\"\"Say hello.\"\"\"
+                typer.echo(f"hello {name}")
     """

@@ -289,7 +289,8 @@ def test_invalid_registrations_are_clear_errors(registered):
 
     with pytest.raises(headlab.PluginError, match="action name 'task'"):
         registered(ReservedAction)
-    assert set(get_manager().components["actions"]) == {"detect", "generate", "score", "evaluate", "prune_curve", "sav"}
+    assert set(get_manager().components["actions"]) == {"detect", "generate", "score", "evaluate", "prune_curve", "sav",
+                                                     "atlas"}
 
 
 def test_plugin_exiting_at_import_does_not_kill_headlab(tmp_path, monkeypatch):
