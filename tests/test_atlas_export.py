@@ -17,6 +17,7 @@ from headlab.cli import main
 from headlab.heads import read_heads_file
 from headlab.plugins.atlas.export import CSV_NAME, JSON_NAME, write_exports
 from headlab.report import render_report
+from headlab.widgets import AtlasMap, hover_lines, step_view
 
 from fixtures.figures import embedded
 from fixtures.role_cubes import make_cube
@@ -92,6 +93,8 @@ def test_the_report_of_an_atlas_run_shows_the_cube(atlas_run):
         want = [str(n) for n in cube["detector"].values if bool(cube["label"].sel(detector=n, layer=la, head=he))]
         assert rs == (", ".join(want) or "none")
     assert "top 5 heads per role" in page and 'id="step-atlas"' in page
+    view = step_view(atlas_run, "atlas")  # the notebook's figure of the same step
+    assert isinstance(view, AtlasMap) and view.tips[1][2] == hover_lines(cube, 1, 2)
 
 
 def test_atlas_export_command(atlas_run, tmp_path, capsys):
