@@ -14,7 +14,8 @@ progress per detector. The result, the *cube*, has dims ``detector``, ``layer``,
 
 - ``score (detector, layer, head)``: each detector's score, exactly what the detector gives as its own spec
   step (``attrs["detector_steps"][name]``: ``{"task", "detect", "variable"}``, JSON) with the same seed;
-- ``label (detector, layer, head)``: ``score >= threshold``; a head may carry several labels;
+- ``label (detector, layer, head)``: ``score >= threshold``; a head may carry several labels; a detector with no
+  published threshold (segment divergence, gradient importance, Ships) labels only against a null;
 - ``rank (detector, layer, head)``: 1 for the highest score (ties by layer, then head; a missing score last);
 - ``threshold (detector)`` (effective), ``default_threshold (detector)``, ``threshold_source (detector)``,
   ``threshold_raised (detector)`` (the null raised the default);
@@ -24,7 +25,8 @@ progress per detector. The result, the *cube*, has dims ``detector``, ``layer``,
 - attrs ``model``, ``null`` (how the null was made), ``skipped`` (JSON: detector -> why it did not run),
   ``detector_steps``, ``tokens``, ``n``, ``seed``.
 
-Threshold: ``max(default, null_mean + 3 null_std)``, ``null_mean`` and ``null_std`` over every head of the
+Threshold: ``max(default, null_mean + 3 null_std)`` (the null's alone where no default is published; NaN, no
+label, with neither), ``null_mean`` and ``null_std`` over every head of the
 null model. The null (``null: reinit``) is the same architecture with re-initialised weights, seeded: every
 weight matrix drawn from ``N(0, initializer_range^2)`` (the config's, 0.02 when it has none), norm gains 1,
 biases 0; a role learned in training cannot exist there, so what its detector reports on it is chance.
@@ -322,7 +324,9 @@ def build_atlas(lm: LoadedModel, *, detectors: list[str] | None = None, tokens: 
     if null == "reinit":
         null_lm = reinitialised(lm, seed)
         try:
-            nulls = _run_detectors(null_lm, chosen, tokens, n, seed, batch_size, ctx, "null/", None)
+            with warnings.catch_warnings():  # a null model fails the tasks by design ("retrieved no needle")
+                warnings.simplefilter("ignore", UserWarning)
+                nulls = _run_detectors(null_lm, chosen, tokens, n, seed, batch_size, ctx, "null/", None)
         finally:
             del null_lm
     steps = {m: detector_step(m, tokens, n) for m in chosen}
@@ -352,15 +356,18 @@ def cube(n_layers: int, n_heads: int, names: list[str], slices: dict[str, _Slice
     null_mean = np.array([np.nanmean(s) if np.isfinite(s).any() else np.nan for s in null_score])
     null_std = np.array([np.nanstd(s, ddof=1) if np.isfinite(s).sum() > 1 else np.nan for s in null_score])
     default = np.array([slices[m].default if slices[m].default is not None else ATLAS_DETECTORS[m].default
-                        for m in names], dtype=float)
+                        for m in names], dtype=float)  # None: NaN
     floor = null_mean + NULL_SIGMAS * null_std
-    raised = np.isfinite(floor) & (floor > default)
+    raised = np.isfinite(floor) & (np.isnan(default) | (floor > default))
     threshold = np.where(raised, floor, default)
     source = []
     for i, m in enumerate(names):
         own = ATLAS_DETECTORS[m].source
-        source.append(f"null mean + {NULL_SIGMAS:g} std ({floor[i]:.4g}), above the default {default[i]:.4g} ({own})"
-                      if raised[i] else own)
+        if raised[i]:
+            above = f"above the default {default[i]:.4g}" if np.isfinite(default[i]) else "no default"
+            source.append(f"null mean + {NULL_SIGMAS:g} std ({floor[i]:.4g}), {above} ({own})")
+        else:
+            source.append(own if np.isfinite(threshold[i]) else f"{own}; no null was run: no head is labelled")
     label = np.isfinite(score) & (score >= threshold[:, None, None])
     rank = np.stack([_ranks(s) for s in score])
     dims3 = ("detector", "layer", "head")

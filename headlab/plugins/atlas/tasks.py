@@ -31,7 +31,7 @@ class AtlasDetector:
     detect: dict[str, Any]
     variable: str
     task: str
-    default: float
+    default: float | None
     source: str
     importance: bool = False
 
@@ -41,7 +41,7 @@ _HALF = "headlab: half the ceiling of the mul score on a segment repeated twice 
 #: the detectors of the atlas, in the cube's order
 ATLAS_DETECTORS: dict[str, AtlasDetector] = {d.name: d for d in (
     AtlasDetector("previous_token", {"kind": "previous_token"}, "score", "pattern", 0.5,
-                  "headlab: half the attention on the previous token (the issue's and Token-Print's 0.5)"),
+                  "headlab: half of the attention on the previous token"),
     AtlasDetector("duplicate_token", {"kind": "duplicate_token", "exclude_bos": True}, "score", "pattern", 0.25,
                   _HALF),
     AtlasDetector("induction", {"kind": "induction", "exclude_bos": True}, "score", "pattern", 0.25, _HALF),
@@ -53,14 +53,14 @@ ATLAS_DETECTORS: dict[str, AtlasDetector] = {d.name: d for d in (
     AtlasDetector("copy_suppression", {"kind": "copy_suppression", "copying": "eigen"}, "score", "weights", 0.5,
                   "headlab: half the sampled tokens in the bottom-10 of their own OV row"),
     AtlasDetector("copying", {"kind": "copy_suppression", "copying": "eigen"}, "copying", "weights", 0.7,
-                  "headlab: eigenvalue copying score (Elhage et al. 2021's positive-eigenvalue heads)"),
-    AtlasDetector("composition", {"kind": "composition"}, "score", "weights", 0.0,
+                  "headlab: a mostly positive eigenvalue spectrum (none published for the score of Elhage et al. 2021)"),
+    AtlasDetector("composition", {"kind": "composition"}, "score", "weights", None,
                   "random matrices of the heads' shapes: baseline mean + 3 std (Elhage et al. 2021)"),
-    AtlasDetector("segment_divergence", {"kind": "segment_divergence"}, "score", "images", 0.0,
+    AtlasDetector("segment_divergence", {"kind": "segment_divergence"}, "score", "images", None,
                   "none published (VHR selects per layer by the median): the null alone"),
-    AtlasDetector("head_importance", {"kind": "head_importance"}, "score", "kv", 0.0,
+    AtlasDetector("head_importance", {"kind": "head_importance"}, "score", "kv", None,
                   "none published (Michel et al. 2019 rank heads): the null alone", importance=True),
-    AtlasDetector("ships", {"kind": "ships"}, "score", "kv", 0.0,
+    AtlasDetector("ships", {"kind": "ships"}, "score", "kv", None,
                   "none published (Zhou et al. 2025 rank heads): the null alone", importance=True),
 )}
 
