@@ -58,7 +58,7 @@ def role_colours(names: Sequence[str]) -> dict[str, str]:
     return {n: _TABLEAU[i % len(_TABLEAU)] for i, n in enumerate(names)}
 
 
-def cell_size(n_layers: int, n_heads: int, *, largest: int = 18, smallest: int = 6, span: int = 460) -> int:
+def cell_size(n_layers: int, n_heads: int, *, largest: int = 24, smallest: int = 6, span: int = 460) -> int:
     """The side of one cell in pixels: ``largest`` for small models, shrinking so that the grid's longer side
     stays near ``span`` pixels (32 heads: 14), never below ``smallest``."""
     return max(smallest, min(largest, span // max(n_layers, n_heads, 1)))
@@ -201,7 +201,7 @@ def panel_rows(cube: xr.Dataset) -> list[dict[str, Any]]:
         d = cube.sel(detector=name).transpose("layer", "head", ...)
         threshold = per_detector(cube, "threshold", name)
         n = int(d["label"].values.sum())
-        panel = f"{name}: {n} labelled" + (f" (score ≥ {threshold:.3g})" if threshold is not None else "")
+        panel = f"{name}: {n} labelled" + (f" (≥ {threshold:.3g})" if threshold is not None else "")
         score, label = d["score"].values.astype(float), d["label"].values.astype(bool)
         rank = d["rank"].values if "rank" in d else None
         for i, layer in enumerate(d["layer"].values.tolist()):
@@ -218,7 +218,7 @@ def _small_multiples(layers: list[Any], rows: list[dict[str, Any]], panels: list
                      cell: int, n_layers: int, n_heads: int, title: Any) -> figures.Chart:
     chart = alt.layer(*layers).properties(width=cell * n_heads, height=cell * n_layers)
     faceted = chart.facet(facet=alt.Facet("panel:N", sort=panels, title=None, header=alt.Header(
-        labelFontSize=12, labelAnchor="start", labelLimit=cell * n_heads + 40)), columns=columns,
+        labelFontSize=12, labelAnchor="start", labelLimit=max(cell * n_heads + 30, 220))), columns=columns,
         data=alt.Data(values=[]))
     return _with_data(_configure(faceted.properties(title=alt.TitleParams(text=title))), rows)
 
@@ -230,7 +230,7 @@ def role_panels_chart(cube: xr.Dataset, *, columns: int = 4, cell: int | None = 
     labelled heads outlined in red. The tooltip gives the score, label, rank and threshold."""
     names = detectors(cube)
     n_layers, n_heads = cube.sizes["layer"], cube.sizes["head"]
-    cell = cell or max(5, cell_size(n_layers, n_heads) // 2 + 1)
+    cell = cell or cell_size(n_layers, n_heads, span=240, smallest=5)
     rows = panel_rows(cube)
     signed = any(r["score"] is not None and r["score"] < 0 for r in rows)
     scale = (alt.Scale(scheme=figures.DIVERGING_SCHEME, reverse=True, domain=[-1, 1], domainMid=0) if signed
@@ -297,7 +297,7 @@ def change_grid_chart(comparison: xr.Dataset, *, columns: int = 4, cell: int | N
     marked with a triangle up and those that lost it with a triangle down (:data:`CHANGE_SHAPES`)."""
     names = detectors(comparison)
     n_layers, n_heads = comparison.sizes["layer"], comparison.sizes["head"]
-    cell = cell or max(6, cell_size(n_layers, n_heads) // 2 + 2)
+    cell = cell or cell_size(n_layers, n_heads, span=260, smallest=6)
     rows = change_rows(comparison)
     finite = [abs(r["score_diff"]) for r in rows if r["score_diff"] is not None]
     m = max(finite) if finite and max(finite) > 0 else 1.0

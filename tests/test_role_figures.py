@@ -60,7 +60,7 @@ def test_roles_by_head_are_the_labels_and_several_roles_show_as_stripes(cube):
 
 def test_grid_reads_at_32_by_32():
     big = make_cube(32, 32, DETECTORS[:3], seed=3)
-    assert role_figures.cell_size(32, 32) == 14 and role_figures.cell_size(4, 6) == 18
+    assert role_figures.cell_size(32, 32) == 14 and role_figures.cell_size(4, 6) == 24
     spec = figures.figure_spec(role_figures.role_grid_chart(big), validate=False)
     assert (spec["width"], spec["height"]) == (14 * 32, 14 * 32)
     x_ticks = spec["layer"][0]["encoding"]["x"]["axis"]["values"]
