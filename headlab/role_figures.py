@@ -9,8 +9,8 @@ the method that stored it.
 - :func:`role_panels_chart`: small multiples, one ``layer x head`` panel per detector, the score as shade
   (divided by the detector's largest ``|score|``, so every panel uses the whole scale) and labelled heads
   outlined;
-- :func:`causal_chart`: the causal check, per role the effect of ablating its top labelled heads beside the
-  mean of random heads with the draws' 95% range, each bar saying "supported" or "not supported";
+- :func:`causal_chart`: the causal check, per role the harm of ablating its top labelled heads beside the
+  mean of random heads with mean ± 2 std of the draws, each bar saying "supported" or "NOT supported";
 - :func:`change_grid_chart`: a comparison's ``score_diff`` per detector as small multiples on a diverging
   scale, with the heads that gained (triangle up) or lost (triangle down) the role marked;
 - :func:`rank_correlation_chart`: the rank correlation of each detector's scores between the two models;
@@ -252,23 +252,27 @@ def role_panels_chart(cube: xr.Dataset, *, columns: int = 4, cell: int | None = 
 
 
 def causal_chart(cube: xr.Dataset, *, title: str | Sequence[str] = "") -> figures.Chart:
-    """The causal check (:func:`headlab.roles.causal_rows`) as bars: per role, the effect of ablating its top
-    labelled heads, then the random heads' mean with the draws' 95% range (drawn light, as a control); the
-    text past each bar says whether the label is supported."""
+    """The causal check (:func:`headlab.roles.causal_rows`) as bars, per measured role: the harm done to its own
+    metric by ablating its top labelled heads, then the random heads' mean with mean ± 2 std of the draws
+    (drawn light, as a control; the label is supported when the first bar is positive and passes the control's
+    upper end); the text past each bar says whether the label is supported."""
     rows = []
     for r in causal_rows(cube):
+        if r["effect"] is None:
+            continue
+        role = r["detector"] + (f" ({r['metric']})" if r["metric"] else "")
         verdict = {True: "supported", False: "NOT supported", None: ""}[r["supported"]]
-        rows.append({"bar": f"{r['detector']}: top labelled heads", "value": r["effect"], "low": None,
+        rows.append({"bar": f"{role}: top labelled heads", "value": r["effect"], "low": None,
                      "high": None, "note": verdict, "role": r["detector"], "control": False})
         if r["control_mean"] is not None:
-            rows.append({"bar": f"{r['detector']}: random heads", "value": r["control_mean"],
+            rows.append({"bar": f"{role}: random heads", "value": r["control_mean"],
                          "low": r["control_low"], "high": r["control_high"], "note": f"{r['draws']} draws",
                          "role": r["detector"], "control": True})
-    title = title or ["causal check: the role's own metric when its top labelled heads are ablated",
-                      "against random heads matched by layer (mean, 95% range of the draws)"]
-    return figures.bar_chart(rows, category="bar", value="value", value_title="effect on the role's metric",
+    title = title or ["causal check: harm to the role's own metric when its top labelled heads are ablated",
+                      "against random heads matched by layer (mean, ± 2 std of the draws)"]
+    return figures.bar_chart(rows, category="bar", value="value", value_title="harm to the role's metric",
                              category_title="ablated", low="low", high="high", note="note", group="role",
-                             marked="control", title=title)
+                             marked="control", title=title, interval="mean ± 2 std")
 
 
 def change_rows(comparison: xr.Dataset) -> list[dict[str, Any]]:
@@ -368,9 +372,9 @@ def cube_parts(ds: xr.Dataset, step: str = "", *, top: int = 5) -> list[Part]:
         parts.append(Part(name=f"{prefix}score per detector", chart=role_panels_chart(ds)))
         parts.append(_top_table(ds, top))
         causal = causal_rows(ds)
-        if causal:
+        if any(r["effect"] is not None for r in causal):
             parts.append(Part(heading="causal check", name=f"{prefix}causal check", chart=causal_chart(ds)))
-            parts.extend(Part(text=causal_sentence(r)) for r in causal)
+        parts.extend(Part(text=causal_sentence(r)) for r in causal)
     if is_cube_comparison(ds):
         parts.append(Part(heading="comparison of two models", name=f"{prefix}changes",
                           chart=change_grid_chart(ds)))

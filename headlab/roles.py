@@ -167,38 +167,54 @@ def top_heads(cube: xr.Dataset, k: int = 5) -> list[dict[str, Any]]:
 
 
 def causal_rows(cube: xr.Dataset) -> list[dict[str, Any]]:
-    """Per detector with a finite ``effect``: ``detector, effect, control_mean, control_std, control_low,
-    control_high`` (the 2.5th and 97.5th percentiles of the random draws), ``draws`` (finite draws) and
-    ``supported`` (None where the cube does not say)."""
+    """Per detector the cube's causal check says something about: ``detector``, ``metric`` (``causal_metric``),
+    ``status`` (``causal_status``: ``supported``, ``not supported``, ``no labelled heads``, ...; from
+    ``supported`` where the cube has no status), ``effect`` (None where none was measured), ``control_mean``,
+    ``control_std`` (sample std, ``ddof=1``) of the random draws, ``control_low`` / ``control_high`` (mean minus
+    and plus two std: a label is supported when its effect is positive and above ``control_high``), ``draws``
+    (finite draws), ``supported`` (None where the cube does not say) and ``k`` (heads masked per role)."""
     if "effect" not in cube:
         return []
+    k = cube.attrs.get("causal_k")
     rows = []
     for name in detectors(cube):
         effect = per_detector(cube, "effect", name)
-        if effect is None:
+        status = per_detector(cube, "causal_status", name)
+        if effect is None and not status:
             continue
         draws = np.array([], dtype=float)
-        if "control_effect" in cube:
+        if "control_effect" in cube and effect is not None:
             c = cube["control_effect"].sel(detector=name).values.astype(float).ravel()
             draws = c[np.isfinite(c)]
         supported = per_detector(cube, "supported", name)
-        rows.append({"detector": name, "effect": effect,
-                     "control_mean": float(draws.mean()) if draws.size else None,
-                     "control_std": float(draws.std()) if draws.size else None,
-                     "control_low": float(np.percentile(draws, 2.5)) if draws.size else None,
-                     "control_high": float(np.percentile(draws, 97.5)) if draws.size else None,
-                     "draws": int(draws.size), "supported": None if supported is None else bool(supported)})
+        supported = None if supported is None or effect is None else bool(supported)
+        mean = float(draws.mean()) if draws.size else None
+        std = float(draws.std(ddof=1)) if draws.size > 1 else None
+        rows.append({"detector": name, "metric": str(per_detector(cube, "causal_metric", name, "") or ""),
+                     "status": str(status or {True: "supported", False: "not supported", None: ""}[supported]),
+                     "effect": effect, "control_mean": mean, "control_std": std,
+                     "control_low": None if std is None else mean - 2 * std,
+                     "control_high": None if std is None else mean + 2 * std,
+                     "draws": int(draws.size), "supported": supported,
+                     "k": int(k) if isinstance(k, (int, np.integer)) else None})
     return rows
 
 
 def causal_sentence(row: dict[str, Any]) -> str:
-    """One row of :func:`causal_rows` in words: the effect of ablating the role's top labelled heads against
-    random heads, and whether the label is causally supported ("not supported" said as such)."""
+    """One row of :func:`causal_rows` in words: the harm done by ablating the role's top labelled heads against
+    random heads, and whether the label is causally supported ("not supported" said as such); a role that was
+    not measured gets its status."""
+    if row["effect"] is None:
+        return f"{row['detector']}: {row['status'] or 'not measured'}."
+    heads = f"its top {row['k']} labelled heads" if row["k"] else "its top labelled heads"
+    metric = f" ({row['metric']})" if row["metric"] else ""
     control = ("no random draws" if row["control_mean"] is None else
-               f"random heads {row['control_mean']:.3g} ± {row['control_std']:.2g} over {row['draws']} draws")
+               f"random heads {row['control_mean']:+.3g}" + (f" ± {row['control_std']:.2g}" if row["control_std"]
+                                                             is not None else "") + f" over {row['draws']} draws")
     verdict = {True: "supported", False: "not supported: its heads do no more than random heads",
                None: "support not recorded"}[row["supported"]]
-    return f"{row['detector']}: ablating its top labelled heads {row['effect']:.3g}, {control}; {verdict}."
+    return f"{row['detector']}: ablating {heads} harms the role's metric{metric} by {row['effect']:+.3g}, {control}; " \
+           f"{verdict}."
 
 
 def changed_heads(comparison: xr.Dataset) -> list[dict[str, Any]]:

@@ -120,18 +120,23 @@ def test_head_card_has_every_detector(cube):
 
 def test_causal_bars_against_the_draws_and_not_supported_in_words(cube):
     data = _rows(role_figures.causal_chart(cube))
-    for d, name in enumerate(cube["detector"].values):
+    names = list(cube["detector"].values)
+    for d, name in enumerate(names[:-1]):
         draws = cube["control_effect"].values[d]
-        top = next(r for r in data if r["bar"] == f"{name}: top labelled heads")
-        ctrl = next(r for r in data if r["bar"] == f"{name}: random heads")
+        top = next(r for r in data if r["bar"] == f"{name} (repeat_loss): top labelled heads")
+        ctrl = next(r for r in data if r["bar"] == f"{name} (repeat_loss): random heads")
         assert top["_v"] == pytest.approx(float(cube["effect"].values[d])) and not top["control"]
-        assert ctrl["_v"] == pytest.approx(draws.mean()) and ctrl["control"]
-        assert (ctrl["_lo"], ctrl["_hi"]) == pytest.approx((np.percentile(draws, 2.5), np.percentile(draws, 97.5)))
+        mean, std = draws.mean(), draws.std(ddof=1)
+        assert ctrl["_v"] == pytest.approx(mean) and ctrl["control"]
+        assert (ctrl["_lo"], ctrl["_hi"]) == pytest.approx((mean - 2 * std, mean + 2 * std))
         supported = bool(cube["supported"].values[d])
         assert top["note"] == ("supported" if supported else "NOT supported")
         sentence = roles.causal_sentence(next(r for r in roles.causal_rows(cube) if r["detector"] == name))
         assert ("not supported" in sentence) == (not supported)
-        assert f"over {draws.size} draws" in sentence
+        assert f"over {draws.size} draws" in sentence and "top 3 labelled heads" in sentence
+    assert not any(r["bar"].startswith(names[-1]) for r in data)  # not measured: no bar, its status in words
+    last = next(r for r in roles.causal_rows(cube) if r["detector"] == names[-1])
+    assert roles.causal_sentence(last) == f"{names[-1]}: no causal metric."
 
 
 def test_comparison_changes_and_rank_correlation(cube):
@@ -161,6 +166,6 @@ def test_cube_parts_in_report_order(cube):
         "atlas: rank correlation"]
     table = next(p for p in parts if p.header and p.header[0] == "detector" and "margin" in p.header)
     assert len(table.rows) == 2 * cube.sizes["detector"]
-    assert sum(1 for p in parts if "supported" in p.text) == cube.sizes["detector"]
+    assert [p.text.split(":")[0] for p in parts if p.text] == list(cube["detector"].values)
     assert role_figures.cube_parts(cube.drop_vars(["effect", "control_effect", "supported"]))[-1].header
     assert not roles.is_cube(make_comparison(cube)) and roles.is_cube_comparison(both)
