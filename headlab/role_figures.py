@@ -262,16 +262,16 @@ def causal_chart(cube: xr.Dataset, *, title: str | Sequence[str] = "") -> figure
             continue
         role = r["detector"] + (f" ({r['metric']})" if r["metric"] else "")
         verdict = {True: "supported", False: "NOT supported", None: ""}[r["supported"]]
-        rows.append({"bar": f"{role}: top labelled heads", "value": r["effect"], "low": None,
-                     "high": None, "note": verdict, "role": r["detector"], "control": False})
+        top = f"top {r['k']} labelled" if r["k"] else "top labelled"
+        rows.append({"bar": f"{r['detector']}: {top}", "value": r["effect"], "low": None, "high": None,
+                     "note": verdict, "role": role, "control": False})
         if r["control_mean"] is not None:
-            rows.append({"bar": f"{role}: random heads", "value": r["control_mean"],
-                         "low": r["control_low"], "high": r["control_high"], "note": f"{r['draws']} draws",
-                         "role": r["detector"], "control": True})
+            rows.append({"bar": f"{r['detector']}: random", "value": r["control_mean"], "low": r["control_low"],
+                         "high": r["control_high"], "note": f"{r['draws']} draws", "role": role, "control": True})
     title = title or ["causal check: harm to the role's own metric when its top labelled heads are ablated",
                       "against random heads matched by layer (mean, ± 2 std of the draws)"]
     return figures.bar_chart(rows, category="bar", value="value", value_title="harm to the role's metric",
-                             category_title="ablated", low="low", high="high", note="note", group="role",
+                             category_title="heads ablated", low="low", high="high", note="note", group="role",
                              marked="control", title=title, interval="mean ± 2 std")
 
 

@@ -123,8 +123,9 @@ def test_causal_bars_against_the_draws_and_not_supported_in_words(cube):
     names = list(cube["detector"].values)
     for d, name in enumerate(names[:-1]):
         draws = cube["control_effect"].values[d]
-        top = next(r for r in data if r["bar"] == f"{name} (repeat_loss): top labelled heads")
-        ctrl = next(r for r in data if r["bar"] == f"{name} (repeat_loss): random heads")
+        top = next(r for r in data if r["bar"] == f"{name}: top 3 labelled")
+        ctrl = next(r for r in data if r["bar"] == f"{name}: random")
+        assert top["role"] == ctrl["role"] == f"{name} (repeat_loss)"
         assert top["_v"] == pytest.approx(float(cube["effect"].values[d])) and not top["control"]
         mean, std = draws.mean(), draws.std(ddof=1)
         assert ctrl["_v"] == pytest.approx(mean) and ctrl["control"]
