@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -81,11 +84,23 @@ def tiny_atlas(tmp_path_factory):
     main(["atlas", "headlab-tiny", "--out", str(out), "--tokens", "16", "--n", "2", "--detectors", ",".join(names)])  # returns when done (exits only on an error)
     (path,) = list(out.iterdir())
     ds = headlab.open_run(str(path)).results["atlas"]
+    return (ds, *alone(ds, "headlab-tiny", out / "alone"))
+
+
+def alone(ds: xr.Dataset, model, out: Path) -> tuple[dict, headlab.Run]:
+    """The cube's ``detector_steps`` and the run of a spec holding each of them as a step with its own task."""
     steps = json.loads(ds.attrs["detector_steps"])
-    spec = {"name": "slices", "model": "headlab-tiny", "seed": 0, "task": steps["previous_token"]["task"],
+    spec = {"name": "slices", "model": model, "seed": int(ds.attrs["seed"]), "task": steps["previous_token"]["task"],
             "steps": [{"id": name, "task": step["task"], "detect": step["detect"]} for name, step in steps.items()]}
-    alone = headlab.run(spec, out=str(out / "alone"))
-    return ds, steps, alone
+    return steps, headlab.run(spec, out=str(out))
+
+
+def assert_same_slices(ds: xr.Dataset, steps: dict, run: headlab.Run) -> None:
+    for name, step in steps.items():
+        want = run.results[name][step["variable"]]
+        want = want.mean("example") if "example" in want.dims else want
+        np.testing.assert_allclose(ds["score"].sel(detector=name).values, want.transpose("layer", "head").values,
+                                   atol=1e-6, err_msg=name)
 
 
 def test_headlab_atlas_on_headlab_tiny_stores_the_cube(tiny_atlas):
@@ -104,16 +119,12 @@ def test_headlab_atlas_on_headlab_tiny_stores_the_cube(tiny_atlas):
 
 
 def test_each_slice_equals_its_detector_as_its_own_spec_step(tiny_atlas):
-    ds, steps, alone = tiny_atlas
+    ds, steps, run = tiny_atlas
+    assert_same_slices(ds, steps, run)
     for name, step in steps.items():
-        want = alone.results[name][step["variable"]]
-        want = want.mean("example") if "example" in want.dims else want
-        np.testing.assert_allclose(ds["score"].sel(detector=name).values, want.transpose("layer", "head").values,
-                                   atol=1e-6, err_msg=name)
-        n = len(alone.results[name]["example"]) if step["task"]["kind"] != "weights" else 0
         assert step["detect"]["kind"] in (name, "copy_suppression")
         if name in PATTERN:
-            assert int(ds["n_examples"].sel(detector=name)) == n == 2
+            assert int(ds["n_examples"].sel(detector=name)) == len(run.results[name]["example"]) == 2
 
 
 def test_labels_follow_the_recorded_thresholds_and_the_null(tiny):
@@ -238,3 +249,48 @@ def test_the_atlas_action_is_a_spec_step(tiny_llama, tmp_path):
     assert isinstance(ds, xr.Dataset) and list(ds["detector"].values) == ["previous_token", "induction"]
     with pytest.raises(headlab.SpecError, match="unknown atlas detector 'induct'"):
         headlab.load_spec({**spec, "steps": [{"id": "a", "atlas": {"detectors": ["induct"]}}]})
+
+
+HEADLAB = Path(sys.executable).parent / "headlab"  # the console script, as a user types it
+
+
+def typed(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    res = subprocess.run([str(HEADLAB), *args], capture_output=True, text=True, cwd=cwd, timeout=1200)
+    assert res.returncode == 0, f"{args}: exit {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    assert "Traceback" not in res.stderr and "error:" not in res.stderr, res.stderr
+    return res
+
+
+def stored_cube(out: Path) -> xr.Dataset:
+    (path,) = list(out.iterdir())
+    return headlab.open_run(str(path)).results["atlas"]
+
+
+@pytest.mark.slow
+def test_headlab_atlas_as_typed_on_the_embedded_model(tmp_path):
+    res = typed(["atlas", "headlab-tiny", "--out", "runs"], tmp_path)
+    assert "atlas: skipped segment_divergence: the model reads no images" in res.stderr
+    ds = stored_cube(tmp_path / "runs")
+    assert "segment_divergence" not in ds["detector"].values and "retrieval" in ds["detector"].values
+    assert "previous_token" in res.stdout and "labelled" in res.stdout
+    assert bool(ds["label"].sel(detector="previous_token", layer=2, head=0))
+    assert int(ds["label"].sel(detector="induction").sel(layer=3).sum()) >= 3
+    assert_same_slices(ds, *alone(ds, "headlab-tiny", tmp_path / "alone"))  # retrieval among them
+
+
+@pytest.mark.slow
+def test_headlab_atlas_as_typed_on_a_saved_gqa_llama_and_the_tiny_llava(tmp_path):
+    tok = word_tokenizer()
+    lm, _ = build_models(tiny_config(len(tok), hidden_size=32, initializer_range=0.2), seed=0, tokenizer=tok,
+                         impls=("headlab",))
+    ckpt = tmp_path / "gqa-llama"
+    lm.model.save_pretrained(str(ckpt))
+    tok.save_pretrained(str(ckpt))
+    res = typed(["atlas", str(ckpt), "--out", "gqa", "--tokens", "16", "--n", "2"], tmp_path)
+    assert "atlas: skipped successor" in res.stderr  # the word tokenizer has no ordinal tokens
+    ds = stored_cube(tmp_path / "gqa")
+    assert ds.sizes["layer"] == 2 and ds.sizes["head"] == 4 and "composition" in ds["detector"].values
+    res = typed(["atlas", "headlab-tiny-vlm", "--out", "vlm", "--tokens", "16", "--n", "2", "--importance"], tmp_path)
+    ds = stored_cube(tmp_path / "vlm")
+    assert {"segment_divergence", "head_importance", "ships"} <= set(ds["detector"].values)
+    assert "null mean + 3 std" in str(ds["threshold_source"].sel(detector="segment_divergence").values)

@@ -267,8 +267,15 @@ def _run_detectors(lm: LoadedModel, names: list[str], tokens: int, n: int, seed:
             ex = task_examples(step["task"])
             if key not in results:
                 comp = component("detectors", step["detect"]["kind"])
-                _seed(seed)
-                results[key] = comp.impl(comp.config.model_validate(step["detect"]), sub(name, ex))
+                context = sub(name, ex)
+                unit = f"step:{context.step_id}"  # a line per detector; its own progress, if any, takes it over
+                on = "the weights" if weights else f"{len(ex)} {step['task']['kind']} examples"
+                base.reporter.start(unit, None, f"step {context.step_id}: {step['detect']['kind']} on {on}")
+                try:
+                    _seed(seed)
+                    results[key] = comp.impl(comp.config.model_validate(step["detect"]), context)
+                finally:
+                    base.reporter.stop(unit)
         except ValueError as e:
             if skipped is None:
                 raise
