@@ -227,7 +227,8 @@ def role_panels_chart(cube: xr.Dataset, *, columns: int = 4, cell: int | None = 
                       title: str | Sequence[str] = "") -> figures.Chart:
     """One small ``layer x head`` map per detector (:func:`panel_rows`), ``columns`` to a row: the score as
     shade (divided by the detector's largest ``|score|``; diverging around 0 when a score is negative), NaN grey,
-    labelled heads outlined in red. The tooltip gives the score, label, rank and threshold."""
+    labelled heads outlined in black (red is a colour of the diverging scale). The tooltip gives the score, label,
+    rank and threshold."""
     names = detectors(cube)
     n_layers, n_heads = cube.sizes["layer"], cube.sizes["head"]
     cell = cell or cell_size(n_layers, n_heads, span=240, smallest=5)
@@ -243,7 +244,7 @@ def role_panels_chart(cube: xr.Dataset, *, columns: int = 4, cell: int | None = 
         "!isValid(datum.shade)")
     cells = alt.Chart().mark_rect().encode(x=x, y=y, tooltip=tip, color=alt.Color(
         "shade:Q", title="score / detector's max |score|", scale=scale)).transform_filter("isValid(datum.shade)")
-    marked = alt.Chart().mark_rect(fill=None, stroke="#e4002b", strokeWidth=1.5).encode(
+    marked = alt.Chart().mark_rect(fill=None, stroke="#000000", strokeWidth=1.5).encode(
         x=x, y=y, tooltip=tip).transform_filter("datum.label")
     panels = list(dict.fromkeys(r["panel"] for r in rows))
     title = title or "score per detector (shade), labelled heads outlined"
@@ -348,9 +349,12 @@ class Part:
 
 
 def _top_table(cube: xr.Dataset, k: int) -> Part:
-    rows = [[r["detector"], r["rank"], r["layer"], r["head"], _cell(r["score"]), "yes" if r["label"] else "",
-             _cell(r["threshold"]), _cell(r["margin"]), _cell(r["null_z"]), r["threshold_source"]]
-            for r in top_heads(cube, k)]
+    rows, seen = [], set()
+    for r in top_heads(cube, k):  # where the threshold comes from: said once per detector
+        rows.append([r["detector"], r["rank"], r["layer"], r["head"], _cell(r["score"]), "yes" if r["label"] else "",
+                     _cell(r["threshold"]), _cell(r["margin"]), _cell(r["null_z"]),
+                     "" if r["detector"] in seen else r["threshold_source"]])
+        seen.add(r["detector"])
     return Part(heading=f"top {k} heads per role (margin: score - threshold; null z: (score - null mean) / null std)",
                 header=["detector", "rank", "layer", "head", "score", "label", "threshold", "margin", "null z",
                         "threshold from"], rows=rows)
