@@ -4,12 +4,16 @@ holds them (formatted here from the cube), and hover and click reach Python call
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from headlab.role_figures import role_colours
 from headlab.widgets import AtlasMap, hover_lines
 
+from fixtures.figures import CHROMIUM, CHROMIUM_ARGS
 from fixtures.role_cubes import DETECTORS, make_cube
 
 
@@ -74,3 +78,49 @@ def test_hover_and_click_call_back_and_cards(cube):
 def test_a_32_by_32_cube_keeps_its_cells_readable():
     view = AtlasMap(make_cube(32, 32, DETECTORS, seed=2, nan=False))
     assert view.cell_size == 15 and len(view.tips) == 32 and len(view.tips[0]) == 32
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path(CHROMIUM).is_file(), reason=f"{CHROMIUM} is missing (.ci/setup-test installs it)")
+def test_the_view_draws_the_stripes_and_hover_shows_the_scores_in_chromium(cube, tmp_path):
+    """The widget's own JavaScript (its ESM, as JupyterLab loads it) in headless chromium, on a page with a
+    stand-in for the anywidget model holding the widget's synced state: a cell per head, a stripe per role,
+    and entering a cell shows that head's hover text and sends ``hovered`` back; a click sends ``selected``."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="needs the notebook extras (playwright)")
+    view = AtlasMap(cube)
+    state = {name: getattr(view, name) for name in ("detectors", "colours", "cells", "tips", "title", "hint",
+                                                    "cell_size", "hovered", "selected")}
+    esm = json.dumps(view._esm).replace("<", "\\u003c")
+    (tmp_path / "page.html").write_text(f"""<!DOCTYPE html><html><head><meta charset="utf-8">
+<style>{view._css}</style></head><body><div id="el"></div><script type="module">
+const code = {esm};
+const widget = (await import(URL.createObjectURL(new Blob([code], {{type: "text/javascript"}})))).default;
+const state = {json.dumps(state)};
+window.sent = [];
+const model = {{get: k => state[k], set: (k, v) => {{ state[k] = v; window.sent.push([k, v]); }},
+               on: () => {{}}, save_changes: () => {{}}}};
+widget.render({{model, el: document.getElementById("el")}});
+window.ready = true;
+</script></body></html>""", encoding="utf-8")
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto((tmp_path / "page.html").as_uri())
+            page.wait_for_function("() => window.ready === true", timeout=30000)
+            assert page.locator(".ha-cell").count() == 15
+            for la in range(3):
+                for he in range(5):
+                    cell = page.locator(f'.ha-cell[data-layer="{la}"][data-head="{he}"]')
+                    assert cell.locator(".ha-stripe").count() == len(view.cells[la][he])
+                    assert cell.get_attribute("title") == view.tips[la][he]
+            page.locator('.ha-cell[data-layer="2"][data-head="3"]').hover()
+            assert page.locator(".ha-info").text_content() == view.tips[2][3]
+            page.locator('.ha-cell[data-layer="1"][data-head="4"]').click()
+            sent = page.evaluate("() => window.sent")
+        finally:
+            browser.close()
+    assert not errors, errors
+    assert ["hovered", [2, 3]] in sent and sent[-1] == ["selected", [1, 4]]
