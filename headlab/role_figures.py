@@ -118,8 +118,9 @@ def _ordinal_axes(n_layers: int, n_heads: int) -> tuple[alt.X, alt.Y]:
 def grid_rows(cube: xr.Dataset) -> list[dict[str, Any]]:
     """The data of :func:`role_grid_chart`: one row per (head, role) stripe, and one per head without a role
     (``role`` None); each row has ``layer, head, role, score`` (the role's score), ``shade`` (score divided by
-    the detector's largest ``|score|``, clipped to [0, 1]), the stripe's ``x0, x1`` (head + its share of the
-    cell), ``roles`` and ``scores`` (every detector's score, labelled ones ticked) for the tooltip."""
+    the detector's largest ``|score|``, clipped to [0, 1]), the stripe's ``x0, x1`` (the head's position along
+    the axis plus the stripe's share of its cell) and ``y0, y1`` (the layer's), ``roles`` and ``scores`` (every
+    detector's score, labelled ones ticked) for the tooltip."""
     rows = []
     biggest = _max_abs(cube)
     names = detectors(cube)
