@@ -285,13 +285,13 @@ def bar_chart(rows: Sequence[Mapping[str, Any]], *, category: str, value: str, v
               category_title: str | None = None, low: str | None = None, high: str | None = None,
               group: str | None = None, note: str | None = None, marked: str | None = None,
               title: str | Sequence[str] = "", value_domain: tuple[float, float] | None = None,
-              value_zero: bool = True, width: int = 360, bar: int = 20) -> Chart:
+              value_zero: bool = True, width: int = 360, bar: int = 20, interval: str = "95%") -> Chart:
     """Horizontal bars, one per row in the given order, from 0 to ``row[value]``; ``row[low]`` to
     ``row[high]`` as an error bar; ``row[note]`` (``n=96``) written past the end of the bar or interval.
 
     ``group`` colours bars by that field (steps sharing a task); ``marked`` names a boolean field whose true
     rows (controls) are drawn light with a dashed outline, and named in the tooltip. Signed values get bars either
-    side of a zero rule."""
+    side of a zero rule. ``interval`` names the error bar in the tooltip (``95% low``, ``95% high``)."""
     data = []
     for r in rows:
         d = {k: _plain(v) for k, v in r.items()}
@@ -310,8 +310,8 @@ def bar_chart(rows: Sequence[Mapping[str, Any]], *, category: str, value: str, v
     tip = [alt.Tooltip(f"{category}:N", title=category_title or category),
            alt.Tooltip("_v:Q", title=value_title, format=".4g")]
     if low and high:
-        tip += [alt.Tooltip("_lo:Q", title="95% low", format=".4g"), alt.Tooltip("_hi:Q", title="95% high",
-                                                                              format=".4g")]
+        tip += [alt.Tooltip("_lo:Q", title=f"{interval} low", format=".4g"),
+                alt.Tooltip("_hi:Q", title=f"{interval} high", format=".4g")]
     if note:
         tip.append(alt.Tooltip(f"{note}:N", title="n"))
     if group:

@@ -16,7 +16,8 @@ for steps on examples with images that stored a preview
 Two figures follow the data a step stores (:mod:`headlab.head_figures`): a detect step whose scores are
 accuracies with a ``chance`` attribute also gets each layer's heads sorted by accuracy, the colour centred at
 chance; a step storing a masking curve (``metric``, ``reverse``, ``random_mean``, ``random_std`` over
-``fraction``) gets the three curves on one chart. A sweep over two numeric keys also plots each metric against
+``fraction``) gets the three curves on one chart; a labelled head cube ``(detector, layer, head)`` and a comparison of two get the
+figures of :mod:`headlab.role_figures`. A sweep over two numeric keys also plots each metric against
 one key with a line per value of the other.
 A run with two or more generate, score or evaluate steps gets a comparison across steps: one bar chart per
 metric with each step's mean, 95% interval and n (:mod:`headlab.summary`), steps grouped by task and controls
@@ -78,6 +79,8 @@ from .kv_view import (
     needle_steps,
 )
 from .results import Run, open_run
+from .role_figures import cube_parts
+from .roles import is_cube, is_cube_comparison
 from .svg import NAN_COLOR, PALETTE, color, colour_bar_svg
 
 __all__ = ["CSS", "NAN_COLOR", "PALETTE", "ReportFigure", "color", "colour_bar_svg", "render_report", "report_figures",
@@ -372,6 +375,19 @@ def _curve_section(run: Run, step: str, ds: xr.Dataset) -> str:
     head_end = section.index("</h2>") + len("</h2>")
     return (section[:head_end] + '<div class="row">' + _figure(chart, f"{step}: masking curve") + "</div>"
             + section[head_end:])
+
+
+def _cube_section(run: Run, step: str, ds: xr.Dataset) -> str:
+    """A labelled head cube or a comparison of two (:func:`headlab.role_figures.cube_parts`), first sweep cell."""
+    dims = [d for d in run.sweep if d in ds.dims]
+    out = [f'<section class="step cube" id="step-{escape(step)}"><h2>{escape(_step_title(run, step))}'
+           + (" (first sweep cell)" if dims else "") + "</h2>"]
+    for part in cube_parts(ds.isel({d: 0 for d in dims}), step):
+        out.append(f"<h3>{escape(part.heading)}</h3>" if part.heading else "")
+        out.append('<div class="row">' + _figure(part.chart, part.name) + "</div>" if part.chart is not None else "")
+        out.append(_table(part.header, part.rows, "cube") if part.header else "")
+        out.append(f'<p class="causal">{escape(part.text)}</p>' if part.text else "")
+    return "".join(out) + "</section>"
 
 
 def _mean_over_sweep(run: Run, da: xr.DataArray) -> xr.DataArray:
@@ -719,6 +735,8 @@ def render_report(run: Run | str | Path, *, n_examples: int = 8) -> str:
         kind = circuit_kind(ds)
         if kind is not None:
             section = circuits[kind](run, step, ds)
+        elif is_cube(ds) or is_cube_comparison(ds):
+            section = _cube_section(run, step, ds)
         elif "score" in ds and {"layer", "head"} <= set(ds["score"].dims):
             section = _detect_section(run, step, ds)
         elif "output" in ds and ds.attrs.get("action", "generate") == "generate":

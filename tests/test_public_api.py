@@ -56,6 +56,7 @@ PUBLIC_MODULES: dict[str, str] = {
     "headlab.task_code": "checks of lm-evaluation-harness task files",
     "headlab.harness": "the lm-evaluation-harness bridge",
     "headlab.kv": "head-level KV-cache policies: head maps, KV-head selections, the headwise cache",
+    "headlab.roles": "a labelled head cube (detector, layer, head) as rows: roles, head cards, top heads",
 }
 #: modules only executors (plugins/executors) may import from
 EXECUTOR_MODULES = ("headlab.runner", "headlab.plugin_manager")

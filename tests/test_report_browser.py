@@ -91,3 +91,33 @@ def test_kv_compression_marks_the_random_policy_as_a_control_and_titles_steps_by
                       "random_top4_w128 [control]": True}
     assert "streaming_top4_w64: generate, kv streaming (full heads from retrieval top 4, window 64)" in page
     assert "headkv_f028: generate, kv headkv (scores from retrieval, budget fraction 0.28)" in page
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path(CHROMIUM).is_file(), reason=f"{CHROMIUM} is missing (.ci/setup-test installs it)")
+def test_atlas_figures_render_in_chromium(tmp_path):
+    """The report of an atlas run (a tiny random GQA Llama), and a page of every figure of a head cube with a
+    causal check and a comparison (synthetic, 32 x 32 heads), drawn in chromium with no problem."""
+    pytest.importorskip("playwright.sync_api", reason="needs the notebook extras (playwright)")
+    from headlab import figures
+    from headlab.role_figures import cube_parts
+
+    from fixtures.role_cubes import DETECTORS, make_comparison, make_cube
+    from fixtures.specs import TINY_LLAMA
+
+    spec = {"name": "atlas", "model": {"config": dict(TINY_LLAMA)},
+            "task": {"kind": "repeated_tokens", "n": 2, "length": 4},
+            "steps": [{"id": "atlas", "atlas": {"detectors": ["previous_token", "induction", "attention_sink"],
+                                                "tokens": 8, "n": 2, "null": "none"}}]}
+    run = headlab.run(spec, out=str(tmp_path / "runs"))
+    path = tmp_path / "atlas.html"
+    path.write_text(render_report(run), encoding="utf-8")
+    assert_renders(path, ["atlas: roles", "atlas: score per detector"], tmp_path / "profile")
+
+    cube = make_cube(32, 32, DETECTORS, seed=4)
+    parts = [p for p in cube_parts(cube.merge(make_comparison(cube)), "cube") if p.chart is not None]
+    page = tmp_path / "cube.html"
+    page.write_text("<!DOCTYPE html><html><head><meta charset='utf-8'></head><body>" + "".join(
+        figures.to_html_fragment(p.chart, name=p.name) for p in parts) + figures.page_script() + "</body></html>",
+                    encoding="utf-8")
+    assert_renders(page, [p.name for p in parts], tmp_path / "profile2")

@@ -12,6 +12,8 @@
   a click, per token; direct logit attribution as signed bars; an edge attribution's circuit as a graph).
 - :class:`KvTradeoff`: a metric of the steps with a ``kv`` policy against the kept KV fraction or bytes, one
   point per step and sweep cell.
+- :class:`AtlasMap`: the roles of every head of a labelled head cube (the atlas), a stripe per role; hover lists
+  the head's scores, click selects it.
 - :class:`RunBrowser` / :class:`Compare`: runs of a store, metric tables across sweep cells and runs,
   generations side by side with differences highlighted.
 - :func:`step_view` / :func:`run_views`: the figure each stored step takes (the widget above that fits its
@@ -28,6 +30,7 @@ try:
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("headlab.widgets needs the notebook extras: pip install 'headlab[notebook]'") from e
 
+from .atlas import AtlasMap, hover_lines
 from .attention import AttentionView, TokenView
 from .browser import (
     Compare,
@@ -47,8 +50,8 @@ from .runner import SpecRunner, WidgetReporter, error_html
 from .views import run_views, step_view
 
 __all__ = [
-    "AttentionView", "CircuitGraph", "Compare", "DLABars", "HeadMap", "ImagePatchView", "KvTradeoff", "PatchingMap", "RunBrowser",
+    "AtlasMap", "AttentionView", "CircuitGraph", "Compare", "DLABars", "HeadMap", "ImagePatchView", "KvTradeoff", "PatchingMap", "RunBrowser",
     "SpecRunner", "TokenView", "WidgetReporter",
-    "as_head_scores", "diff_html", "error_html", "generation_table", "generations_html", "metric_table",
+    "as_head_scores", "diff_html", "error_html", "generation_table", "generations_html", "hover_lines", "metric_table",
     "run_views", "side_by_side", "spec_fragment", "step_view", "top_heads_table",
 ]

@@ -3,7 +3,8 @@ run (what :class:`~headlab.widgets.RunBrowser` and :class:`~headlab.widgets.Spec
 
 A patching result gets a :class:`~headlab.widgets.PatchingMap` (residual-stream patching: a
 :class:`~headlab.widgets.chart.ChartView` of the report's (layer x token) map with one example's tokens), a
-direct logit attribution :class:`~headlab.widgets.DLABars`, an edge attribution a :class:`~headlab.widgets.CircuitGraph`, any other
+direct logit attribution :class:`~headlab.widgets.DLABars`, an edge attribution a :class:`~headlab.widgets.CircuitGraph`, a labelled
+head cube (the atlas) an :class:`~headlab.widgets.AtlasMap` and a comparison of two cubes its change grid, any other
 detect result over ``(layer, head)`` a :class:`~headlab.widgets.HeadMap`; a run whose steps have a ``kv`` policy
 adds one :class:`~headlab.widgets.KvTradeoff` over them: the figures ``headlab report`` draws for the same run
 (:mod:`headlab.circuit_figures`, :mod:`headlab.figures`).
@@ -18,6 +19,9 @@ from ..circuit_figures import token_chart
 from ..circuit_view import circuit_kind, resid_map, token_labels, tokenizer_for
 from ..kv_view import kv_points
 from ..results import Run
+from ..role_figures import change_grid_chart
+from ..roles import is_cube, is_cube_comparison
+from .atlas import AtlasMap
 from .chart import ChartView
 from .circuits import CircuitGraph, DLABars, PatchingMap
 from .headmap import HeadMap
@@ -49,6 +53,10 @@ def step_view(run: Run, step: str) -> ipywidgets.Widget | None:
         return DLABars(ds, title=f"{step}: direct logit attribution")
     if kind == "edges":
         return CircuitGraph(ds, title=f"{step}: circuit")
+    if is_cube(ds):
+        return AtlasMap(ds, title=f"{step}: roles of each head")
+    if is_cube_comparison(ds):
+        return ChartView(change_grid_chart(ds))
     if _is_head_score(ds):
         return HeadMap.from_run(run, step)
     return None
