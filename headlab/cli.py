@@ -502,7 +502,7 @@ def report(
 def eval_(ctx: typer.Context) -> None:
     """lm-evaluation-harness with headlab's model: lm-eval's own options (`--tasks`, `--include_path`, `--limit`,
     ...), `--model headlab` by default, e.g. `--model_args spec=steer.yaml` (`headlab eval --help`)."""
-    from .harness import main as harness_main
+    from .lm_eval import main as harness_main
 
     harness_main(ctx.args)
 

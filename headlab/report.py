@@ -9,7 +9,7 @@ top-head scores against numeric sweep keys, sample generations, per-task metrics
 layer and token, token strings on token axes, AtP against exact patching, direct logit attribution with the
 heads apart from the totals, the selected circuit as a graph with its faithfulness), the attention patterns
 of each detect step's top heads on its first prompt (:mod:`headlab.attention_patterns`), the
-KV-cache trade-off of the steps with a ``kv`` policy (:mod:`headlab.kv_view`: each metric against the kept
+KV-cache trade-off of the steps with a ``kv`` policy (:mod:`headlab.kv.view`: each metric against the kept
 fraction and the KV bytes, one point per step and sweep cell, with a table of the bytes), and,
 for steps on examples with images that stored a preview
 (:func:`headlab.image_attention.attention_preview`), the first image with the top heads' attention over its patches.
@@ -69,7 +69,7 @@ from .context import IMAGE_MARKER
 from .describe import StepDescription, describe_steps
 from .head_figures import has_chance, is_masking_curve, masking_curve_chart, ranked_accuracy_chart
 from .image_attention import PREVIEW_ATTENTION, image_attention_svg, preview_of
-from .kv_view import (
+from .kv.view import (
     kv_metrics,
     kv_points,
     kv_table_rows,

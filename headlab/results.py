@@ -33,7 +33,7 @@ import numpy as np
 import xarray as xr
 import zarr
 
-from .summary import head_scores, metric_estimate
+from .display import run_html, run_summary
 from .version import __version__
 
 __all__ = ["FORMAT", "Run", "RunDamaged", "RunFormatTooNew", "RunNotFound", "RunWriter", "list_runs", "open_run"]
@@ -598,119 +598,11 @@ class Run:
         return ds.set_index(cell=keys).unstack("cell")
 
     def summary(self) -> dict[str, Any]:
-        """Top heads per detect step (:func:`~headlab.summary.head_scores`: a per-token score's peak, averaged over
-        the sweep; ``unit``: ``head``, or ``kv_head`` for a score per key/value head); per other step its ``kind`` (the
-        action) and, never averaged across sweep values, its metrics: ``cells``, one row per sweep cell
-        (``[{"cell": {sweep key: value}, "metrics": {name: mean over the cell's examples}}]``; a metric's
-        step-level aggregate, stored without the ``example`` dimension, as it is), and
-        ``metrics``, the same means when the run has one cell; for per-task metrics (``evaluate``), one row
-        per sweep cell and task (``tasks``: ``[{"cell": {...}, "task": name, "metrics": {...}}]``); a step with a
-        KV policy adds ``kv``: ``[{"cell": {...}, "policy": kind, "kept_fraction": f}]``."""
-        from .heads import ranked
-
-        out: dict[str, Any] = {}
-        for step, ds in self.results.items():
-            dims = set(ds["score"].dims) if "score" in ds else set()
-            if "layer" in dims and dims & {"head", "kv_head"}:
-                score = head_scores(ds["score"])  # a per-token score: its peak; sweep keys: averaged
-                unit = "head" if "head" in score.dims else "kv_head"
-                out[step] = {"kind": "detect", "method": ds.attrs.get("method", ""), "unit": unit,
-                             "token_peak": "token" in dims,
-                             "top": [{"layer": h[0], "head": h[1], "score": s}
-                                     for h, s in ranked(score.rename({unit: "head"}))[:10]]}
-            else:
-                metrics = [m for m in ds.attrs.get("metrics", []) if m in ds]
-                kind = str(ds.attrs.get("action", "generate"))
-                by_task = [m for m in metrics if "task" in ds[m].dims]
-                if by_task:  # per-task metrics (evaluate): one row per sweep cell and task, never averaged
-                    out[step] = {"kind": kind, "metrics": {}, "tasks": self._task_rows(ds, by_task)}
-                    continue
-                cells = self._cell_rows(ds, metrics)
-                out[step] = {"kind": kind, "cells": cells,
-                             "metrics": cells[0]["metrics"] if len(cells) == 1 else {}}
-            if "kv_kept_fraction" in ds:  # a step with a KV policy: the true kept fraction per sweep cell
-                out[step]["kv"] = [{"cell": cell, "policy": str(ds.attrs.get("kv_policy", "")),
-                                    "kept_fraction": float(sub["kv_kept_fraction"].values)}
-                                   for cell, sub in self._sweep_cells(ds)]
-        return out
-
-    def _sweep_cells(self, ds: xr.Dataset) -> Iterator[tuple[dict[str, Any], xr.Dataset]]:
-        """``(cell, sub)`` for every sweep cell of ``ds``: ``{sweep key: value}`` and the dataset at it."""
-        import itertools
-
-        keys = [k for k in self.sweep if k in ds.dims]
-        grids = [[v.item() if hasattr(v, "item") else v for v in ds[k].values] for k in keys]
-        for combo in itertools.product(*grids):
-            cell = dict(zip(keys, combo, strict=True))
-            yield cell, (ds.sel(cell) if cell else ds)
-
-    def _cell_rows(self, ds: xr.Dataset, metrics: list[str]) -> list[dict[str, Any]]:
-        """``[{"cell": {sweep key: value}, "metrics": {name: mean over the cell's examples}, "estimates": {name:
-        Estimate}}]`` (:func:`metric_estimate`: the mean with its n, drops and interval; for metrics over
-        ``example`` only, a step-level value has none); a step whose attrs name
-        ``summary_dims`` (the ablation's ``k``) has one row per value of those too."""
-        import itertools
-
-        rows = []
-        for cell, sub in self._sweep_cells(ds):
-            dims = [d for d in sub.attrs.get("summary_dims", ds.attrs.get("summary_dims", [])) if d in sub.dims]
-            grids = [[v.item() if hasattr(v, "item") else v for v in sub[d].values] for d in dims]
-            for combo in itertools.product(*grids):
-                at = dict(zip(dims, combo, strict=True))
-                values = {m: sub[m].sel({d: v for d, v in at.items() if d in sub[m].dims}) for m in metrics}
-                real = _real_examples(sub)
-                if real is not None:  # a sweep over the task's size pads smaller cells: not examples, not drops
-                    values = {m: v.isel(example=real) if "example" in v.dims else v for m, v in values.items()}
-                estimates = {m: metric_estimate(v, m) for m, v in values.items() if "example" in v.dims}
-                rows.append({"cell": {**cell, **at},
-                             "metrics": {m: estimates[m].mean if m in estimates else float(np.nanmean(v.values))
-                                         for m, v in values.items()},
-                             "estimates": estimates})
-        return rows
-
-    def _task_rows(self, ds: xr.Dataset, metrics: list[str]) -> list[dict[str, Any]]:
-        """``[{"cell": {sweep key: value}, "task": name, "metrics": {name: value}}]`` for per-task metrics."""
-        rows = []
-        for cell, sub in self._sweep_cells(ds):
-            for t in sub["task"].values.tolist():
-                values = {m: float(sub[m].sel(task=t)) for m in metrics}
-                if any(np.isfinite(v) for v in values.values()):
-                    rows.append({"cell": cell, "task": str(t),
-                                 "metrics": {m: v for m, v in values.items() if np.isfinite(v)}})
-        return rows
+        """The headline numbers of each step (:func:`headlab.display.run_summary`, which says their layout)."""
+        return run_summary(self)
 
     def _repr_html_(self) -> str:
-        from html import escape
-
-        rows = []
-        for step, info in self.summary().items():
-            if "top" in info:
-                top = ", ".join(f"L{t['layer']}H{t['head']} {t['score']:.3f}" for t in info["top"][:5])
-                rows.append(f"<tr><td>{escape(step)}</td><td>detect {escape(info['method'])}</td><td>{top}</td></tr>")
-            else:
-                ms = "; ".join(", ".join(f"{k} {v:.3f}" for k, v in r["metrics"].items())
-                               + (f" ({', '.join(f'{a}={b}' for a, b in r['cell'].items())})" if r["cell"] else "")
-                               for r in info.get("cells", []))
-                ms += "; ".join(
-                    ", ".join(f"{c}={v}" for c, v in r["cell"].items()) + (" " if r["cell"] else "") + f"{r['task']}: "
-                    + ", ".join(f"{k} {v:.3f}" for k, v in r["metrics"].items()) for r in info.get("tasks", []))
-                rows.append(f"<tr><td>{escape(step)}</td><td>{escape(info['kind'])}</td><td>{escape(ms)}</td></tr>")
-        return (f"<div><b>headlab run</b> {escape(self.name)} &middot; {escape(self.status)} &middot; "
-                f"{self.cells_done}/{self.cells_total} cells &middot; model {escape(str(self.attrs.get('model')))}"
-                f"<table><tr><th>step</th><th>action</th><th>summary</th></tr>{''.join(rows)}</table></div>")
-
-
-def _real_examples(ds: xr.Dataset) -> np.ndarray | None:
-    """The indices of ``ds``'s examples that are examples of its cell, not the padding :meth:`Run._concat` adds
-    where a sweep's cells have different numbers of examples (no token of ``input_ids``, or an empty ``prompt``);
-    None when ``ds`` says neither."""
-    if "example" not in ds.dims:
-        return None
-    if "input_ids" in ds and set(ds["input_ids"].dims) == {"example", "token"}:
-        return np.flatnonzero((ds["input_ids"] >= 0).any("token").values)
-    if "prompt" in ds and ds["prompt"].dims == ("example",) and ds["prompt"].dtype.kind in "OUT":
-        return np.flatnonzero(ds["prompt"].values.astype(str) != "")
-    return None
+        return run_html(self)
 
 
 def _is_partial(attrs: Mapping[str, Any]) -> bool:

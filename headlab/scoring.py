@@ -4,7 +4,7 @@
 same components a spec step uses: the registered decoding strategies (their scorer, or their
 ``decode``), the steering methods (their edits in a :class:`headlab.instrument.Plan`), headlab's
 batching and KV cache. Notebooks, widgets and the lm-evaluation-harness adapter
-(:mod:`headlab.harness`) share them::
+(:mod:`headlab.lm_eval`) share them::
 
     >>> import headlab
     >>> s = headlab.logprobs("headlab-tiny", ["Question: What is the capital of France? Answer:"],

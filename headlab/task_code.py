@@ -11,7 +11,7 @@ lm-eval. Task definitions that come *from a spec* are data, and a spec never run
 
 Unless the step says ``trust_task_code: true``, such definitions may not name Python code: no YAML tag
 (``!function mod.fn``; lm-eval would import and run ``mod.py``) unless its module is a copy of a file that
-lm-eval itself ships (as :func:`headlab.harness.local_task` writes them), no metric outside lm-eval's metric
+lm-eval itself ships (as :func:`headlab.lm_eval.local_task` writes them), no metric outside lm-eval's metric
 registry (lm-eval would hand it to HF ``evaluate.load``, which runs a metric script, local paths
 included), no ``hf_evaluate: true``, no ``trust_remote_code`` in ``dataset_kwargs``; and their Jinja2
 templates are checked now and rendered at run time in headlab's sandbox (:mod:`headlab.sandbox`), not in
@@ -35,8 +35,11 @@ from typing import Any
 
 from .sandbox import check_template, is_jinja, regex_replace, sandbox
 
-__all__ = ["MAX_TASK_FILES", "MAX_TASK_FILE_BYTES", "MAX_TASK_NODES", "TaskCodeError", "TaskSources",
+__all__ = ["EXTRA", "MAX_TASK_FILES", "MAX_TASK_FILE_BYTES", "MAX_TASK_NODES", "TaskCodeError", "TaskSources",
            "check_tasks", "sandboxed_templates", "shipped_code_digests"]
+
+#: what to do when lm-eval is missing (the ``eval`` extra): the message of every refusal for want of it
+EXTRA = "lm-eval is not installed; install the eval extra: pip install 'headlab[eval]'"
 
 MAX_TASK_FILES = 20_000
 """Most task YAML files one ``include_path`` may hold (lm-eval indexes every one)."""

@@ -406,7 +406,7 @@ def test_errors():
 
 
 def test_scoring_a_step_holds_one_layers_destination_gradients_beyond_what_it_keeps():
-    from headlab.kv import _LiveBytes  # the live-tensor peak (bench_kv.py's CPU measure)
+    from headlab.kv.usage import LiveBytes  # the live-tensor peak (bench_kv.py's CPU measure)
 
     tok, lm, _ = models("llama")
     words = [w for w in WORDS if len(tok(" " + w, add_special_tokens=False)["input_ids"]) == 1][:12]
@@ -421,7 +421,7 @@ def test_scoring_a_step_holds_one_layers_destination_gradients_beyond_what_it_ke
     p = runs.pairs
     grads = ea._gradients(lm, parts, p.ids[p.rows("clean")], p.mask[p.rows("clean")], p.answer, p.wrong, "logit_diff")
     delta = ea._deltas(runs, "clean", "corrupt")
-    with _LiveBytes() as live:
+    with LiveBytes() as live:
         scores = ea._step_scores(lm, rules, graph, grads, delta, torch.float32)
     tokens = p.ids.shape[1]
     transient = ea.memory_per_token(lm)["transient_bytes_per_token"] * tokens

@@ -324,12 +324,12 @@ def test_a_headwise_cache_on_an_offloaded_model_holds_each_layer_where_it_runs(c
 
 
 def test_the_kv_peak_memory_is_measured_on_every_gpu_a_device_map_uses():
-    from headlab.kv import _cuda_devices
+    from headlab.kv.driver import cuda_devices
 
     placed = torch.nn.Linear(2, 2)
     placed.hf_device_map = {"a": 1, "b": "cpu", "c": "cuda:0", "d": "disk", "e": 1, "f": "cuda:3"}
-    assert _cuda_devices(placed) == [torch.device("cuda", i) for i in (0, 1, 3)]
-    assert _cuda_devices(torch.nn.Linear(2, 2)) == []  # on the CPU, nothing placed
+    assert cuda_devices(placed) == [torch.device("cuda", i) for i in (0, 1, 3)]
+    assert cuda_devices(torch.nn.Linear(2, 2)) == []  # on the CPU, nothing placed
 
 
 def test_weights_loaded_with_their_parent_module_are_read_through_it(tmp_path):

@@ -1,7 +1,7 @@
-"""lm-evaluation-harness under headlab (``headlab.harness``, the ``evaluate`` action, ``headlab.logprobs``).
+"""lm-evaluation-harness under headlab (``headlab.lm_eval``, the ``evaluate`` action, ``headlab.logprobs``).
 
 Offline: the tasks are copies of lm-eval's own ``truthfulqa_mc1``, ``truthfulqa_mc2`` and ``nq_open`` YAML
-with only the dataset fields changed (:func:`headlab.harness.local_task`), over JSON files written here, on
+with only the dataset fields changed (:func:`headlab.lm_eval.local_task`), over JSON files written here, on
 the embedded model ``headlab-tiny``. Checked: greedy equals lm-eval's ``hf`` model (the same checkpoint,
 loaded by lm-eval) request by request; DoLa, DeCoRe and PASTA through lm-eval equal headlab's own
 ``score`` / ``generate`` steps on the same prompts; a detect -> evaluate spec whose stored per-sample
@@ -21,7 +21,8 @@ import torch
 pytest.importorskip("lm_eval", reason="the eval extra (pip install 'headlab[eval]') is not installed")
 
 import headlab  # noqa: E402
-from headlab import harness  # noqa: E402
+from headlab import lm_eval as harness  # noqa: E402
+from headlab.lm_eval import adapter  # noqa: E402
 from headlab.plugins.models.embedded import CHECKPOINT  # noqa: E402
 from headlab.plugins.tasks import generators as S  # noqa: E402
 
@@ -377,6 +378,13 @@ def test_registered_in_lm_eval(manager, tiny):
     assert res["config"]["model_name"] == "headlab-tiny" and res["config"]["decode"]["kind"] == "dola"
 
 
+def test_headlab_harness_is_an_alias_of_headlab_lm_eval():
+    import headlab.harness as alias
+
+    assert alias.__all__ == harness.__all__
+    assert all(getattr(alias, name) is getattr(harness, name) for name in harness.__all__)
+
+
 # --------------------------------------------------------------------------- without the extra
 def test_without_lm_eval_the_error_names_the_extra(monkeypatch, tmp_path):
     import importlib.util
@@ -386,13 +394,13 @@ def test_without_lm_eval_the_error_names_the_extra(monkeypatch, tmp_path):
     with pytest.raises(headlab.SpecError, match=r"steps\[1\]\.evaluate.*pip install 'headlab\[eval\]'") as e:
         headlab.load_spec(SPEC.format(tasks=tmp_path))
     assert "\n" not in str(e.value)
-    monkeypatch.setattr(harness, "HAVE_LM_EVAL", False)
+    monkeypatch.setattr(adapter, "HAVE_LM_EVAL", False)
     with pytest.raises(ImportError, match=r"pip install 'headlab\[eval\]'"):
         harness.evaluate("headlab-tiny", ["local_mc1"])
     import subprocess
     import sys
 
-    code = ("import sys, headlab.harness as h; h.HAVE_LM_EVAL = False; sys.argv = ['headlab', 'eval', '--tasks', 'x']; "
+    code = ("import sys, headlab.lm_eval.adapter as h; h.HAVE_LM_EVAL = False; sys.argv = ['headlab', 'eval', '--tasks', 'x']; "
             "from headlab.cli import main; main()")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0

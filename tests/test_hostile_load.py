@@ -174,7 +174,7 @@ def test_offline_missing_paths_and_non_ids_are_one_line(tmp_path):
 @pytest.fixture(scope="module")
 def task_dir(tmp_path_factory) -> Path:
     pytest.importorskip("lm_eval")
-    from headlab import harness
+    from headlab import lm_eval as harness
 
     d = tmp_path_factory.mktemp("tasks")
     rows = [{"question": f"What is {i} plus 0", "answer": [str(i)]} for i in range(4)]

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import ast
 import importlib
+import json
+import subprocess
+import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -184,6 +187,42 @@ def test_names_moved_to_a_leaf_are_the_same_objects_in_their_old_module():
         for name in set(leaf_module.__all__) - NEW_IN_LEAVES:
             assert getattr(old_module, name) is getattr(leaf_module, name), (old, name)
         assert all(hasattr(old_module, name) for name in old_module.__all__), old
+
+
+def test_instrument_imports_no_spec_module_even_lazily():
+    """Over the import graph (function-level and ``TYPE_CHECKING`` imports included): nothing that
+    :mod:`headlab.instrument` reaches is ``headlab.spec`` or the spec-facing half of ``headlab.kv``."""
+    modules, edges = graph_of(package_dirs(ROOT))
+    start = [m for m in modules if m == "headlab.instrument" or m.startswith("headlab.instrument.")]
+    reachable, todo = set(start), list(start)
+    while todo:
+        for target in edges[todo.pop()]:
+            if target not in reachable:
+                reachable.add(target)
+                todo.append(target)
+    assert {"headlab.kv.split", "headlab.kv.layers"} <= reachable
+    spec_side = {m for m in reachable if m.startswith("headlab.spec") or m in {
+        "headlab.kv", "headlab.kv.maps", "headlab.kv.selection", "headlab.config"}}
+    assert not spec_side, sorted(spec_side)
+
+
+def test_loading_instrument_loads_no_spec():
+    """In a fresh interpreter. ``headlab/__init__`` imports the whole public namespace (``headlab.spec``
+    among it), so the parent package is registered bare (its path only) and what is measured is what
+    ``headlab.instrument`` itself loads: the engine modules of ``headlab.kv``, not the package's
+    spec-facing ones."""
+    code = ("import importlib.util, json, sys\n"
+            f"spec = importlib.util.spec_from_file_location('headlab', {str(ROOT / 'headlab' / '__init__.py')!r},\n"
+            f"    submodule_search_locations=[{str(ROOT / 'headlab')!r}])\n"
+            "sys.modules['headlab'] = importlib.util.module_from_spec(spec)\n"
+            "import headlab.instrument\n"
+            "print(json.dumps(sorted(m for m in sys.modules if m.startswith('headlab'))))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    loaded = set(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert {"headlab.instrument", "headlab.kv.split", "headlab.kv.layers"} <= loaded
+    assert not {m for m in loaded if m.startswith("headlab.spec")}, sorted(loaded)
+    assert not loaded & {"headlab.kv.maps", "headlab.kv.selection", "headlab.config"}, sorted(loaded)
 
 
 def _write(root: Path, files: Mapping[str, str]) -> None:

@@ -296,7 +296,7 @@ def test_a_split_cache_forward_builds_no_dense_mask(monkeypatch):
     run(HeadMap(_kv(mixed), sink=SINK, window=WINDOW))
     assert built == [6, 6, 6, 2, 1]  # 20 tokens in chunks of 6, then a decode step
     # the same logits as with transformers' dense mask (the cache's implicit mask disabled)
-    monkeypatch.setattr("headlab.instrument.masks._implicit_mask", lambda *a, **k: False)
+    monkeypatch.setattr("headlab.instrument.masks.mask_stays_implicit", lambda *a, **k: False)
     dense_logits, dense_step = run(_map("streaming", layers=2))
     real = mask.bool()
     torch.testing.assert_close(logits[real], dense_logits[real], rtol=0, atol=1e-5)
@@ -332,7 +332,7 @@ def test_the_peak_of_a_chunked_prefill_is_the_kept_bytes_plus_one_chunk(monkeypa
     allowance = rows * chunk * per_token + 2 * 8 * block + kept // layers
     assert peak <= kept + allowance
     monkeypatch.setattr(kv_split, "_BLOCK_ELEMS", 2**30)
-    monkeypatch.setattr(masks, "_implicit_mask", lambda *args, **kwargs: False)
+    monkeypatch.setattr(masks, "mask_stays_implicit", lambda *args, **kwargs: False)
     dense_peak, dense_kept = _chunked_prefill_peak(length, chunk)
     assert dense_kept == kept
     assert dense_peak > kept + allowance  # 128 x 4,096 x 2 rows x (1 + 4) bytes of masks exceed the allowance

@@ -10,7 +10,7 @@ import pytest
 
 import headlab
 from headlab import figures
-from headlab.kv_view import (
+from headlab.kv.view import (
     kv_metrics,
     kv_points,
     kv_table_rows,

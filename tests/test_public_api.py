@@ -54,7 +54,7 @@ PUBLIC_MODULES: dict[str, str] = {
     "headlab.scoring": "scores, generations and metric values outside a run; a task's examples",
     "headlab.sandbox": "the Jinja2 sandbox of task templates",
     "headlab.task_code": "checks of lm-evaluation-harness task files",
-    "headlab.harness": "the lm-evaluation-harness bridge",
+    "headlab.lm_eval": "the lm-evaluation-harness bridge",
     "headlab.kv": "head-level KV-cache policies: head maps, KV-head selections, the headwise cache",
     "headlab.roles": "a labelled head cube (detector, layer, head) as rows: roles, head cards, top heads",
 }

@@ -20,7 +20,7 @@ pytest.importorskip("lm_eval", reason="the eval extra (pip install 'headlab[eval
 from jinja2.exceptions import SecurityError  # noqa: E402
 
 import headlab  # noqa: E402
-from headlab import harness  # noqa: E402
+from headlab import lm_eval as harness  # noqa: E402
 from headlab.task_code import TaskCodeError, check_tasks, sandboxed_templates  # noqa: E402
 
 ROOT = Path(__file__).parent.parent

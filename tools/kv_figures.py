@@ -8,7 +8,7 @@ replace the spec's needle grid, for a smaller run), writes ``kv_recall_vs_kept.s
 the kept fraction of the full KV bytes, one point per step: the report's figure) and
 ``kv_recall_by_length.svg`` (recall per context length of chosen steps) and ``kv_needle_<step>.svg`` (recall
 per context length and needle depth of a few steps) into ``--out``, with the code of
-``headlab report`` (:mod:`headlab.kv_view`, :mod:`headlab.figures`), and prints the table docs/kv.md quotes: per step its policy, kept fraction, KV bytes and recall, overall and per length.
+``headlab report`` (:mod:`headlab.kv.view`, :mod:`headlab.figures`), and prints the table docs/kv.md quotes: per step its policy, kept fraction, KV bytes and recall, overall and per length.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 
 import headlab
 from headlab import figures
-from headlab.kv_view import kv_points, kv_tradeoff_chart, needle_by_length_chart, needle_heatmap_chart
+from headlab.kv.view import kv_points, kv_tradeoff_chart, needle_by_length_chart, needle_heatmap_chart
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = ROOT / "specs" / "kv_compression.yaml"

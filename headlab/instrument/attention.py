@@ -28,7 +28,7 @@ from torch import Tensor
 
 from headlab.kernels import HeadEdits, ProbeRequest, choose_backend, needs_grad
 from headlab.kernels import attention as kernel_attention
-from headlab.kv import split_call
+from headlab.kv.split import split_call
 
 from .kv_split import split_attention
 from .layers import REFUSED_KWARGS, UnsupportedModelError

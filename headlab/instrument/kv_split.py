@@ -55,7 +55,9 @@ from torch import Tensor
 
 from headlab.kernels import HeadEdits, choose_backend
 from headlab.kernels import attention as kernel_attention
-from headlab.kv import HeadBudgetLayer, KvPolicyError, SplitCall
+from headlab.kv.errors import KvPolicyError
+from headlab.kv.layers import HeadBudgetLayer
+from headlab.kv.split import SplitCall
 
 from .layers import REFUSED_KWARGS, UnsupportedModelError
 from .masks import kernel_mask_args

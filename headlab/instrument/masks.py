@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from headlab.kernels.attention import visibility
-from headlab.kv import _implicit_mask
+from headlab.kv.layers import mask_stays_implicit
 
 from .layers import UnsupportedModelError
 
@@ -20,7 +20,7 @@ def mask_function(*args: Any, **kwargs: Any) -> Any:
     policy whose split attention rebuilds the plain causal mask from the cache (None then, no dense mask)."""
     from transformers.masking_utils import sdpa_mask
 
-    if not args and _implicit_mask(kwargs.get("mask_function"), kwargs.get("attention_mask"), kwargs.get("q_length"),
+    if not args and mask_stays_implicit(kwargs.get("mask_function"), kwargs.get("attention_mask"), kwargs.get("q_length"),
                                    kwargs.get("kv_length"), kwargs.get("q_offset", 0), kwargs.get("kv_offset", 0)):
         return None
     return sdpa_mask(*args, **kwargs)

@@ -1,6 +1,6 @@
 """The KV-cache trade-off of a run as a widget: :class:`KvTradeoff` draws a metric of the steps with a ``kv``
 policy against the kept fraction of the full KV cache or the KV bytes held, one point per step and sweep cell
-(:func:`headlab.kv_view.kv_tradeoff_chart`, the same Vega-Lite figure as ``headlab report``'s, shown
+(:func:`headlab.kv.view.kv_tradeoff_chart`, the same Vega-Lite figure as ``headlab report``'s, shown
 offline as SVG by :class:`headlab.widgets.chart.ChartView`), with the points' table below."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from html import escape
 import ipywidgets
 
 from ..figures import Chart
-from ..kv_view import KvPoint, KvX, kv_metrics, kv_points, kv_table_rows, kv_tradeoff_chart
+from ..kv.view import KvPoint, KvX, kv_metrics, kv_points, kv_table_rows, kv_tradeoff_chart
 from ..results import Run, open_run
 from .chart import ChartView
 

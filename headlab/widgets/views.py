@@ -17,7 +17,7 @@ import xarray as xr
 
 from ..circuit_figures import token_chart
 from ..circuit_view import circuit_kind, resid_map, token_labels, tokenizer_for
-from ..kv_view import kv_points
+from ..kv.view import kv_points
 from ..results import Run
 from ..role_figures import change_grid_chart
 from ..roles import is_cube, is_cube_comparison

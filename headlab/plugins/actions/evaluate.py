@@ -12,10 +12,10 @@
     trust_task_code: false           # the default: task definitions from the spec run no Python code
 ```
 
-The step runs lm-eval's ``simple_evaluate`` with :class:`headlab.harness.HeadlabLM` over the run's model;
+The step runs lm-eval's ``simple_evaluate`` with :class:`headlab.lm_eval.HeadlabLM` over the run's model;
 ``heads: {from: <step>}`` in ``decode``/``steer`` sees the earlier steps of the cell. Its dataset holds the
 per-task metrics over ``task`` and the per-sample records over ``example``
-(:func:`headlab.harness.results_dataset`). Needs the ``eval`` extra (``pip install 'headlab[eval]'``);
+(:func:`headlab.lm_eval.results_dataset`). Needs the ``eval`` extra (``pip install 'headlab[eval]'``);
 without it a spec with an ``evaluate`` step fails validation with that one line.
 
 Task definitions the spec brings (inline mappings, ``include_path`` YAMLs, task files) are checked when the
@@ -34,11 +34,9 @@ from pydantic import Field, model_validator
 
 from headlab import StepContext, hookimpl
 from headlab.spec import FiniteFloat, NonNegativeInt, PositiveInt, SpecTypes, StrictModel
-from headlab.task_code import check_tasks
+from headlab.task_code import EXTRA, check_tasks
 
 from .common import compile_kv, decoding_config, kv_results, kv_running
-
-EXTRA = "lm-eval is not installed; install the eval extra: pip install 'headlab[eval]'"
 
 
 def evaluate_config(types: SpecTypes) -> type[StrictModel]:
@@ -77,8 +75,8 @@ def evaluate_config(types: SpecTypes) -> type[StrictModel]:
 
         def preflight(self) -> None:
             """Check the tasks against lm-eval before a run starts and in ``headlab validate``: names, the fields
-            and metrics of each task, ``num_fewshot`` (:func:`headlab.harness.check_task_configs`)."""
-            from headlab.harness import check_task_configs
+            and metrics of each task, ``num_fewshot`` (:func:`headlab.lm_eval.check_task_configs`)."""
+            from headlab.lm_eval import check_task_configs
 
             check_task_configs(self.tasks, include_path=self.include_path, include_defaults=self.include_defaults,
                                num_fewshot=self.num_fewshot)
@@ -88,8 +86,8 @@ def evaluate_config(types: SpecTypes) -> type[StrictModel]:
 
 def evaluate(config: Any, ctx: StepContext) -> xr.Dataset:
     """Run the tasks; per-task metrics over ``task``, per-sample records over ``example``."""
-    from headlab.harness import cache_directory, datasets_cache
-    from headlab.harness import evaluate as run_tasks
+    from headlab.lm_eval import cache_directory, datasets_cache
+    from headlab.lm_eval import evaluate as run_tasks
 
     kv = compile_kv(config.kv, ctx, None)  # lm-eval's requests are not known in advance: no context length
     with kv_running(kv, ctx), datasets_cache(cache_directory(ctx.store) if ctx.store else None):

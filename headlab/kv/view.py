@@ -26,8 +26,8 @@ from typing import Any, Literal
 import numpy as np
 import xarray as xr
 
-from . import figures
-from .results import Run
+from .. import figures
+from ..results import Run
 
 __all__ = ["KvPoint", "KvX", "kv_metrics", "kv_points", "kv_table_rows", "kv_tradeoff_chart", "needle_by_length",
            "needle_by_length_chart", "needle_grid", "needle_heatmap_chart", "needle_steps"]
