@@ -1,4 +1,5 @@
-"""Text utilities shared by tasks, metrics and detectors: ROUGE scores and the words of the shape scenes.
+"""Text utilities shared by tasks, metrics and detectors: ROUGE scores, the words of the shape scenes, single-token
+words and the ordinal sequences (digits, number words, weekdays, months, letters) as tokens.
 
 ROUGE (:func:`rouge1`, :func:`rouge_l`) scores exactly as Google's ``rouge-score`` package
 (``rouge_scorer.RougeScorer``) does, which the retrieval-head reference code (docs/methods.md#retrieval-score)
@@ -22,8 +23,10 @@ import functools
 import re
 from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
-__all__ = ["COLOURS", "SHAPES", "lcs_length", "plural", "rouge1", "rouge_l", "rouge_tokens"]
+__all__ = ["COLOURS", "SEQUENCES", "SHAPES", "lcs_length", "plural", "rouge1", "rouge_l", "rouge_tokens", "sequence_tokens",
+           "single_token"]
 
 _NON_ALNUM = re.compile(r"[^a-z0-9]+")
 
@@ -100,3 +103,45 @@ COLOURS: dict[str, tuple[int, int, int]] = {
 def plural(shape: str) -> str:
     """``circles``, ``crosses``."""
     return shape + ("es" if shape.endswith(("s", "x", "sh", "ch")) else "s")
+
+
+def single_token(tokenizer: Any, text: str) -> int | None:
+    """The token id of ``text`` when it encodes (without special tokens) to exactly one token that is not
+    the unknown token, else ``None``."""
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if len(ids) != 1:
+        return None
+    unk = getattr(tokenizer, "unk_token_id", None)
+    return None if unk is not None and ids[0] == unk else int(ids[0])
+
+
+#: the default ordinal sequences
+SEQUENCES: dict[str, list[str]] = {
+    "digits": [str(i) for i in range(10)],
+    "numbers": "one two three four five six seven eight nine ten eleven twelve".split(),
+    "weekdays": "Monday Tuesday Wednesday Thursday Friday Saturday Sunday".split(),
+    "months": ("January February March April May June July August September October November "
+               "December").split(),
+    "letters": [chr(c) for c in range(ord("A"), ord("Z") + 1)],
+}
+
+
+def sequence_tokens(tokenizer, sequences: dict[str, list[str]], prefix: str = " ") -> tuple[
+        dict[str, list[int | None]], list[str]]:
+    """Per sequence, the token of each item (``None``: skipped; a repeat of an earlier item's token is skipped
+    too), and the skipped items as ``sequence:item``."""
+    out: dict[str, list[int | None]] = {}
+    skipped = []
+    for name, items in sequences.items():
+        seen: set[int] = set()
+        ids: list[int | None] = []
+        for item in items:
+            t = single_token(tokenizer, prefix + item)
+            if t is None or t in seen:
+                skipped.append(f"{name}:{item}")
+                t = None
+            else:
+                seen.add(t)
+            ids.append(t)
+        out[name] = ids
+    return out, skipped

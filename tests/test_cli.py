@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
+from fixtures.cli import run
 from fixtures.specs import spec_text
 
 ROOT = Path(__file__).parent.parent
@@ -14,8 +14,8 @@ STEPS = "  - id: ind\n    detect: {kind: induction}\n"
 
 
 def headlab(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "headlab.cli", *args], capture_output=True, text=True,
-                          cwd=cwd or ROOT, timeout=300)
+    """``headlab ARGS`` as typed in ``cwd`` (default: the repository root), in this process."""
+    return run(*args, cwd=cwd or ROOT)
 
 
 def test_validate_accepts_every_example_spec():

@@ -7,19 +7,18 @@ tests/test_example_specs.py.
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
+from fixtures.cli import run
 from fixtures.specs import spec_text
 
 STEPS = "  - id: ind\n    detect: {kind: induction}\n"
 
 
 def cli(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "headlab.cli", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=300, env={**os.environ, **(env or {})})
+    """``headlab ARGS`` as typed in ``cwd``, in this process (none of these cases needs a process of its own)."""
+    return run(*args, cwd=cwd, env=env)
 
 
 def one_line(res: subprocess.CompletedProcess, code: int = 2) -> str:

@@ -20,6 +20,7 @@ import headlab
 from headlab.model import ModelLoadError, load_model
 from headlab.spec import ModelSpec, SpecError
 
+from fixtures.cli import run
 from fixtures.specs import TINY_LLAMA, spec_text
 
 STEPS = "  - id: ind\n    detect: {kind: induction}\n"
@@ -27,6 +28,10 @@ TASK = "{kind: repeated_tokens, n: 2, length: 4}"
 
 
 def cli(*args: str, cwd: Path, env: dict[str, str] | None = None, drop: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """``headlab ARGS`` as typed in ``cwd``: in this process, or in a new one where the case changes the environment
+    (cache directories that libraries read when they are imported)."""
+    if not env and not drop:
+        return run(*args, cwd=cwd)
     full = {k: v for k, v in {**os.environ, **(env or {})}.items() if k not in drop}
     return subprocess.run([sys.executable, "-m", "headlab.cli", *args], capture_output=True, text=True, cwd=cwd,
                           timeout=300, env=full)

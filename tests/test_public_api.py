@@ -46,6 +46,7 @@ PUBLIC_MODULES: dict[str, str] = {
     "headlab": "registration, the objects a component receives, models, batches, forwards, plans, recordings",
     "headlab.spec": "field types and base classes for component configs",
     "headlab.generation": "the decoding loop, its options, requests and results",
+    "headlab.masking": "greedy outputs with chosen heads masked (the causal check's machinery), batches by length",
     "headlab.decoding": "utilities for decoding strategies",
     "headlab.resources": "memory estimates and task sizes for the resource guard",
     "headlab.dims": "dimension names and (layer, head) arrays",

@@ -49,9 +49,9 @@ import xarray as xr
 from pydantic import Field, field_validator
 
 from headlab import Example, LoadedModel, Plan, TaskContext, component, draw_like, forward, tokenize
-from headlab.plugins.detectors.ablation import ablate, metric_config
-from headlab.plugins.detectors.successor import SEQUENCES, sequence_tokens
+from headlab.masking import ablate, metric_config
 from headlab.spec import PositiveInt, Seed, StrictModel
+from headlab.text import SEQUENCES, sequence_tokens
 
 __all__ = ["CAUSAL_METRICS", "CausalConfig", "HARM_SIGN", "causal_check", "causal_lines", "draw_controls", "log_perplexity", "repeat_loss",
            "successor_accuracy", "successor_examples", "top_labelled"]

@@ -32,22 +32,16 @@ from pydantic import Field, model_validator
 
 from headlab import (
     ComponentConfig,
-    Example,
     Geometry,
     HeadSelection,
-    LoadedModel,
-    Plan,
-    PluginError,
     StepContext,
     component,
     draw_like,
     hookimpl,
 )
-from headlab.generation import DecodeRequest, PromptSplit, decode_loop, tokenize
+from headlab.masking import ablate, metric_config
 from headlab.resources import Estimate, EstimateContext
 from headlab.spec import NonEmptyStr, NonNegativeFloat, NonNegativeInt, PositiveInt, Seed
-
-from .retrieval import length_batches
 
 __all__ = ["Ablation", "ablate", "detect", "draw_random_heads"]
 
@@ -89,61 +83,12 @@ class Ablation(ComponentConfig):
         return self
 
 
-def metric_config(metric: str | dict[str, Any]) -> Any:
-    """The validated config model of a metric given as a kind or ``{kind, ...options}``."""
-    data = {"kind": metric} if isinstance(metric, str) else dict(metric)
-    try:
-        comp = component("metrics", str(data.get("kind")))
-    except PluginError as e:
-        raise ValueError(f"metric: {e}") from None
-    return comp.config.model_validate(data)
-
-
 def draw_random_heads(top: list[Head], geometry: Geometry, rng: np.random.Generator, *,
                       match_layers: bool = False, exclude: bool = True) -> list[Head]:
     """``len(top)`` heads of the model drawn without replacement (per layer as in ``top`` with
     ``match_layers``; outside ``top`` with ``exclude``)."""
     every = [(layer, h) for layer in range(geometry.n_layers) for h in range(geometry.n_heads)]
     return draw_like(top, every, rng, match_layers=match_layers, exclude=exclude)
-
-
-def ablate(lm: LoadedModel, examples: list[Example], conditions: list[list[Head]], *, mode: str = "query",
-           max_new_tokens: int = 16, stop: list[str] | None = None, batch_size: int = 32,
-           mask_prompt: bool = True, length_slack: float = 0.125, progress: Any = None) -> list[list[str]]:
-    """Greedy outputs of every example under every condition (a list of heads to mask; [] = none).
-
-    Returns ``outputs[condition][example]``. Rows are (example, condition) pairs with per-row masks; a batch
-    holds every condition of ``max(1, batch_size // len(conditions))`` examples of similar length. ``mask_prompt=False``
-    prefills the prompt minus its last token unmasked and masks from the last prompt token on (DeCoRe's
-    reference masked branch), so the masks act on the queries that produce the answer only.
-    """
-    lengths = [len(ex.input_ids) if ex.input_ids is not None else len(lm.tokenizer(ex.prompt)["input_ids"])
-               for ex in examples]
-    per_batch = max(1, batch_size // len(conditions))  # examples per batch, all their conditions together
-    chunks = [[(i, c) for i in group for c in range(len(conditions))]
-              for group in length_batches(lengths, per_batch, length_slack)]
-    outputs = [[""] * len(examples) for _ in conditions]
-    it = progress(chunks, "ablation") if progress is not None else chunks
-    for chunk in it:
-        batch = tokenize(lm, [examples[i] for i, _ in chunk])
-        plan = Plan()
-
-        def add_masks(plan: Plan = plan, chunk: list = chunk) -> None:
-            for r, (_, c) in enumerate(chunk):
-                if conditions[c]:
-                    plan.mask_heads(conditions[c], rows=[r], mode=mode)
-
-        greedy = lambda out, _: out.logits[:, -1].argmax(-1)  # noqa: E731
-        if mask_prompt:
-            add_masks()
-            request = DecodeRequest(lm, batch, max_new_tokens, list(stop or []), None if plan.is_empty() else plan)
-            texts = decode_loop(request, greedy).texts
-        else:
-            request = DecodeRequest(lm, batch, max_new_tokens, list(stop or []), plan)
-            texts = decode_loop(request, greedy, split=PromptSplit(then=add_masks)).texts
-        for (i, c), text in zip(chunk, texts, strict=True):
-            outputs[c][i] = text
-    return outputs
 
 
 def detect(config: Ablation, ctx: StepContext) -> xr.Dataset:

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from headlab.plugins.detectors.norms import affine_norm
+from headlab.text import single_token
 
 __all__ = ["OVCircuits", "POST_ATTENTION_NORMS", "Precision", "attention_output_norm", "model_type", "single_token"]
 
@@ -157,13 +158,3 @@ class OVCircuits:
             greater += ((logits > own[..., None]) & others).sum(-1)
             smaller += ((logits < own[..., None]) & others).sum(-1)
         return greater, smaller
-
-
-def single_token(tokenizer: Any, text: str) -> int | None:
-    """The token id of ``text`` when it encodes (without special tokens) to exactly one token that is not
-    the unknown token, else ``None``."""
-    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    if len(ids) != 1:
-        return None
-    unk = getattr(tokenizer, "unk_token_id", None)
-    return None if unk is not None and ids[0] == unk else int(ids[0])

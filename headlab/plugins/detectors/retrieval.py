@@ -69,6 +69,7 @@ from headlab.generation import (
     prefill,
     tokenize,
 )
+from headlab.masking import length_batches
 from headlab.resources import Estimate, EstimateContext
 from headlab.spec import FiniteFloat, NonEmptyStr, NonNegativeFloat, PositiveInt, Probability
 from headlab.text import rouge1
@@ -182,20 +183,6 @@ def probe_decode(lm: LoadedModel, batch: Batch, probes: Any, max_new_tokens: int
     steps = state.step
     rec = StepRecords({name: value[:, :, :, :steps] for name, value in store.items()})
     return ProbeDecode(state.generated, state.active, rec, decoded.texts, decoded.tokens)
-
-
-def length_batches(lengths: Sequence[int], batch_size: int, slack: float = 0.125) -> list[list[int]]:
-    """Indices grouped into batches of at most ``batch_size`` by length: sorted by length, a batch is closed
-    when full or when the next item is more than ``slack`` (fraction) longer than the batch's first, so
-    left padding stays small (a padded prefill costs as much as its longest row)."""
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-    out: list[list[int]] = []
-    for i in order:
-        if out and len(out[-1]) < batch_size and lengths[i] <= (1 + slack) * lengths[out[-1][0]]:
-            out[-1].append(i)
-        else:
-            out.append([i])
-    return out
 
 
 # --------------------------------------------------------------------------- the score

@@ -24,19 +24,10 @@ from pydantic import Field
 
 from headlab import ComponentConfig, StepContext, hookimpl
 from headlab.dims import head_array
-from headlab.plugins.detectors.ov_circuit import OVCircuits, Precision, single_token
+from headlab.plugins.detectors.ov_circuit import OVCircuits, Precision
+from headlab.text import SEQUENCES, sequence_tokens
 
 __all__ = ["SEQUENCES", "Successor", "detect", "sequence_tokens", "succession_scores"]
-
-#: the default ordinal sequences
-SEQUENCES: dict[str, list[str]] = {
-    "digits": [str(i) for i in range(10)],
-    "numbers": "one two three four five six seven eight nine ten eleven twelve".split(),
-    "weekdays": "Monday Tuesday Wednesday Thursday Friday Saturday Sunday".split(),
-    "months": ("January February March April May June July August September October November "
-               "December").split(),
-    "letters": [chr(c) for c in range(ord("A"), ord("Z") + 1)],
-}
 
 
 class Successor(ComponentConfig):
@@ -48,27 +39,6 @@ class Successor(ComponentConfig):
         description="name -> the items of an ordinal sequence, in order (at least two items; at least one sequence)")
     prefix: str = Field(" ", description="put in front of each item before tokenizing (e.g. ' Monday')")
     precision: Precision = Field("float32", description="dtype of the OV products")
-
-
-def sequence_tokens(tokenizer, sequences: dict[str, list[str]], prefix: str = " ") -> tuple[
-        dict[str, list[int | None]], list[str]]:
-    """Per sequence, the token of each item (``None``: skipped; a repeat of an earlier item's token is skipped
-    too), and the skipped items as ``sequence:item``."""
-    out: dict[str, list[int | None]] = {}
-    skipped = []
-    for name, items in sequences.items():
-        seen: set[int] = set()
-        ids: list[int | None] = []
-        for item in items:
-            t = single_token(tokenizer, prefix + item)
-            if t is None or t in seen:
-                skipped.append(f"{name}:{item}")
-                t = None
-            else:
-                seen.add(t)
-            ids.append(t)
-        out[name] = ids
-    return out, skipped
 
 
 def succession_scores(lm, tokens: dict[str, list[int | None]],
