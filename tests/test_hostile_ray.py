@@ -95,6 +95,7 @@ def headlab_run(tmp_path: Path, spec: str = "specs/quickstart.yaml", limit: int 
     return subprocess.CompletedProcess(command, proc.returncode, out, err), marker
 
 
+@pytest.mark.slow  # a whole Ray run under the limit (about a minute); the cases below keep the default set honest
 def test_a_run_under_an_8_gib_address_space_limit_completes_and_stops_its_cluster(tmp_path):
     """The limit the issue met (Ray hung for over a minute): the object store is sized to fit it."""
     res, marker = headlab_run(tmp_path, limit=8 * GiB)

@@ -4,8 +4,6 @@ numbers."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Literal
@@ -17,6 +15,7 @@ import headlab
 from headlab.heads import ranked
 from headlab.report import color, render_report, report_figures, write_report
 
+from fixtures.cli import run as run_cli
 from fixtures.figures import embedded, rows
 from fixtures.specs import spec_text
 
@@ -110,13 +109,11 @@ def test_write_report_default_path_and_cli(sweep_run, tmp_path):
     assert path == sweep_run.path.with_name(sweep_run.path.name + ".html") and path.stat().st_size > 1000
     assert headlab.open_run(sweep_run.path).status == "complete"  # the store is untouched
     out = tmp_path / "r" / "report.html"
-    res = subprocess.run([sys.executable, "-m", "headlab.cli", "report", str(sweep_run.path), "-o", str(out),
-                          "--examples", "1"], capture_output=True, text=True, timeout=300)
+    res = run_cli("report", str(sweep_run.path), "-o", str(out), "--examples", "1", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert out.is_file() and "report written to" in res.stdout
     assert "generations (first 1)" in out.read_text()
-    res = subprocess.run([sys.executable, "-m", "headlab.cli", "report", str(tmp_path)], capture_output=True,
-                         text=True, timeout=300)
+    res = run_cli("report", str(tmp_path), cwd=tmp_path)
     assert res.returncode == 2 and "no headlab run" in res.stderr and "Traceback" not in res.stderr
 
 

@@ -10,6 +10,7 @@ import xarray as xr
 
 import headlab
 
+from fixtures.cli import run as run_cli
 from fixtures.specs import spec_text
 
 STEPS = """  - id: prev
@@ -134,8 +135,6 @@ def test_list_runs(tmp_path):
 
 def test_one_malformed_or_newer_run_hides_no_other(tmp_path):
     import shutil
-    import subprocess
-    import sys
 
     good = headlab.run(spec_text(STEPS), out=tmp_path).path
     for name, change in [("bad", {"cells_total": "many", "sweep": [1, 2], "created": {"x": 1}}),
@@ -150,10 +149,9 @@ def test_one_malformed_or_newer_run_hides_no_other(tmp_path):
     assert runs["newer"].status == "newer format (headlab-run/2): upgrade headlab"
     with pytest.raises(headlab.results.RunFormatTooNew, match="format headlab-run/2, newer than this headlab"):
         headlab.open_run(tmp_path / "newer")
-    cli = [sys.executable, "-m", "headlab.cli"]
-    listing = subprocess.run([*cli, "runs", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    listing = run_cli("runs", str(tmp_path), cwd=tmp_path)
     assert listing.returncode == 0 and good.name in listing.stdout and "newer format" in listing.stdout
-    shown = subprocess.run([*cli, "show", str(tmp_path / "newer")], capture_output=True, text=True, timeout=300)
+    shown = run_cli("show", str(tmp_path / "newer"), cwd=tmp_path)
     assert shown.returncode == 2 and "upgrade headlab to read it" in shown.stderr and "Traceback" not in shown.stderr
 
 
