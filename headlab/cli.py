@@ -402,6 +402,14 @@ def _print_detail(result: Any, steps: list[str], out: Console) -> None:
         if mine[0].note:
             out.print(Text(mine[0].note))
             continue
+        if "detectors" in info:  # a labelled cube: a row per detector
+            table = _table("detector", "top heads", "threshold", "labelled", "causal", title="per detector")
+            for r in info["detectors"]:
+                tops = ", ".join(f"{head_label(t['layer'], t['head'])} {t['score']:.4f}" for t in r["top"][:3])
+                labelled = "-" if r["labelled"] is None else f"{r['labelled']:g}/{r['heads']}"
+                table.add_row(r["detector"], tops, "-" if r["threshold"] is None else f"{r['threshold']:.4g}",
+                              labelled, r["causal"] or "-")
+            out.print(table)
         if "top" in info:  # a (layer, head) score; a detect step without one (ablation) shows its metrics
             what = ", the per-token peak" if info.get("token_peak") else ""
             table = _table("rank", "head", "score", title=f"top heads ({info['method']}{what})")

@@ -1,7 +1,7 @@
 """A run for display: the summary its tables print (``headlab show``, the report, the notebook) and its HTML.
 
 :func:`run_summary` gives the headline numbers of each step of a :class:`headlab.Run` (top heads of a
-detect step; per sweep cell, the means of a step's metrics with their estimates; per task for ``evaluate``;
+detect step, per detector for a labelled cube; per sweep cell, the means of a step's metrics with their estimates; per task for ``evaluate``;
 the kept fraction of a KV policy); :func:`run_html` is the block a notebook shows for a run
 (``Run._repr_html_``). ``Run.summary()`` is :func:`run_summary` of the run.
 """
@@ -44,7 +44,9 @@ class RunView(Protocol):
 
 def run_summary(run: RunView) -> dict[str, Any]:
     """Top heads per detect step (:func:`~headlab.summary.head_scores`: a per-token score's peak, averaged over
-    the sweep; ``unit``: ``head``, or ``kv_head`` for a score per key/value head); per other step its ``kind`` (the
+    the sweep; ``unit``: ``head``, or ``kv_head`` for a score per key/value head); a score over ``(detector, layer,
+    head)`` (a labelled cube, :mod:`headlab.roles`) gets ``detectors`` instead of ``top``, one entry per detector
+    (:func:`_detector_rows`: its top heads, threshold, heads labelled, causal status); per other step its ``kind`` (the
     action) and, never averaged across sweep values, its metrics: ``cells``, one row per sweep cell
     (``[{"cell": {sweep key: value}, "metrics": {name: mean over the cell's examples}}]``; a metric's
     step-level aggregate, stored without the ``example`` dimension, as it is), and
@@ -54,7 +56,10 @@ def run_summary(run: RunView) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for step, ds in run.results.items():
         dims = set(ds["score"].dims) if "score" in ds else set()
-        if "layer" in dims and dims & {"head", "kv_head"}:
+        if {"layer", "head", "detector"} <= dims:  # a labelled cube: one entry per detector, never their mean
+            out[step] = {"kind": "detect", "method": ds.attrs.get("method", ""), "unit": "head",
+                         "token_peak": "token" in dims, "detectors": _detector_rows(ds)}
+        elif "layer" in dims and dims & {"head", "kv_head"}:
             score = head_scores(ds["score"])  # a per-token score: its peak; sweep keys: averaged
             unit = "head" if "head" in score.dims else "kv_head"
             out[step] = {"kind": "detect", "method": ds.attrs.get("method", ""), "unit": unit,
@@ -76,6 +81,45 @@ def run_summary(run: RunView) -> dict[str, Any]:
                                 "kept_fraction": float(sub["kv_kept_fraction"].values)}
                                for cell, sub in _sweep_cells(run, ds)]
     return out
+
+
+def _detector_value(ds: xr.Dataset, name: str, detector: str) -> float | None:
+    """A per-detector number of ``ds`` (a variable over ``detector`` and sweep keys, averaged over them), None
+    where ``ds`` has none or it is NaN."""
+    if name not in ds or "detector" not in ds[name].dims or ds[name].dtype.kind not in "biuf":
+        return None
+    value = float(ds[name].sel(detector=detector).astype(float).mean())
+    return value if np.isfinite(value) else None
+
+
+def _detector_text(ds: xr.Dataset, name: str, detector: str) -> str | None:
+    """A per-detector string of ``ds`` (its first sweep cell), None where ``ds`` has none."""
+    if name not in ds or "detector" not in ds[name].dims:
+        return None
+    return str(ds[name].sel(detector=detector).values.reshape(-1)[0])
+
+
+def _detector_rows(ds: xr.Dataset) -> list[dict[str, Any]]:
+    """One entry per detector of a score over ``(detector, layer, head)``: ``top`` heads (as a plain head score's),
+    ``heads`` (how many), and where ``ds`` holds them, ``threshold``, ``labelled`` (heads whose ``label`` is set;
+    sweep cells averaged) and the causal check's ``causal`` status (``causal_status``, else ``supported``)."""
+    rows = []
+    for d in ds["detector"].values:
+        detector = str(d)
+        score = head_scores(ds["score"].sel(detector=d))
+        row: dict[str, Any] = {"detector": detector, "heads": int(score.size),
+                               "top": [{"layer": h[0], "head": h[1], "score": s} for h, s in ranked(score)[:10]],
+                               "threshold": _detector_value(ds, "threshold", detector), "labelled": None,
+                               "causal": _detector_text(ds, "causal_status", detector)}
+        if "label" in ds and {"detector", "layer", "head"} <= set(ds["label"].dims):
+            label = ds["label"].sel(detector=d).astype(float)
+            extra = [x for x in label.dims if x not in ("layer", "head")]
+            count = label.sum(["layer", "head"])
+            row["labelled"] = float(count.mean(extra)) if extra else int(count)
+        if row["causal"] is None and "supported" in ds and "detector" in ds["supported"].dims:
+            row["causal"] = "supported" if bool(ds["supported"].sel(detector=d).any()) else "not supported"
+        rows.append(row)
+    return rows
 
 
 def _sweep_cells(run: RunView, ds: xr.Dataset) -> Iterator[tuple[dict[str, Any], xr.Dataset]]:
@@ -127,7 +171,11 @@ def run_html(run: RunView) -> str:
     its summary (:func:`run_summary`)."""
     rows = []
     for step, info in run_summary(run).items():
-        if "top" in info:
+        if "detectors" in info:
+            top = "; ".join(f"{r['detector']} L{r['top'][0]['layer']}H{r['top'][0]['head']} {r['top'][0]['score']:.3f}"
+                            for r in info["detectors"] if r["top"])
+            rows.append(f"<tr><td>{escape(step)}</td><td>detect {escape(info['method'])}</td><td>{escape(top)}</td></tr>")
+        elif "top" in info:
             top = ", ".join(f"L{t['layer']}H{t['head']} {t['score']:.3f}" for t in info["top"][:5])
             rows.append(f"<tr><td>{escape(step)}</td><td>detect {escape(info['method'])}</td><td>{top}</td></tr>")
         else:

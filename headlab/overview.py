@@ -15,7 +15,7 @@ from typing import Any
 from .describe import StepDescription, describe_steps
 from .summary import Estimate
 
-__all__ = ["SummaryRow", "head_label", "summary_rows"]
+__all__ = ["SummaryRow", "detector_text", "head_label", "summary_rows"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,24 @@ def head_label(layer: int, head: int, unit: str = "head") -> str:
     return f"L{layer}KV{head}" if unit == "kv_head" else f"L{layer}H{head}"
 
 
+def detector_text(row: Mapping[str, Any], unit: str = "head", digits: int = 3) -> str:
+    """One detector of a labelled cube in words (a row of :func:`headlab.display.run_summary`'s ``detectors``):
+    ``induction: top head L3H1, 4/32 labelled (threshold 0.25), causal: supported``; the parts the cube lacks are
+    left out."""
+    parts = [f"{row['detector']}: top head {head_label(row['top'][0]['layer'], row['top'][0]['head'], unit)}"
+             if row["top"] else f"{row['detector']}: no head"]
+    labelled, threshold = row.get("labelled"), row.get("threshold")
+    if labelled is not None:
+        count = str(labelled) if isinstance(labelled, int) else f"{labelled:.{digits}g}"
+        thr = f" (threshold {_number(threshold, digits)})" if threshold is not None else " (no threshold)"
+        parts.append(f"{count}/{row['heads']} labelled{thr}")
+    elif threshold is not None:
+        parts.append(f"threshold {_number(threshold, digits)}")
+    if row.get("causal"):
+        parts.append(f"causal: {row['causal']}")
+    return ", ".join(parts)
+
+
 def _number(value: float, digits: int) -> str:
     return f"{value:.{digits}f}" if math.isfinite(value) else "undefined"
 
@@ -72,7 +90,8 @@ def _no_figure(run: Any, step: str) -> str:
 
 def summary_rows(run: Any, digits: int = 3) -> list[SummaryRow]:
     """The rows of ``run``'s summary (a :class:`headlab.Run`), every step of the run in its order: a detect
-    step's top head (the per-token peak of a per-token score), each metric's mean with its n and interval per
+    step's top head (the per-token peak of a per-token score; per detector for a labelled cube, with its heads
+    labelled, threshold and causal status, :func:`detector_text`), each metric's mean with its n and interval per
     sweep cell, per-task values, the KV policy's kept fraction; a note for a step with none of them."""
     summary = run.summary()
     described = describe_steps(run.attrs.get("resolved") or run.spec_data)
@@ -88,6 +107,9 @@ def summary_rows(run: Any, digits: int = 3) -> list[SummaryRow]:
             label = head_label(t["layer"], t["head"], info.get("unit", "head"))
             metric = f"top head {label}" + (" (token peak)" if info.get("token_peak") else "")
             mine.append(SummaryRow(**base, metric=metric, value=_number(t["score"], digits)))
+        for r in info.get("detectors", []):
+            mine.append(SummaryRow(**base, metric=detector_text(r, info.get("unit", "head"), digits),
+                                   value=_number(r["top"][0]["score"], digits) if r["top"] else "undefined"))
         for r in info.get("cells", []):
             where = _cell_text(r["cell"])
             for m, value in r["metrics"].items():

@@ -76,12 +76,13 @@ def test_the_shared_pattern_pass_equals_eager_attention_and_the_definitions(tiny
 
 @pytest.fixture(scope="module")
 def tiny_atlas(tmp_path_factory):
-    """``headlab atlas headlab-tiny`` (in process, every detector but retrieval, small tasks) and the
-    run of the spec steps the cube records for its slices."""
+    """``headlab atlas headlab-tiny`` (in process, every text detector but retrieval, the importance ones
+    included, small tasks) and the run of the spec steps the cube records for its slices."""
     out = tmp_path_factory.mktemp("atlas")
     names = ["previous_token", "duplicate_token", "induction", "attention_sink", "successor", "copy_suppression",
-             "copying", "composition"]
-    main(["atlas", "headlab-tiny", "--out", str(out), "--tokens", "16", "--n", "2", "--detectors", ",".join(names)])  # returns when done (exits only on an error)
+             "copying", "composition", "head_importance", "ships"]
+    main(["atlas", "headlab-tiny", "--out", str(out), "--tokens", "16", "--n", "2", "--importance", "--detectors",
+          ",".join(names)])  # returns when done (exits only on an error)
     (path,) = list(out.iterdir())
     ds = headlab.open_run(str(path)).results["atlas"]
     return (ds, *alone(ds, "headlab-tiny", out / "alone"))
@@ -123,6 +124,7 @@ def test_each_slice_equals_its_detector_as_its_own_spec_step(tiny_atlas):
     assert_same_slices(ds, steps, run)
     for name, step in steps.items():
         assert step["detect"]["kind"] in (name, "copy_suppression")
+        assert float(np.abs(ds["score"].sel(detector=name)).max()) > 0, name  # a slice of zeros would pass too
         if name in PATTERN:
             assert int(ds["n_examples"].sel(detector=name)) == len(run.results[name]["example"]) == 2
 
@@ -293,4 +295,5 @@ def test_headlab_atlas_as_typed_on_a_saved_gqa_llama_and_the_tiny_llava(tmp_path
     res = typed(["atlas", "headlab-tiny-vlm", "--out", "vlm", "--tokens", "16", "--n", "2", "--importance"], tmp_path)
     ds = stored_cube(tmp_path / "vlm")
     assert {"segment_divergence", "head_importance", "ships"} <= set(ds["detector"].values)
+    assert_same_slices(ds, *alone(ds, "headlab-tiny-vlm", tmp_path / "alone-vlm"))  # the image detector among them
     assert "null mean + 3 std" in str(ds["threshold_source"].sel(detector="segment_divergence").values)

@@ -47,6 +47,7 @@ PUBLIC_MODULES: dict[str, str] = {
     "headlab.spec": "field types and base classes for component configs",
     "headlab.generation": "the decoding loop, its options, requests and results",
     "headlab.masking": "greedy outputs with chosen heads masked (the causal check's machinery), batches by length",
+    "headlab.pattern_scores": "the pattern detectors' scores of attention against a detection pattern",
     "headlab.decoding": "utilities for decoding strategies",
     "headlab.resources": "memory estimates and task sizes for the resource guard",
     "headlab.dims": "dimension names and (layer, head) arrays",

@@ -14,7 +14,7 @@ from headlab.role_figures import role_colours
 from headlab.widgets import AtlasMap, hover_lines
 
 from fixtures.figures import CHROMIUM, CHROMIUM_ARGS
-from fixtures.role_cubes import DETECTORS, make_cube
+from fixtures.role_cubes import DETECTORS, make_comparison, make_cube
 
 
 @pytest.fixture(scope="module")
@@ -75,23 +75,49 @@ def test_hover_and_click_call_back_and_cards(cube):
         AtlasMap(cube.drop_vars("label"))
 
 
+def test_a_compared_cube_adds_the_grid_of_changes_and_the_differences_on_hover(cube):
+    both = cube.merge(make_comparison(cube))
+    names = list(cube["detector"].values)
+    diff, change = both["score_diff"].values, both["label_change"].values
+    assert (change > 0).any() and (change < 0).any()
+    view = AtlasMap(both)
+    assert AtlasMap(cube).changes == [] and view.cells == AtlasMap(cube).cells
+    largest = np.abs(diff).max(axis=(1, 2))
+    for la in range(3):
+        for he in range(5):
+            entries = view.changes[la][he]
+            assert [d for d, _, _ in entries] == list(range(len(names)))
+            for d, shade, c in entries:
+                assert shade == pytest.approx(diff[d, la, he] / largest[d]) and c == change[d, la, he]
+            lines = view.tips[la][he].split("\n")
+            assert view.tips[la][he] == hover_lines(both, la, he)
+            assert lines[0].startswith(f"L{la}H{he}: ")
+            for d, (name, line) in enumerate(zip(names, lines[1:], strict=True)):
+                words = line.split()
+                assert name in words
+                want = ("+" if diff[d, la, he] >= 0 else "") + f"{diff[d, la, he]:.4g}"
+                assert words[words.index("diff") + 1] == want
+                assert words[-1] == {1: "gained", -1: "lost"}.get(int(change[d, la, he]), want)
+    assert f"{int((change > 0).sum())} gained, {int((change < 0).sum())} lost" in view.change_title
+    assert AtlasMap(cube).change_chart() is None
+    html = view._repr_html_()  # the static fallback: both grids
+    assert html.startswith("<svg") and html.count("<svg") == 2 and "score difference" in html
+
+
 def test_a_32_by_32_cube_keeps_its_cells_readable():
     view = AtlasMap(make_cube(32, 32, DETECTORS, seed=2, nan=False))
     assert view.cell_size == 15 and len(view.tips) == 32 and len(view.tips[0]) == 32
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not Path(CHROMIUM).is_file(), reason=f"{CHROMIUM} is missing (.ci/setup-test installs it)")
-def test_the_view_draws_the_stripes_and_hover_shows_the_scores_in_chromium(cube, tmp_path):
-    """The widget's own JavaScript (its ESM, as JupyterLab loads it) in headless chromium, on a page with a
-    stand-in for the anywidget model holding the widget's synced state: a cell per head, a stripe per role,
-    and entering a cell shows that head's hover text and sends ``hovered`` back; a click sends ``selected``."""
-    sync_api = pytest.importorskip("playwright.sync_api", reason="needs the notebook extras (playwright)")
-    view = AtlasMap(cube)
-    state = {name: getattr(view, name) for name in ("detectors", "colours", "cells", "tips", "title", "hint",
-                                                    "cell_size", "hovered", "selected")}
+def _page(view: AtlasMap, tmp_path: Path) -> Path:
+    """A page that renders the widget's own JavaScript (its ESM, as JupyterLab loads it) with a stand-in for the
+    anywidget model holding the widget's synced state; ``window.sent`` collects what the view sends back."""
+    names = ("detectors", "colours", "cells", "tips", "title", "hint", "cell_size", "hovered", "selected", "changes",
+             "change_title")
+    state = {name: getattr(view, name) for name in names}
     esm = json.dumps(view._esm).replace("<", "\\u003c")
-    (tmp_path / "page.html").write_text(f"""<!DOCTYPE html><html><head><meta charset="utf-8">
+    path = tmp_path / "page.html"
+    path.write_text(f"""<!DOCTYPE html><html><head><meta charset="utf-8">
 <style>{view._css}</style></head><body><div id="el"></div><script type="module">
 const code = {esm};
 const widget = (await import(URL.createObjectURL(new Blob([code], {{type: "text/javascript"}})))).default;
@@ -102,15 +128,28 @@ const model = {{get: k => state[k], set: (k, v) => {{ state[k] = v; window.sent.
 widget.render({{model, el: document.getElementById("el")}});
 window.ready = true;
 </script></body></html>""", encoding="utf-8")
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path(CHROMIUM).is_file(), reason=f"{CHROMIUM} is missing (.ci/setup-test installs it)")
+def test_the_view_draws_the_stripes_and_hover_shows_the_scores_in_chromium(cube, tmp_path):
+    """The widget in headless chromium: a cell per head, a stripe per role, and entering a cell shows that head's
+    hover text and sends ``hovered`` back; a click sends ``selected``; a compared cube adds the grid of changes,
+    a stripe per detector with the gained and lost glyphs, whose cells hover the same text."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="needs the notebook extras (playwright)")
+    view = AtlasMap(cube)
+    both = AtlasMap(cube.merge(make_comparison(cube)))
+    (tmp_path / "both").mkdir()
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
         try:
             page = browser.new_page()
             errors: list[str] = []
             page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto((tmp_path / "page.html").as_uri())
+            page.goto(_page(view, tmp_path).as_uri())
             page.wait_for_function("() => window.ready === true", timeout=30000)
-            assert page.locator(".ha-cell").count() == 15
+            assert page.locator(".ha-cell").count() == 15 and page.locator(".ha-changes").count() == 0
             for la in range(3):
                 for he in range(5):
                     cell = page.locator(f'.ha-cell[data-layer="{la}"][data-head="{he}"]')
@@ -120,6 +159,18 @@ window.ready = true;
             assert page.locator(".ha-info").text_content() == view.tips[2][3]
             page.locator('.ha-cell[data-layer="1"][data-head="4"]').click()
             sent = page.evaluate("() => window.sent")
+            page.goto(_page(both, tmp_path / "both").as_uri())
+            page.wait_for_function("() => window.ready === true", timeout=30000)
+            grid = page.locator(".ha-changes")
+            assert grid.locator(".ha-cell").count() == 15
+            for la in range(3):
+                for he in range(5):
+                    stripes = grid.locator(f'.ha-cell[data-layer="{la}"][data-head="{he}"] .ha-change')
+                    assert stripes.count() == len(both.changes[la][he])
+                    glyphs = ["▲" if c > 0 else "▼" if c < 0 else "" for _, _, c in both.changes[la][he]]
+                    assert stripes.all_text_contents() == glyphs
+            grid.locator('.ha-cell[data-layer="0"][data-head="2"]').hover()
+            assert page.locator(".ha-info").text_content() == both.tips[0][2]
         finally:
             browser.close()
     assert not errors, errors

@@ -8,6 +8,12 @@ The view is an anywidget whose JavaScript is inline, so it works offline in Jupy
 renderer fetches Vega from a CDN); Python computes every text the view shows, and ``hovered`` / ``selected``
 are synced back (:meth:`AtlasMap.on_hover`, :meth:`AtlasMap.on_select`). Its static fallback (``_repr_html_``) is
 the report's figure as SVG.
+
+For a compared cube (:func:`headlab.roles.is_cube_comparison`: ``score_diff`` and ``label_change``) the view adds
+the report's grid of changes (:func:`headlab.role_figures.change_grid_chart`): a cell per head split into a
+stripe per detector, blue where the second model's score is higher and red where it is lower, more opaque the
+larger the difference, ▲ where the head gained the role and ▼ where it lost it; the hover text adds each
+detector's score difference and change.
 """
 
 from __future__ import annotations
@@ -22,8 +28,8 @@ import traitlets
 import xarray as xr
 
 from ..figures import to_svg
-from ..role_figures import role_colours, role_grid_chart
-from ..roles import detectors, head_card, head_cards, is_cube
+from ..role_figures import change_grid_chart, role_colours, role_grid_chart
+from ..roles import detectors, head_card, head_cards, is_cube, is_cube_comparison
 
 __all__ = ["AtlasMap", "hover_lines"]
 
@@ -84,9 +90,48 @@ export default {
         k.appendChild(document.createTextNode(n)); legend.appendChild(k);
       });
       root.appendChild(legend);
+      const changes = model.get("changes") || [];
+      if (changes.length) {
+        const sub = document.createElement("div");
+        sub.className = "ha-title"; sub.textContent = model.get("change_title"); root.appendChild(sub);
+        const cg = document.createElement("div");
+        cg.className = "ha-grid ha-changes";
+        cg.style.gridTemplateColumns = `28px repeat(${nh}, ${cell}px)`;
+        cg.appendChild(document.createElement("span"));
+        for (let h = 0; h < nh; h++) {
+          const a = document.createElement("span"); a.className = "ha-axis";
+          a.textContent = (nh <= 16 || h % Math.ceil(nh / 16) === 0) ? h : ""; cg.appendChild(a);
+        }
+        for (let l = 0; l < nl; l++) {
+          const a = document.createElement("span"); a.className = "ha-axis"; a.textContent = "L" + l; cg.appendChild(a);
+          for (let h = 0; h < nh; h++) {
+            const c = document.createElement("div");
+            c.className = "ha-cell"; c.style.width = c.style.height = (cell - 1) + "px";
+            c.dataset.layer = l; c.dataset.head = h;
+            for (const [d, shade, change] of changes[l][h]) {
+              const s = document.createElement("div");
+              s.className = "ha-stripe ha-change"; s.dataset.detector = d;
+              const v = shade === null ? 0 : Math.abs(shade);
+              s.style.background = shade === null ? "#bbbbbb" :
+                (shade >= 0 ? `rgba(33,102,172,${v})` : `rgba(178,24,43,${v})`);
+              s.textContent = change > 0 ? "\u25B2" : change < 0 ? "\u25BC" : "";
+              c.appendChild(s);
+            }
+            c.title = tips[l][h];
+            c.addEventListener("mouseenter", () => {
+              info.textContent = tips[l][h];
+              model.set("hovered", [l, h]); model.save_changes();
+            });
+            c.addEventListener("click", () => { model.set("selected", [l, h]); model.save_changes(); });
+            cg.appendChild(c);
+          }
+        }
+        root.appendChild(cg);
+      }
       root.appendChild(info);
     }
-    for (const name of ["cells", "tips", "title", "selected", "cell_size", "colours"]) model.on("change:" + name, draw);
+    for (const name of ["cells", "tips", "title", "selected", "cell_size", "colours", "changes", "change_title"])
+      model.on("change:" + name, draw);
     draw();
   }
 };
@@ -102,6 +147,8 @@ _CSS = """
 .headlab-atlas .ha-cell:hover { outline: 2px solid #000; }
 .headlab-atlas .ha-sel { outline: 2px solid #e4002b; }
 .headlab-atlas .ha-stripe { flex: 1; height: 100%; }
+.headlab-atlas .ha-change { font-size: 8px; line-height: 1; text-align: center; color: #111; overflow: hidden; }
+.headlab-atlas .ha-changes { margin-top: 4px; }
 .headlab-atlas .ha-legend { margin-top: 6px; display: flex; flex-wrap: wrap; gap: 10px; }
 .headlab-atlas .ha-key i { display: inline-block; width: 10px; height: 10px; margin-right: 3px; }
 .headlab-atlas .ha-info { margin: 6px 0 0 0; padding: 4px; background: #f6f6f6; min-height: 60px;
@@ -113,19 +160,40 @@ def _fmt(v: float | None) -> str:
     return "nan" if v is None else f"{v:.4g}"
 
 
+def _signed(v: float | None) -> str:
+    return f"{'+' if v is not None and v >= 0 else ''}{_fmt(v)}"
+
+
 def hover_lines(cube: xr.Dataset, layer: int, head: int) -> str:
     """What hovering a head shows: ``L<layer>H<head>: roles ...`` then one line per detector with its score,
-    label (``✓``), rank and margin over the threshold (:func:`headlab.roles.head_card`)."""
-    return _hover_text(head_card(cube, layer, head), cube.sizes["layer"] * cube.sizes["head"])
+    label (``✓``), rank and margin over the threshold (:func:`headlab.roles.head_card`); for a compared cube also
+    the score difference (second model minus first) and ``gained`` or ``lost`` where the label changed."""
+    card = head_card(cube, layer, head)
+    return _hover_text(card, cube.sizes["layer"] * cube.sizes["head"], _head_changes(cube, layer, head))
 
 
-def _hover_text(card: dict[str, Any], n: int) -> str:
+def _head_changes(cube: xr.Dataset, layer: int, head: int) -> dict[str, tuple[float | None, int]] | None:
+    """Per detector, ``(score_diff, label_change)`` of one head of a compared cube; None for a cube alone."""
+    if not is_cube_comparison(cube):
+        return None
+    one = cube.sel(layer=layer, head=head)
+    diff = one["score_diff"].transpose("detector", ...).values.astype(float).reshape(len(detectors(cube)), -1)[:, 0]
+    change = one["label_change"].transpose("detector", ...).values.astype(int).reshape(len(detectors(cube)), -1)[:, 0]
+    return {name: (float(diff[d]) if math.isfinite(diff[d]) else None, int(change[d]))
+            for d, name in enumerate(detectors(cube))}
+
+
+def _hover_text(card: dict[str, Any], n: int, changes: dict[str, tuple[float | None, int]] | None = None) -> str:
     layer, head = card["layer"], card["head"]
     lines = [f"L{layer}H{head}: " + (", ".join(card["roles"]) or "no role")]
     width = max(len(name) for name in card["detectors"])
     for name, e in card["detectors"].items():
-        lines.append(f"{'✓' if e['label'] else ' '} {name:<{width}}  score {_fmt(e['score'])}  rank {e['rank']}/{n}"
-                     f"  margin {'+' if e['margin'] is not None and e['margin'] >= 0 else ''}{_fmt(e['margin'])}")
+        line = (f"{'✓' if e['label'] else ' '} {name:<{width}}  score {_fmt(e['score'])}  rank {e['rank']}/{n}"
+                f"  margin {_signed(e['margin'])}")
+        if changes is not None:
+            diff, change = changes[name]
+            line += f"  diff {_signed(diff)}" + {1: "  gained", -1: "  lost"}.get(change, "")
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -149,6 +217,10 @@ class AtlasMap(anywidget.AnyWidget):
     cell_size = traitlets.Int(16).tag(sync=True)
     hovered = traitlets.List(help="[layer, head] under the pointer, [] before any hover").tag(sync=True)
     selected = traitlets.List(help="[layer, head] clicked last, [] for none").tag(sync=True)
+    changes = traitlets.List(help="a compared cube's per layer, per head: [detector index, score difference / the "
+                             "largest |difference| of that detector, label change] of every detector; [] for a "
+                             "cube alone").tag(sync=True)
+    change_title = traitlets.Unicode("").tag(sync=True)
 
     def __init__(self, cube: xr.Dataset, *, title: str | None = None, cell_size: int | None = None) -> None:
         if not is_cube(cube):
@@ -169,14 +241,32 @@ class AtlasMap(anywidget.AnyWidget):
 
         cells = [[[stripe(d, i, j) for d in range(len(names)) if label[d, i, j]] for j in range(len(heads))]
                  for i in range(len(layers))]
-        texts = iter(_hover_text(card, len(layers) * len(heads)) for card in head_cards(cube))
+        compared = is_cube_comparison(cube)
+        texts = iter(_hover_text(card, len(layers) * len(heads),
+                                 _head_changes(cube, card["layer"], card["head"]) if compared else None)
+                     for card in head_cards(cube))
         tips = [[next(texts) for _ in heads] for _ in layers]
+        changes: list[Any] = []
+        change_title = ""
+        if compared:
+            diff = cube["score_diff"].transpose("detector", "layer", "head", ...).values.astype(float)
+            change = cube["label_change"].transpose("detector", "layer", "head", ...).values.astype(int)
+            largest = [float(np.nanmax(np.abs(x))) if np.isfinite(x).any() and np.nanmax(np.abs(x)) > 0 else 1.0
+                       for x in diff]
+            changes = [[[[d, float(diff[d, i, j]) / largest[d] if math.isfinite(diff[d, i, j]) else None,
+                          int(change[d, i, j])] for d in range(len(names))] for j in range(len(heads))]
+                       for i in range(len(layers))]
+            other = cube.attrs.get("compare_model", "")
+            change_title = (f"changes{f' in {other}' if other else ''}: score difference per detector (stripes in "
+                            f"legend order; blue higher, red lower), role gained ▲ / lost ▼ ({int((change > 0).sum())}"
+                            f" gained, {int((change < 0).sum())} lost)")
         n_roles = sum(1 for row in cells for c in row if c)
         model = cube.attrs.get("model", "")
         super().__init__(detectors=names, colours=list(role_colours(names).values()), cells=cells, tips=tips,
                          title=title or f"roles of each head{f' of {model}' if model else ''} ({n_roles} of "
                                          f"{len(layers) * len(heads)} heads carry at least one)",
-                         cell_size=cell_size or max(8, min(22, 480 // max(len(layers), len(heads)))))
+                         cell_size=cell_size or max(8, min(22, 480 // max(len(layers), len(heads)))),
+                         changes=changes, change_title=change_title)
         self.cube = cube
         self._hover: list[Callable[[int, int], None]] = []
         self._select: list[Callable[[int, int], None]] = []
@@ -221,8 +311,14 @@ class AtlasMap(anywidget.AnyWidget):
         """The report's grid of roles (:func:`headlab.role_figures.role_grid_chart`), which JupyterLab shows."""
         return role_grid_chart(self.cube)
 
+    def change_chart(self) -> Any:
+        """For a compared cube, the report's grid of changes (:func:`headlab.role_figures.change_grid_chart`);
+        None for a cube alone."""
+        return change_grid_chart(self.cube) if is_cube_comparison(self.cube) else None
+
     def __repr__(self) -> str:
         return f"AtlasMap({self.title!r}, {len(self.cells)} layers x {len(self.cells[0]) if self.cells else 0} heads)"
 
     def _repr_html_(self) -> str:  # static fallback (nbconvert, GitHub); JupyterLab shows the widget
-        return to_svg(self.chart())
+        changes = self.change_chart()
+        return to_svg(self.chart()) + (to_svg(changes) if changes is not None else "")

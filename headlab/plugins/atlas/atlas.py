@@ -63,6 +63,7 @@ from headlab import (
     hookimpl,
     tokenize,
 )
+from headlab.pattern_scores import pair_scores
 from headlab.resources import Estimate, EstimateContext
 from headlab.scoring import build_examples
 from headlab.spec import PositiveInt, StrictModel
@@ -172,25 +173,13 @@ def _pairs(ids: np.ndarray) -> dict[str, np.ndarray]:
             "induction": np.stack([q, k + 1], -1)}
 
 
-def _mul(mass: torch.Tensor, pairs: np.ndarray, bos: torch.Tensor, rows: torch.Tensor,
-         exclude_bos: bool) -> torch.Tensor:
-    """The ``mul`` score ``sum(A∘D) / sum(A)`` (column 0 of ``A`` zeroed with ``exclude_bos``) from the attention
-    ``mass`` (layer, head, pair) at the pattern's pairs, the first-token masses ``bos`` and row totals ``rows``
-    (layer, head, query)."""
-    m = mass.double()
-    num, den = m.sum(-1), rows.double().sum(-1)
-    if exclude_bos:
-        num = num - m[..., torch.as_tensor(pairs[:, 1] == 0)].sum(-1)
-        den = den - bos.double().sum(-1)
-    return num / den
-
-
 def pattern_scores(lm: LoadedModel, examples: list[Any], names: Iterable[str], batch_size: int = 8,
                    progress: Callable[[Any, str], Iterator[Any]] | None = None) -> dict[str, np.ndarray]:
     """Per-example scores (example, layer, head) of the pattern detectors ``names`` (of :data:`SHARED_PATTERN`,
     with the options of :data:`ATLAS_DETECTORS`) from one probe forward per batch of ``examples`` (grouped by
-    length): previous-token, duplicate-token and induction as ``mul`` scores, the attention sink as the mean
-    over queries ``i >= 1`` of the attention on the first token."""
+    length): previous-token, duplicate-token and induction as ``mul`` scores
+    (:func:`headlab.pattern_scores.pair_scores`, as the pattern detectors score them), the attention sink as the
+    mean over queries ``i >= 1`` of the attention on the first token."""
     names = [m for m in SHARED_PATTERN if m in set(names)]
     geo = lm.geometry
     out = {m: np.zeros((len(examples), geo.n_layers, geo.n_heads)) for m in names}
@@ -216,8 +205,8 @@ def pattern_scores(lm: LoadedModel, examples: list[Any], names: Iterable[str], b
             for m in patterns:
                 p = per_row[r][m]
                 options = ATLAS_DETECTORS[m].detect
-                out[m][i] = _mul(pm[r, ..., start:start + len(p)], p, sm[r, ..., 0], sm[r, ..., 1],
-                                 bool(options.get("exclude_bos", False))).numpy()
+                out[m][i] = pair_scores(pm[r, ..., start:start + len(p)], p, sm[r, ..., 0], sm[r, ..., 1], "mul",
+                                        bool(options.get("exclude_bos", False)), False).numpy()
                 start += len(p)
             if "attention_sink" in out:
                 out["attention_sink"][i] = sm[r, ..., 1:, 0].double().mean(-1).numpy()

@@ -10,8 +10,8 @@ previous-token: ``n - 1`` pairs, a random sequence repeated twice: about ``n / 2
 repeats), never as an ``n x n`` matrix. The detectors record, in one instrumented forward, the attention
 at those pairs (``Probes(pairs=...)``, the kernels' sparse probe: memory O(n + pairs), any length), plus the
 diagonal ``A[i, i]`` when ``exclude_current_token``, and two span masses per query (``A[i, 0]`` and the
-row total); :func:`pair_scores` computes from them exactly what :func:`similarity` computes on the full
-pattern. ``probe: pattern`` records the full attention instead (memory ``n^2`` per head; for checks on
+row total); :func:`headlab.pattern_scores.pair_scores` computes from them exactly what
+:func:`headlab.pattern_scores.similarity` computes on the full pattern (the atlas scores its shared pass with it). ``probe: pattern`` records the full attention instead (memory ``n^2`` per head; for checks on
 short inputs). The result's ``attrs["probe"]`` says which ran (``"pairs"`` or ``"pattern"``).
 
 Custom patterns (kind ``pattern``): ``pattern`` names an entry of :data:`PATTERNS` (the three above, or one
@@ -36,6 +36,7 @@ from pydantic.json_schema import SkipJsonSchema
 from headlab import ComponentConfig, Plan, Probes, StepContext, forward, hookimpl
 from headlab.dims import head_array
 from headlab.generation import tokenize
+from headlab.pattern_scores import pair_scores, similarity
 from headlab.resources import Estimate, EstimateContext
 from headlab.spec import PositiveInt
 
@@ -207,72 +208,6 @@ def detection_pattern(pattern: str | PatternFunction, tokens: torch.Tensor) -> t
 
 
 # --------------------------------------------------------------------------- scores
-def similarity(pattern: torch.Tensor, det: torch.Tensor, measure: str, exclude_bos: bool,
-               exclude_current: bool) -> torch.Tensor:
-    """Scores of attention patterns ``(..., n, n)`` against ``det`` ``(n, n)``; returns ``(...)``."""
-    a = pattern.clone().double()
-    det = det.double()
-    n = a.shape[-1]
-    eye = torch.eye(n, dtype=torch.bool)
-    if measure == "mul":
-        if exclude_bos:
-            a[..., :, 0] = 0
-        if exclude_current:
-            a = a.masked_fill(eye, 0)
-        return (a * det).sum((-1, -2)) / a.sum((-1, -2))
-    diff = (a - det).abs()
-    if exclude_bos:
-        diff[..., :, 0] = 0
-    if exclude_current:
-        diff = diff.masked_fill(eye, 0)
-    return 1 - diff.sum((-1, -2)) / n
-
-
-def pair_scores(pair_mass: torch.Tensor, pairs: torch.Tensor, bos_mass: torch.Tensor, row_mass: torch.Tensor,
-                measure: str, exclude_bos: bool, exclude_current: bool,
-                diag_mass: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`similarity` from probes instead of the pattern ``A`` (n x n); returns ``(...)``.
-
-    ``pairs`` (P, 2): the distinct ``(query, key)`` ones of ``D``; ``pair_mass`` (..., P): ``A`` at them;
-    ``bos_mass`` (..., n): ``A[i, 0]``; ``row_mass`` (..., n): ``sum_j A[i, j]`` (1, or 0 for a padding
-    query); ``diag_mass`` (..., n): ``A[i, i]``, needed when ``exclude_current``.
-
-    With ``sum(A∘D)`` the sum of the pair masses and the excluded cells ``E`` (column 0, the diagonal,
-    ``(0, 0)`` counted once where they meet): ``mul`` = ``(sum(A∘D) - sum_E A·D) / (sum(A) - sum_E A)``;
-    ``abs`` = ``1 - (sum|A-D| - sum_E |A-D|) / n`` with ``sum|A-D| = sum(A) + sum(D) - 2 sum(A∘D)`` and
-    ``sum_E |A-D| = sum_E A + |E ∩ D| - 2 sum_E A·D`` (A in [0, 1], D in {0, 1}). As in :func:`similarity`,
-    the exclusions remove cells of ``A`` under ``mul`` and cells of ``|A - D|`` under ``abs``.
-    """
-    m = pair_mass.double()
-    pairs = torch.as_tensor(pairs).long().reshape(-1, 2)
-    n = bos_mass.shape[-1]
-    if m.shape[-1] != pairs.shape[0]:
-        raise ValueError(f"pair_mass {tuple(m.shape)} does not match {pairs.shape[0]} pairs")
-    q, k = pairs[:, 0], pairs[:, 1]
-    a_d = m.sum(-1)  # sum(A ∘ D)
-    total = row_mass.double().sum(-1)  # sum(A)
-    bos = bos_mass.double()
-    zero = torch.zeros_like(total)
-    ex_a, ex_ad, ex_n = zero, zero, 0  # over the excluded cells: sum of A, of A·D, and |E ∩ D|
-
-    def on(sel: torch.Tensor) -> torch.Tensor:
-        return m[..., sel].sum(-1)
-
-    if exclude_bos:
-        ex_a, ex_ad, ex_n = ex_a + bos.sum(-1), ex_ad + on(k == 0), ex_n + int((k == 0).sum())
-    if exclude_current:
-        if diag_mass is None:
-            raise ValueError("exclude_current needs diag_mass (A[i, i])")
-        ex_a, ex_ad, ex_n = ex_a + diag_mass.double().sum(-1), ex_ad + on(q == k), ex_n + int((q == k).sum())
-    if exclude_bos and exclude_current:  # (0, 0) is both the first column and the diagonal: count it once
-        both = (q == 0) & (k == 0)
-        ex_a, ex_ad, ex_n = ex_a - bos[..., 0], ex_ad - on(both), ex_n - int(both.sum())
-    if measure == "mul":
-        return (a_d - ex_ad) / (total - ex_a)
-    ex_abs = ex_a + ex_n - 2 * ex_ad
-    return 1 - (total + pairs.shape[0] - 2 * a_d - ex_abs) / n
-
-
 # --------------------------------------------------------------------------- the detector
 def detect(config: _Pattern, ctx: StepContext) -> xr.Dataset:
     """Score every head of the model against the pattern, per example and averaged."""
