@@ -469,8 +469,8 @@ def atlas_lines(ds: xr.Dataset, top: int = 3) -> list[str]:
         score, rank = d["score"].values, d["rank"].values
         best = [tuple(int(x) for x in np.argwhere(rank == r)[0]) for r in range(1, min(top, rank.size) + 1)]
         heads = ", ".join(f"L{layer}H{head} {score[layer, head]:.3f}" for layer, head in best)
-        raised = " (null)" if bool(d["threshold_raised"]) else ""
-        lines.append(f"{name:<18} threshold {float(d['threshold']):.3g}{raised:<7} labelled "
+        threshold = f"{float(d['threshold']):.3g}" + (" (null)" if bool(d["threshold_raised"]) else "")
+        lines.append(f"{name:<18} threshold {threshold:<12} labelled "
                      f"{int(d['label'].sum()):>3}/{rank.size}  top: {heads}")
     return lines
 
