@@ -55,25 +55,22 @@ import torch
 import xarray as xr
 from pydantic import Field
 
-from headlab import (
+from headlab import ReplaceKV, ReplaceResid, ReplaceZ, positions_from_mask, start_at_layer
+from headlab.plugin import (
+    Batch,
     ComponentConfig,
     Example,
     LoadedModel,
     Plan,
+    PositiveInt,
     Probes,
-    ReplaceKV,
-    ReplaceResid,
-    ReplaceZ,
     StepContext,
     forward,
     hookimpl,
-    positions_from_mask,
-    start_at_layer,
+    tokenize,
 )
-from headlab.generation import Batch, tokenize
 from headlab.plugins.detectors.direct_logit_attribution import answer_ids
 from headlab.resources import Estimate, EstimateContext, budget
-from headlab.spec import PositiveInt
 
 __all__ = ["ActivationPatching", "PairRuns", "detect", "metric_of", "normalised_score", "pair_runs", "patched_row_bytes",
            "rows_per_forward"]

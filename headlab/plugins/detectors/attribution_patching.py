@@ -86,18 +86,17 @@ import torch
 import xarray as xr
 from pydantic import Field, model_validator
 
-from headlab import (
+from headlab import DropResidGrad, ReplaceKV, positions_from_mask
+from headlab.plugin import (
     ComponentConfig,
-    DropResidGrad,
     Example,
     LoadedModel,
     Plan,
+    PositiveInt,
     Probes,
-    ReplaceKV,
     StepContext,
     forward,
     hookimpl,
-    positions_from_mask,
 )
 from headlab.plugins.detectors import activation_patching
 from headlab.plugins.detectors.activation_patching import (
@@ -117,7 +116,6 @@ from headlab.plugins.detectors.activation_patching import (
 )
 from headlab.plugins.detectors.head_gradients import by_head, head_outputs, out_projections
 from headlab.resources import Estimate, EstimateContext
-from headlab.spec import PositiveInt
 
 __all__ = ["AttributionPatching", "SharedPrefix", "attribution", "attribution_runs", "detect", "grad_drop",
            "key_patched_z", "query_patched_z", "run_prefix", "shared_prefix_length", "spearman", "target_gradients",

@@ -44,34 +44,31 @@ import torch
 import xarray as xr
 from pydantic import Field
 
-from headlab import (
-    ComponentConfig,
-    Example,
-    Geometry,
-    LoadedModel,
-    Plan,
-    Probes,
-    StepContext,
-    from_retrieval_json,
-    hookimpl,
-    instrumented,
-    span_tensor,
-    to_retrieval_json,
-)
-from headlab.dims import head_array
-from headlab.generation import (
+from headlab import Geometry, from_retrieval_json, span_tensor, to_retrieval_json
+from headlab.generation import ModelCall, PromptSplit, prefill
+from headlab.masking import length_batches
+from headlab.plugin import (
     Batch,
+    ComponentConfig,
     DecodeRequest,
     DecodeState,
-    ModelCall,
-    PromptSplit,
+    Example,
+    FiniteFloat,
+    LoadedModel,
+    NonEmptyStr,
+    NonNegativeFloat,
+    Plan,
+    PositiveInt,
+    Probability,
+    Probes,
+    StepContext,
     decode_loop,
-    prefill,
+    head_array,
+    hookimpl,
+    instrumented,
     tokenize,
 )
-from headlab.masking import length_batches
 from headlab.resources import Estimate, EstimateContext
-from headlab.spec import FiniteFloat, NonEmptyStr, NonNegativeFloat, PositiveInt, Probability
 from headlab.text import rouge1
 
 __all__ = [

@@ -27,10 +27,10 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from headlab import ComponentConfig, hookimpl
+from headlab.plugin import ComponentConfig, NonNegativeInt, PositiveInt, hookimpl
 from headlab.plugin_manager import PluginError
 from headlab.runner import CellError, CellFailure, CellTask, Job, ModelCache, execute_cell
-from headlab.spec import Cell, NonNegativeInt, PositiveInt
+from headlab.spec import Cell
 
 INSTALL = "executor 'ray' needs Ray, which is not installed: pip install 'headlab[ray]'"
 

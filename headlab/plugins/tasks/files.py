@@ -60,11 +60,11 @@ from jinja2 import meta as jinja_meta
 from jinja2.exceptions import SecurityError
 from pydantic import Field, field_validator, model_validator
 
-from headlab import IMAGE_MARKER, ComponentConfig, Example, TaskContext, hookimpl
+from headlab import IMAGE_MARKER
 from headlab import strip_tags as core_strip_tags
+from headlab.plugin import ComponentConfig, Example, PositiveInt, Seed, TaskContext, hookimpl
 from headlab.resources import format_bytes
 from headlab.sandbox import ENV, TemplateLimitError, is_jinja, lint_template, single_brace_names
-from headlab.spec import PositiveInt, Seed
 
 __all__ = [
     "TaskDataError", "TemplateLimitError", "Row", "Template", "lint_template", "strip_tags", "read_rows", "load_hf",
