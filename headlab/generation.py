@@ -18,9 +18,13 @@ from typing import Any
 import numpy as np
 import torch
 import xarray as xr
+from transformers.cache_utils import DynamicLayer
 
 from .context import Example
+from .heads import select_heads
+from .instrument import instrument, shared_trunk
 from .model import LoadedModel
+from .vision import tile_inputs
 
 __all__ = ["Batch", "Choose", "ContextLengthWarning", "DecodeRequest", "DecodeState", "Decoded", "ModelCall", "PromptSplit", "Rows",
            "ScoreRequest", "Scored", "continuation_batch", "decode_info", "decode_loop", "instrumented", "prefill",
@@ -102,7 +106,6 @@ class Batch:
 
     def forward_inputs(self, copies: int = 1) -> dict[str, torch.Tensor]:
         """The processor inputs (:attr:`model_inputs`) for ``copies`` copy-major copies of the batch."""
-        from .vision import tile_inputs
 
         return tile_inputs(self.model_inputs, copies)
 
@@ -211,7 +214,6 @@ class DecodeRequest:
         """
         if self.ctx is not None:
             return self.ctx.heads(selection)
-        from .heads import select_heads
 
         return select_heads(selection, {}, self.lm.geometry)
 
@@ -297,7 +299,6 @@ def instrumented(lm: LoadedModel | torch.nn.Module, plan: Any) -> contextlib.Abs
     """
     if plan is None:
         return contextlib.nullcontext()
-    from .instrument import instrument
 
     return instrument(lm.model if isinstance(lm, LoadedModel) else lm, plan)
 
@@ -611,7 +612,6 @@ def decode_loop(request: DecodeRequest | DecodeState, choose: Choose, *, rows: R
         else {}
 
     def trunk_at(layer: int | None) -> contextlib.AbstractContextManager[Any]:
-        from .instrument import shared_trunk
 
         return contextlib.nullcontext() if layer is None else shared_trunk(model, layer, copies)
 
@@ -658,7 +658,6 @@ def prefill(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, p
     (sliding windows, static or quantised caches) are prefilled batched, and so are batches with
     ``forward_kwargs`` (processor inputs such as ``pixel_values``, passed to the model).
     """
-    from transformers.cache_utils import DynamicLayer
 
     def run(**kw: Any) -> Any:
         try:

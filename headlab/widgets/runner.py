@@ -19,9 +19,12 @@ from typing import Any
 
 import ipywidgets as w
 
+from .. import runner
 from ..context import Reporter
-from ..results import Run, list_runs
+from ..results import Run, list_runs, open_run
 from ..spec import LoadedSpec, SpecError
+from .browser import Compare
+from .views import figure_box, run_views
 
 __all__ = ["SpecRunner", "WidgetReporter", "error_html"]
 
@@ -304,7 +307,6 @@ class SpecRunner(w.VBox):
             self.run_path = new[-1].path
 
     def _done_text(self) -> str:
-        from ..results import open_run
 
         if self.run_path is None:
             return ""
@@ -325,8 +327,6 @@ class SpecRunner(w.VBox):
 
     # ---- results
     def _show_results(self, result: Run) -> None:
-        from .browser import Compare
-        from .views import figure_box, run_views
 
         views = run_views(result)
         children: list[w.Widget] = [w.HTML(result._repr_html_())]
@@ -337,6 +337,5 @@ class SpecRunner(w.VBox):
 
 
 def _runner() -> Any:
-    from .. import runner
 
     return runner

@@ -54,6 +54,7 @@ import numpy as np
 import torch
 import xarray as xr
 from pydantic import Field
+from transformers.cache_utils import DynamicLayer
 
 from headlab import ReplaceKV, ReplaceResid, ReplaceZ, positions_from_mask, start_at_layer
 from headlab.plugin import (
@@ -331,7 +332,6 @@ def prefix_reusable(lm: LoadedModel | torch.nn.Module) -> bool:
     """Whether the patched forwards can take the keys and values of the prompts' shared prefix from the
     target run: the model's KV cache is made of plain growing layers (no sliding window)."""
     from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
 
     model = lm.model if isinstance(lm, LoadedModel) else lm
     return all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)

@@ -32,6 +32,8 @@ needle, so the default reference text is the answer (``meta["answer"]``, else th
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import warnings
 from collections.abc import Sequence
@@ -152,8 +154,6 @@ def probe_decode(lm: LoadedModel, batch: Batch, probes: Any, max_new_tokens: int
     positions in the recording are absolute (left-padded) positions: every decode step sees the whole
     cache. Per-row probe ``spans`` (a list per row or a (B, P, 2) tensor) follow their rows.
     """
-    import contextlib
-    import dataclasses
 
     if batch.length < 2:
         raise ValueError("probe_decode needs prompts of at least 2 tokens")

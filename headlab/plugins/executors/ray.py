@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import os
 import platform
+import socket
 import time
 from collections import deque
 from typing import Any, Literal
@@ -136,7 +137,6 @@ def _reachable(address: str | None) -> None:
     ``ray://host:port`` address nothing listens on; Ray itself would retry for a long time without a word.
     ``auto`` and ``None`` are found by Ray (``RAY_ADDRESS``, a cluster started on this node) and not probed,
     except that an explicit ``RAY_ADDRESS`` is."""
-    import socket
 
     target = address if address not in (None, "auto", "local") else os.environ.get("RAY_ADDRESS") or None
     if target is None or target in ("auto", "local"):
