@@ -25,6 +25,7 @@ import signal
 import sys
 import textwrap
 import time
+import traceback
 import warnings
 from enum import Enum
 from pathlib import Path
@@ -522,7 +523,6 @@ def _error(e: BaseException, debug: bool) -> None:
     """Print ``e`` as one line (the traceback first with ``debug``) and exit with its code."""
     code = exit_code(e)
     if debug:
-        import traceback
 
         traceback.print_exception(e, file=sys.stderr)
     hint = "" if debug or code == INVALID else " (--debug shows the traceback)"

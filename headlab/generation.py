@@ -22,9 +22,9 @@ from transformers.cache_utils import DynamicLayer
 
 from .context import Example
 from .heads import select_heads
-from .instrument import instrument, shared_trunk
+from .instrument import expand_cache, instrument, shared_trunk
 from .model import LoadedModel
-from .vision import tile_inputs
+from .vision import encode, tile_inputs
 
 __all__ = ["Batch", "Choose", "ContextLengthWarning", "DecodeRequest", "DecodeState", "Decoded", "ModelCall", "PromptSplit", "Rows",
            "ScoreRequest", "Scored", "continuation_batch", "decode_info", "decode_loop", "instrumented", "prefill",
@@ -138,7 +138,6 @@ def tokenize(lm: LoadedModel, examples: list[Example], device: str | None = None
     encoded: list[Any] = []
     for ex in examples:
         if ex.images:
-            from .vision import encode
 
             enc_images = encode(lm, ex)
             rows.append(enc_images.ids)
@@ -625,7 +624,6 @@ def decode_loop(request: DecodeRequest | DecodeState, choose: Choose, *, rows: R
                     state.cache = run(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                                       **kwargs, **first).cache
                 if trunk is not None:
-                    from .instrument import expand_cache
 
                     expand_cache(state.cache, trunk, copies)
             first = {}

@@ -51,7 +51,6 @@ def image_array(image: Any) -> np.ndarray:
     """``image`` (a ``PIL.Image``, a local file path, or an ``(H, W)``, ``(H, W, 3|4)`` array, uint8 or
     floats in [0, 1]) as a ``(height, width, 3)`` uint8 array."""
     if isinstance(image, (str, Path)):
-        from PIL import Image
 
         with Image.open(image) as im:
             return np.asarray(im.convert("RGB"), dtype=np.uint8).copy()

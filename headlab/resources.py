@@ -135,7 +135,6 @@ def machine_memory() -> int:
 def device_memory(device: str) -> int:
     """Total memory of a CUDA device in bytes; the machine's memory for any other device."""
     if str(device).startswith("cuda"):
-        import torch
 
         try:
             return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import numpy as np
 import torch
 import transformers
@@ -608,7 +609,6 @@ def _run_dir(output: str, name: str) -> str:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     output = store_location(output)
     if is_url(output):
-        import fsspec
 
         fs, root = fsspec.core.url_to_fs(output)
         base = f"{output.rstrip('/')}/{name}-{stamp}"

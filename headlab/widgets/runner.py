@@ -22,7 +22,7 @@ import ipywidgets as w
 from .. import runner
 from ..context import Reporter
 from ..results import Run, list_runs, open_run
-from ..spec import LoadedSpec, SpecError
+from ..spec import LoadedSpec, SpecError, parse_yaml, validate_data
 from .browser import Compare
 from .views import figure_box, run_views
 
@@ -207,7 +207,6 @@ class SpecRunner(w.VBox):
         try:
             if not text.strip():
                 raise SpecError("the spec is empty", source=self.source)
-            from ..spec import parse_yaml, validate_data
 
             data, tree = parse_yaml(text, self.source)
             loaded = validate_data(data, text=text, source=self.source, tree=tree)

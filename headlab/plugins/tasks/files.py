@@ -58,6 +58,7 @@ from typing import Any, Literal
 from jinja2 import UndefinedError
 from jinja2 import meta as jinja_meta
 from jinja2.exceptions import SecurityError
+from PIL import Image
 from pydantic import Field, field_validator, model_validator
 
 from headlab import IMAGE_MARKER
@@ -242,7 +243,6 @@ def check_image(image: Any, row: Row, task: str) -> None:
         pixels: int | None = width * height
         shape = f"{width:,} x {height:,} = "
     else:
-        from PIL import Image  # noqa: PLC0415 - Pillow is imported only for tasks with images
 
         name = str(image)
         try:
