@@ -20,6 +20,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import torch
+from huggingface_hub import constants, try_to_load_from_cache
 from transformers.utils import logging as hf_logging
 
 from . import anatomy
@@ -282,8 +283,6 @@ def _hub_source(repo_id: str, revision: str | None) -> bool:
     """Whether hub id ``repo_id`` must load from the local cache only (``local_files_only``): when the hub is
     offline (``HF_HUB_OFFLINE``) or cannot be reached within :data:`HUB_PROBE_SECONDS`. Not cached and not
     reachable is one :class:`ModelLoadError` line, at once, instead of the hub client's retries."""
-    from huggingface_hub import constants, try_to_load_from_cache
-
     if repo_id.startswith(("/", "./", "../", "~")) or repo_id.count("/") > 1:
         raise ModelLoadError(f"model '{repo_id}': no such checkpoint directory (and not a hub id, which is "
                              "`name` or `owner/name`)")

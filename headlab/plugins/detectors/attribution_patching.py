@@ -85,6 +85,7 @@ import numpy as np
 import torch
 import xarray as xr
 from pydantic import Field, model_validator
+from transformers import DynamicCache
 
 from headlab import DropResidGrad, ReplaceKV, positions_from_mask
 from headlab.plugin import (
@@ -188,8 +189,6 @@ class SharedPrefix:
     def cache(self, lm, copies: int = 1):
         """A fresh KV cache holding the prefix's keys and values (``copies`` copy-major copies of the rows), for
         one forward over the positions after it."""
-        from transformers import DynamicCache
-
         model = lm.model if isinstance(lm, LoadedModel) else lm
         cache = DynamicCache(config=model.config)
         for layer, (k, v) in enumerate(self.kv):
@@ -215,8 +214,6 @@ def run_prefix(lm, ids: torch.Tensor, mask: torch.Tensor, length: int, resid: bo
     keys and values of every layer and the heads' outputs there (and the residual stream entering every layer
     with ``resid``); it stops at the last layer's output projection (nothing reads the residual stream after
     it, nor the logits)."""
-    from transformers import DynamicCache
-
     model = lm.model if isinstance(lm, LoadedModel) else lm
     cache = DynamicCache(config=model.config)
 
@@ -272,8 +269,6 @@ def _keep_kv(lm, kwargs: dict, plan: Plan) -> None:
     if "cache" in kwargs:
         return
     if activation_patching.prefix_reusable(lm):  # the module's own: tests stub this module's name
-        from transformers import DynamicCache
-
         model = lm.model if isinstance(lm, LoadedModel) else lm
         kwargs.update(cache=DynamicCache(config=model.config), use_cache=True)
     else:
