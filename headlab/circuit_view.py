@@ -36,6 +36,7 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 import xarray as xr
 
+from .model import load_model_by_name_tokenizer
 from .summary import head_scores
 
 __all__ = ["AtPComparison", "Circuit", "Edge", "Node", "atp_pairs", "atp_vs_exact", "circuit_edges",
@@ -107,7 +108,6 @@ def resid_map(score: xr.DataArray) -> xr.DataArray:
 def tokenizer_for(model: str, revision: str | None = None) -> Any | None:
     """The tokenizer of a run's model (``run.attrs["model"]``): a registered model's (the embedded ones), else a
     Hugging Face tokenizer found on this machine (nothing is downloaded); None when there is none."""
-    from .model import load_model_by_name_tokenizer
 
     try:
         tokenizer = load_model_by_name_tokenizer(model)

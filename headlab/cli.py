@@ -23,6 +23,10 @@ import math
 import os
 import signal
 import sys
+import textwrap
+import time
+import traceback
+import warnings
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
@@ -33,8 +37,16 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from . import runner
+from .config import suggest
 from .context import Reporter
 from .errors import INTERRUPTED, INVALID, exit_code, one_line
+from .overview import head_label, summary_rows
+from .plugin_manager import CATEGORIES, get_manager
+from .resources import ENV
+from .results import RunNotFound, list_runs, open_run, store_location
+from .runner import check_steps
+from .spec import SpecError, json_schema, load_spec, parse_size, parse_yaml
 
 __all__ = ["app", "main", "register_plugin_commands", "run_spec"]
 
@@ -89,7 +101,6 @@ class LineReporter(Reporter):
     advanced: the step that starts). ``interval`` defaults to ``HEADLAB_PROGRESS_SECONDS`` (5)."""
 
     def __init__(self, stream: Any = None, interval: float | None = None) -> None:
-        import time
 
         self.stream, self.clock = stream, time.monotonic
         if interval is None:
@@ -129,9 +140,7 @@ class LineReporter(Reporter):
 def _parse_set(items: list[str]) -> dict[str, Any]:
     """``--set path=value`` overrides; each value is YAML read by the spec loader, with its limits (no tags,
     bounded size, depth and alias expansion)."""
-    import textwrap
 
-    from .spec import SpecError, parse_yaml
 
     out: dict[str, Any] = {}
     for item in items:
@@ -152,7 +161,6 @@ def _parse_set(items: list[str]) -> dict[str, Any]:
 
 def _spec_output(spec: Path, overrides: dict[str, Any]) -> str:
     """Where ``spec`` (with ``--set`` overrides) stores its runs."""
-    from .spec import load_spec
 
     loaded = load_spec(spec)
     return str(overrides.get("output", loaded.spec.output))
@@ -178,8 +186,6 @@ def run(
         "HEADLAB_MEMORY_LIMIT and the spec's limits.memory; default: 80% of this machine's memory")] = None,
 ) -> None:
     """Run a spec: every step of every sweep cell, writing results to a zarr store."""
-    from .resources import ENV
-    from .spec import SpecError, parse_size
 
     if spec is None and resume is None:
         raise SpecError("give a spec file, or --resume RUN", source="command line")
@@ -224,9 +230,7 @@ def run_spec(spec: Any, *, out: str | None = None, overrides: dict[str, Any] | N
     """Run a spec (path, YAML text or mapping; or ``resume`` a stored run) as ``headlab run`` does: progress on
     stderr, Ctrl-C keeps the finished cells (exit 130), then the summary and the run's location; exit 1 when a
     cell failed. Returns the :class:`headlab.Run`. Plugin commands receive it (``headlab_register_commands``)."""
-    import warnings
 
-    from . import runner
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     try:
@@ -269,8 +273,6 @@ def _print_failures(result: Any) -> None:
 @app.command()
 def validate(specs: Annotated[list[Path], typer.Argument(help="spec files")]) -> None:
     """Check specs without running them."""
-    from .runner import check_steps
-    from .spec import load_spec
 
     for path in specs:
         loaded = load_spec(path)
@@ -281,7 +283,6 @@ def validate(specs: Annotated[list[Path], typer.Argument(help="spec files")]) ->
 @app.command()
 def schema(output: Annotated[Path | None, typer.Option("-o", "--output", help="write to a file")] = None) -> None:
     """Print the JSON Schema of specs (every installed plugin kind included)."""
-    from .spec import json_schema
 
     text = json.dumps(json_schema(), indent=2)
     if output is None:
@@ -294,7 +295,6 @@ def schema(output: Annotated[Path | None, typer.Option("-o", "--output", help="w
 @app.command()
 def plugins(as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False) -> None:
     """List plugins, where they come from, and the components they register (by category)."""
-    from .plugin_manager import CATEGORIES, get_manager
 
     mgr = get_manager()
     rows = [{"name": info.name, "source": info.source, "version": info.version, "error": info.error,
@@ -321,7 +321,6 @@ def plugins(as_json: Annotated[bool, typer.Option("--json", help="machine-readab
 @app.command()
 def runs(directory: Annotated[Path, typer.Argument(help="store directory")] = Path("./headlab-runs")) -> None:
     """List the runs in a store directory."""
-    from .results import RunNotFound, list_runs, store_location
 
     directory = Path(store_location(directory))  # ~ expanded, a file:// URL as its path, as --out takes them
     if not directory.exists():
@@ -358,7 +357,6 @@ def _summary_table(result: Any, out: Console) -> None:
     """One table for the run: step | what it did | metric | value | n | 95% interval, in ``out``'s width. Step
     ids are printed whole: one longer than a quarter of the width gets a line of its own above its row. "What
     it did" (and, past that, the metric's label) is cut with an ellipsis to fit."""
-    from .overview import summary_rows
 
     rows = summary_rows(result)
     cells = [(r.step, r.what, ("no summary figure" if r.step in result.results else "no result") if r.note
@@ -391,7 +389,6 @@ def _summary_table(result: Any, out: Console) -> None:
 def _print_detail(result: Any, steps: list[str], out: Console) -> None:
     """Each of ``steps`` in full: what it did, then its top heads or its metrics per sweep cell (mean, 95%
     interval, n, dropped and why), per-task values and the KV policy's kept fraction."""
-    from .overview import head_label, summary_rows
 
     summary = result.summary()
     rows = summary_rows(result)
@@ -457,9 +454,6 @@ def show(run_path: Annotated[Path, typer.Argument(metavar="RUN", help="a run sto
     """Print a run's summary, one row per step and number (top heads of detect steps, metric means with their n
     and 95% interval, KV kept fractions; the kept steps of partial cells included), then with --steps each step in
     detail."""
-    from .config import suggest
-    from .results import open_run
-    from .spec import SpecError
 
     result = open_run(run_path)
     known = list(dict.fromkeys([*result.steps, *result.results]))
@@ -467,8 +461,9 @@ def show(run_path: Annotated[Path, typer.Argument(metavar="RUN", help="a run sto
         if name not in known:
             raise SpecError(f"show: the run has no step '{name}'{suggest(name, known)}; its steps: "
                             f"{', '.join(known)}", source="command line")
-    console.print(f"[bold]{result.name}[/bold] {result.status}, {result.cells_done}/{result.cells_total} cells, "
-                  f"model {result.attrs.get('model')}")
+    Console(width=_width(), highlight=False).print(  # the table's width: a long model path folds, as the table does
+        f"[bold]{result.name}[/bold] {result.status}, {result.cells_done}/{result.cells_total} cells, "
+        f"model {result.attrs.get('model')}")
     for name, info in sorted(result.partial_cells.items()):
         values = ", ".join(f"{k}={v!r}" for k, v in info["values"].items())
         stop = f"interrupted in step '{info['failed_step']}'" if info["error"] == "interrupted" else \
@@ -537,7 +532,6 @@ def _error(e: BaseException, debug: bool) -> None:
     """Print ``e`` as one line (the traceback first with ``debug``) and exit with its code."""
     code = exit_code(e)
     if debug:
-        import traceback
 
         traceback.print_exception(e, file=sys.stderr)
     hint = "" if debug or code == INVALID else " (--debug shows the traceback)"
@@ -593,7 +587,6 @@ def register_plugin_commands() -> None:
     if _plugin_commands:
         return
     _plugin_commands.append(True)
-    from .plugin_manager import get_manager
 
     get_manager().pm.hook.headlab_register_commands(app=app, run_spec=run_spec)
 

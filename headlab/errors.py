@@ -17,6 +17,12 @@ import types
 from collections.abc import Iterable
 from typing import Any
 
+from .model import ModelLoadError
+from .plugin_manager import CATEGORIES, PluginError, get_manager
+from .resources import configs_in
+from .results import RunNotFound
+from .spec import SpecError
+
 __all__ = ["FAILED", "INTERRUPTED", "INVALID", "OK", "ContractError", "StepError", "describe", "exit_code",
            "one_line"]
 
@@ -117,10 +123,6 @@ def one_line(exc: BaseException) -> str:
 
 def input_error(exc: BaseException) -> bool:
     """Whether ``exc`` says the input was wrong (exit code 2) rather than that the run failed (1)."""
-    from .model import ModelLoadError
-    from .plugin_manager import PluginError
-    from .results import RunNotFound
-    from .spec import SpecError
 
     missing_extra = isinstance(exc, ImportError) and "pip install 'headlab[" in str(exc)
     if getattr(exc, "invalid", None) is True:  # a run store where none can be written (StoreWriteError)
@@ -172,8 +174,6 @@ def step_error(exc: BaseException, *, step: Any, config: Any, task: Any = None, 
     naming the component whose code raised it (see :func:`culprit`). ``during``: the method of ``config`` (or
     ``task``), the one config whose own code raised outside the step's work (``"estimate()"``), named in the
     message; that component is named even when its code is not among the traceback's modules."""
-    from .plugin_manager import CATEGORIES, get_manager
-    from .resources import configs_in
 
     registry = get_manager().registry
     action = registry.actions.get(step.action)

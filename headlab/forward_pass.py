@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from .generation import Batch
-from .instrument import Plan, Recording, instrument
+from .instrument import Plan, Probes, Recording, instrument
 from .model import LoadedModel
 
 __all__ = ["forward", "positions_from_mask"]
@@ -40,7 +40,7 @@ def _takes(model: Any, name: str) -> bool:
         return False
 
 
-def forward(lm: LoadedModel | torch.nn.Module, batch: Batch | torch.Tensor, plan: Plan | None = None, *,
+def forward(lm: LoadedModel | torch.nn.Module, batch: Batch | torch.Tensor, plan: Plan | Probes | None = None, *,
             copies: int = 1,
             attention_mask: torch.Tensor | None = None, grad: bool = False, logits_to_keep: int | None = None,
             **kwargs: Any) -> tuple[Any, Recording]:
@@ -52,7 +52,8 @@ def forward(lm: LoadedModel | torch.nn.Module, batch: Batch | torch.Tensor, plan
     positions and image inputs are used), or a tensor of input ids (``attention_mask``: all ones unless
     given; positions from the mask). ``copies``: run that many copy-major copies of the batch as one
     batch (row ``r + c * B`` is row ``r`` of copy ``c``; a plan for the copies comes from
-    :meth:`Plan.tile`). ``plan=None``: no edits, no probes (plain SDPA). ``grad``: keep the autograd graph.
+    :meth:`Plan.tile`). ``plan=None``: no edits, no probes (plain SDPA); a :class:`~headlab.instrument.Probes`:
+    those probes and no edits (``Plan(probes=probes)``). ``grad``: keep the autograd graph.
     ``logits_to_keep``: compute logits only at the last ``n`` positions (when the model supports it).
     Other keywords go to the model's forward (``use_cache`` defaults to ``False``).
     """
@@ -66,6 +67,8 @@ def forward(lm: LoadedModel | torch.nn.Module, batch: Batch | torch.Tensor, plan
         mask = mask.repeat(copies, 1) if copies > 1 and mask.shape[0] != ids.shape[0] else mask
         kwargs.setdefault("position_ids", positions_from_mask(mask))
     model = lm.model if isinstance(lm, LoadedModel) else lm
+    if isinstance(plan, Probes):
+        plan = Plan(probes=plan)
     kwargs.setdefault("use_cache", False)
     if logits_to_keep is not None and _takes(model, "logits_to_keep"):
         kwargs["logits_to_keep"] = logits_to_keep

@@ -18,9 +18,13 @@ from typing import Any
 import numpy as np
 import torch
 import xarray as xr
+from transformers.cache_utils import DynamicLayer
 
 from .context import Example
+from .heads import select_heads
+from .instrument import expand_cache, instrument, shared_trunk
 from .model import LoadedModel
+from .vision import encode, tile_inputs
 
 __all__ = ["Batch", "Choose", "ContextLengthWarning", "DecodeRequest", "DecodeState", "Decoded", "ModelCall", "PromptSplit", "Rows",
            "ScoreRequest", "Scored", "continuation_batch", "decode_info", "decode_loop", "instrumented", "prefill",
@@ -102,7 +106,6 @@ class Batch:
 
     def forward_inputs(self, copies: int = 1) -> dict[str, torch.Tensor]:
         """The processor inputs (:attr:`model_inputs`) for ``copies`` copy-major copies of the batch."""
-        from .vision import tile_inputs
 
         return tile_inputs(self.model_inputs, copies)
 
@@ -135,7 +138,6 @@ def tokenize(lm: LoadedModel, examples: list[Example], device: str | None = None
     encoded: list[Any] = []
     for ex in examples:
         if ex.images:
-            from .vision import encode
 
             enc_images = encode(lm, ex)
             rows.append(enc_images.ids)
@@ -211,7 +213,6 @@ class DecodeRequest:
         """
         if self.ctx is not None:
             return self.ctx.heads(selection)
-        from .heads import select_heads
 
         return select_heads(selection, {}, self.lm.geometry)
 
@@ -297,7 +298,6 @@ def instrumented(lm: LoadedModel | torch.nn.Module, plan: Any) -> contextlib.Abs
     """
     if plan is None:
         return contextlib.nullcontext()
-    from .instrument import instrument
 
     return instrument(lm.model if isinstance(lm, LoadedModel) else lm, plan)
 
@@ -611,7 +611,6 @@ def decode_loop(request: DecodeRequest | DecodeState, choose: Choose, *, rows: R
         else {}
 
     def trunk_at(layer: int | None) -> contextlib.AbstractContextManager[Any]:
-        from .instrument import shared_trunk
 
         return contextlib.nullcontext() if layer is None else shared_trunk(model, layer, copies)
 
@@ -625,7 +624,6 @@ def decode_loop(request: DecodeRequest | DecodeState, choose: Choose, *, rows: R
                     state.cache = run(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                                       **kwargs, **first).cache
                 if trunk is not None:
-                    from .instrument import expand_cache
 
                     expand_cache(state.cache, trunk, copies)
             first = {}
@@ -658,7 +656,6 @@ def prefill(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, p
     (sliding windows, static or quantised caches) are prefilled batched, and so are batches with
     ``forward_kwargs`` (processor inputs such as ``pixel_values``, passed to the model).
     """
-    from transformers.cache_utils import DynamicLayer
 
     def run(**kw: Any) -> Any:
         try:

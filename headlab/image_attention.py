@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import base64
+import io
 import math
 from collections.abc import Sequence
 from html import escape
@@ -24,7 +25,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import xarray as xr
+from PIL import Image
 
+from .forward_pass import forward
+from .generation import Batch, tokenize
+from .instrument import Plan, Probes
 from .svg import color, colour_bar_svg
 
 if TYPE_CHECKING:
@@ -46,7 +51,6 @@ def image_array(image: Any) -> np.ndarray:
     """``image`` (a ``PIL.Image``, a local file path, or an ``(H, W)``, ``(H, W, 3|4)`` array, uint8 or
     floats in [0, 1]) as a ``(height, width, 3)`` uint8 array."""
     if isinstance(image, (str, Path)):
-        from PIL import Image
 
         with Image.open(image) as im:
             return np.asarray(im.convert("RGB"), dtype=np.uint8).copy()
@@ -72,16 +76,13 @@ def resize_image(image: Any, max_side: int) -> np.ndarray:
         return arr
     scale = max_side / max(h, w)
     nh, nw = max(1, round(h * scale)), max(1, round(w * scale))
-    from PIL import Image
 
     return np.asarray(Image.fromarray(arr).resize((nw, nh), Image.Resampling.BILINEAR), dtype=np.uint8).copy()
 
 
 def png_bytes(image: Any) -> bytes:
     """``image`` encoded as PNG (8-bit RGB)."""
-    import io
 
-    from PIL import Image
 
     buf = io.BytesIO()
     Image.fromarray(image_array(image)).save(buf, format="PNG")
@@ -140,8 +141,6 @@ def image_token_attention(lm: LoadedModel, batch: Batch, *, row: int = 0, query:
     ``layers`` (default all) are not recorded and are absent from the layer axis.
     """
 
-    from .forward_pass import forward
-    from .instrument import Plan, Probes
 
     spans = [tuple(s) for s in batch.image_spans[row]] if batch.image_spans else []
     grids = [tuple(g) for g in batch.image_grids[row]] if batch.image_grids else []
@@ -174,7 +173,6 @@ def attention_preview(lm: LoadedModel, example: Example | Batch, *, query: int |
     ``[start, end)`` of the image's tokens), ready to merge into a step's results; empty when there is no
     image. :func:`image_attention_svg` draws it.
     """
-    from .generation import Batch, tokenize
 
     batch = example if isinstance(example, Batch) else tokenize(lm, [example], device=lm.device)
     first = batch.examples[0] if batch.examples else None

@@ -11,16 +11,23 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
+from huggingface_hub import constants, try_to_load_from_cache
+from transformers.utils import logging as hf_logging
 
 from . import anatomy
 from .geometry import Geometry, ModelLoadError, geometry_of
-from .spec import ModelSpec
+from .instrument import ATTN_IMPLEMENTATION, register
+from .plugin_manager import get_manager
+from .spec import ModelSpec, parse_size
 from .vision import image_token_id, processor_for_config, vision_tokens_for_config
 
 __all__ = ["DTYPES", "HUB_PROBE_SECONDS", "Geometry", "LoadedModel", "ModelLoadError", "check_architecture",
@@ -211,7 +218,6 @@ def from_pretrained(path_or_id: str, spec: ModelSpec, *, name: str | None = None
     """Load a Hugging Face checkpoint (directory or hub id) with headlab's attention."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .instrument import ATTN_IMPLEMENTATION, register
 
     device = resolve_device(spec.device) if spec.device_map is None else _check_device_map(spec)
     register()
@@ -220,7 +226,6 @@ def from_pretrained(path_or_id: str, spec: ModelSpec, *, name: str | None = None
         kwargs["local_files_only"] = _hub_source(path_or_id, spec.revision)
     placement = _placement(spec)
     dtype = "auto" if spec.dtype == "auto" else DTYPES[spec.dtype]
-    from transformers.utils import logging as hf_logging
 
     config = _read_config(path_or_id, kwargs)
     if config is not None:
@@ -278,8 +283,6 @@ def _hub_source(repo_id: str, revision: str | None) -> bool:
     """Whether hub id ``repo_id`` must load from the local cache only (``local_files_only``): when the hub is
     offline (``HF_HUB_OFFLINE``) or cannot be reached within :data:`HUB_PROBE_SECONDS`. Not cached and not
     reachable is one :class:`ModelLoadError` line, at once, instead of the hub client's retries."""
-    from huggingface_hub import constants, try_to_load_from_cache
-
     if repo_id.startswith(("/", "./", "../", "~")) or repo_id.count("/") > 1:
         raise ModelLoadError(f"model '{repo_id}': no such checkpoint directory (and not a hub id, which is "
                              "`name` or `owner/name`)")
@@ -307,9 +310,6 @@ def _hub_source(repo_id: str, revision: str | None) -> bool:
 def _unreachable(endpoint: str) -> str | None:
     """Why a TCP connection to ``endpoint`` (or the HTTPS proxy in the environment) fails within
     :data:`HUB_PROBE_SECONDS`, or None when it connects."""
-    import os
-    import socket
-    from urllib.parse import urlsplit
 
     proxy = os.environ.get("HTTPS_PROXY") or os.environ.get("https_proxy")
     target = urlsplit(proxy if proxy and endpoint.startswith("https") else endpoint)
@@ -431,7 +431,6 @@ def _placement(spec: ModelSpec) -> dict[str, Any]:
     """The ``from_pretrained`` arguments that place the model's modules (none without ``device_map``)."""
     if spec.device_map is None:
         return {}
-    from .spec import parse_size
 
     out: dict[str, Any] = {"device_map": spec.device_map}
     if spec.max_memory is not None:
@@ -503,7 +502,6 @@ def from_config(spec: ModelSpec, seed: int = 0) -> LoadedModel:
     """Build a model with random weights from a transformers config mapping."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from .instrument import ATTN_IMPLEMENTATION, register
 
     device = resolve_device(spec.device) if spec.device_map is None else _check_device_map(spec)
     register()
@@ -571,7 +569,6 @@ def from_config(spec: ModelSpec, seed: int = 0) -> LoadedModel:
 
 def load_model_by_name_tokenizer(name: str) -> Any | None:
     """The tokenizer of a registered model name, or None if ``name`` is not registered."""
-    from .plugin_manager import get_manager
 
     comp = get_manager().components["models"].get(name)
     if comp is None:
@@ -581,7 +578,6 @@ def load_model_by_name_tokenizer(name: str) -> Any | None:
 
 def load_model(spec: ModelSpec, seed: int = 0) -> LoadedModel:
     """Load the model a spec names: registered name, local path, hub id, or random from config."""
-    from .plugin_manager import get_manager
 
     if spec.config is not None:
         return from_config(spec, seed)

@@ -32,6 +32,7 @@ loads nothing from the network. The hand-drawn picture that remains (the attenti
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -68,6 +69,7 @@ from .circuit_view import (
 from .context import IMAGE_MARKER
 from .describe import StepDescription, describe_steps
 from .head_figures import has_chance, is_masking_curve, masking_curve_chart, ranked_accuracy_chart
+from .heads import ranked
 from .image_attention import PREVIEW_ATTENTION, image_attention_svg, preview_of
 from .kv.view import (
     kv_metrics,
@@ -162,7 +164,6 @@ def _cells(run: Run, da: xr.DataArray) -> list[dict[str, Any]]:
     if not dims:
         return [{}]
     grids = [[v.item() if hasattr(v, "item") else v for v in da[d].values] for d in dims]
-    import itertools
 
     return [dict(zip(dims, combo, strict=True)) for combo in itertools.product(*grids)]
 
@@ -181,7 +182,6 @@ def _plain(v: Any) -> Any:
 
 
 def _detect_section(run: Run, step: str, ds: xr.Dataset) -> str:
-    from .heads import ranked
 
     score = ds["score"]
     dims = _sweep_dims(run, score)
@@ -455,7 +455,6 @@ def _patching_section(run: Run, step: str, ds: xr.Dataset) -> str:
 
 def _heads_part(run: Run, step: str, ds: xr.Dataset) -> str:
     """The (layer x head) map of a patching score, its top heads and, per token, the strongest heads' scores."""
-    from .heads import ranked
 
     score = _mean_over_sweep(run, ds["score"])
     by_token = "token" in score.dims
@@ -485,7 +484,6 @@ def _heads_part(run: Run, step: str, ds: xr.Dataset) -> str:
 def _dla_section(run: Run, step: str, ds: xr.Dataset) -> str:
     """A direct logit attribution result: the (layer x head) map, the top heads, and the heads' terms apart from
     the totals they add up to (the heads' sum, the rest, the logit difference)."""
-    from .heads import ranked
 
     score = _mean_over_sweep(run, ds["score"])
     top = ranked(score)[:10]
@@ -575,7 +573,6 @@ def _attention_figure(run: Run, step: str, ds: xr.Dataset, drawn: dict[str, set[
 def _image_figure(run: Run, ds: xr.Dataset, n_heads: int = 3) -> str:
     """The stored image preview of a step (first example, first sweep cell) with the attention of its top
     heads over the patches: by the step's score for a detect step, else by the attention mass on the image."""
-    from .heads import ranked
 
     found = preview_of(ds)
     if found is None:

@@ -30,8 +30,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from pydantic import BaseModel
 
+from .model import resolve_device
 from .spec import parse_size
 
 __all__ = ["Budget", "Estimate", "EstimateContext", "ResourceLimitError", "TaskSize", "budget", "check",
@@ -133,7 +135,6 @@ def machine_memory() -> int:
 def device_memory(device: str) -> int:
     """Total memory of a CUDA device in bytes; the machine's memory for any other device."""
     if str(device).startswith("cuda"):
-        import torch
 
         try:
             return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
@@ -212,7 +213,6 @@ class EstimateFailed(Exception):
 def estimates(spec: Any, lm: Any) -> Iterator[tuple[str, Estimate]]:
     """``(step id, estimate)`` for every step of one cell's spec (``""`` for the model itself). A component's
     ``size()`` or ``estimate()`` that raises is an :class:`EstimateFailed` naming the step and the config."""
-    import torch
 
     dtype_bytes = torch.tensor([], dtype=lm.model.dtype).element_size() if hasattr(lm.model, "dtype") else 4
     text = lm.model.config.get_text_config() if hasattr(lm.model.config, "get_text_config") else lm.model.config
@@ -266,7 +266,6 @@ def check_model(model_spec: Any, limits: Any = None) -> Estimate | None:
     model is built on the meta device to count them). Other models load from files already on disk."""
     if getattr(model_spec, "config", None) is None:
         return None
-    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = {k: v for k, v in model_spec.config.items() if k not in ("model_type", "tokenizer")}
@@ -279,7 +278,6 @@ def check_model(model_spec: Any, limits: Any = None) -> Estimate | None:
     params = sum(p.numel() for p in model.parameters())
     width = {"bfloat16": 2, "float16": 2}.get(model_spec.dtype, 4)
     est = Estimate("parameters of model.config", params * width, f"{params:,} parameters x {width} bytes")
-    from .model import resolve_device
 
     try:
         device = resolve_device(model_spec.device)

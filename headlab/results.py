@@ -34,6 +34,7 @@ import xarray as xr
 import zarr
 
 from .display import run_html, run_summary
+from .spec import Cell
 from .version import __version__
 
 __all__ = ["FORMAT", "Run", "RunDamaged", "RunFormatTooNew", "RunNotFound", "RunWriter", "list_runs", "open_run"]
@@ -430,7 +431,6 @@ class Run:
         recorded arrays or chunks are gone, or a cell missing from a run marked complete. (An intact partial
         cell is no problem: it is listed in :attr:`partial_cells`.)"""
         if self._problems is None:
-            from .spec import Cell
 
             problems: list[str] = []
             done = set()

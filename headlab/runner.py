@@ -35,8 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import fsspec
 import numpy as np
 import torch
+import transformers
 import xarray as xr
 from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
@@ -48,9 +50,10 @@ from .describe import describe_step
 from .dims import DIMENSIONS
 from .errors import ContractError, StepError, describe, step_error
 from .generation import ContextLengthWarning
+from .heads import HeadSelectionError, check_top
 from .inputs import check_resume, input_digests
 from .model import LoadedModel, ModelLoadError, load_model
-from .plugin_manager import get_manager, plugins_for_workers, register_worker_plugins
+from .plugin_manager import CATEGORIES, get_manager, plugins_for_workers, register_worker_plugins
 from .results import Run, RunWriter, is_url, now, open_run, store_location
 from .scoring import (
     build_examples,
@@ -60,7 +63,8 @@ from .scoring import (
     unmet_by_examples,
     unmet_by_task,
 )
-from .spec import Cell, LoadedSpec, load_spec
+from .spec import Cell, LoadedSpec, SpecError, _position, format_path, load_spec
+from .version import __version__
 
 __all__ = ["CellError", "CellFailure", "CellResult", "CellTask", "Job", "ModelCache", "build_examples",
            "check_examples", "check_fields", "check_requirements", "execute_cell", "run"]
@@ -397,7 +401,6 @@ def requiring(node: Any, path: list[Any] | None = None) -> Iterator[tuple[list[A
 
 def _component_of(config: Any) -> tuple[str, Any]:
     """The category label (``metric``) and the registered component of a component config (None if none)."""
-    from .plugin_manager import CATEGORIES
 
     registry = get_manager().registry
     for name, category in CATEGORIES.items():
@@ -434,7 +437,6 @@ def _requirement_error(loaded: LoadedSpec, i: int, step: Any, where: list[Any], 
                        group: tuple[str, ...], lacks: str, cell: Cell | None) -> Any:
     """The :class:`SpecError` of a component that reads a field its task does not give, located at the
     component (``steps[0].generate.metrics[0]``)."""
-    from .spec import SpecError, _position, format_path
 
     label, _ = _component_of(config)
     path = ["steps", i, step.action, *where]
@@ -509,8 +511,6 @@ def preflight(loaded: LoadedSpec, spec: Any, lm: LoadedModel, cell: Cell | None 
     """Checks of one cell's spec against the loaded model, before anything of the cell runs: every ``top`` of
     a head selection within the model's heads (a located :class:`SpecError`), and the resource guard
     (:func:`headlab.resources.check`)."""
-    from .heads import HeadSelectionError, check_top
-    from .spec import SpecError, _position, format_path
 
     swept = f"cell {cell.name} ({', '.join(f'{k}={v!r}' for k, v in cell.values)})" if cell and cell.values else ""
     for path, node in _selections(spec.model_dump(by_alias=True, exclude_none=True), []):
@@ -547,7 +547,6 @@ def check_steps(loaded: LoadedSpec, cells: list[Cell] | None = None) -> None:
     :data:`PREFLIGHT_CELLS`), each distinct config once: before a run's store is created, and in ``headlab
     validate``. A failure is a :class:`SpecError` located at the step's key or the task's (the check's
     ``ValueError`` may carry a ``path`` within the config)."""
-    from .spec import SpecError, _position, format_path
 
     check_fields(loaded, cells)
     if not any(callable(getattr(config, "preflight", None)) for _, config in _checked_configs(loaded.spec)):
@@ -596,9 +595,7 @@ def _jsonable(config: Any) -> Any:
 
 def provenance(lm: LoadedModel | None) -> dict[str, Any]:
     """Versions, host and model facts for a run's attributes."""
-    import transformers
 
-    from .version import __version__
 
     out = {"headlab_version": __version__, "torch_version": torch.__version__,
            "transformers_version": transformers.__version__, "python_version": platform.python_version(),
@@ -612,7 +609,6 @@ def _run_dir(output: str, name: str) -> str:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     output = store_location(output)
     if is_url(output):
-        import fsspec
 
         fs, root = fsspec.core.url_to_fs(output)
         base = f"{output.rstrip('/')}/{name}-{stamp}"

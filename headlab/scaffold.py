@@ -32,6 +32,9 @@ from importlib import resources
 from pathlib import Path
 from string import Template
 
+from . import __version__
+from .plugin_manager import get_manager
+
 __all__ = ["KINDS", "ScaffoldError", "Names", "names_for", "new_plugin"]
 
 #: plugin kind -> component category it registers into
@@ -93,7 +96,6 @@ def _render(path: Path, values: dict[str, str]) -> str:
 
 def _existing_kind(category: str, kind: str) -> str | None:
     """The plugin that already registers ``kind`` in ``category``, if any."""
-    from .plugin_manager import get_manager
 
     component = get_manager().components.get(category, {}).get(kind)
     return None if component is None else component.plugin
@@ -117,7 +119,6 @@ def new_plugin(kind: str, name: str, directory: str | Path | None = None, *, che
     target = Path(directory) if directory is not None else Path.cwd() / names.dist
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise ScaffoldError(f"{target} already exists and is not an empty directory")
-    from . import __version__
 
     values = {
         "name": name, "kind": names.kind, "package": names.package, "dist": names.dist,

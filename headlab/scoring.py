@@ -23,9 +23,16 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+import xarray as xr
+
 from .context import Example, StepContext, TaskContext
+from .errors import ContractError
 from .generation import Batch, Decoded, DecodeRequest, Scored, ScoreRequest, continuation_batch, tokenize
-from .model import LoadedModel, embedding_rows
+from .instrument import Plan
+from .model import LoadedModel, embedding_rows, load_model
+from .plugin_manager import get_manager
+from .spec import ComponentConfig, ModelSpec, SpecTypes
 from .summary import UNDEFINED_ATTR
 
 __all__ = ["EXAMPLE_FIELDS", "as_model", "build_examples", "component", "declared_fields", "field_label",
@@ -41,8 +48,6 @@ def as_model(model: Any, seed: int = 0) -> LoadedModel:
     or ``{config: {...}}``, or a :class:`~headlab.spec.ModelSpec`)."""
     if isinstance(model, LoadedModel):
         return model
-    from .model import load_model
-    from .spec import ModelSpec
 
     if isinstance(model, ModelSpec):
         spec = model
@@ -61,8 +66,6 @@ def component(category: str, value: Any) -> Any:
     the kind with its defaults. ``None`` is the category's default (the default decoder), or an error."""
     from pydantic import TypeAdapter, ValidationError
 
-    from .plugin_manager import get_manager
-    from .spec import ComponentConfig, SpecTypes
 
     registry = get_manager().registry
     if isinstance(value, ComponentConfig):
@@ -87,7 +90,6 @@ def build_examples(task: Any, lm: LoadedModel, seed: int) -> list[Example]:
     tokenizer and vocabulary as a run builds a step's task; an empty task, an example whose prompt is empty
     (no text but whitespace, no token ids, no image), or whose token ids are not rows of the model's input
     embedding, is a ``ValueError`` naming the example."""
-    from .plugin_manager import get_manager
 
     comp = get_manager().get("tasks", task.kind)
     vocab = int(getattr(lm.model.config.get_text_config(), "vocab_size", 0) or 0)
@@ -185,7 +187,6 @@ def fitting_tasks(config: Any) -> list[str]:
     """The registered task kinds whose declared fields (:func:`declared_fields`, for the task's defaults) meet
     every need of ``config``: first those that give the first field of every need (the one the component reads
     first), then the others, each by name."""
-    from .plugin_manager import get_manager
 
     out = []
     for kind, comp in get_manager().components["tasks"].items():
@@ -208,7 +209,6 @@ def requirement_message(config: Any, group: tuple[str, ...], lacks: str, categor
     (``"task 'niah' does not give"``) and which tasks give it: ``metric 'context_memory' reads
     meta['context_answer'] (or meta['context_answers']), which task 'niah' does not give; context_memory
     fits counterfact, memotrap, nq_swap, or csv/jsonl with meta: [context_answer, memory_answer]``."""
-    from .plugin_manager import get_manager
 
     first, *others = [field_label(f) for f in group]
     alternatives = f" (or {', '.join(others)})" if others else ""
@@ -257,13 +257,8 @@ def metric_values(config: Any, examples: Sequence[Example], outputs: Sequence[st
     A metric raising ``TypeError``/``ValueError`` or returning something other than one number per example,
     or an aggregate that is not a mapping of identifiers to numbers, is a :class:`headlab.errors.ContractError`
     naming the metric (as the ``generate`` action reports it)."""
-    import re
 
-    import numpy as np
-    import xarray as xr
 
-    from .errors import ContractError
-    from .plugin_manager import get_manager
 
     config = component("metrics", config)
     kind = config.kind
@@ -306,8 +301,6 @@ def steering_plan(steer: Sequence[Any], ctx: StepContext, batch: Batch) -> tuple
     a ``generate`` or ``score`` step."""
     if not steer:
         return None, []
-    from .instrument import Plan
-    from .plugin_manager import get_manager
 
     mgr = get_manager()
     plan = Plan()
@@ -373,7 +366,6 @@ def logprobs(model: Any, prompts: Sequence[Text], continuations: Sequence[str | 
     lm = as_model(model, seed)
     decoder_cfg = component("decoders", decode)
     steer_cfgs = [component("steering", s) for s in steer]
-    from .plugin_manager import get_manager
 
     scorer = get_manager().get("decoders", decoder_cfg.kind).score
     if scorer is None:
@@ -432,7 +424,6 @@ def generate(model: Any, prompts: Sequence[str | Example], *, steer: Sequence[An
     lm = as_model(model, seed)
     decoder_cfg = component("decoders", decode)
     steer_cfgs = [component("steering", s) for s in steer]
-    from .plugin_manager import get_manager
 
     impl = get_manager().get("decoders", decoder_cfg.kind).impl
     examples = [_example(p) for p in prompts]

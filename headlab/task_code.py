@@ -25,6 +25,7 @@ permissions of the process. It is recorded in the step's attributes (``task_code
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -32,6 +33,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from .sandbox import check_template, is_jinja, regex_replace, sandbox
 
@@ -78,7 +81,6 @@ class _Function:
 @lru_cache(maxsize=1)
 def shipped_code_digests() -> frozenset[str]:
     """SHA-256 digests of every Python file lm-eval ships with its tasks (empty without lm-eval)."""
-    import importlib.util
 
     spec = importlib.util.find_spec("lm_eval")
     if spec is None or not spec.submodule_search_locations:
@@ -88,7 +90,6 @@ def shipped_code_digests() -> frozenset[str]:
 
 
 def _loader(path: Path) -> type:
-    import yaml
 
     base = yaml.CSafeLoader if getattr(yaml, "__with_libyaml__", False) else yaml.SafeLoader
 
@@ -100,7 +101,6 @@ def _loader(path: Path) -> type:
 
 
 def _read_yaml(path: Path) -> Any:
-    import yaml
 
     try:
         size = path.stat().st_size

@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
+from PIL import Image
 
 from .example import IMAGE_MARKER, Example
 
@@ -34,7 +36,6 @@ QWEN_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_p
 def load_image(image: Any) -> Any:
     """A PIL image in RGB from a PIL image or a local file path (a clear error for a missing file, one that is
     not an image, and a decompression bomb: ``ValueError``, exit code 2)."""
-    from PIL import Image
 
     if isinstance(image, Image.Image):
         return image.convert("RGB")
@@ -103,7 +104,6 @@ def processor_for_config(model_type: str, config: Any, tokenizer: Any, options: 
     Qwen2-VL: :class:`Qwen2VLImageTokens` with ``Qwen2VLImageProcessorPil`` (``options``: ``min_pixels``,
     ``max_pixels``; defaults 4 and 16 merged patches a side).
     """
-    import transformers
 
     opts = dict(options or {})
     vc = config.vision_config

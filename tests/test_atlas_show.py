@@ -98,7 +98,7 @@ def test_headlab_show_prints_a_row_per_detector_and_a_table_with_steps(atlas_run
         row = next(x for x in text.splitlines() if f"{w['top']} {w['score']:.4f}" in x)  # the per-detector table
         assert d in row and f"{w['labelled']}/{w['heads']}" in row and f"{w['threshold']:.4g}" in row, row
     narrow = CliRunner().invoke(app, ["show", str(atlas_run.path)], env={"COLUMNS": "80"}).output
-    assert max(len(x) for x in narrow.splitlines()) <= 80 and narrow.count("top head") == len(DETECTORS)
+    assert max(len(x) for x in narrow.splitlines()) <= 80 and narrow.count("top head") == len(DETECTORS), narrow
 
 
 def test_the_report_shows_the_grid_top_heads_causal_chart_and_change_grid(atlas_run):

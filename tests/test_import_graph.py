@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import importlib
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Iterable, Mapping
@@ -266,3 +267,54 @@ def test_the_checker_counts_type_checking_imports_and_names_of_a_package_init(tm
 def test_a_module_that_imports_itself_is_a_cycle(tmp_path):
     _write(tmp_path / "src", {"__init__.py": "", "a.py": "def f():\n    from . import a\n    return a\n"})
     assert cycles(graph_of({"pkg": tmp_path / "src"})[1]) == [["pkg.a"]]
+
+
+def readme_layers(text: str) -> list[tuple[str, list[str]]]:
+    """The README's layer table, from the leaves up: (layer, the modules it names). A module is a backticked
+    name outside parentheses (``kv.split``, ``instrument/`` for a package); names in parentheses describe it."""
+    start = text.index("| layer | modules |")
+    layers = []
+    for line in text[start:].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        name, cell = (c.strip() for c in line.strip().strip("|").split("|")[:2])
+        depth, names = 0, []
+        for token in re.finditer(r"`([^`]*)`|\(|\)", cell):
+            if token.group(0) in "()":
+                depth += 1 if token.group(0) == "(" else -1
+            elif depth == 0:
+                names.append(token.group(1).rstrip("/"))
+        layers.append((name, names))
+    return layers
+
+
+def test_the_readme_layer_table_names_modules_and_imports_point_down():
+    """Every module the README's layer table names exists, and no module imports one of a higher layer (a module
+    counts in the layer of the longest name that covers it: ``headlab.kv.split`` in ``kv.split``'s, the rest
+    of ``headlab.kv`` in ``kv``'s)."""
+    modules, edges = graph_of(package_dirs(ROOT))
+    layers = readme_layers((ROOT / "README.md").read_text())
+    assert len(layers) >= 5
+    named: dict[str, int] = {}
+    for i, (_, names) in enumerate(layers):
+        for name in names:
+            assert f"headlab.{name}" in modules, f"README's layer table names {name!r}, which is no module"
+            named[f"headlab.{name}"] = i
+
+    def layer(module: str) -> int | None:
+        covering = [m for m in named if module == m or module.startswith(m + ".")]
+        return named[max(covering, key=len)] if covering else None
+
+    wrong = []
+    for importer, targets in edges.items():
+        for target, lines in targets.items():
+            low, high = layer(target), layer(importer)
+            if low is not None and high is not None and low > high:
+                wrong.append(f"{importer} ({layers[high][0]}) imports {target} ({layers[low][0]}) at line {lines[0]}")
+    assert not wrong, "the README's layer table: an import points up:\n" + "\n".join(wrong)
+
+
+def test_the_layer_table_reader(tmp_path):
+    text = ("| layer | modules |\n|---|---|\n| leaves | `version`, `config` (`ComponentConfig`) |\n"
+            "| engine | `kv/` engine: `kv.split` (the `split_call` contract); `instrument/` (`Plan`, `Probes`) |\n\nafter\n")
+    assert readme_layers(text) == [("leaves", ["version", "config"]), ("engine", ["kv", "kv.split", "instrument"])]

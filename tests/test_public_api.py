@@ -43,22 +43,24 @@ TEMPLATES = ROOT / "headlab" / "templates" / "new_plugin"
 
 #: the modules plugins import from, with what each is for (docs/plugins.md, "The public namespace")
 PUBLIC_MODULES: dict[str, str] = {
-    "headlab": "registration, the objects a component receives, models, batches, forwards, plans, recordings",
-    "headlab.spec": "field types and base classes for component configs",
-    "headlab.generation": "the decoding loop, its options, requests and results",
-    "headlab.masking": "greedy outputs with chosen heads masked (the causal check's machinery), batches by length",
-    "headlab.pattern_scores": "the pattern detectors' scores of attention against a detection pattern",
-    "headlab.decoding": "utilities for decoding strategies",
-    "headlab.resources": "memory estimates and task sizes for the resource guard",
-    "headlab.dims": "dimension names and (layer, head) arrays",
-    "headlab.anatomy": "the modules and per-head weights of a model",
-    "headlab.text": "ROUGE and the words of the shape scenes",
-    "headlab.scoring": "scores, generations and metric values outside a run; a task's examples",
-    "headlab.sandbox": "the Jinja2 sandbox of task templates",
-    "headlab.task_code": "checks of lm-evaluation-harness task files",
-    "headlab.lm_eval": "the lm-evaluation-harness bridge",
-    "headlab.kv": "head-level KV-cache policies: head maps, KV-head selections, the headwise cache",
-    "headlab.roles": "a labelled head cube (detector, layer, head) as rows: roles, head cards, top heads",
+    "headlab.plugin": "the plugin author's facade: everything the new-plugin templates and the example package use",
+    "headlab": "running and reading runs, registration, models, forwards, plans and their typed edits, recordings",
+    "headlab.spec": "advanced: the spec's models, limits and every field type",
+    "headlab.generation": "advanced: the decoding loop's options, requests and results, scoring continuations",
+    "headlab.masking": "advanced: greedy outputs with chosen heads masked (the causal check's machinery), batches "
+                       "by length",
+    "headlab.pattern_scores": "advanced: the pattern detectors' scores of attention against a detection pattern",
+    "headlab.decoding": "advanced: utilities for decoding strategies",
+    "headlab.resources": "advanced: memory estimates and task sizes for the resource guard",
+    "headlab.dims": "advanced: dimension names and (layer, head) arrays",
+    "headlab.anatomy": "advanced: the modules and per-head weights of a model",
+    "headlab.text": "advanced: ROUGE and the words of the shape scenes",
+    "headlab.scoring": "advanced: scores, generations and metric values outside a run; a task's examples",
+    "headlab.sandbox": "advanced: the Jinja2 sandbox of task templates",
+    "headlab.task_code": "advanced: checks of lm-evaluation-harness task files",
+    "headlab.lm_eval": "advanced: the lm-evaluation-harness bridge",
+    "headlab.kv": "advanced: head-level KV-cache policies: head maps, KV-head selections, the headwise cache",
+    "headlab.roles": "advanced: a labelled head cube (detector, layer, head) as rows: roles, head cards, top heads",
 }
 #: modules only executors (plugins/executors) may import from
 EXECUTOR_MODULES = ("headlab.runner", "headlab.plugin_manager")

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers.models.llama.modeling_llama import rotate_half
 
 from .errors import KvPolicyError
 from .maps import HeadBudgetMap, HeadMap
@@ -54,7 +55,6 @@ def _headkv_press_class(base: type) -> type:
     selects for a HeadKV map's budgets, and hides the others from later queries the way kvpress's head-wise
     presses do (``masked_key_indices``)."""
     from kvpress.utils import get_prerope_query_states
-    from transformers.models.llama.modeling_llama import rotate_half
 
     @dataclass
     class HeadKVPress(base):  # type: ignore[misc, valid-type]

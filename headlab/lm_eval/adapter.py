@@ -12,9 +12,15 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
+from ruamel.yaml import YAML
+
 from ..context import Example, StepContext, strip_tags
 from ..model import LoadedModel
+from ..results import open_run
+from ..runner import ModelCache, run_cell
 from ..scoring import as_model, component, generate, logprobs
+from ..spec import ModelSpec, load_spec
 from ..task_code import EXTRA
 
 __all__ = ["DEFAULT_MAX_GEN_TOKS", "HAVE_LM_EVAL", "HeadlabLM", "require_lm_eval"]
@@ -44,7 +50,6 @@ def require_lm_eval() -> None:
 def _config_value(value: Any) -> Any:
     """A decode/steer value given as text (lm-eval's ``key=value`` model args): YAML/JSON, or a kind name."""
     if isinstance(value, str):
-        from ruamel.yaml import YAML
 
         loaded = YAML(typ="safe", pure=True).load(value)
         return loaded if loaded is not None else None
@@ -104,7 +109,6 @@ class HeadlabLM(_Base):  # type: ignore[misc,valid-type]
             steer = steer if steer is not None else spec_steer
             self.results = {**spec_results, **self.results}
         if run is not None:
-            from ..results import open_run
 
             self.results = {**open_run(run).results, **self.results}
         if ctx is not None and model is None:
@@ -279,7 +283,6 @@ def _max_length(lm: LoadedModel) -> int:
 def _model_spec(model: Any, device: str | None, dtype: str | None) -> Any:
     """A model spec mapping from a name/path/mapping plus lm-eval's ``device``/``dtype`` arguments."""
     if model is None:
-        from ..spec import ModelSpec
 
         model = ModelSpec().id
     spec: dict[str, Any] = dict(model) if isinstance(model, Mapping) else {"id": str(model)}
@@ -293,15 +296,12 @@ def _model_spec(model: Any, device: str | None, dtype: str | None) -> Any:
 
 
 def _cuda() -> bool:
-    import torch
 
     return bool(torch.cuda.is_available())
 
 
 def _from_spec(path: str, step: str | None, seed: int) -> tuple[Any, Any, Any, dict[str, Any]]:
     """(model spec, decode, steer, results of the steps before the evaluate step) of a headlab spec."""
-    from ..runner import ModelCache, run_cell
-    from ..spec import load_spec
 
     loaded = load_spec(path)
     steps = loaded.spec.steps

@@ -7,6 +7,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from ..results import is_url, store_location
+
 __all__ = ["CACHE_ENV", "cache_directory", "datasets_cache"]
 
 
@@ -17,7 +19,6 @@ CACHE_ENV = ("HF_DATASETS_CACHE", "HF_HOME", "XDG_CACHE_HOME")
 def cache_directory(store: str | Path) -> Path | None:
     """Where the ``evaluate`` steps of a run store cache datasets: ``.cache`` in the directory holding the store
     (the run's ``--out``), shared by its runs; None for a store that is not a local directory (a URL)."""
-    from ..results import is_url, store_location
 
     location = store_location(store) if str(store) else ""
     if not location or is_url(location):

@@ -3,8 +3,13 @@
 
 from __future__ import annotations
 
+import ast
+import difflib
 import functools
+import importlib.util
+import inspect
 import json
+import re
 import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -137,8 +142,6 @@ def metric_output_types() -> dict[str, tuple[str, ...]]:
     """The output types each of lm-eval's own metrics is registered for (read from the ``output_type`` of its
     ``register_metric`` in lm-eval's source, which its registry does not keep), with ``multiple_choice`` added
     for the metrics lm-eval's ``ConfigurableTask.process_results`` computes from the choices itself."""
-    import ast
-    import importlib.util
 
     spec = importlib.util.find_spec("lm_eval.api.metrics")
     if spec is None or spec.origin is None:
@@ -154,9 +157,6 @@ def metric_output_types() -> dict[str, tuple[str, ...]]:
                 continue
             out[str(name)] = (types,) if isinstance(types, str) else tuple(types)
     try:  # the metrics a multiple_choice task's own process_results computes from the choices' scores
-        import inspect
-        import re
-
         from lm_eval.api.task import ConfigurableTask
 
         for name in re.findall(r"[\"'](\w+)[\"'] in use_metric", inspect.getsource(ConfigurableTask.process_results)):
@@ -270,7 +270,6 @@ def check_task_configs(tasks: Sequence[str | Mapping[str, Any]], *,
             continue
         entry = index.get(task)
         if entry is None:
-            import difflib
 
             close = difflib.get_close_matches(task, list(index), n=3, cutoff=0.75)
             where = " and ".join(filter(None, ["lm-eval's registry" if include_defaults else "",

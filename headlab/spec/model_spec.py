@@ -9,12 +9,14 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
+import torch
 from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from ..config import StrictModel
 from ..plugin_manager import Registry, get_manager
 from .fields import NonEmptyStr, NonNegativeInt
+from .limits import parse_size
 
 __all__ = ["DEVICE_PATTERN", "ModelSpec", "default_model"]
 
@@ -55,7 +57,6 @@ class ModelSpec(StrictModel):
         """A device torch knows (whether this machine has it is checked when the model loads)."""
         if value == "auto":
             return value
-        import torch
 
         try:
             if not re.fullmatch(DEVICE_PATTERN, value) or torch.device(value).type not in ("cpu", "cuda", "mps", "xpu"):
@@ -86,7 +87,6 @@ class ModelSpec(StrictModel):
         """Keys are GPU indices, 'cpu' or 'disk'; values sizes such as 20GiB."""
         if value is None:
             return value
-        from .limits import parse_size
 
         for key, size in sorted(value.items(), key=lambda item: str(item[0])):
             if not (str(key).isdigit() or key in ("cpu", "disk")):

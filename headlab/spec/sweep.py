@@ -12,6 +12,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, overload
 
+import numpy as np
 from pydantic import ValidationError
 
 from ..config import suggest
@@ -174,7 +175,6 @@ def _check_sweep(spec: Any, data: Mapping[str, Any], tree: Any, source: str, reg
     """Each sweep key names a spec field (not an id, the name or the output) and has unique values, each of
     which validates. Each distinct value is validated once, against the spec without its sweep, so the
     cost is linear in the number of values; the grid of cells is never built."""
-    import numpy as np
 
     Spec = type(spec)
     base = {k: v for k, v in data.items() if k != "sweep"}

@@ -28,6 +28,7 @@ import traitlets
 import xarray as xr
 
 from ..figures import to_svg
+from ..results import Run, open_run
 from ..role_figures import change_grid_chart, role_colours, role_grid_chart
 from ..roles import detectors, head_card, head_cards, is_cube, is_cube_comparison
 
@@ -276,7 +277,6 @@ class AtlasMap(anywidget.AnyWidget):
     @classmethod
     def from_run(cls, run: Any, step: str, **kwargs: Any) -> AtlasMap:
         """The map of a step of a :class:`headlab.Run` (or a run directory) that stored a cube."""
-        from ..results import Run, open_run
 
         run = run if isinstance(run, Run) else open_run(run)
         if step not in run.results:

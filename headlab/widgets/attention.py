@@ -32,10 +32,13 @@ import xarray as xr
 from ..context import Example
 from ..dims import head_array
 from ..forward_pass import forward
-from ..image_attention import forward_kwargs, image_attention_svg, model_view
-from ..instrument import Plan, Probes
-from ..model import LoadedModel
+from ..generation import tokenize
+from ..image_attention import forward_kwargs, image_attention_svg, model_view, patch_grid
+from ..instrument import Plan, Probes, instrument
+from ..model import LoadedModel, load_model
+from ..spec import ModelSpec
 from ..svg import NAN_COLOR, color
+from .image import ImagePatchView
 from .js import PRELUDE
 
 __all__ = ["AttentionView", "TokenView"]
@@ -136,8 +139,6 @@ def _token_text(tokenizer: Any, ids: Sequence[int]) -> list[str]:
 def _load(model: LoadedModel | str) -> LoadedModel:
     if isinstance(model, LoadedModel):
         return model
-    from ..model import load_model
-    from ..spec import ModelSpec
 
     return load_model(ModelSpec(id=model, device="cpu"))
 
@@ -164,8 +165,6 @@ class AttentionView(w.VBox):
                  page_size: int = 64, pattern_limit: int = 256,
                  mode: Literal["auto", "pattern", "query"] = "auto", images: Sequence[Any] | None = None,
                  example: Example | None = None, image_width: int = 280) -> None:
-        from ..generation import tokenize
-        from .image import ImagePatchView
 
         self.lm = _load(model)
         if example is None:
@@ -287,7 +286,6 @@ class AttentionView(w.VBox):
 
     def _single_query(self, q: int, probes: Any) -> Any:
         """Prefill tokens ``[0, q)`` with plain attention, then run token ``q`` under ``probes``."""
-        from ..instrument import instrument
 
         model = self.lm.model
         ids = self.input_ids
@@ -353,7 +351,6 @@ class AttentionView(w.VBox):
                         query: int | None = None) -> np.ndarray:
         """The attention of one head from ``query`` to the tokens of image ``image`` as its ``(rows, cols)``
         patch grid (NaN for image tokens after the query): the values its :class:`ImagePatchView` shows."""
-        from ..image_attention import patch_grid
 
         if not 0 <= image < len(self.image_spans):
             raise ValueError(f"no image {image}; this view has {len(self.image_spans)}")

@@ -22,6 +22,7 @@ import xarray as xr
 from ..heads import ranked
 from ..results import Run, list_runs, open_run
 from ..summary import metric_estimate
+from .views import figure_box, run_views
 
 __all__ = ["Compare", "RunBrowser", "diff_html", "generation_columns", "generation_table", "generations_html",
            "metric_table", "side_by_side", "top_heads_table"]
@@ -284,7 +285,6 @@ class RunBrowser(w.VBox):
     def show(self) -> None:
         """Show the picked runs: the first one's summary and figures (:func:`headlab.widgets.run_views`: a head map,
         patching map, DLA bars or circuit graph per detect step, the KV trade-off), and a comparison."""
-        from .views import figure_box, run_views
 
         picked = [open_run(p) for p in self.picker.value]
         if not picked:

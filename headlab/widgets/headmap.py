@@ -25,6 +25,7 @@ from ..dims import head_array
 from ..figures import Chart, heatmap, to_svg
 from ..head_figures import ranked_accuracy_chart
 from ..heads import Head, ranked, to_pasta_json
+from ..results import Run, open_run
 from ..svg import NAN_COLOR, PALETTE
 
 __all__ = ["HeadMap", "as_head_scores", "spec_fragment"]
@@ -249,7 +250,6 @@ class HeadMap(anywidget.AnyWidget):
     @classmethod
     def from_run(cls, run: Any, step: str, **kwargs: Any) -> HeadMap:
         """The map of a detect step of a :class:`headlab.Run` (or a run directory)."""
-        from ..results import Run, open_run
 
         run = run if isinstance(run, Run) else open_run(run)
         if step not in run.results:

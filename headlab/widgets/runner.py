@@ -19,9 +19,12 @@ from typing import Any
 
 import ipywidgets as w
 
+from .. import runner
 from ..context import Reporter
-from ..results import Run, list_runs
-from ..spec import LoadedSpec, SpecError
+from ..results import Run, list_runs, open_run
+from ..spec import LoadedSpec, SpecError, parse_yaml, validate_data
+from .browser import Compare
+from .views import figure_box, run_views
 
 __all__ = ["SpecRunner", "WidgetReporter", "error_html"]
 
@@ -204,7 +207,6 @@ class SpecRunner(w.VBox):
         try:
             if not text.strip():
                 raise SpecError("the spec is empty", source=self.source)
-            from ..spec import parse_yaml, validate_data
 
             data, tree = parse_yaml(text, self.source)
             loaded = validate_data(data, text=text, source=self.source, tree=tree)
@@ -304,7 +306,6 @@ class SpecRunner(w.VBox):
             self.run_path = new[-1].path
 
     def _done_text(self) -> str:
-        from ..results import open_run
 
         if self.run_path is None:
             return ""
@@ -325,8 +326,6 @@ class SpecRunner(w.VBox):
 
     # ---- results
     def _show_results(self, result: Run) -> None:
-        from .browser import Compare
-        from .views import figure_box, run_views
 
         views = run_views(result)
         children: list[w.Widget] = [w.HTML(result._repr_html_())]
@@ -337,6 +336,5 @@ class SpecRunner(w.VBox):
 
 
 def _runner() -> Any:
-    from .. import runner
 
     return runner

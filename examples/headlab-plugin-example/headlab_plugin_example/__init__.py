@@ -10,8 +10,7 @@ import torch
 import xarray as xr
 from pydantic import Field
 
-from headlab import ComponentConfig, Example, StepContext, hookimpl
-from headlab.dims import head_array
+from headlab.plugin import ComponentConfig, Example, StepContext, head_array, hookimpl
 
 from . import decoding, steering
 

@@ -20,16 +20,18 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-import headlab
-from headlab import ComponentConfig, HeadSelection, Plan
-from headlab.generation import (
+from headlab.plugin import (
+    ComponentConfig,
     Decoded,
     DecodeRequest,
     DecodeState,
+    HeadSelection,
+    Plan,
     Rows,
     Scored,
     ScoreRequest,
     decode_loop,
+    forward,
     sum_continuation,
 )
 
@@ -72,6 +74,6 @@ def decode(config: HeadContrast, request: DecodeRequest) -> Decoded:
 def score(config: HeadContrast, request: ScoreRequest) -> Scored:
     """Each row's choice tokens scored by the contrast, summed."""
     R, C = request.batch.size, request.width
-    out, _ = headlab.forward(request.lm, request.batch, two_copy_plan(config, request), copies=2)
+    out, _ = forward(request.lm, request.batch, two_copy_plan(config, request), copies=2)
     logits = out.logits
     return sum_continuation(contrast(config.beta, logits[:R, -C - 1:-1], logits[R:, -C - 1:-1]), request)

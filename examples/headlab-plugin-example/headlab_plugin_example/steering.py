@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from headlab import Batch, ComponentConfig, HeadSelection, Plan, StepContext
+from headlab.plugin import Batch, ComponentConfig, HeadSelection, Plan, StepContext
 
 
 class HeadTemperature(ComponentConfig):

@@ -9,11 +9,11 @@ from typing import Any, ClassVar
 import xarray as xr
 from pydantic import Field, model_validator
 
-from headlab import ContractError, Plan, component
-from headlab.generation import Batch
+from headlab import component
 from headlab.kv import HeadMap, KvPolicyError, KvUsage, kv_policy
+from headlab.plugin import Batch, ContractError, Plan, PositiveInt, StrictModel
 from headlab.scoring import steering_plan as core_steering_plan
-from headlab.spec import PositiveInt, SpecTypes, StrictModel
+from headlab.spec import SpecTypes
 
 
 def kind_shorthand(value: Any) -> Any:

@@ -4,7 +4,8 @@ from typing import Any
 
 import xarray as xr
 
-from headlab import ContractError, StepContext, component, hookimpl
+from headlab import component
+from headlab.plugin import ContractError, StepContext, hookimpl
 from headlab.spec import SpecTypes
 
 

@@ -32,8 +32,8 @@ from typing import Any
 import xarray as xr
 from pydantic import Field, model_validator
 
-from headlab import StepContext, hookimpl
-from headlab.spec import FiniteFloat, NonNegativeInt, PositiveInt, SpecTypes, StrictModel
+from headlab.plugin import FiniteFloat, NonNegativeInt, PositiveInt, StepContext, StrictModel, hookimpl
+from headlab.spec import SpecTypes
 from headlab.task_code import EXTRA, check_tasks
 
 from .common import compile_kv, decoding_config, kv_results, kv_running

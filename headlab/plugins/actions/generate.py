@@ -11,12 +11,23 @@ import numpy as np
 import xarray as xr
 from pydantic import BeforeValidator, Field
 
-from headlab import ContractError, StepContext, attention_preview, component, hookimpl
-from headlab.generation import Decoded, DecodeRequest, decode_info, tokenize
+from headlab import attention_preview, component
+from headlab.generation import decode_info
 from headlab.kv import KvPolicyError
+from headlab.plugin import (
+    ContractError,
+    Decoded,
+    DecodeRequest,
+    NonEmptyStr,
+    PositiveInt,
+    StepContext,
+    StrictModel,
+    hookimpl,
+    tokenize,
+)
 from headlab.resources import Estimate, EstimateContext
 from headlab.scoring import metric_values
-from headlab.spec import NonEmptyStr, PositiveInt, SpecTypes, StrictModel
+from headlab.spec import SpecTypes
 
 from .common import compile_kv, decoding_config, kind_shorthand, kv_results, kv_running, steering_plan
 

@@ -40,9 +40,21 @@ import torch
 import xarray as xr
 from pydantic import Field, field_validator, model_validator
 
-from headlab import Plan, Probes, ReplaceZ, StepContext, component, forward, hookimpl, tokenize
+from headlab import ReplaceZ, component
+from headlab.plugin import (
+    NonNegativeInt,
+    Plan,
+    PositiveInt,
+    Probes,
+    Seed,
+    StepContext,
+    StrictModel,
+    forward,
+    hookimpl,
+    tokenize,
+)
 from headlab.resources import Estimate, EstimateContext
-from headlab.spec import NonNegativeInt, PositiveInt, Seed, SpecTypes, StrictModel
+from headlab.spec import SpecTypes
 
 from .evaluate import evaluate, evaluate_config
 from .generate import generate, generate_config

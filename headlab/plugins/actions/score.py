@@ -11,10 +11,11 @@ import numpy as np
 import xarray as xr
 from pydantic import BeforeValidator, Field
 
-from headlab import ContractError, StepContext, component, hookimpl
-from headlab.generation import Scored, ScoreRequest, continuation_batch
+from headlab import component
+from headlab.generation import continuation_batch
+from headlab.plugin import ContractError, Scored, ScoreRequest, StepContext, StrictModel, hookimpl
 from headlab.resources import Estimate, EstimateContext
-from headlab.spec import SpecTypes, StrictModel
+from headlab.spec import SpecTypes
 
 from .common import compile_kv, decoding_config, kind_shorthand, kv_results, kv_running, steering_plan
 

@@ -53,20 +53,21 @@ import typer
 import xarray as xr
 from pydantic import Field, field_validator
 
-from headlab import (
+from headlab import component
+from headlab.pattern_scores import pair_scores
+from headlab.plugin import (
     LoadedModel,
     Plan,
+    PositiveInt,
     Probes,
     StepContext,
-    component,
+    StrictModel,
     forward,
     hookimpl,
     tokenize,
 )
-from headlab.pattern_scores import pair_scores
 from headlab.resources import Estimate, EstimateContext
 from headlab.scoring import build_examples
-from headlab.spec import PositiveInt, StrictModel
 
 from .causal import CausalConfig, causal_check, causal_lines
 from .compare import compare_cubes, comparison_lines, load_like, merge_comparison

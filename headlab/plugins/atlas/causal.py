@@ -48,9 +48,19 @@ import torch
 import xarray as xr
 from pydantic import Field, field_validator
 
-from headlab import Example, LoadedModel, Plan, TaskContext, component, draw_like, forward, tokenize
+from headlab import component, draw_like
 from headlab.masking import ablate, metric_config
-from headlab.spec import PositiveInt, Seed, StrictModel
+from headlab.plugin import (
+    Example,
+    LoadedModel,
+    Plan,
+    PositiveInt,
+    Seed,
+    StrictModel,
+    TaskContext,
+    forward,
+    tokenize,
+)
 from headlab.text import SEQUENCES, sequence_tokens
 
 __all__ = ["CAUSAL_METRICS", "CausalConfig", "HARM_SIGN", "causal_check", "causal_lines", "draw_controls", "log_perplexity", "repeat_loss",

@@ -30,8 +30,8 @@ import warnings
 import numpy as np
 import xarray as xr
 
-from headlab import Geometry, LoadedModel, component, load_model
-from headlab.spec import ModelSpec
+from headlab import Geometry, component, load_model
+from headlab.plugin import LoadedModel, ModelSpec
 
 __all__ = ["compare_cubes", "comparison_lines", "geometry_mismatch", "load_like", "merge_comparison"]
 

@@ -26,7 +26,8 @@ from typing import Annotated, Any
 import typer
 import xarray as xr
 
-from headlab import hookimpl, open_run, to_retrieval_json
+from headlab import open_run, to_retrieval_json
+from headlab.plugin import hookimpl
 from headlab.roles import CARD_FIELDS, detectors, head_cards, is_cube
 
 __all__ = ["CSV_NAME", "JSON_NAME", "card_columns", "retrieval_json", "write_cards_csv", "write_cards_json",

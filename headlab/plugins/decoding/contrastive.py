@@ -29,22 +29,29 @@ from typing import Annotated, Any, Literal
 import torch
 from pydantic import BeforeValidator, Field
 
-from headlab import Example, LoadedModel, forward, hookimpl, load_model
+from headlab import load_model
 from headlab.decoding import Selection, generator_for, pad_id_of, pick, predicting, score_forward, stack_left
-from headlab.generation import (
+from headlab.generation import ModelCall, continuation_batch
+from headlab.plugin import (
     Decoded,
     DecodeRequest,
     DecodeState,
-    ModelCall,
+    Example,
+    FiniteFloat,
+    LoadedModel,
+    ModelSpec,
+    NonNegativeFloat,
+    PositiveFloat,
+    Probability,
     Rows,
     Scored,
     ScoreRequest,
-    continuation_batch,
     decode_loop,
+    forward,
+    hookimpl,
     sum_continuation,
     tokenize,
 )
-from headlab.spec import FiniteFloat, ModelSpec, NonNegativeFloat, PositiveFloat, Probability
 
 
 def _coerce_model(value: Any) -> Any:

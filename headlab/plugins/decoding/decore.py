@@ -38,20 +38,25 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from headlab import Plan, hookimpl, shared_trunk
+from headlab import shared_trunk
 from headlab.decoding import Selection, generator_for, pick, predicting, score_forward
-from headlab.generation import (
+from headlab.generation import PromptSplit
+from headlab.plugin import (
     Decoded,
     DecodeRequest,
     DecodeState,
-    PromptSplit,
+    HeadSelection,
+    NonNegativeFloat,
+    Plan,
+    PositiveFloat,
     Rows,
     Scored,
     ScoreRequest,
+    Seed,
     decode_loop,
+    hookimpl,
     sum_continuation,
 )
-from headlab.spec import HeadSelection, NonNegativeFloat, PositiveFloat, Seed
 
 from .common import entropy_alpha
 

@@ -33,19 +33,22 @@ from typing import Annotated, Literal
 import torch
 from pydantic import Field
 
-from headlab import hookimpl
 from headlab.decoding import SeenTokens, Selection, generator_for, pick, predicting, score_forward
-from headlab.generation import (
+from headlab.generation import ModelCall
+from headlab.plugin import (
     Decoded,
     DecodeRequest,
     DecodeState,
-    ModelCall,
+    FiniteFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    Probability,
     Scored,
     ScoreRequest,
     decode_loop,
+    hookimpl,
     sum_continuation,
 )
-from headlab.spec import FiniteFloat, NonNegativeInt, PositiveFloat, Probability
 
 from .common import final_norm, output_head, tied_embeddings
 

@@ -11,10 +11,20 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from headlab import ComponentConfig, hookimpl
 from headlab.decoding import filter_logits, predicting, score_forward
-from headlab.generation import Decoded, DecodeRequest, Scored, ScoreRequest, decode_loop, sum_continuation
-from headlab.spec import PositiveFloat, PositiveInt, Probability
+from headlab.plugin import (
+    ComponentConfig,
+    Decoded,
+    DecodeRequest,
+    PositiveFloat,
+    PositiveInt,
+    Probability,
+    Scored,
+    ScoreRequest,
+    decode_loop,
+    hookimpl,
+    sum_continuation,
+)
 
 
 class Greedy(ComponentConfig):

@@ -30,18 +30,20 @@ import numpy as np
 import xarray as xr
 from pydantic import Field, model_validator
 
-from headlab import (
+from headlab import Geometry, component, draw_like
+from headlab.masking import ablate, metric_config
+from headlab.plugin import (
     ComponentConfig,
-    Geometry,
     HeadSelection,
+    NonEmptyStr,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveInt,
+    Seed,
     StepContext,
-    component,
-    draw_like,
     hookimpl,
 )
-from headlab.masking import ablate, metric_config
 from headlab.resources import Estimate, EstimateContext
-from headlab.spec import NonEmptyStr, NonNegativeFloat, NonNegativeInt, PositiveInt, Seed
 
 __all__ = ["Ablation", "ablate", "detect", "draw_random_heads"]
 

@@ -54,26 +54,25 @@ import numpy as np
 import torch
 import xarray as xr
 from pydantic import Field
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
-from headlab import (
+from headlab import ReplaceKV, ReplaceResid, ReplaceZ, positions_from_mask, start_at_layer
+from headlab.plugin import (
+    Batch,
     ComponentConfig,
     Example,
     LoadedModel,
     Plan,
+    PositiveInt,
     Probes,
-    ReplaceKV,
-    ReplaceResid,
-    ReplaceZ,
     StepContext,
     forward,
     hookimpl,
-    positions_from_mask,
-    start_at_layer,
+    tokenize,
 )
-from headlab.generation import Batch, tokenize
 from headlab.plugins.detectors.direct_logit_attribution import answer_ids
 from headlab.resources import Estimate, EstimateContext, budget
-from headlab.spec import PositiveInt
 
 __all__ = ["ActivationPatching", "PairRuns", "detect", "metric_of", "normalised_score", "pair_runs", "patched_row_bytes",
            "rows_per_forward"]
@@ -333,9 +332,6 @@ def _swap(runs: PairRuns, direction: str) -> PairRuns:
 def prefix_reusable(lm: LoadedModel | torch.nn.Module) -> bool:
     """Whether the patched forwards can take the keys and values of the prompts' shared prefix from the
     target run: the model's KV cache is made of plain growing layers (no sliding window)."""
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
-
     model = lm.model if isinstance(lm, LoadedModel) else lm
     return all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)
 
@@ -343,8 +339,6 @@ def prefix_reusable(lm: LoadedModel | torch.nn.Module) -> bool:
 def _prefix_cache(model, runs: PairRuns, rows: torch.Tensor, s: int, layer: int, n_layers: int):
     """A KV cache holding the target run's keys and values of positions ``0..s-1`` for ``rows`` (example
     indices of the target rows) at layers ``layer..`` (and layer 0, which sizes the mask)."""
-    from transformers import DynamicCache
-
     cache = DynamicCache(config=model.config)
     target = runs.rows("corrupt")
     k, v = runs.k[target], runs.v[target]

@@ -28,11 +28,18 @@ import torch
 import xarray as xr
 from pydantic import Field
 
-from headlab import ComponentConfig, Plan, Probes, StepContext, forward, hookimpl
-from headlab.dims import head_array
-from headlab.generation import tokenize
+from headlab.plugin import (
+    ComponentConfig,
+    Plan,
+    PositiveInt,
+    Probes,
+    StepContext,
+    forward,
+    head_array,
+    hookimpl,
+    tokenize,
+)
 from headlab.resources import Estimate, EstimateContext
-from headlab.spec import PositiveInt
 
 __all__ = ["AttentionSink", "attention_sink", "detect"]
 

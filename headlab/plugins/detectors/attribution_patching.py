@@ -85,19 +85,19 @@ import numpy as np
 import torch
 import xarray as xr
 from pydantic import Field, model_validator
+from transformers import DynamicCache
 
-from headlab import (
+from headlab import DropResidGrad, ReplaceKV, positions_from_mask
+from headlab.plugin import (
     ComponentConfig,
-    DropResidGrad,
     Example,
     LoadedModel,
     Plan,
+    PositiveInt,
     Probes,
-    ReplaceKV,
     StepContext,
     forward,
     hookimpl,
-    positions_from_mask,
 )
 from headlab.plugins.detectors import activation_patching
 from headlab.plugins.detectors.activation_patching import (
@@ -117,7 +117,6 @@ from headlab.plugins.detectors.activation_patching import (
 )
 from headlab.plugins.detectors.head_gradients import by_head, head_outputs, out_projections
 from headlab.resources import Estimate, EstimateContext
-from headlab.spec import PositiveInt
 
 __all__ = ["AttributionPatching", "SharedPrefix", "attribution", "attribution_runs", "detect", "grad_drop",
            "key_patched_z", "query_patched_z", "run_prefix", "shared_prefix_length", "spearman", "target_gradients",
@@ -190,8 +189,6 @@ class SharedPrefix:
     def cache(self, lm, copies: int = 1):
         """A fresh KV cache holding the prefix's keys and values (``copies`` copy-major copies of the rows), for
         one forward over the positions after it."""
-        from transformers import DynamicCache
-
         model = lm.model if isinstance(lm, LoadedModel) else lm
         cache = DynamicCache(config=model.config)
         for layer, (k, v) in enumerate(self.kv):
@@ -217,8 +214,6 @@ def run_prefix(lm, ids: torch.Tensor, mask: torch.Tensor, length: int, resid: bo
     keys and values of every layer and the heads' outputs there (and the residual stream entering every layer
     with ``resid``); it stops at the last layer's output projection (nothing reads the residual stream after
     it, nor the logits)."""
-    from transformers import DynamicCache
-
     model = lm.model if isinstance(lm, LoadedModel) else lm
     cache = DynamicCache(config=model.config)
 
@@ -274,8 +269,6 @@ def _keep_kv(lm, kwargs: dict, plan: Plan) -> None:
     if "cache" in kwargs:
         return
     if activation_patching.prefix_reusable(lm):  # the module's own: tests stub this module's name
-        from transformers import DynamicCache
-
         model = lm.model if isinstance(lm, LoadedModel) else lm
         kwargs.update(cache=DynamicCache(config=model.config), use_cache=True)
     else:

@@ -47,12 +47,11 @@ import xarray as xr
 from pydantic import Field
 from torch import Tensor
 
-from headlab import ComponentConfig, StepContext, hookimpl
 from headlab.anatomy import AnatomyError
+from headlab.plugin import ComponentConfig, PositiveInt, StepContext, hookimpl
 from headlab.plugins.detectors.norms import affine_norm
 from headlab.plugins.detectors.ov_circuit import attention_output_norm
 from headlab.resources import Estimate, EstimateContext
-from headlab.spec import PositiveInt
 
 __all__ = ["Composition", "FoldedHeads", "composition_scores", "detect", "folded_heads", "pair_scores",
            "random_baseline", "require"]

@@ -28,11 +28,9 @@ import torch
 import xarray as xr
 from pydantic import Field
 
-from headlab import ComponentConfig, StepContext, hookimpl
-from headlab.dims import head_array
+from headlab.plugin import ComponentConfig, PositiveInt, StepContext, head_array, hookimpl
 from headlab.plugins.detectors.ov_circuit import OVCircuits, Precision
 from headlab.resources import Estimate, EstimateContext
-from headlab.spec import PositiveInt
 
 __all__ = ["CopySuppression", "detect", "eigen_copying", "eigen_scores", "ov_rank_scores", "rank_fractions",
            "sample_tokens"]

@@ -29,13 +29,20 @@ import numpy as np
 import torch
 import xarray as xr
 
-from headlab import ComponentConfig, Plan, Probes, StepContext, forward, hookimpl
-from headlab.dims import head_array
-from headlab.generation import tokenize
+from headlab.plugin import (
+    ComponentConfig,
+    Plan,
+    PositiveInt,
+    Probes,
+    StepContext,
+    forward,
+    head_array,
+    hookimpl,
+    tokenize,
+)
 from headlab.plugins.detectors.norms import affine_norm
 from headlab.plugins.detectors.ov_circuit import attention_output_norm
 from headlab.resources import Estimate, EstimateContext
-from headlab.spec import PositiveInt
 
 __all__ = ["DirectLogitAttribution", "answer_ids", "detect", "direct_logit_attribution"]
 

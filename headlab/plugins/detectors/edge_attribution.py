@@ -56,7 +56,17 @@ import xarray as xr
 from pydantic import Field, model_validator
 from torch import Tensor
 
-from headlab import ComponentConfig, LoadedModel, Plan, StepContext, forward, hookimpl
+from headlab.plugin import (
+    ComponentConfig,
+    LoadedModel,
+    NonNegativeFloat,
+    Plan,
+    PositiveInt,
+    StepContext,
+    StrictModel,
+    forward,
+    hookimpl,
+)
 from headlab.plugins.detectors.activation_patching import (
     Direction,
     Metric,
@@ -70,7 +80,6 @@ from headlab.plugins.detectors.activation_patching import (
 from headlab.plugins.detectors.norms import AffineNorm, affine_norm
 from headlab.plugins.detectors.ov_circuit import POST_ATTENTION_NORMS, model_type
 from headlab.resources import Estimate, EstimateContext
-from headlab.spec import NonNegativeFloat, PositiveInt, StrictModel
 
 __all__ = [
     "BlockParts", "Circuit", "EdgeAttribution", "EdgeGraph", "EdgeRuns", "block_parts", "detect", "edge_graph",

@@ -16,8 +16,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from headlab import Plan, forward
-from headlab.generation import Batch
+from headlab.plugin import Batch, Plan, forward
 
 __all__ = ["by_head", "head_gradients", "head_outputs", "out_projections"]
 

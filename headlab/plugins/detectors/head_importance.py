@@ -43,13 +43,13 @@ import torch
 import xarray as xr
 from pydantic import Field, field_validator
 
-from headlab import ComponentConfig, Example, Plan, PluginError, StepContext, component, hookimpl
-from headlab.generation import Batch, continuation_batch, tokenize
+from headlab import PluginError, component
+from headlab.generation import continuation_batch
+from headlab.plugin import Batch, ComponentConfig, Example, Plan, PositiveInt, StepContext, hookimpl, tokenize
 from headlab.plugins.detectors.activation_patching import metric_of
 from headlab.plugins.detectors.direct_logit_attribution import answer_ids
 from headlab.plugins.detectors.head_gradients import head_gradients
 from headlab.resources import Estimate, EstimateContext
-from headlab.spec import PositiveInt
 
 __all__ = ["GRADIENT_METRICS", "HeadImportance", "check_gradient_metric", "detect", "example_gradients", "importance",
            "normalized"]

@@ -35,11 +35,21 @@ import torch
 import xarray as xr
 from pydantic import Field
 
-from headlab import ComponentConfig, Example, LoadedModel, Probes, StepContext, hookimpl
-from headlab.dims import head_array
-from headlab.generation import tokenize
+from headlab.plugin import (
+    ComponentConfig,
+    Example,
+    LoadedModel,
+    NonEmptyStr,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveInt,
+    Probes,
+    StepContext,
+    head_array,
+    hookimpl,
+    tokenize,
+)
 from headlab.resources import Estimate, EstimateContext
-from headlab.spec import NonEmptyStr, NonNegativeFloat, NonNegativeInt, PositiveInt
 
 from .retrieval import length_batches, probe_decode
 

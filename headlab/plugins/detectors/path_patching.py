@@ -36,14 +36,15 @@ import torch
 import xarray as xr
 from pydantic import Field
 
-from headlab import (
+from headlab import ReplaceKV, ReplaceQ, ReplaceZ
+from headlab.plugin import (
     ComponentConfig,
+    NonNegativeInt,
     Plan,
+    PositiveInt,
     Probes,
-    ReplaceKV,
-    ReplaceQ,
-    ReplaceZ,
     StepContext,
+    StrictModel,
     forward,
     hookimpl,
 )
@@ -61,7 +62,6 @@ from headlab.plugins.detectors.activation_patching import (
     pair_runs,
 )
 from headlab.resources import Estimate, EstimateContext
-from headlab.spec import NonNegativeInt, PositiveInt, StrictModel
 
 __all__ = ["PathPatching", "Receivers", "detect", "path_patch_chunk"]
 

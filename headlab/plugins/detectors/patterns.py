@@ -33,12 +33,19 @@ import xarray as xr
 from pydantic import Field, field_serializer
 from pydantic.json_schema import SkipJsonSchema
 
-from headlab import ComponentConfig, Plan, Probes, StepContext, forward, hookimpl
-from headlab.dims import head_array
-from headlab.generation import tokenize
 from headlab.pattern_scores import pair_scores, similarity
+from headlab.plugin import (
+    ComponentConfig,
+    Plan,
+    PositiveInt,
+    Probes,
+    StepContext,
+    forward,
+    head_array,
+    hookimpl,
+    tokenize,
+)
 from headlab.resources import Estimate, EstimateContext
-from headlab.spec import PositiveInt
 
 PatternFunction = Callable[[torch.Tensor], Any]
 

@@ -32,6 +32,8 @@ needle, so the default reference text is the answer (``meta["answer"]``, else th
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import warnings
 from collections.abc import Sequence
@@ -44,34 +46,31 @@ import torch
 import xarray as xr
 from pydantic import Field
 
-from headlab import (
-    ComponentConfig,
-    Example,
-    Geometry,
-    LoadedModel,
-    Plan,
-    Probes,
-    StepContext,
-    from_retrieval_json,
-    hookimpl,
-    instrumented,
-    span_tensor,
-    to_retrieval_json,
-)
-from headlab.dims import head_array
-from headlab.generation import (
+from headlab import Geometry, from_retrieval_json, span_tensor, to_retrieval_json
+from headlab.generation import ModelCall, PromptSplit, prefill
+from headlab.masking import length_batches
+from headlab.plugin import (
     Batch,
+    ComponentConfig,
     DecodeRequest,
     DecodeState,
-    ModelCall,
-    PromptSplit,
+    Example,
+    FiniteFloat,
+    LoadedModel,
+    NonEmptyStr,
+    NonNegativeFloat,
+    Plan,
+    PositiveInt,
+    Probability,
+    Probes,
+    StepContext,
     decode_loop,
-    prefill,
+    head_array,
+    hookimpl,
+    instrumented,
     tokenize,
 )
-from headlab.masking import length_batches
 from headlab.resources import Estimate, EstimateContext
-from headlab.spec import FiniteFloat, NonEmptyStr, NonNegativeFloat, PositiveInt, Probability
 from headlab.text import rouge1
 
 __all__ = [
@@ -155,8 +154,6 @@ def probe_decode(lm: LoadedModel, batch: Batch, probes: Any, max_new_tokens: int
     positions in the recording are absolute (left-padded) positions: every decode step sees the whole
     cache. Per-row probe ``spans`` (a list per row or a (B, P, 2) tensor) follow their rows.
     """
-    import contextlib
-    import dataclasses
 
     if batch.length < 2:
         raise ValueError("probe_decode needs prompts of at least 2 tokens")

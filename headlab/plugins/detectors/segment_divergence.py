@@ -30,20 +30,20 @@ import torch
 import xarray as xr
 from pydantic import Field
 
-from headlab import (
+from headlab import attention_preview, positions_from_mask
+from headlab.plugin import (
     ComponentConfig,
+    NonEmptyStr,
     Plan,
+    PositiveInt,
     Probes,
     StepContext,
-    attention_preview,
     forward,
+    head_array,
     hookimpl,
-    positions_from_mask,
+    tokenize,
 )
-from headlab.dims import head_array
-from headlab.generation import tokenize
 from headlab.resources import Estimate, EstimateContext
-from headlab.spec import NonEmptyStr, PositiveInt
 
 __all__ = ["SegmentDivergence", "detect", "last_z", "remove_spans", "segment_divergence"]
 

@@ -30,18 +30,19 @@ import torch
 import xarray as xr
 from pydantic import Field
 
-from headlab import (
+from headlab import start_at_layer
+from headlab.plugin import (
     ComponentConfig,
     LoadedModel,
+    NonNegativeFloat,
     Plan,
+    PositiveInt,
     StepContext,
     forward,
     hookimpl,
-    start_at_layer,
     tokenize,
 )
 from headlab.resources import Estimate, EstimateContext
-from headlab.spec import NonNegativeFloat, PositiveInt
 
 __all__ = ["Ships", "ablate", "detect", "kl", "prompt_kl"]
 

@@ -22,8 +22,7 @@ import torch
 import xarray as xr
 from pydantic import Field
 
-from headlab import ComponentConfig, StepContext, hookimpl
-from headlab.dims import head_array
+from headlab.plugin import ComponentConfig, StepContext, head_array, hookimpl
 from headlab.plugins.detectors.ov_circuit import OVCircuits, Precision
 from headlab.text import SEQUENCES, sequence_tokens
 

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from headlab import ComponentConfig, hookimpl
+from headlab.plugin import ComponentConfig, hookimpl
 from headlab.runner import Job
 
 

@@ -21,16 +21,17 @@ from __future__ import annotations
 import functools
 import os
 import platform
+import socket
 import time
 from collections import deque
 from typing import Any, Literal
 
 from pydantic import Field
 
-from headlab import ComponentConfig, hookimpl
+from headlab.plugin import ComponentConfig, NonNegativeInt, PositiveInt, hookimpl
 from headlab.plugin_manager import PluginError
 from headlab.runner import CellError, CellFailure, CellTask, Job, ModelCache, execute_cell
-from headlab.spec import Cell, NonNegativeInt, PositiveInt
+from headlab.spec import Cell
 
 INSTALL = "executor 'ray' needs Ray, which is not installed: pip install 'headlab[ray]'"
 
@@ -136,7 +137,6 @@ def _reachable(address: str | None) -> None:
     ``ray://host:port`` address nothing listens on; Ray itself would retry for a long time without a word.
     ``auto`` and ``None`` are found by Ray (``RAY_ADDRESS``, a cluster started on this node) and not probed,
     except that an explicit ``RAY_ADDRESS`` is."""
-    import socket
 
     target = address if address not in (None, "auto", "local") else os.environ.get("RAY_ADDRESS") or None
     if target is None or target in ("auto", "local"):

@@ -2,9 +2,8 @@
 
 from typing import Literal
 
-from headlab import ComponentConfig, StepContext, hookimpl
 from headlab.kv import HeadMap
-from headlab.spec import PositiveInt
+from headlab.plugin import ComponentConfig, PositiveInt, StepContext, hookimpl
 
 from .common import MEASURE_PEAK_FIELD, PREFILL_CHUNK_FIELD
 

@@ -25,7 +25,6 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from headlab import ComponentConfig, StepContext, hookimpl
 from headlab.kv import (
     GqaRule,
     HeadBudgetMap,
@@ -35,7 +34,7 @@ from headlab.kv import (
     kv_head_scores,
     token_bytes,
 )
-from headlab.spec import PositiveFloat, PositiveInt
+from headlab.plugin import ComponentConfig, PositiveFloat, PositiveInt, StepContext, hookimpl
 
 from .common import MEASURE_PEAK_FIELD, model_dtype
 

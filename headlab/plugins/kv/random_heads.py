@@ -16,7 +16,6 @@ import numpy as np
 import xarray as xr
 from pydantic import Field, model_validator
 
-from headlab import ComponentConfig, StepContext, hookimpl
 from headlab.kv import (
     GqaRule,
     HeadMap,
@@ -27,7 +26,7 @@ from headlab.kv import (
     random_kv_heads,
     token_bytes,
 )
-from headlab.spec import NonNegativeInt, PositiveInt, Seed
+from headlab.plugin import ComponentConfig, NonNegativeInt, PositiveInt, Seed, StepContext, hookimpl
 
 from .common import (
     BUDGET_FIELD,

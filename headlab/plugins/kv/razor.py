@@ -17,9 +17,8 @@ from typing import Literal
 import numpy as np
 from pydantic import Field
 
-from headlab import ComponentConfig, StepContext, hookimpl
 from headlab.kv import GqaRule, HeadMap, KvHeadSelection, kv_heads
-from headlab.spec import NonNegativeInt, PositiveInt
+from headlab.plugin import ComponentConfig, NonNegativeInt, PositiveInt, StepContext, hookimpl
 
 from .common import GQA_FIELD, MEASURE_PEAK_FIELD, PREFILL_CHUNK_FIELD, SINK_FIELD, WINDOW_FIELD
 

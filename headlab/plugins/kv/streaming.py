@@ -31,7 +31,6 @@ from typing import Literal
 import numpy as np
 from pydantic import Field, model_validator
 
-from headlab import ComponentConfig, StepContext, hookimpl
 from headlab.kv import (
     GqaRule,
     HeadMap,
@@ -42,7 +41,7 @@ from headlab.kv import (
     kv_priority,
     token_bytes,
 )
-from headlab.spec import NonNegativeInt, PositiveInt
+from headlab.plugin import ComponentConfig, NonNegativeInt, PositiveInt, StepContext, hookimpl
 
 from .common import (
     BUDGET_FIELD,

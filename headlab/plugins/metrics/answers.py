@@ -27,7 +27,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 from pydantic import Field
 
-from headlab import ComponentConfig, Example, hookimpl
+from headlab.plugin import ComponentConfig, Example, hookimpl
 
 from .text import normalize
 

@@ -48,7 +48,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field
 
-from headlab import ComponentConfig, Example, hookimpl
+from headlab.plugin import ComponentConfig, Example, hookimpl
 from headlab.text import COLOURS, SHAPES, plural
 
 __all__ = [

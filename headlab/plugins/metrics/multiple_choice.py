@@ -18,7 +18,7 @@ from typing import Literal
 
 import numpy as np
 
-from headlab import ComponentConfig, Example, hookimpl
+from headlab.plugin import ComponentConfig, Example, hookimpl
 
 
 def mc_metrics(scores: np.ndarray, examples: list[Example]) -> dict[str, np.ndarray]:

@@ -13,8 +13,7 @@ from typing import Literal
 import numpy as np
 from pydantic import Field
 
-from headlab import ComponentConfig, Example, hookimpl
-from headlab.spec import Probability
+from headlab.plugin import ComponentConfig, Example, Probability, hookimpl
 from headlab.text import lcs_length, rouge1, rouge_l, rouge_tokens
 
 __all__ = ["NeedleRecall", "RougeL", "lcs_length", "needle_recall", "rouge1", "rouge_l", "rouge_l_metric",

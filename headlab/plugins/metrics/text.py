@@ -9,7 +9,7 @@ from typing import Literal
 import numpy as np
 from pydantic import Field
 
-from headlab import ComponentConfig, Example, hookimpl
+from headlab.plugin import ComponentConfig, Example, hookimpl
 
 
 def normalize(text: str) -> str:

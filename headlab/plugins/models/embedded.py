@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from headlab import LoadedModel, from_pretrained, hookimpl
-from headlab.spec import ModelSpec
+from headlab import from_pretrained
+from headlab.plugin import LoadedModel, ModelSpec, hookimpl
 
 CHECKPOINT = Path(__file__).parent / "tiny" / "headlab-tiny"
 VLM_CHECKPOINT = Path(__file__).parent / "tiny" / "headlab-tiny-vlm"

@@ -45,11 +45,23 @@ import numpy as np
 import xarray as xr
 from pydantic import Field
 
-from headlab import ComponentConfig, Plan, Probes, StepContext, forward, hookimpl
-from headlab.dims import head_array
-from headlab.generation import Batch, tokenize
+from headlab.plugin import (
+    Batch,
+    ComponentConfig,
+    NonEmptyStr,
+    Plan,
+    PositiveFloat,
+    PositiveInt,
+    Probes,
+    Seed,
+    StepContext,
+    forward,
+    head_array,
+    hookimpl,
+    tokenize,
+)
 from headlab.resources import Estimate, EstimateContext
-from headlab.spec import MAX_INT, NonEmptyStr, PositiveFloat, PositiveInt, Seed
+from headlab.spec import MAX_INT
 
 __all__ = ["Probe", "collect_z", "detect", "fit_heads", "folds_of", "labels_of", "length_batches",
            "nearest_mean_predict"]

@@ -23,9 +23,18 @@ import numpy as np
 import xarray as xr
 from pydantic import Field
 
-from headlab import StepContext, hookimpl, ranked, tokenize
+from headlab import ranked
+from headlab.plugin import (
+    HeadSelection,
+    NonEmptyStr,
+    PositiveInt,
+    StepContext,
+    StrictModel,
+    hookimpl,
+    tokenize,
+)
 from headlab.resources import Estimate, EstimateContext
-from headlab.spec import HeadSelection, NonEmptyStr, PositiveInt, SpecTypes, StrictModel
+from headlab.spec import SpecTypes
 
 from .probe import collect_z, length_batches, nearest_mean_predict
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from headlab import Plan, SteeringConflictError, from_pasta_json
+from headlab import SteeringConflictError, from_pasta_json
+from headlab.plugin import Plan
 
 __all__ = ["SteeringConflictError", "claims", "resolve_heads"]
 

@@ -31,9 +31,17 @@ import numpy as np
 import torch
 from pydantic import Field, model_validator
 
-from headlab import ComponentConfig, ReplaceZ, StepContext, hookimpl
-from headlab.generation import Batch
-from headlab.spec import FiniteFloat, HeadSelection, NonEmptyStr, NonNegativeInt
+from headlab import ReplaceZ
+from headlab.plugin import (
+    Batch,
+    ComponentConfig,
+    FiniteFloat,
+    HeadSelection,
+    NonEmptyStr,
+    NonNegativeInt,
+    StepContext,
+    hookimpl,
+)
 
 from .common import resolve_heads
 

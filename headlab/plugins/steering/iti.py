@@ -34,9 +34,18 @@ import torch
 import xarray as xr
 from pydantic import Field
 
-from headlab import AddZ, ComponentConfig, StepContext, hookimpl
-from headlab.generation import Batch
-from headlab.spec import FiniteFloat, HeadSelection, NonEmptyStr, NonNegativeInt, Seed
+from headlab import AddZ
+from headlab.plugin import (
+    Batch,
+    ComponentConfig,
+    FiniteFloat,
+    HeadSelection,
+    NonEmptyStr,
+    NonNegativeInt,
+    Seed,
+    StepContext,
+    hookimpl,
+)
 
 from .common import resolve_heads
 

@@ -36,9 +36,17 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from headlab import ComponentConfig, KeyBias, StepContext, hookimpl
-from headlab.generation import Batch
-from headlab.spec import HeadSelection, NonEmptyStr, NonNegativeInt, Probability
+from headlab import KeyBias
+from headlab.plugin import (
+    Batch,
+    ComponentConfig,
+    HeadSelection,
+    NonEmptyStr,
+    NonNegativeInt,
+    Probability,
+    StepContext,
+    hookimpl,
+)
 
 from .common import resolve_heads
 

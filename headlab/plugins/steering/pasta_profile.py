@@ -34,22 +34,27 @@ import torch
 import xarray as xr
 from pydantic import Field, field_validator
 
-from headlab import (
+from headlab import PluginError, component, to_pasta_json
+from headlab.plugin import (
+    Batch,
     ComponentConfig,
+    DecodeRequest,
     Example,
+    HeadSelection,
+    NonEmptyStr,
+    NonNegativeInt,
     Plan,
-    PluginError,
+    PositiveInt,
+    Probability,
     StepContext,
-    component,
+    decode_loop,
     forward,
+    head_array,
     hookimpl,
-    to_pasta_json,
+    tokenize,
 )
-from headlab.dims import head_array
-from headlab.generation import Batch, DecodeRequest, decode_loop, tokenize
 from headlab.resources import Estimate, EstimateContext
 from headlab.scoring import build_examples
-from headlab.spec import HeadSelection, NonEmptyStr, NonNegativeInt, PositiveInt, Probability
 
 from .common import resolve_heads
 from .pasta import ScalePosition, Span, apply_pasta

@@ -35,10 +35,17 @@ import torch
 import xarray as xr
 from pydantic import Field
 
-from headlab import ComponentConfig, StepContext, hookimpl, token_runs
-from headlab.dims import head_array
-from headlab.generation import Batch
-from headlab.spec import NonEmptyStr, NonNegativeInt, PositiveFloat
+from headlab import token_runs
+from headlab.plugin import (
+    Batch,
+    ComponentConfig,
+    NonEmptyStr,
+    NonNegativeInt,
+    PositiveFloat,
+    StepContext,
+    head_array,
+    hookimpl,
+)
 
 Span = tuple[int, int]
 #: pre-softmax bias that removes a key (exp underflows to exactly 0; finite, so no 0 * inf)

@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from headlab import Example, TaskContext, hookimpl
+from headlab.plugin import Example, TaskContext, hookimpl
 
 from .files import DataSource, Row, TaskDataError, Template, lint_template, parse_list
 

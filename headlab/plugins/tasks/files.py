@@ -58,13 +58,14 @@ from typing import Any, Literal
 from jinja2 import UndefinedError
 from jinja2 import meta as jinja_meta
 from jinja2.exceptions import SecurityError
+from PIL import Image
 from pydantic import Field, field_validator, model_validator
 
-from headlab import IMAGE_MARKER, ComponentConfig, Example, TaskContext, hookimpl
+from headlab import IMAGE_MARKER
 from headlab import strip_tags as core_strip_tags
+from headlab.plugin import ComponentConfig, Example, PositiveInt, Seed, TaskContext, hookimpl
 from headlab.resources import format_bytes
 from headlab.sandbox import ENV, TemplateLimitError, is_jinja, lint_template, single_brace_names
-from headlab.spec import PositiveInt, Seed
 
 __all__ = [
     "TaskDataError", "TemplateLimitError", "Row", "Template", "lint_template", "strip_tags", "read_rows", "load_hf",
@@ -242,7 +243,6 @@ def check_image(image: Any, row: Row, task: str) -> None:
         pixels: int | None = width * height
         shape = f"{width:,} x {height:,} = "
     else:
-        from PIL import Image  # noqa: PLC0415 - Pillow is imported only for tasks with images
 
         name = str(image)
         try:

@@ -33,11 +33,10 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from headlab import ComponentConfig, Example, TaskContext, hookimpl
+from headlab.plugin import ComponentConfig, Example, PositiveInt, Seed, TaskContext, hookimpl
 from headlab.plugins.tasks import generators as S
 from headlab.plugins.tasks.files import DataSource, TaskDataError
 from headlab.resources import TaskSize
-from headlab.spec import PositiveInt, Seed
 
 __all__ = [
     "FIELDS", "IOI_TEMPLATES", "PAIR_FIELDS", "IoiPairs", "KvSwap", "PairTask", "RepeatedPairs", "answer_token", "build_ioi",

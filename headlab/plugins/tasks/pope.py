@@ -31,9 +31,9 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from headlab import IMAGE_MARKER, ComponentConfig, Example, TaskContext, hookimpl
+from headlab import IMAGE_MARKER
+from headlab.plugin import ComponentConfig, Example, PositiveInt, TaskContext, hookimpl
 from headlab.resources import TaskSize
-from headlab.spec import PositiveInt
 
 from .files import Row, TaskDataError, Template, check_data_file, read_rows, resolve_image
 from .shapes import IMAGE_TOKENS, with_marker

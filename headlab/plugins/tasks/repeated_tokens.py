@@ -12,9 +12,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from headlab import ComponentConfig, Example, TaskContext, hookimpl
+from headlab.plugin import ComponentConfig, Example, PositiveInt, TaskContext, hookimpl
 from headlab.resources import TaskSize
-from headlab.spec import PositiveInt
 
 
 class RepeatedTokens(ComponentConfig):

@@ -51,9 +51,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
-from headlab import IMAGE_MARKER, ComponentConfig, Example, TaskContext, hookimpl
+from headlab import IMAGE_MARKER
+from headlab.plugin import ComponentConfig, Example, PositiveInt, Seed, TaskContext, hookimpl
 from headlab.resources import TaskSize
-from headlab.spec import PositiveInt, Seed
 from headlab.text import COLOURS, SHAPES, plural
 
 from .files import Row, Template

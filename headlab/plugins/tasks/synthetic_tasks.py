@@ -25,9 +25,18 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
-from headlab import ComponentConfig, Example, TaskContext, hookimpl
+from headlab.plugin import (
+    ComponentConfig,
+    Example,
+    NonNegativeInt,
+    PositiveInt,
+    Probability,
+    Seed,
+    StrictModel,
+    TaskContext,
+    hookimpl,
+)
 from headlab.resources import TaskSize
-from headlab.spec import NonNegativeInt, PositiveInt, Probability, Seed, StrictModel
 
 from . import generators as S
 from .files import TaskDataError, check_data_file, long_word, resolve_path, strip_tags, word_error

@@ -1,0 +1,127 @@
+"""Imports inside functions under headlab/ are the exception, each with a reason.
+
+An import belongs at the top of its module unless it (1) imports an optional dependency (:data:`OPTIONAL`), (2)
+keeps start-up light: the importing module is loaded by ``import headlab.cli`` and the plugins, and what it
+imports is not (a module start-up does not load, or a lazy attribute of a package such as transformers); this
+is checked in a fresh interpreter, not taken on trust; or (3) is listed in :data:`KEPT` with its reason. The
+imports are read with ``ast``: one per imported module (``from .x import a, b`` is one).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: top-level packages that headlab's core dependencies do not install -> where they come from
+OPTIONAL: dict[str, str] = {
+    "lm_eval": "the eval extra", "datasets": "the eval extra (lm-eval installs it)",
+    "accelerate": "the eval extra (lm-eval[hf] installs it); model loading with device_map needs it",
+    "ray": "the ray extra", "triton": "the triton extra (Linux, CUDA)", "kvpress": "the kvpress extra",
+    "psutil": "not a dependency: used when installed (machine memory)", "ipywidgets": "the notebook extra",
+    "anywidget": "the notebook extra", "matplotlib": "the notebook extra", "playwright": "the notebook extra",
+    "IPython": "the notebook extra",
+}
+#: (file, imported module) -> why the import stays inside its function
+KEPT: dict[tuple[str, str], str] = {
+    ("headlab/circuit_view.py", "transformers"): "AutoTokenizer loads transformers' tokenizer classes; only the "
+        "view of a model that no registered loader knows needs it",
+    ("headlab/circuit_view.py", "scipy.stats"): "scipy.stats is a large import, and the report imports circuit_view "
+        "for every run; only the rank correlation of patching results needs it",
+    ("headlab/figures.py", "vl_convert"): "vl-convert embeds a JavaScript runtime; building a chart needs none, "
+        "only the offline bundle and the SVG/PNG export do",
+    ("headlab/plugins/atlas/atlas.py", "pathlib"): "headlab/plugins/atlas was being reworked in parallel (the atlas "
+        "polish of #38): hoist with it",
+    ("headlab/plugins/atlas/atlas.py", "pydantic"): "as pathlib in the same function",
+    ("headlab/plugins/atlas/atlas.py", "headlab"): "as pathlib in the same function",
+    ("headlab/plugins/atlas/compare.py", "pathlib"): "as headlab/plugins/atlas/atlas.py",
+}
+
+
+def _module_name(path: Path, root: Path = ROOT) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _target(path: Path, node: ast.Import | ast.ImportFrom, root: Path) -> list[tuple[str, tuple[str, ...]]]:
+    """(imported module, names taken from it) of one import statement."""
+    if isinstance(node, ast.Import):
+        return [(alias.name, ()) for alias in node.names]
+    if node.level == 0:
+        return [(node.module or "", tuple(a.name for a in node.names))]
+    base = _module_name(path, root).split(".")
+    base = base if path.name == "__init__.py" else base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    if node.module:
+        return [(".".join([*base, node.module]), tuple(a.name for a in node.names))]
+    return [(".".join([*base, a.name]), ()) for a in node.names]
+
+
+def function_level_imports(root: Path = ROOT) -> list[tuple[str, int, str, tuple[str, ...]]]:
+    """(file relative to the root, line, imported module, names) of every import inside a function."""
+    found: list[tuple[str, int, str, tuple[str, ...]]] = []
+
+    def visit(path: Path, node: ast.AST, inside: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if inside and isinstance(child, (ast.Import, ast.ImportFrom)):
+                for module, names in _target(path, child, root):
+                    found.append((path.relative_to(root).as_posix(), child.lineno, module, names))
+            visit(path, child, inside or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    for path in sorted((root / "headlab").rglob("*.py")):
+        visit(path, ast.parse(path.read_text()), False)
+    return found
+
+
+#: run in a fresh interpreter: what ``import headlab.cli`` and loading the plugins leave loaded
+PROBE = """
+import json, sys
+import headlab.cli
+from headlab.plugin_manager import get_manager
+get_manager()
+asked = json.loads(sys.stdin.read())
+out = []
+for module, names in asked:
+    live = sys.modules.get(module)
+    out.append(live is not None and all(n in vars(live) for n in names))
+print(json.dumps({"modules": sorted(sys.modules), "loaded": out}))
+"""
+
+
+def test_every_function_level_import_has_a_reason():
+    imports = function_level_imports()
+    asked = [(module, list(names)) for _, _, module, names in imports]
+    done = subprocess.run([sys.executable, "-c", PROBE], input=json.dumps(asked), capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    probe = json.loads(done.stdout.strip().splitlines()[-1])
+    at_start = set(probe["modules"])
+    unexplained, used = [], set()
+    for (file, line, module, _), loaded in zip(imports, probe["loaded"], strict=True):
+        importer = _module_name(ROOT / file)
+        if module.split(".")[0] in OPTIONAL:
+            continue
+        if importer in at_start and not loaded:
+            continue
+        if (file, module) in KEPT:
+            used.add((file, module))
+            continue
+        unexplained.append(f"{file}:{line}: import of {module} inside a function: move it to the top of the "
+                           "module, or give the reason it stays in KEPT")
+    assert not unexplained, "\n".join(unexplained)
+    assert not set(KEPT) - used, f"no longer imported inside a function: remove from KEPT: {sorted(set(KEPT) - used)}"
+
+
+def test_the_scan_reads_imports_inside_functions_only(tmp_path):
+    package = tmp_path / "headlab"
+    package.mkdir()
+    (package / "__init__.py").write_text("import json\n")
+    (package / "a.py").write_text("import os\n\ndef f():\n    import re\n    from . import b\n    from .c import x, y\n\n"
+                                  "class K:\n    def m(self):\n        if True:\n            from json import dumps\n")
+    assert function_level_imports(tmp_path) == [
+        ("headlab/a.py", 4, "re", ()), ("headlab/a.py", 5, "headlab.b", ()), ("headlab/a.py", 6, "headlab.c", ("x", "y")),
+        ("headlab/a.py", 11, "json", ("dumps",))]
