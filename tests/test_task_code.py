@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,14 +23,14 @@ import headlab  # noqa: E402
 from headlab import lm_eval as harness  # noqa: E402
 from headlab.task_code import TaskCodeError, check_tasks, sandboxed_templates  # noqa: E402
 
-from fixtures.cli import run  # noqa: E402
-
 ROOT = Path(__file__).parent.parent
 
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    """``headlab ARGS`` as typed in ``cwd``, in this process."""
-    return run(*args, cwd=cwd)
+    """``headlab ARGS`` as typed in ``cwd``, in a process of its own: a payload that escaped would run there, and
+    lm-eval's loggers keep no stream of an earlier case."""
+    return subprocess.run([sys.executable, "-m", "headlab.cli", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=300)
 
 
 def qa_data(tmp_path: Path) -> Path:
