@@ -171,6 +171,11 @@ def test_the_site_builds_strict(tmp_path):
         value = f"{getattr(importlib.import_module(module), name):,}"
         assert f"<td><code>{name}</code></td>\n<td>{value}</td>" in reliability, name
     assert "<!-- generated:" not in reliability
+    headkv = importlib.import_module("headlab.plugins.kv.headkv").HeadKV.model_fields  # a generated field table
+    kv = (site / "kv" / "index.html").read_text(encoding="utf-8")
+    for key in ("observation_window", "beta"):
+        assert f"<td><code>{key}</code></td>\n<td><code>{headkv[key].default}</code></td>" in kv, key
+    assert "<!-- generated:" not in kv
 
 
 def test_every_block_runs_or_says_why():

@@ -9,7 +9,8 @@
 - ``docs/atlas.md`` in the guide where the file exists.
 - Tables of constants: a line ``<!-- generated: constants of headlab.spec: MAX_DEPTH MAX_NODES -->`` of a page
   becomes a table of those constants, their values and their docstrings, so that a page never restates a limit
-  by hand.
+  by hand; ``<!-- generated: fields of headlab.plugins.kv.headkv:HeadKV -->`` a table of a config model's fields,
+  their defaults and their descriptions (what the spec's JSON schema says of them).
 
 Guide pages link a benchmark output as ``../benchmarks/results/<name>.md`` (a path that reads on GitHub); in the
 site that link goes to the generated page. A link to a file of ``examples/`` (a page includes the file with
@@ -52,6 +53,7 @@ API_INTRO = {
 LOG = logging.getLogger("mkdocs.hooks.headlab")
 EXAMPLE_LINK = re.compile(r"\[([^\]\n]+)\]\(\.\./(examples/[^)\s#]+)\)")
 CONSTANTS = re.compile(r"^<!-- generated: constants of ([\w.]+): ([\w ]+?) -->$", flags=re.M)
+FIELDS = re.compile(r"^<!-- generated: fields of ([\w.]+):(\w+) -->$", flags=re.M)
 RESULT_LINK = re.compile(r"\]\((?:\.\./)+benchmarks/results/([\w.-]+)\.(?:md|json)(#[\w-]*)?\)")
 
 
@@ -146,6 +148,34 @@ def constants_table(module: str, names: list[str], where: str = "") -> str:
     return "\n".join(lines)
 
 
+def _default(field) -> str:
+    if field.is_required():
+        return "required"
+    value = field.get_default(call_default_factory=True)
+    if value is None:
+        return "none"
+    return f"`{str(value).lower() if isinstance(value, bool) else value}`"
+
+
+def fields_table(module: str, name: str, where: str = "") -> str:
+    """A Markdown table of the fields of the pydantic model ``module.name`` (but ``kind``): the key a spec writes,
+    the default and the description (a warning, which fails a strict build, for a missing model or a field
+    without a description)."""
+    model = getattr(importlib.import_module(module), name, None)
+    if not hasattr(model, "model_fields"):
+        LOG.warning("%s: %s.%s is not a config model", where, module, name)
+        return ""
+    lines = ["| field | default | meaning |", "| --- | --- | --- |"]
+    for key, field in model.model_fields.items():
+        if key == "kind":
+            continue
+        if not field.description:
+            LOG.warning("%s: %s.%s.%s has no description", where, module, name, key)
+        text = _markdown(field.description or "").replace("|", "\\|")
+        lines.append(f"| `{field.alias or key}` | {_default(field)} | {text} |")
+    return "\n".join(lines)
+
+
 def on_config(config, **kwargs):
     """The generated sections of the navigation, and the atlas where docs/atlas.md exists."""
     nav = config["nav"]
@@ -183,7 +213,7 @@ def on_files(files, config, **kwargs):
 
 
 def on_page_markdown(markdown, page, config, files, **kwargs):
-    """Tables of constants filled in; links to ``../benchmarks/results/<name>.md`` go to the generated Results page
+    """Tables of constants and of config fields filled in; links to ``../benchmarks/results/<name>.md`` go to the generated Results page
     of that file; links to a file
     of ``examples/`` become their label (a warning, which fails a strict build, if the file does not exist)."""
     here = posixpath.dirname(page.file.src_uri)
@@ -201,4 +231,5 @@ def on_page_markdown(markdown, page, config, files, **kwargs):
         return constants_table(m.group(1), m.group(2).split(), page.file.src_uri)
 
     markdown = CONSTANTS.sub(to_table, markdown)
+    markdown = FIELDS.sub(lambda m: fields_table(m.group(1), m.group(2), page.file.src_uri), markdown)
     return EXAMPLE_LINK.sub(to_label, RESULT_LINK.sub(to_page, markdown))
