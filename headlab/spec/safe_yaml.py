@@ -25,9 +25,10 @@ MAX_SPEC_BYTES = 4 * MAX_SPEC_CHARS
 """Largest spec file (bytes), checked with ``os.stat`` before the file is read: no text of
 :data:`MAX_SPEC_CHARS` characters takes more in UTF-8 (at most 4 bytes a character)."""
 MAX_DEPTH = 64
-"""Deepest nesting of mappings and lists (aliases included)."""
+"""Deepest nesting of mappings and lists (aliases included), checked while scanning, so ``[[[[...`` fails at once."""
 MAX_NODES = 50_000
-"""Most values (mapping/list entries and scalars) a spec may hold once its YAML aliases are expanded."""
+"""Most values (mapping/list entries and scalars) a spec may hold once its YAML aliases are expanded (a 1 KB
+alias bomb fails in well under a second, also inside ``model.config``)."""
 MAX_YAML_INT = 2**63 - 1
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
