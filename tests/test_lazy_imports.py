@@ -34,11 +34,6 @@ KEPT: dict[tuple[str, str], str] = {
         "for every run; only the rank correlation of patching results needs it",
     ("headlab/figures.py", "vl_convert"): "vl-convert embeds a JavaScript runtime; building a chart needs none, "
         "only the offline bundle and the SVG/PNG export do",
-    ("headlab/plugins/atlas/atlas.py", "pathlib"): "headlab/plugins/atlas was being reworked in parallel (the atlas "
-        "polish of #38): hoist with it",
-    ("headlab/plugins/atlas/atlas.py", "pydantic"): "as pathlib in the same function",
-    ("headlab/plugins/atlas/atlas.py", "headlab"): "as pathlib in the same function",
-    ("headlab/plugins/atlas/compare.py", "pathlib"): "as headlab/plugins/atlas/atlas.py",
 }
 
 
