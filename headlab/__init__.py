@@ -122,7 +122,7 @@ def __getattr__(name: str) -> Any:
     home = _HOME.get(name)
     if home is not None:
         value = getattr(importlib.import_module(f".{home}", __name__), name)
-    elif not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+    elif name.isidentifier() and not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}"):
         value = importlib.import_module(f".{name}", __name__)
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -131,4 +131,5 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
+    """The public names and the attributes already loaded (what completion offers)."""
     return sorted({*globals(), *__all__})

@@ -167,4 +167,4 @@ def test_every_public_name_is_the_object_of_its_declared_module():
     assert set(namespace) - {"__builtins__"} == set(headlab.__all__)
     assert set(headlab.__all__) <= set(dir(headlab))
     assert headlab.harness is importlib.import_module("headlab.harness")  # a submodule, loaded on first use
-    assert not hasattr(headlab, "no_such_name")
+    assert not hasattr(headlab, "no_such_name") and not hasattr(headlab, "no.such")
