@@ -94,7 +94,7 @@ _HOME = {
     "token_runs": "vision",
 }
 
-#: the plugin surface (docs/plugins.md, "The public namespace"; the other public modules are listed there)
+#: the plugin surface (docs/plugins.md, "The public namespace"; tools/public_namespace.py lists the other public modules)
 __all__ = [
     # running and reading runs
     "Run", "list_runs", "load_spec", "json_schema", "open_run", "run", "generate", "logprobs", "SpecError",
