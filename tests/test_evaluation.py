@@ -355,6 +355,7 @@ def test_show_and_report_display_the_tasks(spec_run, tmp_path):
     assert "metrics per task" in html and "local_mc2" in html and "samples (first" in html
 
 
+@pytest.mark.slow  # lm-eval's own CLI in a process of its own; the same evaluation runs in process above
 def test_cli_runs_lm_eval_with_a_headlab_spec(tasks_dir, tmp_path, capsys):
     """``headlab eval`` is lm-eval's command line with ``--model headlab``; ``spec=`` runs the spec's steps
     before its evaluate step (the detector), so ``heads: {from: retrieval}`` resolves."""

@@ -241,6 +241,7 @@ def test_an_unknown_lm_eval_task_exits_2_in_validate_and_run_before_the_store(ta
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow  # an lm-eval run in a process of its own
 def test_an_evaluate_step_caches_datasets_under_out_not_home(task_dir, tmp_path):
     home = tmp_path / "home"
     home.mkdir()

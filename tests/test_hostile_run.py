@@ -385,6 +385,7 @@ def test_the_notebook_runner_shows_progress_inside_a_cell(tmp_path):
 
 
 # --------------------------------------------------------------------------- the fuzz benchmark, briefly
+@pytest.mark.slow  # the fuzz script, a process per case
 def test_the_fuzz_benchmark_finds_no_escape_hang_or_code_run():
     import importlib.util
 

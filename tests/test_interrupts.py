@@ -139,6 +139,7 @@ def test_a_signal_during_run_exits_130_and_resume_equals_an_uninterrupted_run(tm
         xr.testing.assert_identical(resumed.results[step], reference.results[step])
 
 
+@pytest.mark.slow  # a whole run in a process of its own
 def test_a_hangup_ignored_by_the_parent_as_nohup_does_leaves_the_run_going(tmp_path):
     returncode, stderr, run = signal_after_first_cell(
         tmp_path, STEPS.replace("{kind: slow}", "{kind: slow, seconds: 0.5}"), signal.SIGHUP,

@@ -5,8 +5,6 @@ unchanged), ``headlab show``'s kept fraction, and the located errors."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,6 +16,7 @@ from headlab import component
 from headlab.geometry import Geometry
 from headlab.kv import KvPolicyError
 
+from fixtures import cli
 from fixtures.specs import TINY_LLAMA, spec_text
 
 ROOT = Path(__file__).parent.parent
@@ -36,8 +35,7 @@ def test_a_generate_step_with_a_kv_policy_stores_what_its_caches_held(tmp_path):
     kv = "{kind: streaming, full_heads: {from: ind, top: 1}, sink: 1, window: 3}"
     spec = spec_text(_gen(kv), task=TASK)
     (tmp_path / "s.yaml").write_text(spec)
-    res = subprocess.run([sys.executable, "-m", "headlab.cli", "run", str(tmp_path / "s.yaml"), "--out",
-                          str(tmp_path / "runs")], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    res = cli.run("run", str(tmp_path / "s.yaml"), "--out", str(tmp_path / "runs"), cwd=ROOT)
     assert res.returncode == 0, res.stderr
     (run_dir,) = (tmp_path / "runs").iterdir()
     ds = headlab.open_run(run_dir).results["gen"]
@@ -58,8 +56,7 @@ def test_a_generate_step_with_a_kv_policy_stores_what_its_caches_held(tmp_path):
     assert float(ds["kv_kept_fraction"]) == pytest.approx(kept)
     assert ds.attrs["kv_policy"] == "streaming" and "compressed group" in ds.attrs["kv_attention"]
     assert "kv_effective" not in ds.attrs
-    res = subprocess.run([sys.executable, "-m", "headlab.cli", "show", str(run_dir), "--steps"], capture_output=True,
-                         text=True, cwd=ROOT, timeout=300)
+    res = cli.run("show", str(run_dir), "--steps", cwd=ROOT)
     assert res.returncode == 0, res.stderr
     assert f"gen: kv streaming kept fraction {kept:.4f}" in res.stdout
 

@@ -105,6 +105,7 @@ def test_the_design_cards_folder_names_resolve_to_nothing_of_the_checkout(from_r
         assert not any(in_checkout(p, from_root) for p in locations), (name, spec)
 
 
+@pytest.mark.slow  # a second probe importing every module; the probe from the root runs in the default set
 def test_the_root_first_on_pythonpath_from_elsewhere(tmp_path):
     """The root put first on sys.path by PYTHONPATH, from another directory (a notebook kernel or a
     worker configured that way), with Python's safe-path mode off."""

@@ -90,10 +90,21 @@ def surely_invalid(level: str, value) -> str:
     return ""
 
 
-@settings(SETTINGS, max_examples=90)
-@given(S.mutated_specs())
-def test_broken_specs_are_located_spec_errors_and_nothing_else(case):
+def check_broken(case) -> None:
     level, value = case
     result = outcome(value)
     reason = surely_invalid(level, value)
     assert not (reason and result == "ok"), f"accepted, but {reason}"
+
+
+@settings(SETTINGS, max_examples=45)
+@given(S.mutated_specs())
+def test_broken_specs_are_located_spec_errors_and_nothing_else(case):
+    check_broken(case)
+
+
+@pytest.mark.slow  # more of the same draws (hypothesis derives them from the test's name, so these are others)
+@settings(SETTINGS, max_examples=150)
+@given(S.mutated_specs())
+def test_more_broken_specs_are_located_spec_errors_and_nothing_else(case):
+    check_broken(case)
