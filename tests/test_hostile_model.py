@@ -233,9 +233,9 @@ def test_undeclared_tasks_are_checked_on_their_examples_and_third_party_metrics_
 
 def test_each_cell_checks_its_examples_before_the_step_runs(tmp_path, capfd, monkeypatch):
     # what the examples built before the store do not cover (past PREFLIGHT_TASKS tasks, a Ray worker's cell)
-    import headlab.runner
+    import headlab.preflight
 
-    monkeypatch.setattr(headlab.runner, "PREFLIGHT_TASKS", 0)
+    monkeypatch.setattr(headlab.preflight, "PREFLIGHT_TASKS", 0)
     rows = [{"q": "the cat", "context_answer": "river", "memory_answer": ""}]
     write(tmp_path, "d.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     write(tmp_path, "spec.yaml", metric_spec(

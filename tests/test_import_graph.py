@@ -313,3 +313,20 @@ def test_the_layer_table_reader(tmp_path):
     text = ("| layer | modules |\n|---|---|\n| leaves | `version`, `config` (`ComponentConfig`) |\n"
             "| engine | `kv/` engine: `kv.split` (the `split_call` contract); `instrument/` (`Plan`, `Probes`) |\n\nafter\n")
     assert readme_layers(text) == [("leaves", ["version", "config"]), ("engine", ["kv", "kv.split", "instrument"])]
+
+
+MAX_MODULE_LINES = 800
+
+
+def test_every_module_is_one_room_a_reader_finishes():
+    """Every module of the package is at most MAX_MODULE_LINES lines and names its concern in its docstring
+    (empty package markers excepted)."""
+    long, silent = [], []
+    for path in sorted((ROOT / "headlab").rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        name = path.relative_to(ROOT).as_posix()
+        if len(text.splitlines()) > MAX_MODULE_LINES:
+            long.append(f"{name}: {len(text.splitlines())} lines")
+        if text.strip() and not ast.get_docstring(ast.parse(text)):
+            silent.append(name)
+    assert long == [] and silent == [], (long, silent)
