@@ -37,7 +37,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from . import runner
+from . import runner, scaffold
 from .config import suggest
 from .context import Reporter
 from .errors import INTERRUPTED, INVALID, exit_code, one_line
@@ -518,9 +518,7 @@ def new_plugin(
     = None,
 ) -> None:
     """Write a pip-installable plugin package: pyproject, a working method, its test, a README."""
-    from .scaffold import new_plugin as write
-
-    files = write(kind, name, directory)
+    files = scaffold.new_plugin(kind, name, directory)
     root = files[0].parent
     console.print(f"[bold]{kind} plugin {name!r}[/bold] written to {root}:", soft_wrap=True)
     for path in files:

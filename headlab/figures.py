@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 import altair as alt
 import numpy as np
+import vl_convert
 import xarray as xr
 
 __all__ = [
@@ -384,8 +385,6 @@ def _cache_dir() -> Path:
 def _bundle() -> str:
     """The Vega, Vega-Lite and vega-embed JavaScript, built by vl-convert once per version and kept in
     ``~/.cache/headlab`` (building it takes seconds)."""
-    import vl_convert
-
     name = f"vega-bundle-{vl_convert.get_vega_version()}-{_vl_version()}-{vl_convert.get_vega_embed_version()}.js"
     cached = _cache_dir() / name
     with contextlib.suppress(OSError):
@@ -426,8 +425,6 @@ def standalone_html(charts: Sequence[Chart] | Chart, *, title: str = "headlab fi
 
 def to_svg(chart: Chart) -> str:
     """``chart`` as a static SVG document (no tooltips; for places that show no JavaScript)."""
-    import vl_convert
-
     return vl_convert.vegalite_to_svg(figure_spec(chart), vl_version=_vl_version())
 
 
@@ -435,8 +432,6 @@ def save(chart: Chart, path: str | Path, *, format: Literal["svg", "png", "html"
          scale: float = 2.0) -> Path:
     """Write ``chart`` to ``path`` as SVG, PNG (``scale`` times its size in pixels) or a standalone HTML page;
     ``format`` defaults to the path's suffix. Returns the path written."""
-    import vl_convert
-
     path = Path(path)
     fmt = format or path.suffix.lstrip(".").lower()
     if fmt not in ("svg", "png", "html"):

@@ -485,13 +485,8 @@ def input_device(model: Any) -> str:
 
 def is_vision_checkpoint(path_or_id: str, kwargs: dict[str, Any]) -> bool:
     """Whether a checkpoint is a vision-language model (its config has a ``vision_config``)."""
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(path_or_id, **kwargs)
-    except (OSError, ValueError):
-        return False  # the model load below reports the problem
-    return getattr(config, "vision_config", None) is not None
+    config = _read_config(path_or_id, kwargs)  # None: the model load below reports the problem
+    return config is not None and getattr(config, "vision_config", None) is not None
 
 
 def _hub_commit(model: Any) -> str | None:
@@ -500,8 +495,7 @@ def _hub_commit(model: Any) -> str | None:
 
 def from_config(spec: ModelSpec, seed: int = 0) -> LoadedModel:
     """Build a model with random weights from a transformers config mapping."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     device = resolve_device(spec.device) if spec.device_map is None else _check_device_map(spec)
     register()
@@ -541,10 +535,7 @@ def from_config(spec: ModelSpec, seed: int = 0) -> LoadedModel:
     check_vocabulary(tokenizer, config, spec.name)
     torch.manual_seed(seed)
     dtype = DTYPES.get(spec.dtype, torch.float32)
-    if vision:
-        from transformers import AutoModelForImageTextToText as auto_class
-    else:
-        auto_class = AutoModelForCausalLM
+    auto_class = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     try:
         model = auto_class.from_config(config, attn_implementation=ATTN_IMPLEMENTATION, dtype=dtype)
     except (ValueError, KeyError, TypeError) as e:

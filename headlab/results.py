@@ -25,17 +25,19 @@ import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 from urllib.request import url2pathname
 
 import numpy as np
 import xarray as xr
-import zarr
 
 from .display import run_html, run_summary
 from .spec import Cell
 from .version import __version__
+
+if TYPE_CHECKING:
+    import zarr
 
 __all__ = ["FORMAT", "Run", "RunDamaged", "RunFormatTooNew", "RunNotFound", "RunWriter", "list_runs", "open_run"]
 
@@ -199,6 +201,13 @@ def coord_value(value: Any) -> Any:
     return value
 
 
+def _open_group(location: str, mode: str) -> zarr.Group:
+    """The root group of the zarr store at ``location`` (a path or an fsspec URL), opened with ``mode``."""
+    import zarr  # a large import that `headlab --help`, `headlab plugins` and loading the plugins need none of
+
+    return zarr.open_group(location, mode=mode)
+
+
 def _clear_cell(store: Path, cell_name: str) -> None:
     """Remove what a local store holds at ``cells/<cell_name>`` before the cell is written again, without
     following a symbolic link: a link there is removed (its target is left alone). (A ``cells`` that is a link
@@ -234,7 +243,7 @@ class RunWriter:
         FileExistsError when ``path`` exists."""
         location = store_location(path)
         if is_url(location):
-            root = zarr.open_group(location, mode="w-")
+            root = _open_group(location, "w-")
             root.attrs.update(_json_attr({"format": FORMAT, **attrs}))
             root.create_group("cells")
             return cls(location)
@@ -244,7 +253,7 @@ class RunWriter:
             raise FileExistsError(f"'{path}' exists; a new run never overwrites one")
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=CREATING, dir=path.parent))
         try:
-            root = zarr.open_group(str(tmp), mode="w")
+            root = _open_group(str(tmp), "w")
             root.attrs.update(_json_attr({"format": FORMAT, **attrs}))
             root.create_group("cells")
             os.rename(tmp, path)
@@ -256,7 +265,7 @@ class RunWriter:
         return cls(path)
 
     def root(self) -> zarr.Group:
-        return zarr.open_group(self.location, mode="r+")
+        return _open_group(self.location, "r+")
 
     def done_cells(self) -> set[str]:
         """Names of cells already complete and intact (a damaged cell is written again on resume; cells of
@@ -390,8 +399,8 @@ class Run:
             if meta.is_file() and _read_meta(meta) is None:
                 raise RunDamaged(f"'{path}' is a damaged run store: its zarr.json is unreadable")
         try:
-            self._root = zarr.open_group(self.location, mode="r")
-        except (FileNotFoundError, zarr.errors.GroupNotFoundError, ValueError, KeyError):
+            self._root = _open_group(self.location, "r")
+        except (FileNotFoundError, ValueError, KeyError):  # zarr's GroupNotFoundError is both of the first two
             raise RunNotFound(f"no headlab run at '{path}'") from None
         fmt = self._root.attrs.get("format")
         if fmt != FORMAT:

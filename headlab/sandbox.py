@@ -39,13 +39,13 @@ __all__ = [
 MAX_TEMPLATE_STEPS = 100_000
 """Most loop iterations plus calls (macros, methods, globals) in one render of a template."""
 MAX_TEMPLATE_CHARS = 5_000_000
-"""Longest output of one render, and longest string or list a template may build."""
+"""Longest output of one render, and longest string or list a template may build (characters, or items)."""
 MAX_TEMPLATE_WORK = 50_000_000
 """Most characters (or items) a template's operations may build in one render, all together."""
 MAX_TEMPLATE_INT_BITS = 4096
 """Largest integer (in bits) a template may compute."""
 MAX_TEMPLATE_SECONDS = 30.0
-"""Longest one render may take (a safety net behind the limits above)."""
+"""Longest one render may take, in seconds (a safety net behind the limits above)."""
 
 
 class TemplateLimitError(SecurityError):

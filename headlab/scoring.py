@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import xarray as xr
+from pydantic import TypeAdapter, ValidationError
 
 from .context import Example, StepContext, TaskContext
 from .errors import ContractError
@@ -64,9 +65,6 @@ def component(category: str, value: Any) -> Any:
     """A component config of ``category`` (``decoders``, ``steering``, ...) validated as in a spec: a config
     object is returned as it is, a mapping is validated against the registered kinds, a bare string is
     the kind with its defaults. ``None`` is the category's default (the default decoder), or an error."""
-    from pydantic import TypeAdapter, ValidationError
-
-
     registry = get_manager().registry
     if isinstance(value, ComponentConfig):
         return value

@@ -53,8 +53,16 @@ def test_a_pair_of_unequal_token_lengths_names_the_file_and_the_row(tmp_path, ca
             "the clean prompt is 11 tokens and the corrupted one 12; a pair needs prompts of equal token length")
     code, line = run_cli(tmp_path, capfd, monkeypatch)
     assert code == 2 and line == want
+
+
+@pytest.mark.slow  # a headlab process of its own
+def test_a_pair_of_unequal_token_lengths_is_the_same_line_as_typed(tmp_path):
+    rows = [ROWS[0], {**ROWS[1], "corrupt": "red : dog , green : bird bird . red :"}]
+    write_spec(tmp_path, "  - id: dla\n    detect: {kind: direct_logit_attribution}\n", rows)
     res = subprocess.run([str(HEADLAB), "run", "spec.yaml"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
-    assert res.returncode == 2 and error_line(res.stderr) == want, res.stderr
+    assert res.returncode == 2 and error_line(res.stderr) == (
+        f"error: step 'dla' (task 'pairs', {PLUGIN}.tasks.pairs): TaskDataError: pairs task: pairs.jsonl row 2: "
+        "the clean prompt is 11 tokens and the corrupted one 12; a pair needs prompts of equal token length"), res.stderr
 
 
 @pytest.mark.parametrize("field, value, what", [("answer", "blue green", "the answer ' blue green' is 2 tokens"),

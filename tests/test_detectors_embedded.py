@@ -28,5 +28,5 @@ def test_retrieval_heads_spec_reproduces_the_paper(tmp_path):
         assert float(top.sel(k=k)) <= 0.2, f"masking the top {k} retrieval heads collapses recall"
     assert float(rand.sel(k=4).min()) >= 0.8, "masking 4 random heads keeps recall (every draw)"
     # k = all: random draws that hit a few early-layer heads fall too on this 32-head model
-    # (docs/detectors.md: 0.98 0.98 0.53 0.78 0.96), so only the median draw is asserted
+    # (CHANGELOG.md: 0.98 0.98 0.53 0.78 0.96), so only the median draw is asserted
     assert float(rand.sel(k=n_heads).median()) >= 0.8

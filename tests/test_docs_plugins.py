@@ -1,5 +1,6 @@
-"""docs/plugins.md's complete examples, one per kind: each block is run as a plugin module registered in
-process, used from a spec on the embedded model, and checked against a computation written here."""
+"""docs/plugins.md's examples, the files of examples/snippets/ it includes: each complete example (one per kind) is
+registered in process as a plugin module, used from a spec on the embedded model, and checked against a computation
+written here; each utility example runs with a loaded model and checks its results."""
 
 from __future__ import annotations
 
@@ -20,16 +21,22 @@ from headlab.spec import ModelSpec
 
 ROOT = Path(__file__).parent.parent
 DOC = ROOT / "docs" / "plugins.md"
+SNIPPETS = ROOT / "examples" / "snippets"
 CHECKPOINT = ROOT / "headlab" / "plugins" / "models" / "tiny" / "headlab-tiny" / "model.safetensors"
 pytestmark = pytest.mark.skipif(not CHECKPOINT.is_file(), reason="the embedded model headlab-tiny is not built")
 KINDS = ("task", "detector", "steering", "decoder", "metric")
 TASK = {"kind": "repeated_tokens", "n": 3, "length": 6}
 
 
+def included() -> list[str]:
+    """The files of examples/snippets/ that docs/plugins.md includes (``--8<-- "examples/snippets/<name>.py..."``),
+    by name, each included in a ```python block."""
+    return re.findall(r'```python\n--8<-- "examples/snippets/(\w+)\.py(?::example)?"\n```', DOC.read_text())
+
+
 def blocks() -> dict[str, str]:
-    """The ```python blocks of docs/plugins.md that start with ``# complete example: <kind>``."""
-    found = re.findall(r"```python\n# complete example: (\w+)\n(.*?)```", DOC.read_text(), flags=re.S)
-    return dict(found)
+    """The complete examples, by kind: examples/snippets/<kind>.py."""
+    return {k: (SNIPPETS / f"{k}.py").read_text() for k in KINDS if (SNIPPETS / f"{k}.py").is_file()}
 
 
 @pytest.fixture
@@ -37,7 +44,7 @@ def plugin(request):
     """Register the doc's block for ``request.param`` as a plugin module; unregister afterwards."""
     module = types.ModuleType(f"docs_example_{request.param}")
     sys.modules[module.__name__] = module  # pydantic resolves the config's annotations there
-    exec(compile(blocks()[request.param], f"docs/plugins.md ({request.param})", "exec"), module.__dict__)  # noqa: S102
+    exec(compile(blocks()[request.param], f"examples/snippets/{request.param}.py", "exec"), module.__dict__)  # noqa: S102
     name = headlab.register_plugin(module, name=f"docs-{request.param}", replace=True)
     yield module
     headlab.unregister_plugin(name)
@@ -49,8 +56,9 @@ def run(steps: list[dict], tmp_path: Path, task: dict | None = None) -> headlab.
                        out=tmp_path / "runs")
 
 
-def test_every_kind_has_one_complete_example():
+def test_every_kind_has_one_complete_example_in_the_page():
     assert set(blocks()) == set(KINDS)
+    assert [n for n in included() if n in KINDS] == list(KINDS)
 
 
 @pytest.mark.parametrize("plugin", ["task"], indirect=True)
@@ -116,8 +124,9 @@ PROMPTS = [("The key is 42. What is the key? It is", "42"), ("A cat sat on the m
 
 
 def utilities() -> dict[str, str]:
-    """The ```python blocks of docs/plugins.md that start with ``# utility: <name>``."""
-    return dict(re.findall(r"```python\n# utility: (\w+)\n(.*?)```", DOC.read_text(), flags=re.S))
+    """The utility examples, by name: examples/snippets/utility_<name>.py."""
+    return {n: (SNIPPETS / f"utility_{n}.py").read_text() for n in UTILITIES
+            if (SNIPPETS / f"utility_{n}.py").is_file()}
 
 
 @pytest.fixture(scope="module")
@@ -130,15 +139,17 @@ def utility_run():
         module = types.ModuleType(f"docs_utility_{name}")
         sys.modules[module.__name__] = module  # pydantic resolves a config's annotations there
         module.__dict__.update(lm=lm, examples=examples)
-        exec(compile(code, f"docs/plugins.md (utility {name})", "exec"), module.__dict__)  # noqa: S102
+        exec(compile(code, f"examples/snippets/utility_{name}.py", "exec"), module.__dict__)  # noqa: S102
         out[name] = module.__dict__
     yield lm, examples, out
     for name in out:
         sys.modules.pop(f"docs_utility_{name}")
 
 
-def test_every_utility_has_an_example():
+def test_every_utility_has_an_example_in_the_page():
     assert tuple(utilities()) == UTILITIES
+    assert [n for n in included() if n not in KINDS] == [f"utility_{n}" for n in UTILITIES]
+    assert sorted(p.stem for p in SNIPPETS.glob("*.py")) == sorted(included())  # no file the page leaves out
 
 
 def test_forward_and_instrumented_examples_agree_with_a_plain_forward(utility_run):

@@ -1,7 +1,8 @@
 """The documentation site and the code blocks of the docs.
 
 - The site (mkdocs.yml) builds with ``mkdocs build --strict``: no broken link, anchor, snippet or API reference;
-  its generated pages (the API reference, the Results section from benchmarks/results/) are there.
+  its generated pages (the API reference and its "Public namespace", the Results section from benchmarks/results/)
+  are there, and so are the files and tables of constants its pages include.
 - Every ```python and ```bash block of docs/*.md and README.md runs, or says why not on the line before it:
   ``<!-- not run: REASON -->`` (skipped) or ``<!-- slow: REASON -->`` (run by the slow set). A block with neither
   runs in the default set, so it must be cheap. A block runs in a scratch directory that holds links to the
@@ -14,6 +15,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -155,6 +157,25 @@ def test_the_site_builds_strict(tmp_path):
     for name in results:
         assert (site / "results" / name / "index.html").is_file(), name
     assert (site / "atlas" / "index.html").is_file() == (ROOT / "docs" / "atlas.md").is_file()
+    # the public namespace page: every public module with the names of its __all__
+    namespace = (site / "api" / "public-namespace" / "index.html").read_text(encoding="utf-8")
+    for module in ("headlab.plugin", "headlab.spec", "headlab.kv"):
+        names = importlib.import_module(module).__all__
+        assert f"<code>{module}</code>" in namespace and all(f"<code>{n}</code>" in namespace for n in names)
+    # the pages' included files and generated tables of constants, with the values the code has
+    plugins = (site / "plugins" / "index.html").read_text(encoding="utf-8")
+    assert "--8&lt;--" not in plugins and '<span class="nc">CopyFirst</span>' in plugins
+    reliability = (site / "reliability" / "index.html").read_text(encoding="utf-8")
+    for module, name in (("headlab.spec", "MAX_SPEC_CHARS"), ("headlab.spec", "MAX_CELLS"),
+                         ("headlab.sandbox", "MAX_TEMPLATE_STEPS")):
+        value = f"{getattr(importlib.import_module(module), name):,}"
+        assert f"<td><code>{name}</code></td>\n<td>{value}</td>" in reliability, name
+    assert "<!-- generated:" not in reliability
+    headkv = importlib.import_module("headlab.plugins.kv.headkv").HeadKV.model_fields  # a generated field table
+    kv = (site / "kv" / "index.html").read_text(encoding="utf-8")
+    for key in ("observation_window", "beta"):
+        assert f"<td><code>{key}</code></td>\n<td><code>{headkv[key].default}</code></td>" in kv, key
+    assert "<!-- generated:" not in kv
 
 
 def test_every_block_runs_or_says_why():

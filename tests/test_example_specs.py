@@ -99,6 +99,7 @@ def test_quickstart_as_typed(workdir):
     assert [h for h, _ in ranked(prev)[:4]] == [(int(r[0]), int(r[1])) for r in rows]  # the top four, in order
 
 
+@pytest.mark.slow  # the same spec as test_quickstart_as_typed, from Python
 def test_quickstart_from_python_as_typed(workdir):
     block = README[README.index("The same from Python:"):]
     code = block[block.index("```python") + len("```python"):block.index("```", block.index("```python") + 9)]

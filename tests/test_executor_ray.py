@@ -24,6 +24,9 @@ import headlab.context
 from fixtures.specs import spec_text
 
 ray = pytest.importorskip("ray")
+#: the slow set (CI runs it): every test here starts or uses a Ray cluster, whose processes cost about a minute of
+#: CPU; the executor contract without Ray is tested in the default set (tests/test_executors.py)
+pytestmark = pytest.mark.slow
 
 from headlab.plugins.executors.ray import release_workers, worker_info  # noqa: E402
 

@@ -127,6 +127,7 @@ def hanging_workers(tmp_path) -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)}
 
 
+@pytest.mark.slow  # starts a Ray cluster
 def test_workers_that_never_start_are_given_up_on_in_one_line(tmp_path, hanging_workers):
     spec = tmp_path / "spec.yaml"  # the quickstart, told to wait 5 s for its workers
     spec.write_text((ROOT / "specs" / "quickstart.yaml").read_text()
@@ -140,6 +141,7 @@ def test_workers_that_never_start_are_given_up_on_in_one_line(tmp_path, hanging_
     assert_nothing_left(marker)
 
 
+@pytest.mark.slow  # starts a Ray cluster
 def test_ctrl_c_while_ray_starts_exits_130_and_stops_what_started(tmp_path, hanging_workers):
     """Ray's start waits on its workers deaf to Ctrl-C; the run hears it and stops the cluster it started."""
     res, marker = headlab_run(tmp_path, env=hanging_workers, interrupt_when_started=True)

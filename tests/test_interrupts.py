@@ -105,7 +105,9 @@ def signal_after_first_cell(tmp_path: Path, steps: str, signum: int, preexec) ->
     return proc.returncode, stderr, run
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["SIGINT", "SIGTERM", "SIGHUP"])
+@pytest.mark.parametrize("signum", [pytest.param(signal.SIGINT, id="SIGINT"),
+                                    pytest.param(signal.SIGTERM, id="SIGTERM", marks=pytest.mark.slow),
+                                    pytest.param(signal.SIGHUP, id="SIGHUP", marks=pytest.mark.slow)])
 def test_a_signal_during_run_exits_130_and_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch, signum):
     # started as from a terminal (the signal's default action: a background job of this test's own shell
     # would inherit SIGINT ignored), with the signal blocked, as a parent process may leave it

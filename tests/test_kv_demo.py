@@ -6,7 +6,7 @@ The retrieval heads are detected as in specs/kv_compression.yaml; recall is meas
 (1K and 2K tokens, 3 depths, the spec's 3 needles). The budget is 8 of the 16 KV heads full (the 4 KV heads of
 layer 3, where every retrieval head is, and the 4 next by retrieval score) and 4 sinks + 128 recent tokens for
 the others: a kept fraction of about 0.53. With only layer 3's 4 KV heads full (about 0.30) streaming loses one
-of the 18 prompts (0.89 against full's 0.94, docs/kv.md), outside the 0.05.
+of the 18 prompts (0.89 against full's 0.94, CHANGELOG.md), outside the 0.05.
 
 ``headkv`` gets the same budget as a fraction (0.53 of the full cache at the longest prompt), split by the retrieval
 scores: three KV heads of layer 3 receive more than the prompt's tokens and keep it whole, the surplus is not

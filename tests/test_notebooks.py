@@ -40,7 +40,13 @@ def test_every_notebook_is_listed_and_clean():
             f"{path.name}: notebooks must not fetch anything"
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+#: the notebook the default set runs; the others run in the slow set (each is a kernel and a model of its own,
+#: about 20-40 s of CPU; their features are tested in the default set without a kernel)
+DEFAULT_NOTEBOOK = "quickstart"
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, id=p.stem, marks=() if p.stem == DEFAULT_NOTEBOOK else pytest.mark.slow)
+                                  for p in NOTEBOOKS])
 def test_notebook_runs(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     if not embedded_model_available() and not os.environ.get("HEADLAB_NOTEBOOK_MODEL"):
         pytest.skip("the embedded model headlab-tiny is not in this checkout yet")

@@ -25,6 +25,7 @@ from headlab.generation import DecodeRequest, tokenize
 from headlab.plugin_manager import CATEGORIES, get_manager
 from headlab.spec import StrictModel
 
+from fixtures import cli
 from fixtures.specs import TINY_LLAMA, spec_text
 
 ROOT = Path(__file__).parent.parent
@@ -59,39 +60,69 @@ def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
                           env={**os.environ, **(env or {})}, timeout=300)
 
 
-def fake_distribution(tmp_path: Path, name: str, module_code: str) -> dict:
-    """A distribution on PYTHONPATH with a `headlab` entry point (no pip needed)."""
+def fake_distribution(tmp_path: Path, name: str, module_code: str) -> Path:
+    """A distribution in ``tmp_path`` with a `headlab` entry point (no pip needed); put ``tmp_path`` on the path."""
     (tmp_path / f"{name}.py").write_text(module_code)
     info = tmp_path / f"{name}-1.0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
     (info / "entry_points.txt").write_text(f"[headlab]\n{name} = {name}\n")
-    return {"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    return tmp_path
 
 
-def test_broken_plugin_is_reported_and_headlab_still_runs(tmp_path):
-    env = fake_distribution(tmp_path, "broken_plugin", "raise ImportError('missing dependency xyz')\n")
-    res = run_cli("plugins", "--json", env=env)
+@pytest.fixture
+def installed(monkeypatch):
+    """``installed(path, **env)``: the plugin manager read anew, as a new ``headlab`` process would, with ``path``
+    on ``sys.path`` (a distribution installed there) and ``env`` set; this process's own afterwards."""
+    def load(path: Path | None = None, **env: str) -> None:
+        if path is not None:
+            monkeypatch.syspath_prepend(str(path))
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        get_manager(reload=True)
+
+    yield load
+    monkeypatch.undo()
+    get_manager(reload=True)
+
+
+def plugins_json(tmp_path: Path) -> dict[str, dict]:
+    """``headlab plugins --json`` (in this process), by plugin name."""
+    res = cli.run("plugins", "--json", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
-    rows = {r["name"]: r for r in json.loads(res.stdout)}
+    return {r["name"]: r for r in json.loads(res.stdout)}
+
+
+def test_broken_plugin_is_reported_and_headlab_still_runs(tmp_path, installed):
+    installed(fake_distribution(tmp_path, "broken_plugin", "raise ImportError('missing dependency xyz')\n"))
+    rows = plugins_json(tmp_path)
     assert "missing dependency xyz" in rows["broken_plugin"]["error"]
     assert rows["broken_plugin"]["source"] == "distribution broken_plugin"
     spec = tmp_path / "s.yaml"
     spec.write_text(spec_text("  - id: ind\n    detect: {kind: induction}\n"))
-    assert run_cli("validate", str(spec), env=env).returncode == 0
+    res = cli.run("validate", str(spec), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
 
 
-def test_headlab_plugins_allow_list(tmp_path):
+def test_headlab_plugins_allow_list(tmp_path, installed):
     code = ("from typing import Literal\nfrom headlab import ComponentConfig, hookimpl\n"
             "class M(ComponentConfig):\n    kind: Literal['always_one'] = 'always_one'\n"
             "def f(c, ex, out):\n    return [1.0] * len(out)\n"
             "@hookimpl\ndef headlab_register_metrics(register):\n    register(M, f)\n")
-    env = fake_distribution(tmp_path, "tiny_metric_plugin", code)
-    names = lambda extra: {r["name"] for r in json.loads(run_cli("plugins", "--json", env={**env, **extra}).stdout)}  # noqa: E731
-    assert "tiny_metric_plugin" in names({})
-    assert "tiny_metric_plugin" not in names({"HEADLAB_PLUGINS": "none"})
-    assert "tiny_metric_plugin" in names({"HEADLAB_PLUGINS": "tiny_metric_plugin"})
-    assert "tiny_metric_plugin" not in names({"HEADLAB_PLUGINS": "something_else"})
+    path = fake_distribution(tmp_path, "tiny_metric_plugin", code)
+    installed(path)
+    assert "tiny_metric_plugin" in plugins_json(tmp_path)
+    for allow, listed in (("none", False), ("tiny_metric_plugin", True), ("something_else", False)):
+        installed(HEADLAB_PLUGINS=allow)
+        assert ("tiny_metric_plugin" in plugins_json(tmp_path)) == listed, allow
+
+
+def test_a_broken_plugin_in_a_new_process_is_reported_too(tmp_path):
+    """The same as an installed distribution that a new ``headlab`` process finds on its PYTHONPATH."""
+    path = fake_distribution(tmp_path, "broken_plugin", "raise ImportError('missing dependency xyz')\n")
+    res = run_cli("plugins", "--json", env={"PYTHONPATH": os.pathsep.join([str(path), os.environ.get("PYTHONPATH", "")])})
+    assert res.returncode == 0, res.stderr
+    assert "missing dependency xyz" in {r["name"]: r for r in json.loads(res.stdout)}["broken_plugin"]["error"]
 
 
 @pytest.fixture(scope="module")
@@ -100,22 +131,24 @@ def example_plugin_installed():
     res = subprocess.run([*pip, "install", "-q", "--no-deps", "--no-build-isolation", str(EXAMPLE)],
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr
+    importlib.invalidate_caches()
+    get_manager(reload=True)  # as a new headlab process finds it
     yield
     subprocess.run([*pip, "uninstall", "-q", "-y", "headlab-plugin-example"], capture_output=True, timeout=300)
+    importlib.invalidate_caches()
+    get_manager(reload=True)
 
 
 def test_example_plugin_installs_lists_and_runs(example_plugin_installed, tmp_path):
-    res = run_cli("plugins", "--json")
-    rows = {r["name"]: r for r in json.loads(res.stdout)}
-    example = rows["example"]
+    example = plugins_json(tmp_path)["example"]
     assert example["source"] == "distribution headlab-plugin-example" and example["version"] == "0.3.0"
     assert {c["kind"] for c in example["components"]} == {"output_norm", "word_count", "head_temperature", "head_contrast"}
-    assert "output_norm" in run_cli("schema").stdout
+    assert "output_norm" in cli.run("schema", cwd=tmp_path).stdout
     steps = ("  - id: norms\n    detect: {kind: output_norm}\n"
              "  - id: gen\n    generate: {max_new_tokens: 3, metrics: [word_count]}\n")
     spec = tmp_path / "s.yaml"
     spec.write_text(spec_text(steps))
-    res = run_cli("run", str(spec), "--out", str(tmp_path / "runs"))
+    res = cli.run("run", str(spec), "--out", str(tmp_path / "runs"), cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     import headlab
     from headlab.model import from_config

@@ -4,8 +4,8 @@ Every Python file under plugins/ and examples/, every template ``*.py.tmpl`` of 
 its ``$placeholders`` filled) and the code cells of the notebooks are read with ``ast``; the scan fails on:
 
 - a headlab module that is not one of :data:`PUBLIC_MODULES` (``from headlab.instrument import Plan``,
-  ``import headlab.model``): plugins reach core only through ``headlab`` and the modules listed in
-  docs/plugins.md, "The public namespace";
+  ``import headlab.model``): plugins reach core only through ``headlab`` and the modules of
+  :data:`PUBLIC_MODULES`;
 - a name that is not in that module's ``__all__`` (``from headlab.decoding import forward``, or
   ``headlab.x`` for an ``x`` outside ``headlab.__all__``); no underscore rule, a module says itself what it
   offers;
@@ -20,17 +20,17 @@ its ``$placeholders`` filled) and the code cells of the notebooks are read with 
   dunder names are allowed, and so are the few private attributes of third-party libraries listed in
   :data:`THIRD_PARTY`), or ``__dict__`` / ``vars()``.
 
-docs/plugins.md lists the names of each public module between two markers; the list is generated from the
-modules' ``__all__`` (``python tests/test_public_api.py --write`` rewrites it) and checked here.
+The public modules and what each is for are :data:`PUBLIC_MODULES` of tools/public_namespace.py, whose page of
+each module's ``__all__`` the docs site generates (API reference, "Public namespace"); that page is checked here.
 """
 
 from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import json
 import re
-import sys
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,34 +40,18 @@ import pytest
 ROOT = Path(__file__).parent.parent
 DOC = ROOT / "docs" / "plugins.md"
 TEMPLATES = ROOT / "headlab" / "templates" / "new_plugin"
+_spec = importlib.util.spec_from_file_location("public_namespace", ROOT / "tools" / "public_namespace.py")
+public_namespace = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(public_namespace)
+#: the modules plugins import from, with what each is for (tools/public_namespace.py)
+PUBLIC_MODULES: dict[str, str] = public_namespace.PUBLIC_MODULES
+exported = public_namespace.exported
 
-#: the modules plugins import from, with what each is for (docs/plugins.md, "The public namespace")
-PUBLIC_MODULES: dict[str, str] = {
-    "headlab.plugin": "the plugin author's facade: everything the new-plugin templates and the example package use",
-    "headlab": "running and reading runs, registration, models, forwards, plans and their typed edits, recordings",
-    "headlab.spec": "advanced: the spec's models, limits and every field type",
-    "headlab.generation": "advanced: the decoding loop's options, requests and results, scoring continuations",
-    "headlab.masking": "advanced: greedy outputs with chosen heads masked (the causal check's machinery), batches "
-                       "by length",
-    "headlab.pattern_scores": "advanced: the pattern detectors' scores of attention against a detection pattern",
-    "headlab.decoding": "advanced: utilities for decoding strategies",
-    "headlab.resources": "advanced: memory estimates and task sizes for the resource guard",
-    "headlab.dims": "advanced: dimension names and (layer, head) arrays",
-    "headlab.anatomy": "advanced: the modules and per-head weights of a model",
-    "headlab.text": "advanced: ROUGE and the words of the shape scenes",
-    "headlab.scoring": "advanced: scores, generations and metric values outside a run; a task's examples",
-    "headlab.sandbox": "advanced: the Jinja2 sandbox of task templates",
-    "headlab.task_code": "advanced: checks of lm-evaluation-harness task files",
-    "headlab.lm_eval": "advanced: the lm-evaluation-harness bridge",
-    "headlab.kv": "advanced: head-level KV-cache policies: head maps, KV-head selections, the headwise cache",
-    "headlab.roles": "advanced: a labelled head cube (detector, layer, head) as rows: roles, head cards, top heads",
-}
 #: modules only executors (plugins/executors) may import from
 EXECUTOR_MODULES = ("headlab.runner", "headlab.plugin_manager")
 #: private attributes of other libraries that plugins may read (transformers keeps the attention
 #: implementation of a loaded model only there)
 THIRD_PARTY = {"_attn_implementation"}
-BEGIN, END = "<!-- public-namespace:begin -->", "<!-- public-namespace:end -->"
 
 
 @dataclass(frozen=True)
@@ -86,12 +70,6 @@ class Where:
 
 def _private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
-
-
-def exported(module: str) -> set[str] | None:
-    """``module.__all__`` (None when the module has none)."""
-    names = getattr(importlib.import_module(module), "__all__", None)
-    return None if names is None else set(names)
 
 
 def _resolve(where: Where, level: int, target: str | None) -> str:
@@ -323,40 +301,24 @@ def test_the_scan_covers_plugins_examples_and_templates():
     assert kinds == {"decoder", "detector", "metric", "steering", "task"}
 
 
-# --------------------------------------------------------------------------- docs/plugins.md's list
-def _wrapped(names: list[str], width: int = 110) -> list[str]:
-    lines, line = [], ""
-    for item in (f"`{n}`" for n in names):
-        if line and len(line) + len(item) + 2 > width:
-            lines.append(line + ",")
-            line = item
-        else:
-            line = f"{line}, {item}" if line else item
-    return [*lines, line]
+# --------------------------------------------------------------------------- the site's "Public namespace"
+def test_the_generated_page_lists_each_public_module_and_exactly_its_names():
+    """The page tools/mkdocs_hooks.py adds to the API reference: one section per public module, in the order of
+    PUBLIC_MODULES, with what it is for and the names of its ``__all__``, each once; nothing else."""
+    page = public_namespace.namespace_page({"headlab.plugin": "headlab.plugin.md"})
+    sections = re.split(r"^## ", page, flags=re.M)[1:]
+    assert [re.search(r"`([\w.]+)`", s).group(1) for s in sections] == list(PUBLIC_MODULES)
+    assert sections[0].startswith("[`headlab.plugin`](headlab.plugin.md)\n")
+    assert sections[1].startswith("`headlab`\n")
+    for module, section in zip(PUBLIC_MODULES, sections, strict=True):
+        _, about, names = section.strip().split("\n\n")
+        assert about.lower() == PUBLIC_MODULES[module].lower() + "."
+        listed = re.findall(r"`([^`]+)`", names)
+        assert sorted(listed) == sorted(exported(module)), module
+        assert listed == sorted(listed, key=lambda n: (n.lower().lstrip("_"), n))
 
 
-def namespace_listing() -> str:
-    """The generated part of "The public namespace" in docs/plugins.md: each public module, what it is for,
-    and the names of its ``__all__``."""
-    out = [BEGIN]
-    for module, about in PUBLIC_MODULES.items():
-        names = sorted(exported(module) or (), key=lambda n: (n.lower().lstrip("_"), n))
-        out += ["", f"`{module}`: {about}.", "", *_wrapped(names)]
-    out += ["", END]
-    return "\n".join(out)
-
-
-def _documented() -> str:
+def test_the_guide_points_at_the_generated_page_and_keeps_no_copy():
     text = DOC.read_text(encoding="utf-8")
-    assert BEGIN in text and END in text, f"{DOC.name} has no generated list of the public namespace"
-    return text[text.index(BEGIN): text.index(END) + len(END)]
-
-
-def test_the_docs_list_the_public_namespace():
-    assert _documented() == namespace_listing(), (
-        "docs/plugins.md's list of the public namespace is out of date: python tests/test_public_api.py --write")
-
-
-if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
-    text = DOC.read_text(encoding="utf-8")
-    DOC.write_text(text.replace(_documented(), namespace_listing()), encoding="utf-8")
+    assert "public-namespace:begin" not in text
+    assert "Public namespace" in text and "tools/public_namespace.py" in text

@@ -92,6 +92,7 @@ def test_writes_a_package(generated):
             assert "__dict__" not in text, path
 
 
+@pytest.mark.slow  # a pip install and a pytest run of the generated package
 def test_generated_tests_pass_after_editable_install(generated, installed, tmp_path):
     tests = [str(d / "tests") for d in generated.values()]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONPATH": ""}

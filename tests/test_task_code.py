@@ -23,7 +23,14 @@ import headlab  # noqa: E402
 from headlab import lm_eval as harness  # noqa: E402
 from headlab.task_code import TaskCodeError, check_tasks, sandboxed_templates  # noqa: E402
 
+from fixtures.cli import run as in_process  # noqa: E402
+
 ROOT = Path(__file__).parent.parent
+
+
+def validate(path: Path) -> subprocess.CompletedProcess:
+    """``headlab validate PATH`` in this process (validation renders no task: nothing of lm-eval's runs or logs)."""
+    return in_process("validate", str(path), cwd=path.parent)
 
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -86,7 +93,7 @@ def test_validate_refuses_a_template_that_reaches_python(tmp_path):
     payload = "{{ cycler.__init__.__globals__.os.system('touch " + str(marker) + "') }}"
     path = tmp_path / "spec.yaml"
     path.write_text(spec([inline_task(qa_data(tmp_path), payload)]))
-    line = one_line_exit_2(cli("validate", str(path), cwd=tmp_path))
+    line = one_line_exit_2(validate(path))
     assert "steps[0].evaluate" in line and "'__init__'" in line and "not allowed" in line
     one_line_exit_2(cli("run", str(path), "--out", str(tmp_path / "runs"), cwd=tmp_path))
     assert not marker.exists() and not (tmp_path / "runs").exists()
@@ -100,7 +107,7 @@ def test_a_payload_hidden_from_validation_does_not_run(tmp_path):
                + str(marker) + "') }}{{ question }}")
     path = tmp_path / "spec.yaml"
     path.write_text(spec([inline_task(qa_data(tmp_path), payload)]))
-    assert cli("validate", str(path), cwd=tmp_path).returncode == 0
+    assert validate(path).returncode == 0
     res = cli("run", str(path), "--out", str(tmp_path / "runs"), cwd=tmp_path)
     assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
     assert "unsafe" in res.stderr and "eval" in res.stderr
@@ -132,7 +139,7 @@ def test_function_tag_under_include_path_is_refused(tmp_path):
     task = plant_function(tmp_path / "tasks", marker)
     path = tmp_path / "spec.yaml"
     path.write_text(spec(["evil_task"], include_path=tmp_path / "tasks"))
-    line = one_line_exit_2(cli("validate", str(path), cwd=tmp_path))
+    line = one_line_exit_2(validate(path))
     assert f"{task}: doc_to_text: !function evil.text names Python code" in line and "trust_task_code" in line
     with pytest.raises(TaskCodeError, match="evil.text"):
         harness.evaluate("headlab-tiny", ["evil_task"], include_path=tmp_path / "tasks", include_defaults=False)
@@ -140,7 +147,7 @@ def test_function_tag_under_include_path_is_refused(tmp_path):
     # trusted, the same definition is lm-eval's to run (here its loader imports the module)
     assert check_tasks(["evil_task"], tmp_path / "tasks", trust=True).files == [str(task.resolve())]
     path.write_text(spec(["evil_task"], include_path=tmp_path / "tasks", trust=True))
-    assert cli("validate", str(path), cwd=tmp_path).returncode == 0
+    assert validate(path).returncode == 0
     from lm_eval.tasks._yaml_loader import load_yaml
 
     assert load_yaml(task, resolve_func=True)["doc_to_text"]({"question": "q"}) == "q"  # lm-eval imports it

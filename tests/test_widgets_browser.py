@@ -259,6 +259,7 @@ example = Example(prompt=PROMPT, images=[Image.fromarray(picture(24, 32))])""",
 ]
 
 
+@pytest.mark.slow  # a JupyterLab and a Chromium of its own
 def test_image_attention_view_click_shows_the_patch_value(tmp_path, monkeypatch):
     """AttentionView of a tiny random LLaVA: the image panel is drawn over the image; hovering a patch
     shows its value as a tooltip, clicking shows it under the image and, through the kernel, in the
@@ -340,6 +341,7 @@ ds = xr.Dataset({"score": (("layer", "head", "token"), score), "clean": (("examp
 ]
 
 
+@pytest.mark.slow  # a JupyterLab and a Chromium of its own
 def test_patching_map_click_shows_scores_per_token(tmp_path):
     """PatchingMap in JupyterLab: a click on a head's cell goes through the kernel and comes back as that
     head's scores per token under the map (values of the dataset written in the notebook)."""

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from headlab.kernels import HeadEdits, ProbeRequest, choose_backend, needs_grad
 from headlab.kernels import attention as kernel_attention
@@ -187,8 +188,6 @@ def _native(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor, 
             dropout: float, scaling: float | None, kwargs: dict[str, Any], edits: HeadEdits | None) -> Tensor:
     """Exactly the SDPA call of ``attn_implementation="sdpa"`` (the model's own arguments, uncropped), with
     the query / output scales of ``edits`` around it; (B, Nq, H, D)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     if edits is not None and edits.q_scale is not None:
         query = query * edits.q_scale[:, :, None, None].to(query.dtype)
     out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,

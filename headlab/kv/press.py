@@ -13,6 +13,13 @@ from .errors import KvPolicyError
 from .maps import HeadBudgetMap, HeadMap
 from .snapkv import snapkv_keep
 
+try:  # the kvpress extra; without it, exporting says how to install it
+    import kvpress
+    from kvpress.utils import get_prerope_query_states
+except ImportError as e:
+    kvpress = None
+    _MISSING = str(e)
+
 __all__ = ["to_kvpress"]
 
 
@@ -54,8 +61,6 @@ def _headkv_press_class(base: type) -> type:
     """A kvpress press (subclass of its ``BasePress``) that keeps, per KV head, the keys :func:`snapkv_keep`
     selects for a HeadKV map's budgets, and hides the others from later queries the way kvpress's head-wise
     presses do (``masked_key_indices``)."""
-    from kvpress.utils import get_prerope_query_states
-
     @dataclass
     class HeadKVPress(base):  # type: ignore[misc, valid-type]
         """HeadKV's per-KV-head budgets (``kv_budget``, layers x KV heads) with SnapKV-style selection over the
@@ -125,9 +130,7 @@ def to_kvpress(head_map: HeadMap, length: int | None = None) -> Any:
 
 def _kvpress(name: str) -> type:
     """A class of kvpress, or the error that says how to install it."""
-    try:
-        import kvpress
-    except ImportError as e:
-        raise KvPolicyError(f"kvpress is not importable ({e}): pip install 'headlab[kvpress]' (kvpress 0.5 needs "
-                            "transformers < 5.3; docs/kv.md)") from None
+    if kvpress is None:
+        raise KvPolicyError(f"kvpress is not importable ({_MISSING}): pip install 'headlab[kvpress]' (kvpress 0.5 "
+                            "needs transformers < 5.3; docs/kv.md)")
     return getattr(kvpress, name)

@@ -26,8 +26,10 @@ from ..task_code import EXTRA
 __all__ = ["DEFAULT_MAX_GEN_TOKS", "HAVE_LM_EVAL", "HeadlabLM", "require_lm_eval"]
 
 
-try:  # the base class; without lm-eval the module imports, and using it says which extra to install
+try:  # the base class and helpers; without lm-eval the module imports, and using it says which extra to install
     from lm_eval.api.model import LM as _Base
+    from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
     HAVE_LM_EVAL = True
 except ImportError:  # pragma: no cover - exercised without the extra
@@ -212,8 +214,6 @@ class HeadlabLM(_Base):  # type: ignore[misc,valid-type]
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
         """The log-likelihood of each whole text (perplexity tasks), in disjoint windows of ``max_length``
         tokens as lm-eval's ``hf`` model computes it (the first token predicted from the prefix token)."""
-        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
-
         tok = self.lm.tokenizer
         prompts: list[Example] = []
         conts: list[list[int]] = []
@@ -237,12 +237,6 @@ class HeadlabLM(_Base):  # type: ignore[misc,valid-type]
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
         """Generate for each context until a stop string (the task's ``until`` and EOS) or ``max_gen_toks``."""
-        from lm_eval.models.utils import (
-            handle_stop_sequences,
-            normalize_gen_kwargs,
-            postprocess_generated_text,
-        )
-
         if not requests:
             return []
         tok = self.lm.tokenizer

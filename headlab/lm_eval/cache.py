@@ -9,6 +9,11 @@ from pathlib import Path
 
 from ..results import is_url, store_location
 
+try:  # lm-eval installs it
+    import datasets.config as datasets_config
+except ImportError:  # pragma: no cover - lm-eval requires datasets
+    datasets_config = None
+
 __all__ = ["CACHE_ENV", "cache_directory", "datasets_cache"]
 
 
@@ -31,12 +36,8 @@ def datasets_cache(directory: str | Path | None) -> Iterator[Path | None]:
     """While the block runs, the ``datasets`` library keeps what it prepares, downloads and extracts under
     ``directory/datasets`` (yielded) instead of ``~/.cache/huggingface/datasets``. Nothing changes (None is
     yielded) when ``directory`` is None or the environment names a cache (:data:`CACHE_ENV`)."""
-    if directory is None or any(os.environ.get(name) for name in CACHE_ENV):
-        yield None
-        return
-    try:
-        import datasets.config as config
-    except ImportError:  # pragma: no cover - lm-eval requires datasets
+    config = datasets_config
+    if directory is None or config is None or any(os.environ.get(name) for name in CACHE_ENV):
         yield None
         return
     root = Path(directory).expanduser() / "datasets"

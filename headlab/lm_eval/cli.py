@@ -9,6 +9,11 @@ from collections.abc import Sequence
 
 from .adapter import HAVE_LM_EVAL, HeadlabLM, require_lm_eval
 
+if HAVE_LM_EVAL:
+    import lm_eval.models  # noqa: F401  (lm-eval registers its models lazily on first lookup of an empty registry)
+    from lm_eval.__main__ import cli_evaluate
+    from lm_eval.api.registry import model_registry
+
 __all__ = ["main"]
 
 
@@ -18,8 +23,6 @@ log = logging.getLogger("headlab.lm_eval")
 def main(argv: Sequence[str] | None = None) -> None:
     """``headlab eval ARGS``: lm-eval's command line (``lm-eval run``) with ``--model headlab`` by default."""
     require_lm_eval()
-    from lm_eval.__main__ import cli_evaluate
-
     args = list(sys.argv[1:] if argv is None else argv)
     commands = ("run", "ls", "validate")
     if not args or args[0] not in commands:
@@ -36,9 +39,6 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 def _register() -> None:
     """Register :class:`HeadlabLM` as ``headlab`` in lm-eval's model registry (after lm-eval's own models)."""
-    import lm_eval.models  # noqa: F401  (lm-eval registers its models lazily on first lookup of an empty registry)
-    from lm_eval.api.registry import model_registry
-
     if model_registry.get("headlab", None) is not HeadlabLM:
         try:
             model_registry.register("headlab")(HeadlabLM)

@@ -10,9 +10,12 @@ from typing import Any
 
 from ..context import StepContext
 from ..task_code import check_tasks, sandboxed_templates
-from .adapter import DEFAULT_MAX_GEN_TOKS, HeadlabLM, require_lm_eval
+from .adapter import DEFAULT_MAX_GEN_TOKS, HAVE_LM_EVAL, HeadlabLM, require_lm_eval
 from .results import results_dataset
 from .tasks import task_manager
+
+if HAVE_LM_EVAL:
+    from lm_eval import simple_evaluate
 
 __all__ = ["evaluate"]
 
@@ -39,8 +42,6 @@ def evaluate(model: Any, tasks: Sequence[str | Mapping[str, Any]], *, decode: An
     records over ``example``), or lm-eval's own results dict with ``raw=True``.
     """
     require_lm_eval()
-    from lm_eval import simple_evaluate
-
     sources = check_tasks(list(tasks), include_path, trust=trust_task_code)
     lm = HeadlabLM(model if model is not None else (ctx.model if ctx is not None else None), decode=decode,
                    steer=list(steer) or None, batch_size=batch_size, max_gen_toks=max_gen_toks, seed=seed,

@@ -11,6 +11,11 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
+try:  # for its version; results read without it too
+    import lm_eval
+except ImportError:  # pragma: no cover - exercised without the extra
+    lm_eval = None
+
 __all__ = ["results_dataset"]
 
 
@@ -124,12 +129,7 @@ def results_dataset(results: Mapping[str, Any]) -> xr.Dataset:
             if metric in higher.get(t, {}):
                 better[name] = higher[t][metric]
                 break
-    try:
-        import lm_eval
-
-        version = lm_eval.__version__
-    except ImportError:  # pragma: no cover
-        version = ""
+    version = getattr(lm_eval, "__version__", "")
     ds.attrs.update(metrics=list(names.values()), filters={n: f for (_, f), n in names.items()},
                     higher_is_better=better, lm_eval_version=version,
                     task_versions={t: str(v) for t, v in results.get("versions", {}).items()},

@@ -15,7 +15,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .adapter import require_lm_eval
+from .adapter import HAVE_LM_EVAL, require_lm_eval
+
+if HAVE_LM_EVAL:
+    import lm_eval
+    from lm_eval.api.registry import aggregation_registry
+    from lm_eval.api.task import ConfigurableTask
+    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks._yaml_loader import load_yaml
 
 __all__ = ["MAX_FEWSHOT", "OUTPUT_TYPES", "TaskConfigError", "check_task_configs", "local_task", "metric_output_types",
            "task_manager"]
@@ -26,8 +33,6 @@ _SPLITS = ("training_split", "validation_split", "test_split", "fewshot_split")
 
 
 def _task_yaml(task: str) -> Path:
-    import lm_eval
-
     root = Path(lm_eval.__file__).parent / "tasks"
     found = sorted(root.rglob(f"{task}.yaml"))
     if not found:
@@ -106,8 +111,6 @@ def task_manager(include_path: str | Path | Sequence[str | Path] | None = None, 
     """lm-eval's ``TaskManager`` over its own tasks (``include_defaults``) and the task YAMLs under
     ``include_path`` (one or several directories)."""
     require_lm_eval()
-    from lm_eval.tasks import TaskManager
-
     paths = None
     if include_path is not None:
         paths = [str(p) for p in include_path] if isinstance(include_path, (list, tuple)) else str(include_path)
@@ -156,13 +159,13 @@ def metric_output_types() -> dict[str, tuple[str, ...]]:
             except (KeyError, ValueError):
                 continue
             out[str(name)] = (types,) if isinstance(types, str) else tuple(types)
+    if not HAVE_LM_EVAL:  # pragma: no cover - exercised without the extra
+        return out
     try:  # the metrics a multiple_choice task's own process_results computes from the choices' scores
-        from lm_eval.api.task import ConfigurableTask
-
         for name in re.findall(r"[\"'](\w+)[\"'] in use_metric", inspect.getsource(ConfigurableTask.process_results)):
             if "multiple_choice" not in out.get(name, ("multiple_choice",)):
                 out[name] = (*out[name], "multiple_choice")
-    except (ImportError, OSError, TypeError):  # pragma: no cover - no source to read
+    except (OSError, TypeError):  # pragma: no cover - no source to read
         pass
     return out
 
@@ -171,8 +174,6 @@ def _own_aggregation(entry: Any) -> bool:
     """Whether a ``metric_list`` entry brings an aggregation that is not one of lm-eval's registered ones."""
     if not isinstance(entry, Mapping) or "aggregation" not in entry:
         return False
-    from lm_eval.api.registry import aggregation_registry
-
     return not (isinstance(entry["aggregation"], str) and entry["aggregation"] in aggregation_registry)
 
 
@@ -250,8 +251,6 @@ def check_task_configs(tasks: Sequence[str | Mapping[str, Any]], *,
     documents of the few-shot split. Raises :class:`TaskConfigError` naming the task and where. The index of
     tasks is built once per process for each ``(include_path, include_defaults)``."""
     require_lm_eval()
-    from lm_eval.tasks._yaml_loader import load_yaml
-
     if num_fewshot is not None and num_fewshot > MAX_FEWSHOT:
         raise TaskConfigError(f"num_fewshot {num_fewshot:,} is more than {MAX_FEWSHOT:,} few-shot examples",
                               ("num_fewshot",))

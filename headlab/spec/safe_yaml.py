@@ -12,6 +12,12 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from ruamel.yaml import YAML
+from ruamel.yaml.constructor import ConstructorError, RoundTripConstructor
+from ruamel.yaml.error import MarkedYAMLError, YAMLError
+from ruamel.yaml.reader import ReaderError
+from ruamel.yaml.scanner import RoundTripScanner, ScannerError
+
 from .errors import SpecError, _position, format_path
 
 __all__ = ["MAX_DEPTH", "MAX_NODES", "MAX_SPEC_BYTES", "MAX_SPEC_CHARS", "MAX_YAML_INT", "SAFE_TAGS", "parse_yaml"]
@@ -25,9 +31,10 @@ MAX_SPEC_BYTES = 4 * MAX_SPEC_CHARS
 """Largest spec file (bytes), checked with ``os.stat`` before the file is read: no text of
 :data:`MAX_SPEC_CHARS` characters takes more in UTF-8 (at most 4 bytes a character)."""
 MAX_DEPTH = 64
-"""Deepest nesting of mappings and lists (aliases included)."""
+"""Deepest nesting of mappings and lists (aliases included), checked while scanning, so ``[[[[...`` fails at once."""
 MAX_NODES = 50_000
-"""Most values (mapping/list entries and scalars) a spec may hold once its YAML aliases are expanded."""
+"""Most values (mapping/list entries and scalars) a spec may hold once its YAML aliases are expanded (a 1 KB
+alias bomb fails in well under a second, also inside ``model.config``)."""
 MAX_YAML_INT = 2**63 - 1
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -133,53 +140,45 @@ def _locate_tag(node: Any, path: list[Any] | None = None, seen: set[int] | None 
     return None
 
 
-@functools.cache
-def _located_constructor() -> type:
+def _located(build: Any) -> Any:
+    """``build`` (a constructor method) with any failure to build a value turned into a YAML error at the value."""
+
+    @functools.wraps(build)
+    def wrapper(self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return build(self, node, *args, **kwargs)
+        except (YAMLError, RecursionError):
+            raise
+        except Exception as e:
+            raise ConstructorError(None, None, f"cannot read this value ({type(e).__name__}: {e})",
+                                   node.start_mark) from None
+    return wrapper
+
+
+class _LocatedConstructor(RoundTripConstructor):
     """ruamel's round-trip constructor, turning any failure to build a value (``!!int abc``, a ``!!pairs``
     key) into a YAML error at that value's position."""
-    from ruamel.yaml.constructor import ConstructorError, RoundTripConstructor
-    from ruamel.yaml.error import YAMLError
 
-    def located(build: Any) -> Any:
-        @functools.wraps(build)
-        def wrapper(self: Any, node: Any, *args: Any, **kwargs: Any) -> Any:
-            try:
-                return build(self, node, *args, **kwargs)
-            except (YAMLError, RecursionError):
-                raise
-            except Exception as e:
-                raise ConstructorError(None, None, f"cannot read this value ({type(e).__name__}: {e})",
-                                       node.start_mark) from None
-        return wrapper
-
-    class LocatedConstructor(RoundTripConstructor):
-        construct_object = located(RoundTripConstructor.construct_object)
-        construct_mapping = located(RoundTripConstructor.construct_mapping)
-
-    return LocatedConstructor
+    construct_object = _located(RoundTripConstructor.construct_object)
+    construct_mapping = _located(RoundTripConstructor.construct_mapping)
 
 
-@functools.cache
-def _bounded_scanner() -> type:
+class _BoundedScanner(RoundTripScanner):
     """ruamel's round-trip scanner, refusing nesting past :data:`MAX_DEPTH` as it reads (its look-ahead for
     simple keys is quadratic in the flow nesting depth, so the limit must hold before the composer's)."""
-    from ruamel.yaml.scanner import RoundTripScanner, ScannerError
 
-    class BoundedScanner(RoundTripScanner):
-        def _too_deep(self) -> ScannerError:
-            return ScannerError(None, None, f"nested deeper than {MAX_DEPTH} levels", self.reader.get_mark())
+    def _too_deep(self) -> ScannerError:
+        return ScannerError(None, None, f"nested deeper than {MAX_DEPTH} levels", self.reader.get_mark())
 
-        def fetch_flow_collection_start(self, TokenClass: Any, to_push: str) -> None:
-            if len(self.flow_context) >= MAX_DEPTH:
-                raise self._too_deep()
-            super().fetch_flow_collection_start(TokenClass, to_push)
+    def fetch_flow_collection_start(self, TokenClass: Any, to_push: str) -> None:
+        if len(self.flow_context) >= MAX_DEPTH:
+            raise self._too_deep()
+        super().fetch_flow_collection_start(TokenClass, to_push)
 
-        def add_indent(self, column: int) -> bool:
-            if len(self.indents) >= MAX_DEPTH:
-                raise self._too_deep()
-            return super().add_indent(column)
-
-    return BoundedScanner
+    def add_indent(self, column: int) -> bool:
+        if len(self.indents) >= MAX_DEPTH:
+            raise self._too_deep()
+        return super().add_indent(column)
 
 
 def parse_yaml(text: str, source: str = "<spec>") -> tuple[dict[str, Any], Any]:
@@ -189,18 +188,14 @@ def parse_yaml(text: str, source: str = "<spec>") -> tuple[dict[str, Any], Any]:
     :data:`MAX_SPEC_CHARS`, nesting deeper than :data:`MAX_DEPTH`, and more than :data:`MAX_NODES`
     values once aliases are expanded.
     """
-    from ruamel.yaml import YAML
-    from ruamel.yaml.error import MarkedYAMLError, YAMLError
-    from ruamel.yaml.reader import ReaderError
-
     if len(text) > MAX_SPEC_CHARS:
         raise SpecError(f"the spec is {len(text):,} characters long; the limit is {MAX_SPEC_CHARS:,} (data "
                         "belongs in a task's data file)", source=source, line=1, col=1)
     yaml = YAML(typ="rt")
     yaml.allow_duplicate_keys = False
     yaml.max_depth = MAX_DEPTH
-    yaml.Scanner = _bounded_scanner()
-    yaml.Constructor = _located_constructor()
+    yaml.Scanner = _BoundedScanner
+    yaml.Constructor = _LocatedConstructor
     try:
         tree = yaml.load(io.StringIO(text))
     except MarkedYAMLError as e:

@@ -45,15 +45,16 @@ import dataclasses
 import json
 import warnings
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import numpy as np
 import torch
 import typer
 import xarray as xr
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationError, field_validator
 
-from headlab import component
+from headlab import PluginError, SpecError, component
 from headlab.pattern_scores import pair_scores
 from headlab.plugin import (
     LoadedModel,
@@ -429,12 +430,6 @@ def atlas_spec(model: str, *, detectors: list[str] | None = None, tokens: int = 
     """The spec ``headlab atlas MODEL`` runs: ``model`` (a registered model's name or a local checkpoint
     directory, remote code off) and one ``atlas`` step. Bad arguments are a :class:`headlab.SpecError` naming
     the option."""
-    from pathlib import Path
-
-    from pydantic import ValidationError
-
-    from headlab import PluginError, SpecError
-
     try:
         component("models", model)
         model_spec: Any = model

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from pathlib import Path
 
 import numpy as np
 import xarray as xr
@@ -108,8 +109,6 @@ def comparison_lines(ds: xr.Dataset) -> list[str]:
 def load_like(ref: str, lm: LoadedModel) -> LoadedModel:
     """The model ``ref`` names (a registered model's name or a local checkpoint directory; remote code off), on
     ``lm``'s device and in its dtype; ``ValueError`` when ``ref`` is neither or its geometry differs from ``lm``'s."""
-    from pathlib import Path
-
     try:
         component("models", ref)
         spec = ModelSpec(id=ref)

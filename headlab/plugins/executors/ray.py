@@ -44,16 +44,22 @@ class RayExecutor(ComponentConfig):
         None, description="'auto' (a running cluster: RAY_ADDRESS or `ray start` on this node), "
                           "'ray://host:port' (Ray Client), or null: the cluster this process is connected to, "
                           "else one found as 'auto' finds it, else a new local one for this run")
-    num_gpus_per_cell: float = Field(0, ge=0, description="GPUs of each worker (a cell runs on one worker)")
-    num_cpus_per_cell: float = Field(1, gt=0, description="CPUs of each worker")
+    num_gpus_per_cell: float = Field(0, ge=0, description="GPUs of each worker (a cell runs on one worker; "
+                                                          "fractions share a GPU)")
+    num_cpus_per_cell: float = Field(1, gt=0, description="CPUs of each worker (Ray sets the worker's "
+                                                          "OMP_NUM_THREADS, so torch's threads, to it unless set)")
     max_retries: NonNegativeInt = Field(2, description="times a failed cell (raised, or its worker died) is sent again")
     workers: PositiveInt | None = Field(None, description="worker processes (default: as many as the cluster's "
-                                                         "CPUs and GPUs hold, at most one per cell)")
+                                                         "CPUs / num_cpus_per_cell and GPUs / num_gpus_per_cell "
+                                                         "hold, at most one per cell)")
     models_per_worker: PositiveInt = Field(1, description="loaded models a worker keeps (least recently used go)")
     keep_workers: bool = Field(False, description="keep the workers and their models for this process's next run "
-                                                  "(they hold their CPUs and GPUs meanwhile)")
-    start_timeout: float = Field(120, gt=0, description="seconds to wait for the first worker to start before giving "
-                                                        "up (a worker that cannot start would be waited for forever)")
+                                                  "(a notebook; they hold their CPUs and GPUs meanwhile; "
+                                                  "headlab.plugins.executors.ray.release_workers() ends them)")
+    start_timeout: float = Field(120, gt=0, description="seconds to wait for the first worker to start; past it "
+                                                        "the run is refused, before its store exists, naming Ray's "
+                                                        "logs (a worker that cannot start, for example under a low "
+                                                        "ulimit -v, would be waited for forever)")
 
 
 class CellWorker:

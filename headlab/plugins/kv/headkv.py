@@ -44,19 +44,22 @@ class HeadKV(ComponentConfig):
 
     kind: Literal["headkv"] = "headkv"
     measure_peak: bool = MEASURE_PEAK_FIELD
-    scores: HeadScoreSource = Field(description="per-head importance: {from: step} (its `score`) or {file: "
-                                                "heads.json} (HeadKV's / the retrieval-head format)")
+    scores: HeadScoreSource = Field(description="per-head importance: {from: step} (its `score`), {file: "
+                                                "heads.json} (HeadKV's / the retrieval-head format; every head must "
+                                                "have a score) or {file: full_attention_heads.tsv} (KV heads)")
     budget: KvBudget = Field(description="the total: {fraction: f} of the full cache, {bytes: n} or "
-                                         "{tokens_per_head: t} (HeadKV's KV size, window included) per row")
-    beta: float = Field(1.5, ge=1, le=1e6, description="the pool is floor(base / beta) tokens of every KV head "
-                                                       "(larger beta: a smaller shared pool)")
+                                         "{tokens_per_head: t} (HeadKV's KV size, window included) per row; the "
+                                         "mean tokens per KV head B = floor(K / N) include the observation window")
+    beta: float = Field(1.5, ge=1, le=1e6, description="each KV head puts floor((B - W) / beta) tokens into the "
+                                                       "shared pool (larger beta: a smaller pool)")
     temp: PositiveFloat = Field(1.0, description="exponent of the normalised scores before the split")
-    observation_window: PositiveInt = Field(8, description="last prompt queries whose attention scores the keys; "
+    observation_window: PositiveInt = Field(8, description="W: the last prompt queries whose attention scores the keys; "
                                                            "every KV head keeps their tokens")
     kernel_size: PositiveInt = Field(7, description="width of the pooling over neighbouring key positions (odd)")
     pooling: Literal["max", "avg"] = Field("max", description="pooling of the key scores")
     gqa: GqaRule = Field("mean", description="a KV head's score from its query heads' scores: mean (default), "
-                                             "any (the highest) or all (the lowest)")
+                                             "any (the highest) or all (the lowest); with mean a KV head's share of "
+                                             "the pool is its query heads' total share")
     prefill_chunk: PositiveInt | None = Field(
         None, description="feed a longer prompt (or scored row) in forwards of at most this many tokens: bounds its "
                           "activations by the chunk; every KV head holds the prompt's keys until its last chunk, "

@@ -47,6 +47,8 @@ from typing import Any, Literal
 
 import numpy as np
 from pydantic import Field
+from ruamel.yaml import YAML
+from ruamel.yaml.error import YAMLError
 
 from headlab.plugin import ComponentConfig, Example, hookimpl
 from headlab.text import COLOURS, SHAPES, plural
@@ -200,9 +202,6 @@ def load_synonyms(value: Mapping[str, Any] | str | None) -> dict[str, list[str]]
             except json.JSONDecodeError as e:
                 raise ValueError(f"metric chair: synonyms file {p.name} line {e.lineno}: invalid JSON: {e.msg}") from None
         else:
-            from ruamel.yaml import YAML  # noqa: PLC0415 - only for a YAML synonyms file
-            from ruamel.yaml.error import YAMLError  # noqa: PLC0415
-
             try:
                 data = YAML(typ="safe").load(text)
             except YAMLError as e:
