@@ -183,11 +183,24 @@ def merge_section(old: str | None, title: str, command: str, section: str) -> st
     return text[:end] + "\n" + block + text[end:]
 
 
+def shown_argument(arg: str, root: str) -> str:
+    """A command-line argument as a results file shows it: an absolute path inside ``root`` relative to it, one
+    outside as ``<elsewhere>/`` and its last three parts (a peer's interpreter in a virtual environment of its own
+    reads ``<elsewhere>/.venv-tl/bin/python``: no developer's machine is named); anything else as it is."""
+    if not os.path.isabs(arg):
+        return arg
+    rel = os.path.relpath(arg, root)
+    if not rel.startswith(".."):
+        return rel
+    return "<elsewhere>/" + "/".join(arg.rstrip("/").split("/")[-3:])
+
+
 def main_writing_results(main, script: str) -> None:
     """Run a benchmark's ``main``; with ``--write [PATH]`` also write what it prints (its own and its
     subprocesses' standard output) to ``benchmarks/results/<script name>.md`` (or PATH) once it succeeds, as a
     section headed by the command, with the date, the machine and the commit. A later run with another command
-    adds its own section to the file; one with the same command replaces that section (:func:`merge_section`).
+    adds its own section to the file; one with the same command replaces that section (:func:`merge_section`). The
+    command shows paths as :func:`shown_argument` does.
     The docs site's Results section is built from those files."""
     import datetime as dt
     import shlex
@@ -214,7 +227,9 @@ def main_writing_results(main, script: str) -> None:
     first = (sys.modules["__main__"].__doc__ or name).strip().split("\n\n")[0]
     doc = " ".join(first.split()).split(". ")[0].rstrip(".")  # the docstring's first sentence
     seconds = (dt.datetime.now(dt.timezone.utc) - started).total_seconds()
-    command = f"python benchmarks/{name}.py {shlex.join(argv)}".rstrip()
+    shown = [shown_argument(a, os.path.dirname(here)) for a in argv]
+    command = " ".join([f"python benchmarks/{name}.py"] + [a if a.startswith("<elsewhere>/") else shlex.quote(a)
+                                                             for a in shown])
     section = "\n".join([
         f"## `{command}`", "",
         f"Written by `--write` on {started:%Y-%m-%d %H:%M} UTC ({seconds:.0f} s), commit {_commit(here)}.",

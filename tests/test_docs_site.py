@@ -283,3 +283,6 @@ def test_write_keeps_a_section_per_command(tmp_path):
     text = write("--reps", "2")
     assert text.count("(reps 2)") == 1 and text.count("(reps 3)") == 1 and "kept\n" in text
     assert text.index("(reps 2)") < text.index("(reps 3)") and text[:text.index("Written by")] == first
+    text = write("--peer", "/opt/someone/envs/.venv-x/bin/python", str(tmp_path / "in.json"))
+    assert f"## `python benchmarks/bench_fake.py --peer <elsewhere>/.venv-x/bin/python {tmp_path.name}/in.json`" in text
+    assert "/opt/" not in text and str(tmp_path) not in text  # no path of the machine that ran it
