@@ -159,11 +159,49 @@ def _commit(root: str) -> str:
     return (sha or "unknown") + (" with uncommitted changes" if dirty else "")
 
 
+SECTION_START = "<!-- written by --write: "
+SECTION_END = "<!-- end of --write output -->"
+
+
+def merge_section(old: str | None, title: str, command: str, section: str) -> str:
+    """The results file after a ``--write`` run of ``command``: its ``title`` line, then one section per distinct
+    command, each between markers. The run's ``section`` replaces the section of the same command, or follows the
+    last written section; text outside the markers (a note, an older recorded run) stays. A file with no marked
+    section (written by hand) is replaced whole."""
+    block = f"{SECTION_START}{command} -->\n{section.strip()}\n{SECTION_END}\n"
+    if not old or SECTION_START not in old:
+        return f"{title}\n\n{block}"
+    lines = old.splitlines(keepends=True)
+    if lines and lines[0].startswith("# "):
+        lines[0] = title + "\n"
+    text = "".join(lines)
+    start = text.find(f"{SECTION_START}{command} -->\n")
+    if start >= 0:
+        end = text.index(SECTION_END, start) + len(SECTION_END) + 1
+        return text[:start] + block + text[end:]
+    end = text.rindex(SECTION_END) + len(SECTION_END) + 1
+    return text[:end] + "\n" + block + text[end:]
+
+
+def shown_argument(arg: str, root: str) -> str:
+    """A command-line argument as a results file shows it: an absolute path inside ``root`` relative to it, one
+    outside as ``<elsewhere>/`` and its last three parts (a peer's interpreter in a virtual environment of its own
+    reads ``<elsewhere>/.venv-tl/bin/python``: no developer's machine is named); anything else as it is."""
+    if not os.path.isabs(arg):
+        return arg
+    rel = os.path.relpath(arg, root)
+    if not rel.startswith(".."):
+        return rel
+    return "<elsewhere>/" + "/".join(arg.rstrip("/").split("/")[-3:])
+
+
 def main_writing_results(main, script: str) -> None:
     """Run a benchmark's ``main``; with ``--write [PATH]`` also write what it prints (its own and its
-    subprocesses' standard output) to ``benchmarks/results/<script name>.md`` (or PATH) once it succeeds, under a
-    header that names the command, the date, the machine and the commit. The docs site's Results section is
-    built from those files."""
+    subprocesses' standard output) to ``benchmarks/results/<script name>.md`` (or PATH) once it succeeds, as a
+    section headed by the command, with the date, the machine and the commit. A later run with another command
+    adds its own section to the file; one with the same command replaces that section (:func:`merge_section`). The
+    command shows paths as :func:`shown_argument` does.
+    The docs site's Results section is built from those files."""
     import datetime as dt
     import shlex
     import sys
@@ -189,15 +227,18 @@ def main_writing_results(main, script: str) -> None:
     first = (sys.modules["__main__"].__doc__ or name).strip().split("\n\n")[0]
     doc = " ".join(first.split()).split(". ")[0].rstrip(".")  # the docstring's first sentence
     seconds = (dt.datetime.now(dt.timezone.utc) - started).total_seconds()
-    header = [
-        f"# {name}: {doc}", "",
-        f"`python benchmarks/{name}.py {shlex.join(argv)}`".replace(" `", "`"), "",
+    shown = [shown_argument(a, os.path.dirname(here)) for a in argv]
+    command = " ".join([f"python benchmarks/{name}.py"] + [a if a.startswith("<elsewhere>/") else shlex.quote(a)
+                                                             for a in shown])
+    section = "\n".join([
+        f"## `{command}`", "",
         f"Written by `--write` on {started:%Y-%m-%d %H:%M} UTC ({seconds:.0f} s), commit {_commit(here)}.",
         f"Machine: {_machine()}; 1-minute load average {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the"
         " end (other processes' share of the cores: timings on a loaded machine move with it).", "",
-        "```text", "".join(printed).rstrip("\n"), "```", "",
-    ]
+        "```text", "".join(printed).rstrip("\n"), "```",
+    ])
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    old = open(path).read() if os.path.exists(path) else None
     with open(path, "w") as f:
-        f.write("\n".join(header))
+        f.write(merge_section(old, f"# {name}: {doc}", command, section))
     print(f"wrote {path}", file=sys.stderr)

@@ -1,7 +1,7 @@
 """The head atlas against its detectors run one by one, each as its own spec step (not a test).
 
     python benchmarks/bench_atlas.py [--model headlab-tiny] [--tokens 64] [--n 8] [--importance] [--reps 3] \
-        [--threads 1]
+        [--threads 1] [--write]
 
 In one process, with the same tasks (the atlas's built-in tasks, recorded in its ``detector_steps``) and seed:
 
@@ -91,4 +91,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from _common import main_writing_results
+
+    main_writing_results(main, __file__)

@@ -254,3 +254,35 @@ def test_a_benchmark_writes_its_output_for_the_results_section(tmp_path):
     r = subprocess.run([sys.executable, "bench_fake.py", "--fail", "--write", str(tmp_path / "failed.md")],
                        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
     assert r.returncode == 3 and not (tmp_path / "failed.md").exists()
+
+
+def test_write_keeps_a_section_per_command(tmp_path):
+    """Runs with different commands share one results file, a section each; a rerun of a command replaces its
+    own section in place; text outside the sections (an older recorded run) stays; a file written by hand is
+    replaced whole."""
+    (tmp_path / "_common.py").write_text((ROOT / "benchmarks" / "_common.py").read_text())
+    (tmp_path / "bench_fake.py").write_text(FAKE_BENCH)
+    out = tmp_path / "results" / "bench_fake.md"
+    out.parent.mkdir()
+    out.write_text("# copied by hand\n\nan old table\n")
+
+    def write(*args):
+        r = subprocess.run([sys.executable, "bench_fake.py", "--write", *args], capture_output=True, text=True,
+                           cwd=tmp_path, env=environment(), timeout=120)
+        assert r.returncode == 0, r.stderr
+        return out.read_text()
+
+    text = write("--reps", "2")
+    assert "copied by hand" not in text and "an old table" not in text
+    out.write_text(text + "\n## Recorded output of an earlier run\n\nkept\n")
+    text = write("--reps", "3")
+    two, three = text.index("## `python benchmarks/bench_fake.py --reps 2`"), text.index("(reps 3)")
+    assert text.startswith("# bench_fake: ") and text.count("# bench_fake: ") == 1
+    assert two < three < text.index("## Recorded output of an earlier run\n\nkept\n")
+    first = text[:text.index("Written by")]
+    text = write("--reps", "2")
+    assert text.count("(reps 2)") == 1 and text.count("(reps 3)") == 1 and "kept\n" in text
+    assert text.index("(reps 2)") < text.index("(reps 3)") and text[:text.index("Written by")] == first
+    text = write("--peer", "/opt/someone/envs/.venv-x/bin/python", str(tmp_path / "in.json"))
+    assert f"## `python benchmarks/bench_fake.py --peer <elsewhere>/.venv-x/bin/python {tmp_path.name}/in.json`" in text
+    assert "/opt/" not in text and str(tmp_path) not in text  # no path of the machine that ran it
