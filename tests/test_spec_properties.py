@@ -108,3 +108,12 @@ def test_broken_specs_are_located_spec_errors_and_nothing_else(case):
 @given(S.mutated_specs())
 def test_more_broken_specs_are_located_spec_errors_and_nothing_else(case):
     check_broken(case)
+
+
+def test_a_key_with_a_line_break_stays_on_the_error_s_one_line():
+    """Found by the draws above: a key holding a line break (or an escape character) is shown escaped."""
+    with pytest.raises(SpecError) as e:
+        headlab.load_spec({"name": "x", "model": "headlab-tiny", "task": {"kind": "repeated_tokens"},
+                           "steps": [{"id": "a", "detect": {"kind": "induction"}}], "bad\nkey\x1b": 1})
+    assert "\n" not in str(e.value) and "\x1b" not in str(e.value)
+    assert "unknown key 'bad\\nkey\\x1b'" in str(e.value), str(e.value)

@@ -33,7 +33,13 @@ class SpecError(Exception):
         where = self.source
         if self.line is not None:
             where += f":{self.line}:{self.col or 1}"
-        return f"{where}: {self.path + ': ' if self.path else ''}{self.message}"
+        return one_line(f"{where}: {self.path + ': ' if self.path else ''}{self.message}")
+
+
+def one_line(text: str) -> str:
+    """``text`` with line breaks and other unprintable characters escaped (``\\n``, ``\\x1b``): a key or value
+    quoted from a spec cannot break an error's one line or move the terminal's cursor."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _position(tree: Any, path: list[Any]) -> tuple[int | None, int | None]:
