@@ -95,8 +95,8 @@ def test_the_parameter_count_reads_jit_functions_only():
 
 def test_kernels_modules_form_no_import_cycle():
     graph = {m: set(imports) for m, imports in _graph().items()}
-    assert graph["contract"] == set()
-    assert graph["torch_attention"] == {"contract"} and graph["triton_attention"] == {"contract"}
+    assert graph["contract"] == set() and graph["triton_args"] == set()
+    assert graph["torch_attention"] == {"contract"} and graph["triton_attention"] == {"contract", "triton_args"}
     assert graph["attention"] == {"contract", "torch_attention", "triton_attention"}
     assert find_cycle(graph) is None
 
