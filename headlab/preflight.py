@@ -122,7 +122,7 @@ def check_fields(loaded: LoadedSpec, cells: list[Cell] | None = None) -> None:
         spec = loaded.for_cell(cell)
         for i, step in enumerate(spec.steps):
             task = step.task or spec.task
-            key = f"{task.model_dump_json()}:{step.id}:{_jsonable(getattr(step, step.action))}"
+            key = f"{task.model_dump_json()}:{step.id}:{jsonable(getattr(step, step.action))}"
             if key in seen:
                 continue
             seen.add(key)
@@ -220,7 +220,7 @@ def check_steps(loaded: LoadedSpec, cells: list[Cell] | None = None) -> None:
             check = getattr(config, "preflight", None)
             if not callable(check):
                 continue
-            key = f"{format_path(at[:2])}:{type(config).__name__}:{_jsonable(config)}"
+            key = f"{format_path(at[:2])}:{type(config).__name__}:{jsonable(config)}"
             if key in seen:
                 continue
             seen.add(key)
@@ -247,7 +247,8 @@ def _selections(node: Any, path: list[Any]) -> Any:
             yield from _selections(v, [*path, i])
 
 
-def _jsonable(config: Any) -> Any:
+def jsonable(config: Any) -> Any:
+    """A config as JSON-compatible data (aliases as keys): what a stored step's ``config`` attribute holds."""
     if isinstance(config, BaseModel):
         return config.model_dump(mode="json", by_alias=True)
     return to_jsonable_python(config, by_alias=True)

@@ -53,11 +53,11 @@ from .model import LoadedModel, ModelLoadError, load_model
 from .plugin_manager import get_manager, plugins_for_workers, register_worker_plugins
 from .preflight import (
     PREFLIGHT_CELLS,
-    _jsonable,
     check_examples,
     check_fields,
     check_requirements,
     check_steps,
+    jsonable,
     preflight,
 )
 from .results import Run, RunWriter, is_url, now, open_run, store_location
@@ -363,7 +363,7 @@ def _run_steps(loaded: LoadedSpec, cell: Cell, models: ModelCache, reporter: Rep
                     raise step_error(e, step=step, config=None, task=task, cell=cell) from e
                 ds = ds.merge(ex, compat="override", join="left"
                               if "example" in ds.dims else "outer")
-            ds.attrs.update(step=step.id, action=step.action, task=task.kind, config=json.dumps(_jsonable(config)),
+            ds.attrs.update(step=step.id, action=step.action, task=task.kind, config=json.dumps(jsonable(config)),
                             model=lm.name)
             results[step.id] = ds
         finally:
