@@ -131,3 +131,14 @@ def test_a_planted_head_ranks_first():
     assert np.unravel_index(score.argmax(), score.shape) == (0, planted)
     assert score[0, planted] >= 0.95, score
     assert np.sort(score.ravel())[-2] < 0.7, score  # the other heads are blind: chance level
+
+
+def test_fits_in_worker_processes_equal_the_fits_in_this_process():
+    """n_jobs: 2 runs the per-head fits in joblib worker processes; every output equals n_jobs: 1's."""
+    _, lm, _ = models("llama")
+    ctx = StepContext(model=lm, examples=labelled(24, 2, seed=4), results={}, seed=0)
+    one = detect(Probe(label="truth", folds=2), ctx)
+    two = detect(Probe(label="truth", folds=2, n_jobs=2), ctx)
+    assert one.attrs["fits"] == two.attrs["fits"] > 0
+    for name in ("score", "accuracy_std", "probe_direction", "direction", "sigma"):
+        np.testing.assert_array_equal(one[name].values, two[name].values)

@@ -26,7 +26,8 @@ vector of a logistic regression (same ``C``) of positive against rest refitted o
 only), and ``sigma`` the standard deviation (``ddof=0``) of ``z . direction`` over all examples.
 
 One forward per batch (examples of similar length batched together) records ``z`` of every head (``Probes(z_positions=...)``: the last position, the given
-position, or all positions for ``mean``); the fits run over heads through joblib (``n_jobs``, threads).
+position, or all positions for ``mean``); the fits run over heads through joblib (``n_jobs`` worker processes: sklearn's
+solvers hold the GIL on features this small, so threads run no faster than one).
 
 Outputs: ``score``, ``accuracy_std`` (layer, head); ``direction``, ``probe_direction`` (layer, head,
 head_dim); ``sigma`` (layer, head); ``class_mean`` (class, layer, head, head_dim), the mean ``z`` of each class
@@ -93,7 +94,7 @@ class Probe(ComponentConfig):
         None, description="the class whose direction against the rest is stored (default: the last class in "
         "sorted order, true / 1 of a binary label)")
     n_jobs: Annotated[int, Field(ge=-1024, le=1024)] | None = Field(
-        None, description="joblib workers (threads) fitting the heads, as sklearn's n_jobs: none = 1 unless "
+        None, description="joblib worker processes fitting the heads, as sklearn's n_jobs: none = 1 unless "
         "inside joblib.parallel_config, -1 = every core")
     batch_size: PositiveInt = 8
 
@@ -256,7 +257,7 @@ def fit_heads(z: np.ndarray, y: np.ndarray, fold: np.ndarray, n_folds: int, *, c
     jobs = (delayed(_fit_logistic)(np.ascontiguousarray(z[:, layer, head]), y, fold, n_folds, C, positive,
                                   solver)
             for layer, head in heads)
-    results = Parallel(n_jobs=n_jobs, prefer="threads", return_as="generator")(jobs)
+    results = Parallel(n_jobs=n_jobs, prefer="processes", return_as="generator")(jobs)
     if progress is not None:
         results = progress(results, "probe fits", total=len(heads))
     acc = np.empty((n_folds, L, H))
