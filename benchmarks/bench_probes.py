@@ -9,13 +9,14 @@ marker word (the label), two prompts per group. The folds are the same for both 
 
 - ``headlab``: the ``probe`` detector (``classifier: logistic``): ``--batch-size`` prompts of similar length
   per forward through headlab's attention recording ``z`` of every head at the last token, then one sklearn
-  ``LogisticRegression`` (``--solver``) per head and fold over joblib threads (``--n-jobs``), plus its refit on all examples
+  ``LogisticRegression`` (``--solver``) per head and fold over joblib worker processes (``--n-jobs``), plus its refit on all examples
   per head (the probe direction) and the mass-mean directions and sigma;
 - ``reference``: what likenneth/honest_llama does: one prompt per forward of the model with eager attention,
   a forward pre-hook on every ``o_proj`` keeping its input at the last token (baukit's ``TraceDict`` with
   ``retain_input``), then ``for layer: for head: for fold: LogisticRegression(max_iter=1000).fit`` in Python.
 
-Prints the seconds of each, the ratio, and the largest difference between the two methods' per-head mean
+Prints the seconds of each, the ratio, on a CPU the ceiling (the largest ratio the layer arithmetic that the
+features need allows at this machine's measured matmul rate), and the largest difference between the two methods' per-head mean
 held-out accuracies (they fit the same classifiers on the same features, up to float rounding).
 """
 
@@ -106,6 +107,53 @@ def headlab_forwards(lm, examples, batch_size: int) -> float:
     return time.perf_counter() - t0
 
 
+def ceiling(lm, examples, intermediate: int, t_ref: float) -> str | None:
+    """On a CPU, the largest ratio any exact method could reach against the loop's ``t_ref`` seconds: the
+    layer arithmetic that z at the last token needs (every layer's projections and MLP at every token, except
+    the last layer's query, o_proj and MLP) at the best matmul rate this machine gives now."""
+    import torch
+
+    if lm.model.device.type != "cpu":
+        return None
+    geo = lm.geometry
+    hidden, kv = geo.n_heads * geo.head_dim, geo.n_kv_heads * geo.head_dim
+    tokens = sum(len(lm.tokenizer(ex.prompt).input_ids) for ex in examples)
+    per_layer = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * intermediate  # q, o; k, v; gate, up, down
+    flops = 2 * tokens * ((geo.n_layers - 1) * per_layer + 2 * hidden * kv)
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    rate = 2 * 1024**3 / best
+    floor = flops / rate
+    return (f"ceiling on this CPU: z at the last token needs {flops / 1e9:.0f} GFLOP of layer arithmetic "
+            f"({tokens} tokens); at the best matmul rate measured now ({rate / 1e9:.0f} GFLOP/s, torch.mm "
+            f"1024x1024, {torch.get_num_threads()} threads) that is {floor:.2f} s, so no exact method reaches more "
+            f"than {t_ref / floor:.1f}x against the loop's {t_ref:.2f} s")
+
+
+def sdpa_forwards(lm, examples, batch_size: int) -> float:
+    """Seconds of transformers' own SDPA forward of the same batches (logits at the last position, nothing
+    recorded): what a plain forward of the model costs, the floor of any method built on it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from headlab import tokenize
+    from headlab.plugins.probes.probe import length_batches
+
+    sdpa = AutoModelForCausalLM.from_config(copy.deepcopy(lm.model.config), attn_implementation="sdpa")
+    sdpa.load_state_dict(lm.model.state_dict())
+    sdpa = sdpa.to(lm.model.device).eval()
+    batches = [tokenize(lm, [examples[i] for i in idx]) for idx in length_batches(lm, examples, batch_size)]
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for b in batches:
+            sdpa(input_ids=b.input_ids, attention_mask=b.attention_mask, logits_to_keep=1)
+    return time.perf_counter() - t0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=1000)
@@ -153,6 +201,8 @@ def main() -> None:
     t_ref = time.perf_counter() - t0
     t_forwards = headlab_forwards(lm, examples, args.batch_size)
     sync()
+    t_sdpa = sdpa_forwards(lm, examples, args.batch_size)
+    sync()
 
     geo = lm.geometry
     print(f"model: random llama, {geo.n_layers} layers x {geo.n_heads} heads, head_dim {geo.head_dim}, "
@@ -165,6 +215,11 @@ def main() -> None:
           f"{geo.n_layers * geo.n_heads * args.folds} fits: {t_ref - t_ref_forwards:.2f} s)")
     print(f"ratio: {t_ref / t_headlab:.1f}x overall; forwards alone {t_ref_forwards / t_forwards:.1f}x "
           "(phases timed in separate runs: on a busy machine they need not add up)")
+    print(f"transformers' own SDPA forward of the same batches, nothing recorded: {t_sdpa:.2f} s "
+          f"(headlab's forwards cost {t_forwards / t_sdpa:.2f}x it; the loop's forwards {t_ref_forwards / t_sdpa:.1f}x)")
+    bound = ceiling(lm, examples, 2 * args.hidden, t_ref)
+    if bound:
+        print(bound)
     diff = np.abs(ds["score"].values - ref).max()
     print(f"per-head accuracy: largest difference {diff:.4f}; best head {ds['score'].values.max():.3f} "
           f"(reference {ref.max():.3f}); mean {ds['score'].values.mean():.3f} (reference {ref.mean():.3f})")
