@@ -122,7 +122,7 @@ def ceiling(lm, examples, intermediate: int, t_ref: float) -> str | None:
     flops = 2 * tokens * ((geo.n_layers - 1) * per_layer + 2 * hidden * kv)
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
     best = float("inf")
-    for _ in range(5):
+    for _ in range(30):
         t0 = time.perf_counter()
         torch.mm(a, b)
         best = min(best, time.perf_counter() - t0)
