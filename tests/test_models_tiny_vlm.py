@@ -112,18 +112,3 @@ def test_presence_answers_depend_on_the_image(vlm, questions):
 def test_checkpoint_is_in_the_package_data():
     text = (Path(__file__).parents[1] / "pyproject.toml").read_text()
     assert '"headlab-tiny-vlm/*"' in text
-
-
-@pytest.mark.slow
-def test_vhr_lowers_caption_hallucination_and_random_heads_do_not(tmp_path):
-    """specs/vhr_shapes.yaml end to end (the figures in docs/steering.md): VHR at the validation-selected
-    setting names fewer absent objects than greedy without naming fewer present ones, and 8 random heads
-    scaled by the same factor do not, on average, lower it as much."""
-    run = headlab.run(ROOT / "specs" / "vhr_shapes.yaml", out=tmp_path)
-    chair = {step: float(ds["chair_s"].mean()) for step, ds in run.results.items() if "chair_s" in ds}
-    assert chair["vhr"] <= chair["greedy"] - 0.1, chair
-    random_mean = sum(chair[f"random_heads_{k}"] for k in range(5)) / 5
-    assert random_mean >= chair["vhr"] + 0.08, chair
-    assert float(run.results["vhr"]["chair_mentions"].mean()) >= float(run.results["greedy"]["chair_mentions"].mean()) - 0.2
-    selected = run.results["vhr"]["vhr_selected"]
-    assert set(int(ly) for ly in selected["layer"][selected.any(["example", "head"])].values) == {0, 3}
