@@ -29,7 +29,7 @@ EXPECTED = {
         "full": "generate, kv full",
         "streaming_top4_w64": "generate, kv streaming (full heads from retrieval top 4, window 64)",
         "razor_top4_w128": "generate, kv razor (full heads from retrieval top 4, window 128)",
-        "headkv_f016": "generate, kv headkv (scores from retrieval, budget fraction 0.16)",
+        "headkv_f018": "generate, kv headkv (scores from retrieval, budget fraction 0.18)",
         "random_top4_w128": "control: generate, kv random (like from retrieval top 4, window 128)",
     },
     "pasta_emphasis": {
@@ -75,8 +75,8 @@ def test_parts_of_a_description():
     assert d.heads == ("from retrieval top 8",) and d.steering == () and d.kv is None and d.task is None
     assert d.fields["decode"] == {"kind": "decore", "heads": {"from": "retrieval", "top": 8}, "random": True,
                                   "alpha": "entropy"}
-    kv = describe_steps(headlab.load_spec(ROOT / "specs" / "kv_compression.yaml").spec)["headkv_f016"]
-    assert kv.kind == "greedy" and kv.kv == "headkv (scores from retrieval, budget fraction 0.16)"
+    kv = describe_steps(headlab.load_spec(ROOT / "specs" / "kv_compression.yaml").spec)["headkv_f018"]
+    assert kv.kind == "greedy" and kv.kv == "headkv (scores from retrieval, budget fraction 0.18)"
     assert kv.heads == ("from retrieval",) and not kv.is_control
 
 

@@ -222,7 +222,7 @@ def test_vhr_shapes_as_typed(workdir):
 def test_kv_compression_as_typed(workdir):
     """Every step with a KV policy is measured and shown; the random control holds the same bytes as the
     streaming step it matches and recalls less (docs/kv.md)."""
-    run = run_spec("kv_compression", workdir, timeout=2400)  # about 18 min on 2 cores shared with other jobs
+    run = run_spec("kv_compression", workdir, timeout=2400)  # about 5 min on 2 cores shared with other jobs
     res = run.results
     steps = [s for s in res if s != "retrieval"]
     assert len(steps) == 12 and all("kv_kept_fraction" in res[s] for s in steps)
@@ -230,7 +230,7 @@ def test_kv_compression_as_typed(workdir):
     for s in steps:
         assert f"{s}: kv {res[s].attrs['kv_policy']} kept fraction {res[s].attrs['kv_kept_fraction']:.4f}" in shown
     assert res["full"].attrs["kv_kept_fraction"] == 1.0
-    assert res["full"]["needle_recall"].size == 60  # 4 lengths x 5 depths x 3 needles
+    assert res["full"]["needle_recall"].size == 45  # 3 lengths x 5 depths x 3 needles
     for window in (128, 256):
         stream, rand = res[f"streaming_top4_w{window}"], res[f"random_top4_w{window}"]
         assert int(stream["kv_full"].sum()) == int(rand["kv_full"].sum()) == 4
@@ -240,14 +240,14 @@ def test_kv_compression_as_typed(workdir):
     def recall(step: str, length: int) -> float:
         ds = res[step]
         return float(ds["needle_recall"].where(ds["context_length"] == length, drop=True).mean())
-    assert res["streaming_top4_w128"].attrs["kv_kept_fraction"] == pytest.approx(0.28, abs=0.005)
+    assert res["streaming_top4_w128"].attrs["kv_kept_fraction"] == pytest.approx(0.30, abs=0.005)
     assert (recall("streaming_top4_w128", 1024), recall("streaming_top4_w128", 2048)) == pytest.approx((0.93, 0.80), abs=0.01)
     assert (recall("full", 1024), recall("full", 2048)) == pytest.approx((1.00, 0.93), abs=0.01)
     assert float(res["random_top4_w128"]["needle_recall"].mean()) == pytest.approx(0.20, abs=0.01)
     # headkv at the kept fractions of the window-128 streaming steps, met at the longest prompt (+ new tokens)
     longest = int(res["full"]["kv_full"].attrs["length"])
-    for step, stream in (("headkv_f016", "streaming_top2_w128"), ("headkv_f028", "streaming_top4_w128"),
-                         ("headkv_f052", "streaming_top8_w128")):
+    for step, stream in (("headkv_f018", "streaming_top2_w128"), ("headkv_f030", "streaming_top4_w128"),
+                         ("headkv_f053", "streaming_top8_w128")):
         ds, budget = res[step], round(res[stream].attrs["kv_kept_fraction"], 2)
         heads = ds["kv_full"].attrs
         assert heads["budget"] == f"fraction {budget}" and heads["budget_length"] == heads["length"] == longest
@@ -255,21 +255,22 @@ def test_kv_compression_as_typed(workdir):
         # at most the budget: a KV head whose share exceeds the prompt keeps the prompt, the surplus is lost
         assert 0 < heads["kept_fraction"] <= budget + 0.001
         assert {(3, h) for h in range(4)} >= set(map(tuple, np.argwhere(ds["kv_full"].values).tolist()))
-        assert ds["needle_recall"].size == 60 and np.isfinite(ds["needle_recall"].values).all()
+        assert ds["needle_recall"].size == 45 and np.isfinite(ds["needle_recall"].values).all()
         # the shorter batches keep a larger share of their prompts than the longest one
-        assert heads["kept_fraction"] < ds.attrs["kv_kept_fraction"] < heads["kept_fraction"] + 0.05
-        assert recall(step, 1024) == 1.0 and recall(step, 4000) == 0.0  # full attention in the prefill, as `full`
-    assert res["headkv_f016"]["kv_full"].attrs["full_kv_heads"] == 0  # no head capped: the budget, to the rounding
-    assert res["headkv_f016"]["kv_full"].attrs["kept_fraction"] == pytest.approx(0.16, abs=0.001)
-    kept = [res[f"headkv_f0{b}"].attrs["kv_kept_fraction"] for b in (16, 28, 52)]
+        assert heads["kept_fraction"] < ds.attrs["kv_kept_fraction"] < heads["kept_fraction"] + 0.1
+        # full attention in the prefill, as `full`: all of the shortest prompts, no more than `full` at the longest
+        assert recall(step, 1024) == 1.0 and recall(step, 3072) <= recall("full", 3072)
+    assert res["headkv_f018"]["kv_full"].attrs["full_kv_heads"] == 0  # no head capped: the budget, to the rounding
+    assert res["headkv_f018"]["kv_full"].attrs["kept_fraction"] == pytest.approx(0.18, abs=0.001)
+    kept = [res[f"headkv_f0{b}"].attrs["kv_kept_fraction"] for b in (18, 30, 53)]
     assert kept == sorted(kept)
-    quoted = re.search(r"HeadKV's per-head budgets at a fraction of 0.28 hold ([0-9.]+) and recall ([0-9.]+) / ([0-9.]+)",
+    quoted = re.search(r"HeadKV's per-head budgets at a fraction of 0.30 hold ([0-9.]+) and recall ([0-9.]+) / ([0-9.]+)",
                        README)
-    assert quoted, "the README no longer quotes headkv_f028"
-    assert res["headkv_f028"].attrs["kv_kept_fraction"] == pytest.approx(float(quoted.group(1)), abs=0.005)
-    assert (recall("headkv_f028", 1024), recall("headkv_f028", 2048)) == pytest.approx(
+    assert quoted, "the README no longer quotes headkv_f030"
+    assert res["headkv_f030"].attrs["kv_kept_fraction"] == pytest.approx(float(quoted.group(1)), abs=0.005)
+    assert (recall("headkv_f030", 1024), recall("headkv_f030", 2048)) == pytest.approx(
         (float(quoted.group(2)), float(quoted.group(3))), abs=0.01)
-    assert float(res["headkv_f028"]["needle_recall"].mean()) > float(res["random_top4_w128"]["needle_recall"].mean()) + 0.3
+    assert float(res["headkv_f030"]["needle_recall"].mean()) > float(res["random_top4_w128"]["needle_recall"].mean()) + 0.3
     html = (workdir / "kv_compression.html").read_text()
     assert 'id="kv"' in html and "needle_recall vs kept fraction of the full KV cache" in html
     report_in_browser("kv_compression", workdir)

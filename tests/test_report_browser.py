@@ -87,10 +87,10 @@ def test_kv_compression_marks_the_random_policy_as_a_control_and_titles_steps_by
     page = path.read_text()
     (_, spec), = [(n, s) for n, s in embedded(page) if n == "comparison: needle_recall"]
     marked = {b["step"]: b["control"] for b in rows(spec)}
-    assert marked == {"full": False, "streaming_top4_w64": False, "razor_top4_w128": False, "headkv_f028": False,
+    assert marked == {"full": False, "streaming_top4_w64": False, "razor_top4_w128": False, "headkv_f030": False,
                       "random_top4_w128 [control]": True}
     assert "streaming_top4_w64: generate, kv streaming (full heads from retrieval top 4, window 64)" in page
-    assert "headkv_f028: generate, kv headkv (scores from retrieval, budget fraction 0.28)" in page
+    assert "headkv_f030: generate, kv headkv (scores from retrieval, budget fraction 0.3)" in page
 
 
 @pytest.mark.slow

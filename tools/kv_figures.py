@@ -26,7 +26,7 @@ from headlab.kv.view import kv_points, kv_tradeoff_chart, needle_by_length_chart
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = ROOT / "specs" / "kv_compression.yaml"
 #: the steps drawn per context length
-BY_LENGTH = ("full", "streaming_top4_w128", "razor_top4_w128", "headkv_f028", "streaming_top2_w128", "random_top4_w128")
+BY_LENGTH = ("full", "streaming_top4_w128", "razor_top4_w128", "headkv_f030", "streaming_top2_w128", "random_top4_w128")
 #: the steps drawn as needle heatmaps (context length x depth)
 HEATMAPS = ("full", "streaming_top4_w128", "random_top4_w128")
 
