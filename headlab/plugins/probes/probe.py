@@ -64,6 +64,8 @@ from headlab.plugin import (
 from headlab.resources import Estimate, EstimateContext
 from headlab.spec import MAX_INT
 
+from .fits import fit_logistic
+
 __all__ = ["Probe", "collect_z", "detect", "fit_heads", "folds_of", "labels_of", "length_batches",
            "nearest_mean_predict"]
 
@@ -217,25 +219,6 @@ def nearest_mean_predict(means: np.ndarray, z: np.ndarray) -> np.ndarray:
     return np.argmax(np.einsum("...nd,...cd->...nc", z, unit), axis=-1)
 
 
-def _unit(v: np.ndarray) -> np.ndarray:
-    n = np.linalg.norm(v)
-    return v / n if n > 0 else v
-
-
-def _fit_logistic(X: np.ndarray, y: np.ndarray, fold: np.ndarray, n_folds: int, C: float,
-                  positive: int, solver: str) -> tuple[np.ndarray, np.ndarray]:
-    """Held-out accuracy per fold and the unit probe direction (positive vs rest, all examples) of one head."""
-    from sklearn.linear_model import LogisticRegression
-
-    acc = np.empty(n_folds)
-    for k in range(n_folds):
-        train, test = fold != k, fold == k
-        clf = LogisticRegression(C=C, max_iter=1000, solver=solver).fit(X[train], y[train])
-        acc[k] = float((clf.predict(X[test]) == y[test]).mean())
-    refit = LogisticRegression(C=C, max_iter=1000, solver=solver).fit(X, (y == positive).astype(np.int64))
-    return acc, _unit(refit.coef_[0])
-
-
 def fit_heads(z: np.ndarray, y: np.ndarray, fold: np.ndarray, n_folds: int, *, classifier: str = "logistic",
               C: float = 1.0, positive: int = 1, n_jobs: int | None = None, progress: Any = None,
               solver: str = "lbfgs") -> tuple[np.ndarray, np.ndarray | None, int]:
@@ -254,7 +237,7 @@ def fit_heads(z: np.ndarray, y: np.ndarray, fold: np.ndarray, n_folds: int, *, c
     from joblib import Parallel, delayed
 
     heads = [(layer, head) for layer in range(L) for head in range(H)]
-    jobs = (delayed(_fit_logistic)(np.ascontiguousarray(z[:, layer, head]), y, fold, n_folds, C, positive,
+    jobs = (delayed(fit_logistic)(np.ascontiguousarray(z[:, layer, head]), y, fold, n_folds, C, positive,
                                   solver)
             for layer, head in heads)
     results = Parallel(n_jobs=n_jobs, prefer="processes", return_as="generator")(jobs)
