@@ -25,8 +25,9 @@ from fixtures.specs import spec_text
 
 ray = pytest.importorskip("ray")
 #: the slow set (CI runs it): every test here starts or uses a Ray cluster, whose processes cost about a minute of
-#: CPU; the executor contract without Ray is tested in the default set (tests/test_executors.py)
-pytestmark = pytest.mark.slow
+#: CPU; the executor contract without Ray is tested in the default set (tests/test_executors.py). One xdist
+#: group: the slow set (`--dist loadgroup`) runs them on one worker, which starts the module's cluster once
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray_cluster")]
 
 from headlab.plugins.executors.ray import release_workers, worker_info  # noqa: E402
 
