@@ -106,6 +106,7 @@ def test_a_run_under_an_8_gib_address_space_limit_completes_and_stops_its_cluste
     assert_nothing_left(marker)
 
 
+@pytest.mark.slow  # starts Ray under a limit, as the other Ray tests (the slow set)
 def test_an_address_space_limit_too_low_for_ray_is_one_line_before_anything_starts(tmp_path):
     start = time.monotonic()
     res, marker = headlab_run(tmp_path, limit=2 * GiB)

@@ -141,6 +141,7 @@ main(sys.argv[1:])
 """
 
 
+@pytest.mark.slow  # a whole run in a subprocess under a file-size limit
 def test_a_file_size_limit_names_the_path_and_the_resume_command_and_marks_the_run_failed(tmp_path):
     # the store's metadata fits under the limit; the stored prompts and token ids of 64 x 241 random tokens do not
     spec = tmp_path / "s.yaml"

@@ -105,7 +105,7 @@ def signal_after_first_cell(tmp_path: Path, steps: str, signum: int, preexec) ->
     return proc.returncode, stderr, run
 
 
-@pytest.mark.parametrize("signum", [pytest.param(signal.SIGINT, id="SIGINT"),
+@pytest.mark.parametrize("signum", [pytest.param(signal.SIGINT, id="SIGINT", marks=pytest.mark.slow),
                                     pytest.param(signal.SIGTERM, id="SIGTERM", marks=pytest.mark.slow),
                                     pytest.param(signal.SIGHUP, id="SIGHUP", marks=pytest.mark.slow)])
 def test_a_signal_during_run_exits_130_and_resume_equals_an_uninterrupted_run(tmp_path, monkeypatch, signum):

@@ -161,6 +161,7 @@ def _run_notebook(page, url: str, token: str, name: str, tmp_path: Path) -> None
     assert tracebacks.count() == 0, tracebacks.first.text_content()[:2000]
 
 
+@pytest.mark.slow  # JupyterLab and chromium: a process and a browser of their own, as the other browser tests
 def test_quickstart_widgets_render_and_respond_in_jupyterlab(lab, tmp_path):
     url, token, work = lab
     artifacts = Path(os.environ.get("HEADLAB_ARTIFACTS", tmp_path))
